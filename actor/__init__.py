@@ -1,0 +1,1 @@
+"""actor: see shared/DESIGN.md (lands with its issue)."""

@@ -1,0 +1,1 @@
+"""The trajectory broker (no torch here)."""

@@ -1,0 +1,259 @@
+"""Clients of the broker: the actor's link (tickets, groups, control) and the learner's (batches, control).
+
+Both are poll-driven state machines over ``common.net.ServerLink``: nothing blocks longer than the
+caller's timeout, requests survive broker restarts (re-sent on a new epoch), and groups are retried
+until acked. The learner side de-duplicates delivered groups, so a batch re-sent after a broker crash
+(between delivery and the durable consumed record) is never trained twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from broker.server import CONTROL_TOPIC
+from common import protocol as P
+from common.net import NetConfig, ServerLink, security_for
+
+
+class ControlSubscriber:
+    """SUB to the broker's Control; ``latest`` is the newest state seen (epoch-aware)."""
+
+    def __init__(self, ctx: zmq.Context, net: NetConfig, security, log: Any):
+        self.sock = ctx.socket(zmq.SUB)
+        self.sock.linger = 0
+        security.client(self.sock)
+        self.sock.setsockopt(zmq.SUBSCRIBE, CONTROL_TOPIC)
+        self.sock.connect(net.tcp(net.broker_control_port))
+        self.net, self.log = net, log
+        self.latest: P.Control | None = None
+        self.rejected = 0
+
+    def poll(self, timeout_s: float = 0.0) -> P.Control | None:
+        """Drain published Control messages; returns the newest if any arrived."""
+        got = None
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        while True:
+            try:
+                parts = self.sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                msg = P.decode(parts[1:], self.net.max_message_bytes)
+            except (P.ProtocolError, IndexError) as exc:
+                self.rejected += 1
+                self.log.warning("control_rejected", detail=str(exc)[:200])
+                continue
+            if isinstance(msg, P.Control):
+                got = msg
+        if got is not None:
+            self.latest = got
+        return got
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def _peer_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+class ActorBrokerClient:
+    """An actor's link to the broker: parked ticket requests, groups retried until acked, Control."""
+
+    def __init__(self, net: NetConfig, keys_dir: str | Path | None, log: Any, actor_id: str | None = None,
+                 rank: int = 0, ctx: zmq.Context | None = None):
+        self.actor_id = actor_id or _peer_id("actor")
+        self.log = log
+        self.ctx = ctx or zmq.Context.instance()
+        self.security = security_for(self.ctx, net, keys_dir)
+        hello = P.Hello(role="actor", peer_id=self.actor_id, rank=rank, pid=os.getpid(), host=socket.gethostname())
+        self.link = ServerLink(self.ctx, net.tcp(net.broker_front_port), hello, net, self.security, log)
+        self.control = ControlSubscriber(self.ctx, net, self.security, log)
+        self._req = itertools.count()
+        self.tickets: collections.deque[P.Ticket] = collections.deque()
+        self.acks: collections.deque[P.Ack] = collections.deque()
+        self.errors: collections.deque[P.Error] = collections.deque()
+        self.ticket_requests = 0
+
+    def connect(self, timeout_s: float = 30.0) -> P.Ready:
+        """Handshake with the broker and wait until its Control stream reaches us (no missed versions)."""
+        ready = self.link.wait_ready(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self.control.latest is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("broker Control stream did not arrive")
+            self.link.send(P.Hello(**{**self.link.hello.__dict__}))  # asks the broker to publish now
+            self.control.poll(0.1)
+            self._pump(0)
+        return ready
+
+    @property
+    def version(self) -> int:
+        c = self.control.latest
+        return c.version if c is not None else 0
+
+    def request_ticket(self) -> str:
+        request_id = f"{self.actor_id}:{next(self._req)}"
+        # Parked by the broker until capacity allows: never re-sent on a timer, only after a reconnect.
+        self.link.request(f"ticket:{request_id}", P.TicketRequest(actor_id=self.actor_id, request_id=request_id),
+                          resend_on_timeout=False)
+        self.ticket_requests += 1
+        return request_id
+
+    def submit(self, group: P.TrajectoryGroup) -> None:
+        """Send a complete group; it is re-sent until the broker acks it (the broker de-duplicates)."""
+        self.link.request(f"group:{group.group_id}", P.encode(group))
+
+    @property
+    def unacked(self) -> int:
+        return sum(1 for k in self.link.outstanding if k.startswith("group:"))
+
+    @property
+    def outstanding_ticket_requests(self) -> int:
+        return sum(1 for k in self.link.outstanding if k.startswith("ticket:"))
+
+    def poll(self, timeout_s: float = 0.0) -> None:
+        """Receive replies and Control; tickets/acks/errors accumulate in their deques."""
+        self._pump(timeout_s)
+        self.control.poll(0)
+
+    def _pump(self, timeout_s: float) -> None:
+        for msg in self.link.poll(timeout_s):
+            if isinstance(msg, P.Ticket):
+                if self.link.complete(f"ticket:{msg.request_id}"):
+                    self.tickets.append(msg)
+            elif isinstance(msg, P.Ack):
+                if self.link.complete(f"group:{msg.group_id}"):
+                    self.acks.append(msg)
+            elif isinstance(msg, P.Error):
+                self.errors.append(msg)
+                self.log.warning("broker_error", code=msg.code, detail=msg.message[:200], ref_type=msg.ref_type)
+
+    def close(self) -> None:
+        self.link.close()
+        self.control.close()
+        self.security.close()
+
+
+class LearnerBrokerClient:
+    """The learner's link: batches by credit, receipt acks, Control updates, success-store samples."""
+
+    def __init__(self, net: NetConfig, keys_dir: str | Path | None, log: Any, learner_id: str | None = None,
+                 dedupe_window: int = 200_000, ctx: zmq.Context | None = None):
+        self.learner_id = learner_id or _peer_id("learner")
+        self.log = log
+        self.ctx = ctx or zmq.Context.instance()
+        self.security = security_for(self.ctx, net, keys_dir)
+        hello = P.Hello(role="learner", peer_id=self.learner_id, pid=os.getpid(), host=socket.gethostname())
+        self.link = ServerLink(self.ctx, net.tcp(net.broker_back_port), hello, net, self.security, log,
+                               on_epoch=self._on_epoch)
+        self.credits_out = 0  # granted and not yet answered by a batch
+        self.version = 0
+        self.batches: collections.deque[P.Batch] = collections.deque()
+        self.successes: collections.deque[P.SuccessBatch] = collections.deque()
+        self.controls: collections.deque[P.Control] = collections.deque()
+        self.seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.dedupe_window = dedupe_window
+        self.duplicates_dropped = 0
+        self._seq = itertools.count()
+
+    def connect(self, timeout_s: float = 30.0) -> P.Ready:
+        return self.link.wait_ready(timeout_s)
+
+    def _on_epoch(self, old: str, new: str) -> None:
+        if old:  # the broker restarted and forgot our credits: ask again for what is still owed
+            for key in [k for k in self.link.outstanding if k.startswith("credits:")]:
+                self.link.complete(key)
+            if self.credits_out > 0:
+                self._credit_request(self.credits_out)
+
+    def _credit_request(self, n: int) -> None:
+        self.link.request(f"credits:{next(self._seq)}",
+                          P.BatchRequest(learner_id=self.learner_id, credits=n, version=self.version),
+                          resend_on_timeout=False)
+
+    def grant(self, credits: int) -> None:
+        """Allow the broker to send ``credits`` more batches."""
+        if credits > 0:
+            self.credits_out += credits
+            self._credit_request(credits)
+
+    def set_control(self, version: int, phase: str = "rl", paused: bool = False, stop: bool = False,
+                    info: dict | None = None) -> None:
+        """Tell the broker (and through it every actor) the learner's version and phase."""
+        self.version = version
+        for key in [k for k in self.link.outstanding if k.startswith("control:")]:
+            self.link.complete(key)  # only the newest state matters
+        self.link.request(f"control:{next(self._seq)}", P.Control(version=version, phase=phase, paused=paused,
+                                                                  stop=stop, info=info or {}))
+
+    def request_successes(self, k_per_task: int, max_tasks: int = 0, seed: int = 0) -> None:
+        for key in [k for k in self.link.outstanding if k.startswith("success:")]:
+            self.link.complete(key)
+        self.link.request("success:req", P.SuccessRequest(k_per_task=k_per_task, max_tasks=max_tasks, seed=seed))
+
+    def poll(self, timeout_s: float = 0.0) -> None:
+        for msg in self.link.poll(timeout_s):
+            if isinstance(msg, P.Batch):
+                self._on_batch(msg)
+            elif isinstance(msg, P.BatchAck):
+                self.link.complete(f"batchack:{','.join(msg.batch_ids)}")
+            elif isinstance(msg, P.Control):
+                for key in [k for k in self.link.outstanding if k.startswith("control:")]:
+                    self.link.complete(key)
+                self.controls.append(msg)
+            elif isinstance(msg, P.SuccessBatch):
+                self.link.complete("success:req")
+                self.successes.append(msg)
+            elif isinstance(msg, P.Error):
+                self.log.warning("broker_error", code=msg.code, detail=msg.message[:200], ref_type=msg.ref_type)
+
+    def _on_batch(self, batch: P.Batch) -> None:
+        self.credits_out = max(0, self.credits_out - 1)
+        # Confirm receipt first: from here the broker may forget the batch.
+        self.link.request(f"batchack:{batch.batch_id}", P.BatchAck(learner_id=self.learner_id,
+                                                                  batch_ids=[batch.batch_id]))
+        fresh = [g for g in batch.groups if g.group_id not in self.seen]
+        self.duplicates_dropped += len(batch.groups) - len(fresh)
+        for g in fresh:
+            self.seen[g.group_id] = None
+        while len(self.seen) > self.dedupe_window:
+            self.seen.popitem(last=False)
+        if len(fresh) != len(batch.groups):
+            self.log.warning("batch_duplicates_dropped", batch=batch.batch_id, n=len(batch.groups) - len(fresh))
+            batch.groups = fresh
+        if batch.groups:
+            self.batches.append(batch)
+        else:  # every group was a re-delivery: the credit bought nothing, so grant it again
+            self.grant(1)
+
+    def next_batch(self, timeout_s: float) -> P.Batch | None:
+        deadline = time.monotonic() + timeout_s
+        while not self.batches:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self.poll(min(left, 0.5))
+        return self.batches.popleft()
+
+    def state(self) -> dict:
+        """What a learner checkpoint must keep so a resumed learner still refuses trained groups."""
+        return {"seen_group_ids": list(self.seen)}
+
+    def load_state(self, state: dict) -> None:
+        for gid in state.get("seen_group_ids", []):
+            self.seen[gid] = None
+
+    def close(self) -> None:
+        self.link.close()
+        self.security.close()

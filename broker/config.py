@@ -1,0 +1,65 @@
+"""Broker configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TaskSourceConfig:
+    """Which tasks tickets hand out."""
+
+    suite: str = "sim:train"
+    """task suite; task ids are '<suite>/<seed>'"""
+    seed_start: int = 0
+    """first task seed"""
+    seed_count: int = 100_000
+    """number of task seeds to cycle through"""
+    shuffle: bool = True
+    """visit seeds in a seeded random order rather than ascending"""
+
+
+@dataclass
+class BrokerConfig:
+    """Trajectory buffer, staleness-bounded admission, durable spill log, batch and control service."""
+
+    groups_per_batch: int = 8
+    """B: task groups per learner step"""
+    group_size: int = 8
+    """G: rollouts per task group (told to actors in each ticket)"""
+    eta: int = 2
+    """η: staleness bound, max versions between sampling a token and training on it"""
+    persist: bool = True
+    """fsync each group to the spill log before acking it, and reload unconsumed groups on restart"""
+    memory_bytes: int = 1 << 30
+    """queued groups beyond this many bytes wait on disk instead of in memory"""
+    segment_bytes: int = 256 << 20
+    """spill log segment size; fully consumed segments are deleted"""
+    max_drain: int = 64
+    """messages taken from a socket per loop turn (also the most groups committed per fsync)"""
+    lease_s: float = 3600.0
+    """a ticket is reclaimed after this long even if its actor still heartbeats"""
+    drop_zero_variance: bool = False
+    """dynamic sampling: drop groups whose rewards are all equal (no learning signal)"""
+    drop_incomplete: bool = True
+    """drop groups the actor marked incomplete (an episode hit an environment error)"""
+    success_per_task: int = 8
+    """successful trajectories kept per task for Entropulse SFT"""
+    success_max_tasks: int = 10_000
+    """tasks kept in the success store (least recently added go first)"""
+    dedupe_window: int = 200_000
+    """recent group ids remembered to ignore actor retries"""
+    metrics_interval_s: float = 5.0
+    """seconds between metrics records"""
+    stop_grace_s: float = 3.0
+    """after a stop Control, keep publishing it this long before exiting"""
+    tasks: TaskSourceConfig = field(default_factory=TaskSourceConfig)
+    """task source for tickets"""
+
+    def validate(self) -> None:
+        if self.groups_per_batch < 1 or self.group_size < 1:
+            raise ValueError("groups_per_batch and group_size must be >= 1")
+        if self.eta < 0:
+            raise ValueError("eta must be >= 0")
+        if self.max_drain < 1:
+            raise ValueError("max_drain must be >= 1")

@@ -1,0 +1,253 @@
+"""The broker's bookkeeping, free of sockets and files: admission, tickets and leases, queue, batches.
+
+Notation (DESIGN.md): ``v`` learner version, ``B`` groups per train step, ``η`` staleness bound.
+
+Admission: a ticket is granted only while ``accepted + running < (η + v + 1)·B``. ``accepted`` counts
+groups accepted since version 0 that are trained, handed to the learner, or queued; the broker does not
+see the learner's history, so it counts the ``v·B`` groups behind version ``v`` as trained and adds what
+it holds itself (groups in delivered-but-untrained batches, and queued groups). Dropped groups leave
+``accepted``, so a drop frees capacity instead of starving the learner.
+
+Bound: a batch trains at ``train_version`` (the learner version it will be applied at); a group whose
+oldest token has ``train_version − v_b > η`` is dropped and counted, never trained.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import random
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+
+def admission_capacity(version: int, groups_per_batch: int, eta: int, accepted: int, running: int) -> int:
+    """How many more tickets may be granted now: ``(η + v + 1)·B − (accepted + running)``, at least 0."""
+    return max(0, (eta + version + 1) * groups_per_batch - (accepted + running))
+
+
+def group_lag(train_version: int, behavior_version_min: int) -> int:
+    """Versions between the oldest token of a group and the version it would be trained at."""
+    return train_version - behavior_version_min
+
+
+@dataclass
+class TicketInfo:
+    ticket_id: str
+    request_id: str
+    task_id: str
+    holder: bytes
+    issued_at: float
+    version: int
+    seq: int = 0
+
+
+@dataclass
+class QueuedGroup:
+    """A durable, acked group waiting for a batch. ``frames`` is None when it waits on disk only."""
+
+    group_id: str
+    task_id: str
+    behavior_version_min: int
+    nbytes: int
+    location: Any = None
+    frames: list | None = None
+
+
+class GroupQueue:
+    """Queued groups served oldest behaviour version first, then in ticket-grant order.
+
+    Admission counts a ticket against every ticket granted before it; serving in that order (not in
+    arrival order, where a late slow rollout would sit behind newer ones) keeps a group's lag within η
+    unless its own rollout outlived η learner steps.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, QueuedGroup]] = []
+        self._seq = itertools.count()
+
+    def push(self, g: QueuedGroup, order: int | None = None) -> None:
+        heapq.heappush(self._heap, (g.behavior_version_min, next(self._seq) if order is None else order, g))
+
+    def pop(self) -> tuple[QueuedGroup, int]:
+        _, order, g = heapq.heappop(self._heap)
+        return g, order
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self):
+        return (g for _, _, g in self._heap)
+
+    def newest_first(self) -> list[QueuedGroup]:
+        return [g for _, _, g in sorted(self._heap, key=lambda e: (e[0], e[1]), reverse=True)]
+
+
+@dataclass
+class DeliveredBatch:
+    batch_id: str
+    train_version: int
+    groups: list[QueuedGroup]
+    holder: bytes
+    orders: list[int] = field(default_factory=list)
+
+
+class TaskSampler:
+    """Deterministic task ids ``<suite>/<seed>``; tasks of reclaimed tickets are re-issued first."""
+
+    def __init__(self, suite: str, seed_start: int, seed_count: int, shuffle: bool, seed: int):
+        self.suite = suite
+        self.seeds = list(range(seed_start, seed_start + seed_count))
+        self.rng = random.Random(seed)
+        self.shuffle = shuffle
+        self.order: list[int] = []
+        self.reissue: collections.deque[str] = collections.deque()
+
+    def next(self) -> str:
+        if self.reissue:
+            return self.reissue.popleft()
+        if not self.order:
+            self.order = list(self.seeds)
+            if self.shuffle:
+                self.rng.shuffle(self.order)
+            self.order.reverse()
+        return f"{self.suite}/{self.order.pop()}"
+
+
+@dataclass
+class Ledger:
+    groups_per_batch: int
+    eta: int
+    version: int = 0
+    running: dict[str, TicketInfo] = field(default_factory=dict)
+    queue: GroupQueue = field(default_factory=GroupQueue)
+    delivered: dict[str, DeliveredBatch] = field(default_factory=dict)
+    last_train_version: int = -1
+    committing: int = 0
+    """groups received and being made durable: not yet queued, no longer running"""
+    counters: collections.Counter = field(default_factory=collections.Counter)
+    _ids: Any = field(default_factory=lambda: itertools.count())
+
+    # ----- admission -------------------------------------------------------------------------
+
+    @property
+    def accepted(self) -> int:
+        return (self.version + self._untrained_batches()) * self.groups_per_batch + len(self.queue) + self.committing
+
+    def _untrained_batches(self) -> int:
+        # Train versions handed out at or above v have not been applied yet.
+        return max(0, self.last_train_version - self.version + 1)
+
+    def capacity(self) -> int:
+        return admission_capacity(self.version, self.groups_per_batch, self.eta, self.accepted, len(self.running))
+
+    def set_version(self, version: int) -> None:
+        if version < self.version:
+            # The learner resumed from an older checkpoint: its version sequence is the truth.
+            self.counters["version_rewound"] += 1
+        self.version = version
+        if self.last_train_version < version - 1:
+            self.last_train_version = version - 1
+
+    # ----- tickets and leases ----------------------------------------------------------------
+
+    def grant(self, request_id: str, task_id: str, holder: bytes, now: float) -> TicketInfo:
+        seq = next(self._ids)
+        ticket = TicketInfo(f"t{seq}-{request_id}", request_id, task_id, holder, now, self.version, seq)
+        self.running[ticket.ticket_id] = ticket
+        self.counters["tickets_issued"] += 1
+        return ticket
+
+    def settle(self, ticket_id: str) -> TicketInfo | None:
+        """A group arrived for ``ticket_id``: the ticket stops counting as running."""
+        ticket = self.running.pop(ticket_id, None)
+        if ticket is None:
+            self.counters["groups_without_running_ticket"] += 1
+        return ticket
+
+    def reclaim(self, holder: bytes | None = None, older_than: float | None = None) -> list[TicketInfo]:
+        """Take back tickets of a dead holder, or tickets whose lease ran out; their tasks go out again."""
+        gone = [
+            t for t in self.running.values()
+            if (holder is not None and t.holder == holder) or (older_than is not None and t.issued_at < older_than)
+        ]
+        for t in gone:
+            del self.running[t.ticket_id]
+        self.counters["tickets_reclaimed"] += len(gone)
+        return gone
+
+    # ----- queue and batches -----------------------------------------------------------------
+
+    def next_train_version(self) -> int:
+        return max(self.version, self.last_train_version + 1)
+
+    def too_stale(self, behavior_version_min: int) -> bool:
+        """Already beyond the bound for the earliest batch it could join: it will only get staler."""
+        return group_lag(self.next_train_version(), behavior_version_min) > self.eta
+
+    def enqueue(self, group: QueuedGroup, order: int | None = None) -> None:
+        """Queue a durable group; ``order`` is its ticket's grant sequence when known."""
+        self.queue.push(group, order)
+        self.counters["groups_accepted"] += 1
+
+    def take_batch(self, holder: bytes) -> tuple[DeliveredBatch | None, list[QueuedGroup]]:
+        """Form the next batch of exactly B groups, dropping stale ones; (None, drops) if too few."""
+        train_version = self.next_train_version()
+        taken: list[tuple[QueuedGroup, int]] = []
+        dropped: list[QueuedGroup] = []
+        while self.queue and len(taken) < self.groups_per_batch:
+            g, order = self.queue.pop()
+            if group_lag(train_version, g.behavior_version_min) > self.eta:
+                dropped.append(g)
+            else:
+                taken.append((g, order))
+        self.counters["dropped_stale"] += len(dropped)
+        if len(taken) < self.groups_per_batch:
+            for g, order in taken:
+                self.queue.push(g, order)
+            return None, dropped
+        batch = DeliveredBatch(f"b{train_version}-{next(self._ids)}", train_version, [g for g, _ in taken], holder,
+                               [o for _, o in taken])
+        self.delivered[batch.batch_id] = batch
+        self.last_train_version = train_version
+        self.counters["batches_delivered"] += 1
+        self.counters["groups_delivered"] += len(taken)
+        return batch, dropped
+
+    def ack_batch(self, batch_id: str) -> DeliveredBatch | None:
+        batch = self.delivered.pop(batch_id, None)
+        if batch is not None:
+            self.counters["groups_consumed"] += len(batch.groups)
+        return batch
+
+    def requeue_unacked(self, holder: bytes | None = None) -> list[DeliveredBatch]:
+        """The learner died before confirming receipt: its batches go back to the head of the queue."""
+        lost = [b for b in self.delivered.values() if holder is None or b.holder == holder]
+        for b in lost:
+            del self.delivered[b.batch_id]
+            for g, order in zip(b.groups, b.orders):
+                self.queue.push(g, order)
+        if lost:
+            self.last_train_version = max([self.version - 1] + [b.train_version for b in self.delivered.values()])
+            self.counters["batches_requeued"] += len(lost)
+        return lost
+
+    def queued_bytes(self) -> int:
+        return sum(g.nbytes for g in self.queue)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "queue_depth": len(self.queue),
+            "running": len(self.running),
+            "accepted": self.accepted,
+            "capacity": self.capacity(),
+            "batches_unacked": len(self.delivered),
+            "next_train_version": self.next_train_version(),
+        }
+
+
+def zero_variance(rewards: Iterable[float]) -> bool:
+    rs = list(rewards)
+    return len(rs) > 0 and max(rs) - min(rs) == 0.0

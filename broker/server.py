@@ -1,0 +1,495 @@
+"""The broker process: one thread, one poll loop over three sockets.
+
+- front (ROUTER, actors): Hello → Ready, Heartbeat, TicketRequest → Ticket (parked until admission
+  allows), TrajectoryGroup → Ack (after the group is durable; a burst of groups shares one fsync).
+- back (ROUTER, learner): Hello → Ready, Heartbeat, BatchRequest (credits) → Batch, BatchAck,
+  Control (learner's version/phase) → echoed Control, SuccessRequest → SuccessBatch.
+- control (PUB): Control on every change and once per heartbeat, so a late subscriber is never
+  more than one heartbeat behind; a Hello makes the broker publish at once (readiness handshake).
+"""
+
+from __future__ import annotations
+
+import collections
+import signal
+import threading
+import time
+import uuid
+from typing import Any
+
+import zmq
+
+from broker.config import BrokerConfig
+from broker.ledger import Ledger, QueuedGroup, TaskSampler, group_lag, zero_variance
+from broker.spill import CommitThread, SpillLog
+from broker.store import SuccessStore
+from common import protocol as P
+from common.metrics import Histogram, MetricsWriter
+from common.net import NetConfig, PeerTable, ServerSocket, security_for
+from common.rundir import RunDir
+
+CONTROL_TOPIC = b"ctl"
+LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+
+
+class Broker:
+    def __init__(self, cfg: BrokerConfig, net: NetConfig, run_dir: RunDir, log: Any, seed: int = 0):
+        self.cfg, self.net, self.run_dir, self.log = cfg, net, run_dir, log
+        self.epoch = uuid.uuid4().hex[:12]
+        self.counters: collections.Counter = collections.Counter()
+        self.ctx = zmq.Context()
+        self.security = security_for(self.ctx, net, run_dir.keys)
+        self.front = ServerSocket(self.ctx, net.tcp(net.broker_front_port, bind=True), net, self.security,
+                                  self.counters, log, "front")
+        self.back = ServerSocket(self.ctx, net.tcp(net.broker_back_port, bind=True), net, self.security,
+                                 self.counters, log, "back")
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.linger = 0
+        self.security.server(self.pub)
+        self.pub.bind(net.tcp(net.broker_control_port, bind=True))
+
+        self.ledger = Ledger(cfg.groups_per_batch, cfg.eta)
+        self.actors = PeerTable(net.dead_after_s)
+        self.learners = PeerTable(net.dead_after_s)
+        self.parked: collections.OrderedDict[tuple[bytes, str], float] = collections.OrderedDict()
+        self.request_ticket: dict[str, str] = {}
+        self.credits: collections.Counter[bytes] = collections.Counter()
+        self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.lag_hist = Histogram(LAG_BUCKETS)
+        self.mem_bytes = 0
+        self.control = P.Control(version=0, phase="rl", broker_epoch=self.epoch)
+        self.state: dict[str, Any] = {"starts": 0, "tickets_issued": 0, "version": 0, "phase": "rl"}
+        self._stop = threading.Event()
+        self._stop_at: float | None = None
+
+        self.spill = SpillLog(run_dir.spill, cfg.persist, cfg.segment_bytes, log)
+        self._recover()
+        self.wake = self.ctx.socket(zmq.PULL)
+        wake_addr = f"inproc://spill-commit-{self.epoch}"
+        self.wake.bind(wake_addr)
+        self.commit = CommitThread(self.spill, self.ctx, wake_addr) if cfg.persist else None
+        self.sampler = TaskSampler(cfg.tasks.suite, cfg.tasks.seed_start, cfg.tasks.seed_count,
+                                   cfg.tasks.shuffle, seed * 1_000_003 + self.state["starts"])
+        self.store = SuccessStore(cfg.success_per_task, cfg.success_max_tasks,
+                                  run_dir.spill / "success.log" if cfg.persist else None, log)
+        self.metrics = MetricsWriter(run_dir.metrics / "broker.jsonl")
+        now = time.monotonic()
+        self._next_publish = now
+        self._next_metrics = now + cfg.metrics_interval_s
+        self._metrics_t0 = (time.monotonic(), 0, 0)
+        log.info("broker_ready", front=self.front.addr, back=self.back.addr, control=net.tcp(net.broker_control_port),
+                 epoch=self.epoch, curve=self.security.enabled, persist=cfg.persist,
+                 recovered_groups=len(self.ledger.queue), version=self.control.version)
+
+    # ----- recovery --------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        rec = self.spill.recover() if self.cfg.persist else None
+        if rec is not None:
+            self.state.update(rec.state)
+            for gid in rec.recent_ids[-self.cfg.dedupe_window:]:
+                self.recent[gid] = None
+            for gid, loc in rec.groups:
+                # Headers are small: read each once to learn its staleness, then keep only the location.
+                frames = self.spill.read(loc)
+                msg = P.decode(frames, max_bytes=None)
+                self.ledger.queue.push(QueuedGroup(gid, msg.task_id, msg.behavior_version_min,
+                                                   sum(len(f) for f in frames), loc, None))
+            self.control.version = int(self.state.get("version", 0))
+            self.control.phase = str(self.state.get("phase", "rl"))
+            self.ledger.set_version(self.control.version)
+            if rec.groups or rec.truncated_bytes:
+                self.log.info("spill_recovered", groups=len(rec.groups), recent_ids=len(self.recent),
+                              truncated_bytes=rec.truncated_bytes, version=self.control.version)
+        self.state["starts"] = int(self.state.get("starts", 0)) + 1
+        self.spill.open(list(self.recent), self.state)
+
+    # ----- loop ------------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.request_stop())
+        poller = zmq.Poller()
+        poller.register(self.front.sock, zmq.POLLIN)
+        poller.register(self.back.sock, zmq.POLLIN)
+        poller.register(self.wake, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if self._stop_at is not None and time.monotonic() >= self._stop_at:
+                    break
+                self.step(poller, self.net.heartbeat_s / 4)
+        finally:
+            self.close()
+
+    def step(self, poller: zmq.Poller, timeout_s: float) -> None:
+        events = dict(poller.poll(int(timeout_s * 1000)))
+        now = time.monotonic()
+        if self.front.sock in events:
+            self._drain_front(now)
+        if self.back.sock in events:
+            self._drain_back(now)
+        if self.wake in events:
+            self._commits_done()
+        self._grant_tickets(now)
+        self._deliver_batches()
+        self._timers(now)
+
+    # ----- front: actors ---------------------------------------------------------------------
+
+    def _drain_front(self, now: float) -> None:
+        groups: list[tuple[bytes, P.TrajectoryGroup, list]] = []
+        for _ in range(self.cfg.max_drain):
+            try:
+                ident, msg, frames = self.front.recv_nowait()
+            except zmq.Again:
+                break
+            if msg is None:
+                continue
+            if isinstance(msg, P.TrajectoryGroup):
+                self.actors.touch(ident, now, msg.actor_id, "actor")
+                groups.append((ident, msg, frames))
+            elif isinstance(msg, P.TicketRequest):
+                self.actors.touch(ident, now, msg.actor_id, "actor")
+                self._on_ticket_request(ident, msg)
+            elif isinstance(msg, P.Heartbeat):
+                self._on_heartbeat(self.front, self.actors, ident, msg, now)
+            elif isinstance(msg, P.Hello):
+                self.actors.touch(ident, now, msg.peer_id, msg.role)
+                self.front.send(ident, self._ready())
+                self._publish()
+            else:
+                self._unexpected(self.front, ident, msg)
+        if groups:
+            self._on_groups(groups)
+            self.store.flush()
+
+    def _on_heartbeat(self, sock: ServerSocket, peers, ident: bytes, msg: P.Heartbeat, now: float) -> None:
+        if ident not in peers.peers:
+            # We declared this peer dead (or never met it) and dropped its parked requests: make it
+            # re-handshake and re-send what it still waits for, instead of waiting forever.
+            self.counters["unknown_peer_heartbeats"] += 1
+            sock.send(ident, P.Error(code="unknown_peer", message="handshake again", ref_type="Heartbeat"))
+            return
+        peers.touch(ident, now, msg.peer_id)
+        sock.send(ident, P.Heartbeat(peer_id="broker", epoch=self.epoch, sent_at=time.time()))
+
+    def _ready(self) -> P.Ready:
+        return P.Ready(role="broker", epoch=self.epoch, control=self.control, info={
+            "group_size": self.cfg.group_size, "groups_per_batch": self.cfg.groups_per_batch, "eta": self.cfg.eta})
+
+    def _unexpected(self, sock: ServerSocket, ident: bytes, msg: P.Message) -> None:
+        self.counters["rejected_unexpected_type"] += 1
+        self.log.warning("message_rejected", socket=sock.name, reason="unexpected_type", msg_type=msg.TYPE)
+        sock.send(ident, P.Error(code="unexpected_type", message=f"{msg.TYPE} is not served on {sock.name}",
+                                 ref_type=msg.TYPE))
+
+    def _on_ticket_request(self, ident: bytes, msg: P.TicketRequest) -> None:
+        granted = self.request_ticket.get(msg.request_id)
+        if granted is not None and granted in self.ledger.running:
+            t = self.ledger.running[granted]
+            self.front.send(ident, self._ticket_msg(t))  # our reply was lost: same ticket again
+            return
+        self.parked.setdefault((ident, msg.request_id), time.monotonic())
+
+    def _ticket_msg(self, t) -> P.Ticket:
+        return P.Ticket(ticket_id=t.ticket_id, request_id=t.request_id, task_id=t.task_id,
+                        group_size=self.cfg.group_size, policy_version=t.version, lease_s=self.cfg.lease_s,
+                        phase=self.control.phase)
+
+    def _grant_tickets(self, now: float) -> None:
+        if self.control.paused or self.control.stop or self._stop_at is not None:
+            return
+        while self.parked and self.ledger.capacity() > 0:
+            (ident, request_id), _ = self.parked.popitem(last=False)
+            if ident not in self.actors.peers:
+                continue
+            t = self.ledger.grant(request_id, self.sampler.next(), ident, now)
+            self.request_ticket[request_id] = t.ticket_id
+            self.state["tickets_issued"] = self.state.get("tickets_issued", 0) + 1
+            self.front.send(ident, self._ticket_msg(t))
+
+    def _on_groups(self, groups: list[tuple[bytes, P.TrajectoryGroup, list]]) -> None:
+        seen_now: set[str] = set()
+        orders: dict[str, int | None] = {}
+        to_write: list[tuple[bytes, P.TrajectoryGroup, list]] = []
+        replies: list[tuple[bytes, P.Ack]] = []
+        for ident, g, frames in groups:
+            if g.group_id in self.recent or g.group_id in seen_now:
+                self.counters["dropped_duplicate"] += 1
+                replies.append((ident, P.Ack(group_id=g.group_id, accepted=True, duplicate=True)))
+                continue
+            seen_now.add(g.group_id)
+            t = self.ledger.settle(g.ticket_id)
+            if t is not None:
+                self.request_ticket.pop(t.request_id, None)
+            orders[g.group_id] = t.seq if t is not None else None
+            for traj in g.trajectories:
+                if traj.success:
+                    self.store.add(g.task_id, traj)
+            reason = self._drop_reason(g)
+            if reason:
+                self.counters[f"dropped_{reason}"] += 1
+                replies.append((ident, P.Ack(group_id=g.group_id, accepted=False, reason=reason)))
+                self._remember(g.group_id)
+                continue
+            to_write.append((ident, g, frames))
+        for _, g, _ in to_write:
+            self._remember(g.group_id)  # from now on a retry is a duplicate
+        if self.commit is None:
+            # No durability asked for: queue at once (the log is only where overflow waits).
+            self._queue_committed(to_write, [None] * len(to_write), orders)
+            replies.extend((ident, P.Ack(group_id=g.group_id, accepted=True)) for ident, g, _ in to_write)
+            self._send_acks(replies)
+        elif to_write or self.commit.pending:
+            # Acks leave only after the fdatasync covering these groups (and, to keep order, every
+            # earlier one: a duplicate's original may still be in flight).
+            self.ledger.committing += len(to_write)
+            self.commit.submit([(g.group_id, f) for _, g, f in to_write], (to_write, replies, orders))
+        else:
+            self._send_acks(replies)
+
+    def _send_acks(self, replies: list[tuple[bytes, P.Ack]]) -> None:
+        for ident, ack in replies:
+            self.front.send(ident, ack)
+
+    def _queue_committed(self, items: list, locations: list, orders: dict) -> None:
+        for (ident, g, frames), loc in zip(items, locations):
+            nbytes = sum(P._frame_len(f) for f in frames)
+            self.ledger.enqueue(QueuedGroup(g.group_id, g.task_id, g.behavior_version_min, nbytes, loc, frames),
+                                orders[g.group_id])
+            self.mem_bytes += nbytes
+        self._bound_memory()
+
+    def _commits_done(self) -> None:
+        while True:
+            try:
+                self.wake.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        for (items, replies, orders), locations in self.commit.completed():
+            self.ledger.committing -= len(items)
+            if locations is None:
+                # The disk failed: nothing here is durable. Forget the ids so the actors' retries count.
+                self.counters["commit_failed_groups"] += len(items)
+                self.log.error("spill_commit_failed", groups=len(items), error=repr(self.commit.error))
+                for _, g, _ in items:
+                    self.recent.pop(g.group_id, None)
+                self._send_acks([r for r in replies if not r[1].accepted or r[1].duplicate])
+                continue
+            self._queue_committed(items, locations, orders)
+            self._send_acks(replies + [(ident, P.Ack(group_id=g.group_id, accepted=True)) for ident, g, _ in items])
+        self.spill.maybe_rotate(list(self.recent), self.state)
+
+    def _drop_reason(self, g: P.TrajectoryGroup) -> str:
+        if self.cfg.drop_incomplete and not g.complete:
+            return "incomplete"
+        if self.cfg.drop_zero_variance and zero_variance(g.rewards):
+            return "zero_variance"
+        if self.ledger.too_stale(g.behavior_version_min):
+            return "stale"
+        return ""
+
+    def _remember(self, group_id: str) -> None:
+        self.recent[group_id] = None
+        while len(self.recent) > self.cfg.dedupe_window:
+            self.recent.popitem(last=False)
+
+    def _bound_memory(self) -> None:
+        """Past ``memory_bytes``, the newest groups (served last) give up their frames and wait on disk."""
+        if self.mem_bytes <= self.cfg.memory_bytes:
+            return
+        for g in self.ledger.queue.newest_first():
+            if self.mem_bytes <= self.cfg.memory_bytes:
+                break
+            if g.frames is None:
+                continue
+            if g.location is None:  # not persisted: write it now, without fsync
+                (g.location,) = self.spill.append_groups([(g.group_id, g.frames)], sync=False)
+            g.frames = None
+            self.mem_bytes -= g.nbytes
+            self.counters["groups_spilled_to_disk"] += 1
+
+    # ----- back: learner ---------------------------------------------------------------------
+
+    def _drain_back(self, now: float) -> None:
+        for _ in range(self.cfg.max_drain):
+            try:
+                ident, msg, _ = self.back.recv_nowait()
+            except zmq.Again:
+                break
+            if msg is None:
+                continue
+            if isinstance(msg, P.Heartbeat):
+                self._on_heartbeat(self.back, self.learners, ident, msg, now)
+                continue
+            self.learners.touch(ident, now, getattr(msg, "learner_id", "") or getattr(msg, "peer_id", ""), "learner")
+            if isinstance(msg, P.BatchRequest):
+                self.credits[ident] += max(0, msg.credits)
+                if msg.version != self.ledger.version:
+                    self._set_version(msg.version)
+            elif isinstance(msg, P.BatchAck):
+                self._on_batch_ack(msg)
+                self.back.send(ident, P.BatchAck(learner_id="broker", batch_ids=msg.batch_ids))
+            elif isinstance(msg, P.Control):
+                self._on_control(ident, msg)
+            elif isinstance(msg, P.SuccessRequest):
+                samples = self.store.sample(msg.k_per_task, msg.max_tasks, msg.seed)
+                self.back.send(ident, P.SuccessBatch(samples=samples, tasks_in_store=len(self.store.tasks)))
+            elif isinstance(msg, P.Hello):
+                # A (re)connecting learner has lost whatever was in flight on its old connection.
+                lost = self.ledger.requeue_unacked(holder=ident)
+                self.credits.pop(ident, None)
+                if lost:
+                    self.log.warning("learner_reconnected", learner=msg.peer_id, batches_requeued=len(lost))
+                self.back.send(ident, self._ready())
+            else:
+                self._unexpected(self.back, ident, msg)
+
+    def _set_version(self, version: int) -> None:
+        self.ledger.set_version(version)
+        self.control.version = version
+        self.state["version"] = version
+
+    def _on_control(self, ident: bytes, msg: P.Control) -> None:
+        changed = (msg.version, msg.phase, msg.paused, msg.stop) != (
+            self.control.version, self.control.phase, self.control.paused, self.control.stop)
+        self._set_version(msg.version)
+        self.control.phase, self.control.paused, self.control.stop = msg.phase, msg.paused, msg.stop
+        self.control.info = msg.info
+        self.state["phase"] = msg.phase
+        if changed:
+            self.control.seq += 1
+            self.log.info("control", version=msg.version, phase=msg.phase, paused=msg.paused, stop=msg.stop)
+        if msg.stop and self._stop_at is None:
+            self._stop_at = time.monotonic() + self.cfg.stop_grace_s
+        self._publish()
+        self.back.send(ident, self.control)
+
+    def _on_batch_ack(self, msg: P.BatchAck) -> None:
+        for batch_id in msg.batch_ids:
+            batch = self.ledger.ack_batch(batch_id)
+            if batch is None:
+                continue
+            self.spill.mark_consumed([g.group_id for g in batch.groups], [g.location for g in batch.groups],
+                                     self.state)
+
+    def _deliver_batches(self) -> None:
+        for ident in list(self.credits):
+            while self.credits[ident] > 0:
+                batch, dropped = self.ledger.take_batch(ident)
+                for g in dropped:
+                    self._forget(g)
+                if dropped:
+                    self.spill.mark_consumed([g.group_id for g in dropped], [g.location for g in dropped], self.state)
+                if batch is None:
+                    return
+                self.credits[ident] -= 1
+                self._send_batch(ident, batch, len(dropped))
+            del self.credits[ident]
+
+    def _forget(self, g: QueuedGroup) -> None:
+        if g.frames is not None:
+            self.mem_bytes -= g.nbytes
+            g.frames = None
+
+    def _send_batch(self, ident: bytes, batch, dropped: int) -> None:
+        raws = []
+        lags = []
+        for g in batch.groups:
+            frames = g.frames if g.frames is not None else self.spill.read(g.location)
+            raws.append(P.RawMessage(frames))
+            lag = group_lag(batch.train_version, g.behavior_version_min)
+            lags.append(lag)
+            self.lag_hist.add(lag)
+            self._forget(g)
+        msg = P.Batch(batch_id=batch.batch_id, train_version=batch.train_version, groups=[],
+                      max_lag=max(lags), mean_lag=sum(lags) / len(lags), dropped_stale=dropped)
+        self.back.send_frames(ident, P.encode_with_embedded(msg, groups=raws))
+
+    # ----- timers ----------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        self.control.broker_epoch = self.epoch
+        try:
+            self.pub.send_multipart([CONTROL_TOPIC, *P.encode(self.control)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.counters["control_dropped"] += 1
+        self._next_publish = time.monotonic() + self.net.heartbeat_s
+
+    def _timers(self, now: float) -> None:
+        for peer in self.actors.expire(now):
+            lost = self.ledger.reclaim(holder=peer.ident)
+            for t in lost:
+                self.sampler.reissue.append(t.task_id)
+                self.request_ticket.pop(t.request_id, None)
+            for key in [k for k in self.parked if k[0] == peer.ident]:
+                del self.parked[key]
+            self.log.warning("actor_dead", actor=peer.peer_id, tickets_reclaimed=len(lost))
+        expired = self.ledger.reclaim(older_than=now - self.cfg.lease_s)
+        for t in expired:
+            self.sampler.reissue.append(t.task_id)
+            self.request_ticket.pop(t.request_id, None)
+        if expired:
+            self.log.warning("tickets_lease_expired", n=len(expired))
+        for peer in self.learners.expire(now):
+            lost = self.ledger.requeue_unacked(holder=peer.ident)
+            for b in lost:
+                for g in b.groups:
+                    if g.frames is None and g.location is None:
+                        self.counters["groups_lost_unpersisted"] += 1
+            self.credits.pop(peer.ident, None)
+            self.log.warning("learner_dead", learner=peer.peer_id, batches_requeued=len(lost))
+        if now >= self._next_publish:
+            self._publish()
+        self.front.drain_auth_failures()
+        self.back.drain_auth_failures()
+        if now >= self._next_metrics:
+            self._next_metrics = now + self.cfg.metrics_interval_s
+            self.write_metrics(now)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            **self.ledger.stats(),
+            **{k: v for k, v in self.ledger.counters.items()},
+            **{k: v for k, v in self.counters.items()},
+            "mem_bytes": self.mem_bytes,
+            "parked_requests": len(self.parked),
+            "actors_alive": len(self.actors.peers),
+            "learners_alive": len(self.learners.peers),
+            "success_store_trajectories": len(self.store),
+            "success_store_tasks": len(self.store.tasks),
+            "bytes_in": self.front.bytes_in + self.back.bytes_in,
+            "bytes_out": self.front.bytes_out + self.back.bytes_out,
+            "lag_hist": self.lag_hist.as_dict(),
+            "fsyncs": self.spill.fsyncs,
+            "phase": self.control.phase,
+        }
+
+    def write_metrics(self, now: float) -> None:
+        snap = self.snapshot()
+        t0, in0, out0 = self._metrics_t0
+        dt = max(1e-9, now - t0)
+        snap["mb_in_per_s"] = (snap["bytes_in"] - in0) / dt / 1e6
+        snap["mb_out_per_s"] = (snap["bytes_out"] - out0) / dt / 1e6
+        self._metrics_t0 = (now, snap["bytes_in"], snap["bytes_out"])
+        self.metrics.write({"role": "broker", **snap})
+
+    def close(self) -> None:
+        if self.commit is not None:
+            self.commit.close()
+            self._commits_done()  # what became durable is acked before we go
+        self.write_metrics(time.monotonic())
+        self.spill.close()
+        self.store.close()
+        self.metrics.close()
+        self.front.close()
+        self.back.close()
+        self.pub.close(0)
+        self.wake.close(0)
+        self.security.close()
+        self.ctx.term()
+        self.log.info("broker_stopped", **{k: v for k, v in self.counters.items()})

@@ -1,0 +1,348 @@
+"""Durable spill log for trajectory groups.
+
+Segments ``seg-<n>.log`` hold records ``MAGIC | kind u8 | length u64 | crc32 u32 | payload``:
+
+- GROUP: one encoded TrajectoryGroup, frames stored verbatim (no re-encoding);
+- CONSUMED: ids of groups delivered to the learner or dropped — they must never be delivered again;
+- SNAPSHOT: first record of every segment: recently seen group ids (de-duplication survives the deletion
+  of old segments) and small broker state (restart count, tickets issued).
+
+With ``persist`` on, appends are fsynced before the caller acks (one fsync per batch of appends: group
+commit). Recovery replays the segments in order; a torn record at the tail of a segment (a ``kill -9``
+mid-write) is cut off, which is safe because its group was never acked. Segments are deleted oldest first,
+once every group in them is consumed, so a CONSUMED record can never outlive the GROUP it cancels.
+With ``persist`` off the log is only where groups wait when memory is full; it is wiped on start.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import struct
+import threading
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import msgpack
+
+MAGIC = b"CRL1"
+_HDR = struct.Struct("<4sBQI")
+_U32 = struct.Struct("<I")
+KIND_GROUP, KIND_CONSUMED, KIND_SNAPSHOT = 1, 2, 3
+_IOV_MAX = 512
+
+
+@dataclass(frozen=True)
+class Location:
+    segment: int
+    offset: int  # of the record header
+    length: int  # of the payload
+
+
+@dataclass
+class Recovered:
+    groups: list[tuple[str, Location]] = field(default_factory=list)
+    recent_ids: list[str] = field(default_factory=list)
+    state: dict = field(default_factory=dict)
+    truncated_bytes: int = 0
+    corrupt_segments: list[int] = field(default_factory=list)
+
+
+def _buf(frame: Any) -> Any:
+    b = getattr(frame, "buffer", None)
+    return b if b is not None else frame
+
+
+def _nbytes(b: Any) -> int:
+    return b.nbytes if isinstance(b, memoryview) else len(b)
+
+
+class SpillLog:
+    def __init__(self, directory: str | Path, persist: bool, segment_bytes: int, log: Any):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.persist = persist
+        self.segment_bytes = segment_bytes
+        self.log = log
+        self.live: collections.Counter[int] = collections.Counter()
+        self.segments: list[int] = []
+        self._fd: int | None = None
+        self._active = 0
+        self._size = 0
+        self.fsyncs = 0
+        self.bytes_written = 0
+        self.lock = threading.RLock()  # the commit thread appends while the loop reads and marks
+        if not persist:
+            for p in self.dir.glob("seg-*.log"):
+                p.unlink()
+
+    # ----- files -----------------------------------------------------------------------------
+
+    def _path(self, seg: int) -> Path:
+        return self.dir / f"seg-{seg:08d}.log"
+
+    def _existing(self) -> list[int]:
+        return sorted(int(p.stem.split("-")[1]) for p in self.dir.glob("seg-*.log"))
+
+    def open(self, recent_ids: Sequence[str], state: dict) -> None:
+        """Start a fresh active segment (after recovery, or on first start)."""
+        existing = self._existing()
+        self.segments = existing
+        self._rotate(recent_ids, state)
+
+    def _rotate(self, recent_ids: Sequence[str], state: dict) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        self._active = (self.segments[-1] + 1) if self.segments else 1
+        self.segments.append(self._active)
+        self._fd = os.open(self._path(self._active), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._size = 0
+        self._write([self._record(KIND_SNAPSHOT, [msgpack.packb({"recent_ids": list(recent_ids), "state": state})])])
+        if self.persist:
+            self._sync(dir_too=True)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            if self.persist:
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+
+    # ----- writing ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _record(kind: int, parts: Sequence[Any]) -> list[Any]:
+        crc = 0
+        length = 0
+        for p in parts:
+            crc = zlib.crc32(p, crc)
+            length += _nbytes(p)
+        return [_HDR.pack(MAGIC, kind, length, crc), *parts]
+
+    def _write(self, records: list[list[Any]]) -> list[int]:
+        """Append records; returns each record's offset in the active segment."""
+        offsets = []
+        iov: list[Any] = []
+        for rec in records:
+            offsets.append(self._size)
+            self._size += sum(_nbytes(p) for p in rec)
+            iov.extend(rec)
+        for i in range(0, len(iov), _IOV_MAX):
+            chunk = iov[i:i + _IOV_MAX]
+            want = sum(_nbytes(p) for p in chunk)
+            done = os.writev(self._fd, chunk)
+            while done < want:  # short write: finish the rest byte-exactly
+                flat = b"".join(bytes(p) for p in chunk)
+                done += os.write(self._fd, flat[done:])
+            self.bytes_written += want
+        return offsets
+
+    def _sync(self, dir_too: bool = False) -> None:
+        # fdatasync also flushes the file size, which is all a reader of appended records needs.
+        os.fdatasync(self._fd)
+        self.fsyncs += 1
+        if dir_too:
+            dfd = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def maybe_rotate(self, recent_ids: Sequence[str], state: dict) -> None:
+        """Start a new segment once the active one is full (called from the broker's loop)."""
+        with self.lock:
+            if self._size >= self.segment_bytes:
+                self._rotate(recent_ids, state)
+
+    def append_groups(self, items: Sequence[tuple[str, Sequence[Any]]], sync: bool | None = None) -> list[Location]:
+        """Append groups (id, frames); durable on return when persisting (one fdatasync for all)."""
+        with self.lock:
+            return self._append_groups(items, sync)
+
+    def _append_groups(self, items, sync) -> list[Location]:
+        records = []
+        lengths = []
+        for group_id, frames in items:
+            bufs = [_buf(f) for f in frames]
+            meta = msgpack.packb([group_id, [_nbytes(b) for b in bufs]])
+            parts = [_U32.pack(len(meta)), meta, *bufs]
+            records.append(self._record(KIND_GROUP, parts))
+            lengths.append(sum(_nbytes(p) for p in parts))
+        offsets = self._write(records)
+        if self.persist if sync is None else sync:
+            self._sync()
+        self.live[self._active] += len(items)
+        return [Location(self._active, off, n) for off, n in zip(offsets, lengths)]
+
+    def mark_consumed(self, group_ids: Sequence[str], locations: Sequence[Location | None], state: dict) -> None:
+        """Record that these groups are gone for good (delivered or dropped), then free their segments."""
+        with self.lock:
+            self._mark_consumed(group_ids, locations, state)
+
+    def _mark_consumed(self, group_ids, locations, state) -> None:
+        if self.persist and group_ids:
+            self._write([self._record(KIND_CONSUMED, [msgpack.packb({"ids": list(group_ids), "state": state})])])
+            self._sync()
+        for loc in locations:
+            if loc is not None:
+                self.live[loc.segment] -= 1
+        self._delete_consumed_prefix()
+
+    def _delete_consumed_prefix(self) -> None:
+        while len(self.segments) > 1 and self.live[self.segments[0]] <= 0:
+            seg = self.segments.pop(0)
+            self.live.pop(seg, None)
+            try:
+                self._path(seg).unlink()
+            except FileNotFoundError:
+                pass
+
+    # ----- reading ---------------------------------------------------------------------------
+
+    def read(self, loc: Location) -> list[bytes]:
+        """The frames of a stored group."""
+        with self.lock, open(self._path(loc.segment), "rb") as f:
+            f.seek(loc.offset)
+            hdr = f.read(_HDR.size)
+            magic, kind, length, crc = _HDR.unpack(hdr)
+            payload = f.read(length)
+        if magic != MAGIC or kind != KIND_GROUP or len(payload) != length or zlib.crc32(payload) != crc:
+            raise OSError(f"spill record at {loc} is damaged")
+        return self._split_group(payload)[1]
+
+    @staticmethod
+    def _split_group(payload: bytes) -> tuple[str, list[bytes]]:
+        (meta_len,) = _U32.unpack_from(payload, 0)
+        group_id, lengths = msgpack.unpackb(payload[4:4 + meta_len])
+        frames = []
+        pos = 4 + meta_len
+        view = memoryview(payload)
+        for n in lengths:
+            frames.append(view[pos:pos + n])
+            pos += n
+        return group_id, frames
+
+    def recover(self) -> Recovered:
+        """Replay every segment: unconsumed groups in arrival order, recent ids, last state."""
+        out = Recovered()
+        groups: collections.OrderedDict[str, Location] = collections.OrderedDict()
+        consumed: set[str] = set()
+        recent: collections.OrderedDict[str, None] = collections.OrderedDict()
+        for seg in self._existing():
+            path = self._path(seg)
+            data = path.read_bytes()
+            pos = 0
+            while pos < len(data):
+                if len(data) - pos < _HDR.size:
+                    break
+                magic, kind, length, crc = _HDR.unpack_from(data, pos)
+                end = pos + _HDR.size + length
+                if magic != MAGIC or end > len(data) or zlib.crc32(data[pos + _HDR.size:end]) != crc:
+                    break
+                payload = data[pos + _HDR.size:end]
+                if kind == KIND_GROUP:
+                    (meta_len,) = _U32.unpack_from(payload, 0)
+                    group_id, _ = msgpack.unpackb(payload[4:4 + meta_len])
+                    groups[group_id] = Location(seg, pos, length)
+                    recent[group_id] = None
+                elif kind == KIND_CONSUMED:
+                    body = msgpack.unpackb(payload)
+                    consumed.update(body["ids"])
+                    out.state.update(body.get("state", {}))
+                elif kind == KIND_SNAPSHOT:
+                    body = msgpack.unpackb(payload)
+                    for gid in body.get("recent_ids", []):
+                        recent[gid] = None
+                    out.state.update(body.get("state", {}))
+                pos = end
+            if pos < len(data):
+                # A torn tail: the write was never acknowledged. Cut it so later appends stay readable.
+                out.truncated_bytes += len(data) - pos
+                if seg != self._existing()[-1]:
+                    out.corrupt_segments.append(seg)
+                with open(path, "r+b") as f:
+                    f.truncate(pos)
+                    os.fsync(f.fileno())
+                self.log.warning("spill_tail_truncated", segment=seg, offset=pos, bytes=len(data) - pos)
+        for gid, loc in groups.items():
+            if gid not in consumed:
+                out.groups.append((gid, loc))
+                self.live[loc.segment] += 1
+        out.recent_ids = list(recent)
+        return out
+
+
+class CommitThread:
+    """Group commit off the broker's loop: appends + one fdatasync per round, in submission order.
+
+    The loop submits ``(items, token)`` and keeps serving; every job queued while a sync is running
+    joins the next round. Completed ``(token, locations)`` come back through ``done`` and a wake-up
+    message on an inproc socket the loop polls.
+    """
+
+    def __init__(self, spill: SpillLog, ctx: Any, wake_addr: str):
+        import zmq
+
+        self.spill = spill
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = ctx.socket(zmq.PUSH)
+        self._wake.connect(wake_addr)
+        self._zmq = zmq
+        self.pending = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="spill-commit", daemon=True)
+        self._thread.start()
+
+    def submit(self, items: Sequence[tuple[str, Sequence[Any]]], token: Any) -> None:
+        self.pending += 1
+        self.jobs.put((items, token))
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                break
+            batch = [job]
+            stop = False
+            while True:
+                try:
+                    nxt = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+            items = [it for items, _ in batch for it in items]
+            try:
+                locs = self.spill.append_groups(items) if items else []
+            except BaseException as exc:  # a full or failing disk: the loop must stop acking
+                self.error = exc
+                locs = None
+            pos = 0
+            for job_items, token in batch:
+                n = len(job_items)
+                self.done.put((token, None if locs is None else locs[pos:pos + n]))
+                pos += n
+            self._wake.send(b"", copy=True)
+            if stop:
+                break
+        self._wake.close(0)
+
+    def completed(self) -> list[tuple[Any, list[Location] | None]]:
+        out = []
+        while True:
+            try:
+                out.append(self.done.get_nowait())
+            except queue.Empty:
+                break
+        self.pending -= len(out)
+        return out
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self._thread.join(30)

@@ -1,0 +1,155 @@
+"""Store of successful trajectories per task, served to the learner for Entropulse SFT phases.
+
+De-duplicated per task by the sampled tokens (two identical solutions teach nothing twice). Bounded:
+``per_task`` newest solutions per task, ``max_tasks`` tasks (the task least recently added to goes first).
+With persistence on, additions are appended to ``success.log`` and reloaded on restart; the file is
+rewritten compactly when it grows past twice its live content.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import os
+import random
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common import protocol as P
+
+_LEN = struct.Struct("<II")  # header length, number of frames
+
+
+def solution_key(traj: P.Trajectory) -> bytes:
+    return hashlib.blake2b(traj.output_ids.tobytes() + traj.output_lens.tobytes(), digest_size=16).digest()
+
+
+class SuccessStore:
+    def __init__(self, per_task: int, max_tasks: int, path: str | Path | None, log: Any):
+        self.per_task, self.max_tasks = per_task, max_tasks
+        self.tasks: collections.OrderedDict[str, collections.OrderedDict[bytes, P.Trajectory]] = collections.OrderedDict()
+        self.path = Path(path) if path is not None else None
+        self.log = log
+        self.added = 0
+        self.duplicates = 0
+        self._file_records = 0
+        self._f = None
+        if self.path is not None:
+            if self.path.exists():
+                self._load()
+                self._compact()
+            self._f = open(self.path, "ab", buffering=1 << 20)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.tasks.values())
+
+    def add(self, task_id: str, traj: P.Trajectory, persist: bool = True) -> bool:
+        """Keep a copy of a successful trajectory; False if the task already has this exact solution."""
+        key = solution_key(traj)
+        sols = self.tasks.get(task_id)
+        if sols is not None and key in sols:
+            self.duplicates += 1
+            return False
+        if sols is None:
+            sols = self.tasks[task_id] = collections.OrderedDict()
+        self.tasks.move_to_end(task_id)
+        # Own copy: the trajectory's arrays are views into network frames we do not want to pin.
+        sols[key] = _copy(traj)
+        while len(sols) > self.per_task:
+            sols.popitem(last=False)
+        while len(self.tasks) > self.max_tasks:
+            self.tasks.popitem(last=False)
+        self.added += 1
+        if persist and self._f is not None:
+            self._append(task_id, sols[key])
+        return True
+
+    def sample(self, k_per_task: int, max_tasks: int, seed: int) -> list[P.SuccessSample]:
+        rng = random.Random(seed)
+        task_ids = list(self.tasks)
+        rng.shuffle(task_ids)
+        if max_tasks > 0:
+            task_ids = task_ids[:max_tasks]
+        out = []
+        for tid in task_ids:
+            sols = list(self.tasks[tid].values())
+            for traj in rng.sample(sols, min(k_per_task, len(sols))):
+                out.append(P.SuccessSample(task_id=tid, trajectory=traj))
+        return out
+
+    # ----- persistence -----------------------------------------------------------------------
+
+    def _append(self, task_id: str, traj: P.Trajectory) -> None:
+        frames = P.encode(P.SuccessBatch(samples=[P.SuccessSample(task_id=task_id, trajectory=traj)]))
+        bufs = [memoryview(f).cast("B") for f in frames]  # numpy frames are written as they are, no copy
+        self._f.write(_LEN.pack(len(bufs[0]), len(bufs) - 1)
+                      + struct.pack(f"<{len(bufs) - 1}Q", *(b.nbytes for b in bufs[1:])))
+        for b in bufs:
+            self._f.write(b)
+        self._file_records += 1
+        if self._file_records > 2 * max(len(self), 64):
+            self._compact()
+
+    def _load(self) -> None:
+        data = self.path.read_bytes()
+        pos = 0
+        loaded = 0
+        while pos + _LEN.size <= len(data):
+            try:
+                hlen, nframes = _LEN.unpack_from(data, pos)
+                p = pos + _LEN.size
+                lens = struct.unpack_from(f"<{nframes}Q", data, p)
+                p += 8 * nframes
+                frames = [data[p:p + hlen]]
+                p += hlen
+                for n in lens:
+                    frames.append(data[p:p + n])
+                    p += n
+                if p > len(data):
+                    break
+                msg = P.decode(frames, max_bytes=None)
+            except (struct.error, P.ProtocolError):
+                break  # a torn tail from a crash: stop at the last whole record
+            for s in msg.samples:
+                self.add(s.task_id, s.trajectory, persist=False)
+                loaded += 1
+            pos = p
+        if pos < len(data):
+            self.log.warning("success_store_tail_dropped", bytes=len(data) - pos)
+        self.log.info("success_store_loaded", trajectories=len(self), tasks=len(self.tasks), records=loaded)
+
+    def _compact(self) -> None:
+        if self._f is not None:
+            self._f.close()
+        tmp = self.path.with_suffix(".tmp")
+        self._f = open(tmp, "wb")
+        self._file_records = 0
+        for tid, sols in self.tasks.items():
+            for traj in sols.values():
+                self._append(tid, traj)
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(tmp, self.path)
+        self._f = open(self.path, "ab", buffering=1 << 20)
+
+    def flush(self) -> None:
+        """The store is best-effort state (acked groups live in the spill log): flushed per loop turn."""
+        if self._f is not None:
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def _copy(traj: P.Trajectory) -> P.Trajectory:
+    return dataclasses.replace(traj, **{
+        f.name: np.array(getattr(traj, f.name)) for f in dataclasses.fields(traj)
+        if isinstance(getattr(traj, f.name), np.ndarray)
+    })

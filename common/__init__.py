@@ -1,0 +1,1 @@
+"""computerrl common: wire protocol, config, logging, ZMQ helpers, metrics (no torch here)."""

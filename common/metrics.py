@@ -1,0 +1,68 @@
+"""Metrics: JSONL records in the run directory, plus a fixed-bucket histogram."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``<dir>/<name>.jsonl``; a ``None`` path discards."""
+
+    def __init__(self, path: str | Path | None):
+        self.path = Path(path) if path is not None else None
+        self._f = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.path, "a", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._f is None:
+            return
+        self._f.write(json.dumps({"time": time.time(), **record}, default=_jsonable) + "\n")
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return str(obj)
+
+
+class Histogram:
+    """Counts of values in buckets ``[b_i, b_{i+1})``; the last bucket is open-ended."""
+
+    def __init__(self, bounds: Sequence[float]):
+        self.bounds = list(bounds)
+        self.counts = [0] * len(self.bounds)
+
+    def add(self, value: float, n: int = 1) -> None:
+        idx = 0
+        for i, b in enumerate(self.bounds):
+            if value >= b:
+                idx = i
+        self.counts[idx] += n
+
+    def as_dict(self) -> dict[str, int]:
+        labels = [f"{b:g}" for b in self.bounds]
+        labels[-1] += "+"
+        return dict(zip(labels, self.counts))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation; NaN for no values."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

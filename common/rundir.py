@@ -1,0 +1,55 @@
+"""The run directory: one place for everything a run writes (DESIGN.md, "Configuration, logs, metrics")."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @classmethod
+    def create(cls, root: str | Path) -> "RunDir":
+        rd = cls(Path(root).resolve())
+        for sub in (rd.logs, rd.metrics, rd.checkpoints, rd.spill):
+            sub.mkdir(parents=True, exist_ok=True)
+        return rd
+
+    @property
+    def config(self) -> Path:
+        """the resolved config of the run"""
+        return self.root / "config.yaml"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def spill(self) -> Path:
+        """the broker's durable spill log"""
+        return self.root / "spill"
+
+    @property
+    def keys(self) -> Path:
+        """CURVE keypairs of this run"""
+        return self.root / "keys"
+
+    @property
+    def curve_png(self) -> Path:
+        return self.root / "learning_curve.png"
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]

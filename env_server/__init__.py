@@ -1,0 +1,1 @@
+"""env_server: see shared/DESIGN.md (lands with its issue)."""

@@ -1,0 +1,1 @@
+"""The computerrl CLI, launchers, benchmarks."""

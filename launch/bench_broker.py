@@ -1,0 +1,284 @@
+"""``computerrl bench broker``: our broker path against bare ZeroMQ moving the same payloads.
+
+Ours: K actor processes (ticket → group → ack, a window of tickets each) → broker process → one
+learner-like consumer (credits, BatchAck, a version bump per batch so admission keeps flowing).
+Raw: K PUSH processes → a ``zmq.proxy`` (PULL→PUSH, C loop) process → one PULL consumer, sending the
+same encoded multipart frames. Both are timed from a common barrier to the consumer's last receipt.
+Runs alternate raw/ours ``repeats`` times; medians are reported, so one noisy run does not decide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import statistics
+import struct
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import zmq
+
+GROUP_SIZE = 8
+GROUPS_PER_BATCH = 4
+ETA = 4
+
+
+def make_group(payload_bytes: int, ticket_id: str = "t", task_id: str = "bench/0", actor_id: str = "a",
+               version: int = 0):
+    """A TrajectoryGroup of G one-turn trajectories whose arrays add up to about ``payload_bytes``."""
+    from common import protocol as P
+
+    out_len = 64
+    per_traj = max(1, payload_bytes // GROUP_SIZE)
+    prompt_len = max(1, (per_traj - out_len * 13 - 9) // 4)
+    trajs = []
+    for i in range(GROUP_SIZE):
+        turn = P.TurnView(np.full(prompt_len, i, np.int32), np.arange(out_len, dtype=np.int32),
+                          np.full(out_len, -0.5, np.float32), np.full(out_len, version, np.int32),
+                          np.ones(out_len, np.uint8), float(i % 2), False, "", "")
+        trajs.append(P.Trajectory.from_turns(f"{i}", float(i % 2), bool(i % 2), [turn]))
+    return P.TrajectoryGroup(group_id=uuid.uuid4().hex, ticket_id=ticket_id, task_id=task_id, actor_id=actor_id,
+                             trajectories=trajs, behavior_version_min=version, behavior_version_max=version,
+                             created_at=time.monotonic())
+
+
+def _nbytes(frames: list[Any]) -> int:
+    from common.protocol import _frame_len
+
+    return sum(_frame_len(f) for f in frames)
+
+
+# ----- raw ZeroMQ ------------------------------------------------------------------------------
+
+
+def _raw_proxy(front: str, back: str) -> None:
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind(front)
+    push.bind(back)
+    try:
+        zmq.proxy(pull, push)
+    except zmq.ContextTerminated:
+        pass
+
+
+def _raw_sender(front: str, payload_bytes: int, n: int, barrier) -> None:
+    from common import protocol as P
+
+    frames = P.encode(make_group(payload_bytes))
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(front)
+    barrier.wait()
+    for _ in range(n):
+        push.send_multipart([struct.pack("<d", time.monotonic()), *frames], copy=False)
+    push.close(linger=-1)
+    ctx.term()
+
+
+def _raw_consumer(back: str, total: int, barrier, results) -> None:
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(back)
+    barrier.wait()
+    t0 = time.monotonic()
+    lat, nbytes = [], 0
+    for _ in range(total):
+        parts = pull.recv_multipart(copy=False)
+        now = time.monotonic()
+        lat.append(now - struct.unpack("<d", parts[0].bytes)[0])
+        nbytes += sum(p.buffer.nbytes for p in parts[1:])
+    results.put({"seconds": time.monotonic() - t0, "bytes": nbytes, "latencies": lat, "count": total})
+    ctx.term()
+
+
+def run_raw(payload_bytes: int, num_actors: int, per_actor: int) -> dict:
+    from common.net import free_port
+
+    ctx = mp.get_context("spawn")
+    front, back = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    barrier, results = ctx.Barrier(num_actors + 1), ctx.Queue()
+    proxy = ctx.Process(target=_raw_proxy, args=(front, back), daemon=True)
+    proxy.start()
+    procs = [ctx.Process(target=_raw_consumer, args=(back, num_actors * per_actor, barrier, results))]
+    procs += [ctx.Process(target=_raw_sender, args=(front, payload_bytes, per_actor, barrier))
+              for _ in range(num_actors)]
+    for p in procs:
+        p.start()
+    res = results.get(timeout=600)
+    for p in procs:
+        p.join(30)
+    proxy.terminate()
+    proxy.join(5)
+    return res
+
+
+# ----- ours ------------------------------------------------------------------------------------
+
+
+def _bench_net(ports: tuple[int, int, int]):
+    from common.net import NetConfig
+
+    return NetConfig(broker_front_port=ports[0], broker_back_port=ports[1], broker_control_port=ports[2],
+                     curve="off", heartbeat_s=1.0)
+
+
+def _broker_proc(ports, run_dir: str, persist: bool, ready) -> None:
+    from broker.config import BrokerConfig
+    from broker.server import Broker
+    from common import log as L
+    from common.rundir import RunDir
+
+    rd = RunDir.create(run_dir)
+    log = L.setup("broker", "bench", 0, rd.logs, "warning", quiet=True)
+    cfg = BrokerConfig(groups_per_batch=GROUPS_PER_BATCH, group_size=GROUP_SIZE, eta=ETA, persist=persist,
+                       metrics_interval_s=2.0)
+    b = Broker(cfg, _bench_net(ports), rd, log)
+    ready.set()
+    b.run()
+
+
+def _actor_proc(ports, payload_bytes: int, n: int, window: int, barrier) -> None:
+    from broker.client import ActorBrokerClient
+    from common import log as L
+    from common import protocol as P
+
+    log = L.setup("actor", "bench", 0, None, "warning", quiet=True)
+    client = ActorBrokerClient(_bench_net(ports), None, log)
+    client.connect(30)
+    template = make_group(payload_bytes, actor_id=client.actor_id)
+    _await_go(barrier, client.poll)
+    submitted = 0
+    for _ in range(min(window, n)):
+        client.request_ticket()
+    while len(client.acks) < n:
+        client.poll(0.05)
+        while client.tickets:
+            t = client.tickets.popleft()
+            # Same arrays every time (as the raw senders reuse their frames); fresh ids and clock.
+            v = t.policy_version
+            trajs = [dataclasses.replace(tr, versions=np.full(len(tr.versions), v, np.int32))
+                     for tr in template.trajectories]
+            g = dataclasses.replace(template, group_id=uuid.uuid4().hex, ticket_id=t.ticket_id, task_id=t.task_id,
+                                    trajectories=trajs, behavior_version_min=v, behavior_version_max=v,
+                                    created_at=time.monotonic())
+            client.submit(g)
+            submitted += 1
+            if submitted + client.outstanding_ticket_requests < n:
+                client.request_ticket()
+    client.close()
+
+
+def _await_go(start, poll) -> None:
+    """Report ready, then keep the broker link alive (heartbeats) until everyone is ready."""
+    ready, go = start
+    ready.release()
+    while not go.is_set():
+        poll(0.05)
+
+
+def _consumer_proc(ports, total: int, wire_bytes: int, barrier, results) -> None:
+    from broker.client import LearnerBrokerClient
+    from common import log as L
+
+    log = L.setup("learner", "bench", 0, None, "warning", quiet=True)
+    client = LearnerBrokerClient(_bench_net(ports), None, log)
+    client.connect(30)
+    version = 0
+    client.set_control(version)
+    _await_go(barrier, client.poll)
+    t0 = time.monotonic()
+    client.grant(2)
+    got, nbytes, lat = 0, 0, []
+    while got < total:
+        batch = client.next_batch(60)
+        if batch is None:
+            raise RuntimeError(f"no batch within 60 s after {got}/{total} groups")
+        now = time.monotonic()
+        for g in batch.groups:
+            lat.append(now - g.created_at)
+        got += len(batch.groups)
+        nbytes += len(batch.groups) * wire_bytes
+        version += 1
+        client.set_control(version)  # the learner's step: frees admission for the next tickets
+        client.grant(1)
+    seconds = time.monotonic() - t0
+    client.poll(0.2)
+    results.put({"seconds": seconds, "bytes": nbytes, "latencies": lat, "count": got})
+
+
+def run_ours(payload_bytes: int, persist: bool, num_actors: int, per_actor: int) -> dict:
+    from common import protocol as P
+    from common.net import free_port
+
+    wire_bytes = _nbytes(P.encode(make_group(payload_bytes)))
+    ctx = mp.get_context("spawn")
+    ports = (free_port(), free_port(), free_port())
+    total = num_actors * per_actor
+    total -= total % GROUPS_PER_BATCH
+    with tempfile.TemporaryDirectory(prefix="bench-broker-", dir=".") as run_dir:
+        ready, results = ctx.Event(), ctx.Queue()
+        barrier = (ctx.Semaphore(0), ctx.Event())  # (workers ready, go)
+        broker = ctx.Process(target=_broker_proc, args=(ports, run_dir, persist, ready))
+        broker.start()
+        if not ready.wait(60):
+            raise RuntimeError("broker did not start")
+        procs = [ctx.Process(target=_consumer_proc, args=(ports, total, wire_bytes, barrier, results))]
+        procs += [ctx.Process(target=_actor_proc, args=(ports, payload_bytes, per_actor, 8, barrier))
+                  for _ in range(num_actors)]
+        for p in procs:
+            p.start()
+        for _ in procs:
+            if not barrier[0].acquire(timeout=120):
+                raise RuntimeError("bench workers did not become ready")
+        barrier[1].set()
+        res = results.get(timeout=900)
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.terminate()
+        broker.terminate()
+        broker.join(30)
+    return res
+
+
+def run_bench(payload_bytes: int, persist: bool, num_actors: int, groups: int, repeats: int) -> dict:
+    from common import protocol as P
+    from common.metrics import percentile
+
+    wire_bytes = _nbytes(P.encode(make_group(payload_bytes)))
+    per_actor = groups or max(GROUPS_PER_BATCH, (384 << 20) // wire_bytes // num_actors)
+    raw_runs, our_runs = [], []
+    for _ in range(repeats):
+        raw_runs.append(run_raw(payload_bytes, num_actors, per_actor))
+        our_runs.append(run_ours(payload_bytes, persist, num_actors, per_actor))
+
+    def mbps(r):
+        return r["bytes"] / r["seconds"] / 1e6
+
+    ours_mbps = statistics.median(mbps(r) for r in our_runs)
+    raw_mbps = statistics.median(mbps(r) for r in raw_runs)
+    ours_lat = [x for r in our_runs for x in r["latencies"]]
+    raw_lat = [x for r in raw_runs for x in r["latencies"]]
+    return {
+        "payload_bytes": payload_bytes,
+        "wire_bytes_per_group": wire_bytes,
+        "persist": persist,
+        "actors": num_actors,
+        "groups_per_run": our_runs[0]["count"],
+        "repeats": repeats,
+        "trajectories_per_s": round(statistics.median(r["count"] / r["seconds"] for r in our_runs) * GROUP_SIZE, 1),
+        "groups_per_s": round(statistics.median(r["count"] / r["seconds"] for r in our_runs), 1),
+        "mb_per_s": round(ours_mbps, 1),
+        "raw_zmq_mb_per_s": round(raw_mbps, 1),
+        "ratio": round(ours_mbps / raw_mbps, 3),
+        "p50_ms": round(percentile(ours_lat, 50) * 1000, 2),
+        "p99_ms": round(percentile(ours_lat, 99) * 1000, 2),
+        "raw_p50_ms": round(percentile(raw_lat, 50) * 1000, 2),
+        "raw_p99_ms": round(percentile(raw_lat, 99) * 1000, 2),
+        "runs_mb_per_s": [round(mbps(r), 1) for r in our_runs],
+        "raw_runs_mb_per_s": [round(mbps(r), 1) for r in raw_runs],
+    }

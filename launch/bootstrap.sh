@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Sets up a virtual environment on first use (or when setup.cfg changed), then runs a command in it.
+#   bash launch/bootstrap.sh test [--all] [pytest args]   run the test suite (--all adds the slow suites)
+#   bash launch/bootstrap.sh <computerrl subcommand ...>   e.g. run configs/local.yaml, broker, bench broker
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${COMPUTERRL_VENV:-.venv}"
+PY="${PYTHON:-python3}"
+stamp="$VENV/.installed"
+if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "[bootstrap] creating $VENV and installing computerrl (first run only)" >&2
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q -e '.[test]'
+  touch "$stamp"
+fi
+case "${1:-}" in
+  test)
+    shift
+    marker=(-m "not slow")
+    if [ "${1:-}" = "--all" ]; then shift; marker=(); fi
+    set +e
+    "$VENV/bin/python" -m pytest "${marker[@]}" "$@"
+    rc=$?
+    [ "$rc" -eq 5 ] && rc=0   # pytest's "no tests collected" is not a failure of the suite
+    exit "$rc"
+    ;;
+  "")
+    exec "$VENV/bin/computerrl" --help
+    ;;
+  *)
+    exec "$VENV/bin/computerrl" "$@"
+    ;;
+esac

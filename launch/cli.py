@@ -1,0 +1,86 @@
+"""The ``computerrl`` command: one click group; each role is its own subcommand and process."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from common import config as C
+from common import log as L
+from launch.config import RunConfig, load_run_config, resolve_run_dir
+
+CONFIG_HELP = "YAML run config (configs/*.yaml); defaults are used for anything it leaves out"
+
+
+def _load(config: str | None, overrides: tuple[str, ...]) -> RunConfig:
+    try:
+        return load_run_config(config, overrides)
+    except C.ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+@click.group()
+@click.version_option(package_name="computerrl")
+def main() -> None:
+    """computerrl: asynchronous actor-learner RL for computer-use agents."""
+
+
+@main.command()
+@click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@click.option("--run-dir", type=click.Path(file_okay=False), help="run directory shared by every role of the run")
+@click.argument("overrides", nargs=-1)
+def broker(config: str | None, run_dir: str | None, overrides: tuple[str, ...]) -> None:
+    """Run the trajectory broker (OVERRIDES: dotted key=value, e.g. broker.eta=4)."""
+    from broker.server import Broker
+
+    cfg = _load(config, overrides)
+    rd = resolve_run_dir(cfg, run_dir)
+    C.dump(cfg, rd.root / "config.broker.yaml")
+    log = L.setup("broker", cfg.run.run_id, 0, rd.logs, cfg.run.log_level)
+    Broker(cfg.broker, cfg.net, rd, log, seed=cfg.run.seed).run()
+
+
+@main.command("config")
+@click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@click.option("--describe", is_flag=True, help="list every key with its type, default and meaning")
+@click.argument("overrides", nargs=-1)
+def config_cmd(config: str | None, describe: bool, overrides: tuple[str, ...]) -> None:
+    """Print the resolved config (or, with --describe, every key and what it means)."""
+    import yaml
+
+    if describe:
+        for key, tp, default, doc in C.describe(RunConfig):
+            click.echo(f"{key:<40} {tp:<10} {default!s:<16} {doc}")
+        return
+    click.echo(yaml.safe_dump(C.to_dict(_load(config, overrides)), sort_keys=False), nl=False)
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks: each prints its figure as a ratio against a raw baseline measured in the same run."""
+
+
+@bench.command("broker")
+@click.option("--payload-bytes", default=1 << 20, show_default=True, help="bytes per trajectory group")
+@click.option("--persist", type=click.Choice(["on", "off"]), default="off", show_default=True)
+@click.option("--actors", "num_actors", default=2, show_default=True, help="K actor processes")
+@click.option("--groups", default=0, help="groups per actor (0 = about 384 MiB in total)")
+@click.option("--repeats", default=3, show_default=True, help="alternate raw/ours this many times, report medians")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def bench_broker(payload_bytes: int, persist: str, num_actors: int, groups: int, repeats: int, as_json: bool) -> None:
+    """K actor processes -> broker -> one consumer, vs bare ZeroMQ through a zmq.proxy."""
+    from launch.bench_broker import run_bench
+
+    result = run_bench(payload_bytes, persist == "on", num_actors, groups, repeats)
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        for k, v in result.items():
+            click.echo(f"{k:>24}: {v}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

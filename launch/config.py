@@ -1,0 +1,54 @@
+"""The whole-run config: a composition of the per-component configs each package owns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from broker.config import BrokerConfig
+from common import config as C
+from common.net import NetConfig
+from common.rundir import RunDir, new_run_id
+
+
+@dataclass
+class RunSection:
+    """Identity and location of a run."""
+
+    run_id: str = ""
+    """run id bound into every log line; empty = generated at start"""
+    run_dir: str = "runs/{run_id}"
+    """directory for config, logs, metrics, checkpoints, spill log and keys ({run_id} is substituted)"""
+    seed: int = 0
+    """base random seed of the run"""
+    log_level: str = "info"
+    """log level of every role (debug, info, warning, error)"""
+
+
+@dataclass
+class RunConfig:
+    """Everything a run reads; each role takes only its own sections."""
+
+    run: RunSection = field(default_factory=RunSection)
+    """run identity and directory"""
+    net: NetConfig = field(default_factory=NetConfig)
+    """addresses, CURVE, heartbeats"""
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    """trajectory broker"""
+
+
+def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:
+    return C.load(RunConfig, path, overrides)
+
+
+def resolve_run_dir(cfg: RunConfig, run_dir: str | None) -> RunDir:
+    """Fix run_id and run_dir (an explicit --run-dir wins) and create the directory tree."""
+    if run_dir:
+        cfg.run.run_dir = str(run_dir)
+        if not cfg.run.run_id:
+            cfg.run.run_id = Path(run_dir).name
+    if not cfg.run.run_id:
+        cfg.run.run_id = new_run_id()
+    cfg.run.run_dir = cfg.run.run_dir.format(run_id=cfg.run.run_id)
+    return RunDir.create(cfg.run.run_dir)

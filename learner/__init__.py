@@ -1,0 +1,1 @@
+"""learner: see shared/DESIGN.md (lands with its issue)."""
