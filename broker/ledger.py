@@ -124,6 +124,8 @@ class Ledger:
     queue: GroupQueue = field(default_factory=GroupQueue)
     delivered: dict[str, DeliveredBatch] = field(default_factory=dict)
     last_train_version: int = -1
+    acked_train_version: int = -1
+    """highest train version of a batch the learner confirmed receiving"""
     committing: int = 0
     """groups received and being made durable: not yet queued, no longer running"""
     counters: collections.Counter = field(default_factory=collections.Counter)
@@ -219,6 +221,7 @@ class Ledger:
         batch = self.delivered.pop(batch_id, None)
         if batch is not None:
             self.counters["groups_consumed"] += len(batch.groups)
+            self.acked_train_version = max(self.acked_train_version, batch.train_version)
         return batch
 
     def requeue_unacked(self, holder: bytes | None = None) -> list[DeliveredBatch]:
@@ -229,7 +232,8 @@ class Ledger:
             for g, order in zip(b.groups, b.orders):
                 self.queue.push(g, order)
         if lost:
-            self.last_train_version = max([self.version - 1] + [b.train_version for b in self.delivered.values()])
+            self.last_train_version = max([self.version - 1, self.acked_train_version]
+                                          + [b.train_version for b in self.delivered.values()])
             self.counters["batches_requeued"] += len(lost)
         return lost
 

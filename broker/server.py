@@ -121,7 +121,13 @@ class Broker:
             while not self._stop.is_set():
                 if self._stop_at is not None and time.monotonic() >= self._stop_at:
                     break
-                self.step(poller, self.net.heartbeat_s / 4)
+                try:
+                    self.step(poller, self.net.heartbeat_s / 4)
+                except Exception:
+                    # A bug in one handler must not take the buffer down with every acked group in it.
+                    self.counters["internal_errors"] += 1
+                    self.log.exception("broker_internal_error")
+                    time.sleep(0.01)
         finally:
             self.close()
 

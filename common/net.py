@@ -269,7 +269,7 @@ class ServerSocket:
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)
             n += 1
-            self.log.warning("auth_rejected", socket=self.name, event=int(event["event"]),
+            self.log.warning("auth_rejected", socket=self.name, zmq_event=int(event["event"]),
                              endpoint=str(event.get("endpoint", b""))[:80])
         if n:
             self.counters["rejected_auth"] = self.counters.get("rejected_auth", 0) + n

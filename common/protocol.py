@@ -407,7 +407,8 @@ class _Encoder:
         if arr.nbytes < INLINE_ARRAY_BYTES:
             ref["data"] = arr.tobytes()
         else:
-            self.frames.append(arr)
+            # A flat byte view (keeps the array alive): every frame is then measured and written alike.
+            self.frames.append(memoryview(arr).cast("B") if arr.ndim else memoryview(arr.reshape(1)).cast("B"))
             ref["frame"] = len(self.frames)  # frame 0 is the header
         return ref
 

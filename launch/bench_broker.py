@@ -72,17 +72,20 @@ def _raw_sender(front: str, payload_bytes: int, n: int, barrier) -> None:
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.connect(front)
+    push.send(b"warm-up")  # connections are up before the clock starts (ours handshakes first too)
     barrier.wait()
     for _ in range(n):
         push.send_multipart([struct.pack("<d", time.monotonic()), *frames], copy=False)
-    push.close(linger=-1)
+    push.close(linger=5000)  # the consumer counts what arrived; this only bounds the exit
     ctx.term()
 
 
-def _raw_consumer(back: str, total: int, barrier, results) -> None:
+def _raw_consumer(back: str, total: int, warmups: int, barrier, results) -> None:
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(back)
+    for _ in range(warmups):
+        pull.recv()
     barrier.wait()
     t0 = time.monotonic()
     lat, nbytes = [], 0
@@ -95,6 +98,15 @@ def _raw_consumer(back: str, total: int, barrier, results) -> None:
     ctx.term()
 
 
+def _reap(procs, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+
+
 def run_raw(payload_bytes: int, num_actors: int, per_actor: int) -> dict:
     from common.net import free_port
 
@@ -103,14 +115,14 @@ def run_raw(payload_bytes: int, num_actors: int, per_actor: int) -> dict:
     barrier, results = ctx.Barrier(num_actors + 1), ctx.Queue()
     proxy = ctx.Process(target=_raw_proxy, args=(front, back), daemon=True)
     proxy.start()
-    procs = [ctx.Process(target=_raw_consumer, args=(back, num_actors * per_actor, barrier, results))]
-    procs += [ctx.Process(target=_raw_sender, args=(front, payload_bytes, per_actor, barrier))
+    procs = [ctx.Process(target=_raw_consumer, args=(back, num_actors * per_actor, num_actors, barrier, results),
+                         daemon=True)]
+    procs += [ctx.Process(target=_raw_sender, args=(front, payload_bytes, per_actor, barrier), daemon=True)
               for _ in range(num_actors)]
     for p in procs:
         p.start()
     res = results.get(timeout=600)
-    for p in procs:
-        p.join(30)
+    _reap(procs)
     proxy.terminate()
     proxy.join(5)
     return res
@@ -236,10 +248,7 @@ def run_ours(payload_bytes: int, persist: bool, num_actors: int, per_actor: int)
                 raise RuntimeError("bench workers did not become ready")
         barrier[1].set()
         res = results.get(timeout=900)
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.terminate()
+        _reap(procs)
         broker.terminate()
         broker.join(30)
     return res

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up a virtual environment on first use (or when setup.cfg changed), then runs a command in it.
-#   bash launch/bootstrap.sh test [--all] [pytest args]   run the test suite (--all adds the slow suites)
+#   bash launch/bootstrap.sh test [--quick] [pytest args]  run the test suite (--quick skips the slow suites)
 #   bash launch/bootstrap.sh <computerrl subcommand ...>   e.g. run configs/local.yaml, broker, bench broker
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,8 +17,8 @@ fi
 case "${1:-}" in
   test)
     shift
-    marker=(-m "not slow")
-    if [ "${1:-}" = "--all" ]; then shift; marker=(); fi
+    marker=()
+    if [ "${1:-}" = "--quick" ]; then shift; marker=(-m "not slow"); fi
     set +e
     "$VENV/bin/python" -m pytest "${marker[@]}" "$@"
     rc=$?

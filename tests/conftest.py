@@ -1,0 +1,119 @@
+"""Shared fixtures: brokers on free loopback ports (in a thread, or as a real process), trajectory builders."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from broker.config import BrokerConfig
+from common import log as L
+from common import protocol as P
+from common.net import NetConfig, free_port
+from common.rundir import RunDir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_net(**kw) -> NetConfig:
+    base = dict(broker_front_port=free_port(), broker_back_port=free_port(), broker_control_port=free_port(),
+                heartbeat_s=0.2, liveness=3, reconnect_min_s=0.05, reconnect_max_s=0.5, request_timeout_s=2.0)
+    base.update(kw)
+    return NetConfig(**base)
+
+
+def make_traj(version: int = 0, reward: float = 1.0, turns: int = 2, prompt_len: int = 12, out_len: int = 5,
+              seed: int = 0, traj_id: str | None = None) -> P.Trajectory:
+    rng = np.random.default_rng(seed)
+    tv = [P.TurnView(rng.integers(0, 256, prompt_len, dtype=np.int32), rng.integers(0, 256, out_len, dtype=np.int32),
+                     -rng.random(out_len, dtype=np.float32), np.full(out_len, version, np.int32),
+                     np.ones(out_len, np.uint8), reward, False, f"obs {i}", f"click({i})") for i in range(turns)]
+    return P.Trajectory.from_turns(traj_id or uuid.uuid4().hex[:8], reward, reward > 0, tv)
+
+
+def make_group(ticket: P.Ticket | None = None, version: int | None = None, rewards=(1.0, 0.0),
+               group_id: str | None = None, complete: bool = True, actor_id: str = "a") -> P.TrajectoryGroup:
+    v = version if version is not None else (ticket.policy_version if ticket else 0)
+    trajs = [make_traj(v, r, seed=i) for i, r in enumerate(rewards)]
+    return P.TrajectoryGroup(group_id=group_id or uuid.uuid4().hex, ticket_id=ticket.ticket_id if ticket else "none",
+                             task_id=ticket.task_id if ticket else "sim:train/0", actor_id=actor_id,
+                             trajectories=trajs, behavior_version_min=v, behavior_version_max=v,
+                             created_at=time.monotonic(), complete=complete)
+
+
+@dataclass
+class ThreadBroker:
+    broker: object
+    thread: threading.Thread
+    net: NetConfig
+    run_dir: RunDir
+
+    def stop(self) -> None:
+        self.broker.request_stop()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def quiet_log():
+    return L.setup("test", "test", 0, None, "warning", quiet=True)
+
+
+@pytest.fixture
+def start_broker(tmp_path, quiet_log):
+    """Start an in-process broker thread: ``start_broker(cfg=..., net=...)``."""
+    from broker.server import Broker
+
+    started: list[ThreadBroker] = []
+
+    def _start(cfg: BrokerConfig | None = None, net: NetConfig | None = None, run_dir: Path | None = None):
+        cfg = cfg or BrokerConfig(groups_per_batch=2, group_size=2, eta=1, metrics_interval_s=0.5)
+        net = net or make_net()
+        rd = RunDir.create(run_dir or tmp_path / f"run-{len(started)}")
+        b = Broker(cfg, net, rd, quiet_log)
+        t = threading.Thread(target=b.run, daemon=True)
+        t.start()
+        tb = ThreadBroker(b, t, net, rd)
+        started.append(tb)
+        return tb
+
+    yield _start
+    for tb in started:
+        if tb.thread.is_alive():
+            tb.stop()
+
+
+def broker_process(run_dir: Path, net: NetConfig, *overrides: str) -> subprocess.Popen:
+    """A real ``computerrl broker`` process on the given ports."""
+    args = [sys.executable, "-m", "launch.cli", "broker", "--run-dir", str(run_dir),
+            f"net.broker_front_port={net.broker_front_port}", f"net.broker_back_port={net.broker_back_port}",
+            f"net.broker_control_port={net.broker_control_port}", f"net.heartbeat_s={net.heartbeat_s}",
+            f"net.curve={net.curve}", *overrides]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def pump(clients, seconds: float, until=None) -> None:
+    """Poll clients for up to ``seconds`` or until ``until()`` is true."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for c in clients:
+            c.poll(0.02)
+        if until is not None and until():
+            return
+    if until is not None:
+        raise AssertionError(f"condition not met within {seconds}s")
+
+
+def kill9(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)

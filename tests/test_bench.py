@@ -1,0 +1,27 @@
+"""Benchmarks run and print their contract (figures are not asserted: machines are noisy)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_broker_prints_ratio_json(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "bench", "broker", "--json", "--payload-bytes", "65536",
+                          "--groups", "16", "--repeats", "1", "--persist", "on"],
+                         cwd=tmp_path, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("trajectories_per_s", "mb_per_s", "raw_zmq_mb_per_s", "ratio", "p50_ms", "p99_ms"):
+        assert result[key] > 0, key
+    assert result["persist"] is True and result["groups_per_run"] == 32
+    assert abs(result["ratio"] - result["mb_per_s"] / result["raw_zmq_mb_per_s"]) < 0.01
+    assert not list(tmp_path.glob("bench-broker-*")), "temporary run dirs must be cleaned up"

@@ -1,0 +1,291 @@
+"""The broker over real loopback sockets: flow, admission, dedupe, leases, bad input, CURVE, memory bound."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import numpy as np
+import zmq
+
+from broker.client import ActorBrokerClient, ControlSubscriber, LearnerBrokerClient
+from broker.config import BrokerConfig
+from common import protocol as P
+from common.net import Security, ensure_keys
+from tests.conftest import make_group, make_net, pump
+
+
+def stat(tb, key: str) -> int:
+    return tb.broker.counters.get(key, 0) + tb.broker.ledger.counters.get(key, 0)
+
+
+def clients(tb, log, keys_dir=None):
+    a = ActorBrokerClient(tb.net, keys_dir, log)
+    a.connect(10)
+    lc = LearnerBrokerClient(tb.net, keys_dir, log)
+    lc.connect(10)
+    return a, lc
+
+
+def take_tickets(actor, n_requests, expect, seconds=5.0):
+    for _ in range(n_requests):
+        actor.request_ticket()
+    pump([actor], seconds, until=lambda: len(actor.tickets) >= expect)
+    out = list(actor.tickets)
+    actor.tickets.clear()
+    return out
+
+
+def test_end_to_end_admission_batches_and_versions(start_broker, quiet_log):
+    tb = start_broker(BrokerConfig(groups_per_batch=2, group_size=2, eta=1, metrics_interval_s=0.2))
+    actor, learner = clients(tb, quiet_log)
+    learner.set_control(0)
+    tickets = take_tickets(actor, 10, expect=4)
+    pump([actor, learner], 0.5)
+    assert len(actor.tickets) == 0, "admission must stop at (η + v + 1)·B = 4 tickets"
+    assert all(t.policy_version == 0 and t.group_size == 2 for t in tickets)
+    for t in tickets:
+        actor.submit(make_group(t))
+    pump([actor], 5, until=lambda: len(actor.acks) == 4)
+    assert all(a.accepted for a in actor.acks)
+    learner.grant(2)
+    b0 = learner.next_batch(5)
+    b1 = learner.next_batch(5)
+    assert (b0.train_version, b1.train_version) == (0, 1) and len(b0.groups) == 2
+    assert b1.max_lag == 1 and b0.max_lag == 0
+    learner.set_control(1)
+    pump([actor, learner], 5, until=lambda: len(actor.tickets) == 2 and actor.version == 1)
+    assert all(t.policy_version == 1 for t in actor.tickets)
+    pump([learner], 2, until=lambda: tb.broker.ledger.counters.get("groups_consumed", 0) == 4)
+    metrics = (tb.run_dir.metrics / "broker.jsonl").read_text()
+    assert '"queue_depth"' in metrics and '"lag_hist"' in metrics
+    actor.close()
+    learner.close()
+
+
+def test_duplicates_acked_once_and_never_delivered_twice(start_broker, quiet_log):
+    tb = start_broker()
+    actor, learner = clients(tb, quiet_log)
+    (t,) = take_tickets(actor, 1, expect=1)
+    g = make_group(t)
+    frames = P.encode(g)
+    for _ in range(3):  # an actor retrying after lost acks
+        actor.link._send(frames)
+    actor.submit(g)
+    pump([actor], 3, until=lambda: stat(tb, "dropped_duplicate") >= 3)
+    (t2,) = take_tickets(actor, 1, expect=1)
+    actor.submit(make_group(t2))
+    learner.grant(2)
+    batch = learner.next_batch(5)
+    assert sorted(x.group_id for x in batch.groups).count(g.group_id) == 1
+    assert learner.next_batch(0.5) is None
+    actor.close()
+    learner.close()
+
+
+def test_dead_actor_tickets_reclaimed_and_reissued(start_broker, quiet_log):
+    tb = start_broker(BrokerConfig(groups_per_batch=2, group_size=2, eta=0))
+    doomed = ActorBrokerClient(tb.net, None, quiet_log)
+    doomed.connect(5)
+    held = take_tickets(doomed, 2, expect=2)
+    doomed.close()  # dies holding both tickets: no heartbeats from now on
+    other = ActorBrokerClient(tb.net, None, quiet_log)
+    other.connect(5)
+    got = take_tickets(other, 2, expect=2, seconds=10)
+    assert sorted(t.task_id for t in got) == sorted(t.task_id for t in held)
+    assert stat(tb, "tickets_reclaimed") == 2
+    other.close()
+
+
+def test_lease_expiry_reclaims_from_a_live_actor(start_broker, quiet_log):
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=1, eta=0, lease_s=0.5))
+    actor = ActorBrokerClient(tb.net, None, quiet_log)
+    actor.connect(5)
+    (t,) = take_tickets(actor, 1, expect=1)
+    (t2,) = take_tickets(actor, 1, expect=1, seconds=5)  # granted only once the first lease ran out
+    assert t2.task_id == t.task_id and t2.ticket_id != t.ticket_id
+    actor.close()
+
+
+def test_stalled_actor_rehandshakes_and_keeps_its_requests(start_broker, quiet_log):
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=1, eta=0))
+    actor, learner = clients(tb, quiet_log)
+    learner.set_control(0)
+    (t,) = take_tickets(actor, 1, expect=1)
+    actor.request_ticket()  # parked: no capacity
+    time.sleep(tb.net.dead_after_s * 3)  # a long generation step without polling: declared dead
+    actor.submit(make_group(t))
+    learner.grant(1)
+    pump([actor, learner], 5, until=lambda: len(learner.batches) == 1)
+    learner.set_control(1)
+    pump([actor, learner], 5, until=lambda: len(actor.tickets) == 1)
+    assert actor.link.counters.get("rehandshakes", 0) + actor.link.reconnects >= 1
+    actor.close()
+    learner.close()
+
+
+def _raw_dealer(tb):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    s.connect(tb.net.tcp(tb.net.broker_front_port))
+    return s
+
+
+def test_bad_input_counted_answered_and_broker_keeps_serving(start_broker, quiet_log):
+    net = make_net(max_message_bytes=1 << 20)
+    tb = start_broker(net=net)
+    s = _raw_dealer(tb)
+    bad = [
+        [b"\x00\xffnot msgpack"],
+        [msgpack.packb({"v": 99, "type": "Hello", "role": "a", "peer_id": "x"})],
+        [msgpack.packb({"v": P.PROTOCOL_VERSION, "type": "Launch", "x": 1})],
+        [msgpack.packb({"v": P.PROTOCOL_VERSION, "type": "TicketRequest"})],
+        [*P.encode(P.Hello(role="a", peer_id="x", info={"blob": np.zeros(2 << 20, np.uint8)}))],
+        [*P.encode(P.BatchRequest(learner_id="x", credits=1, version=0))],  # right message, wrong socket
+    ]
+    for frames in bad:
+        s.send_multipart(frames)
+    codes = []
+    while len(codes) < len(bad) and s.poll(5000):
+        codes.append(P.decode(s.recv_multipart()).code)
+    assert codes == ["bad_header", "bad_version", "unknown_type", "missing_field", "too_large", "unexpected_type"]
+    for reason in ("bad_header", "bad_version", "unknown_type", "missing_field", "too_large", "unexpected_type"):
+        assert stat(tb, f"rejected_{reason}") == 1, reason
+    actor = ActorBrokerClient(tb.net, None, quiet_log)
+    assert actor.connect(5).role == "broker"  # still serving
+    take_tickets(actor, 1, expect=1)
+    actor.close()
+    s.close()
+
+
+def test_dynamic_sampling_and_incomplete_groups_dropped(start_broker, quiet_log):
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=3, drop_zero_variance=True))
+    actor, learner = clients(tb, quiet_log)
+    t1, t2, t3 = take_tickets(actor, 3, expect=3)
+    actor.submit(make_group(t1, rewards=(1.0, 1.0)))
+    actor.submit(make_group(t2, rewards=(1.0, 0.0), complete=False))
+    good = make_group(t3, rewards=(1.0, 0.0))
+    actor.submit(good)
+    pump([actor], 5, until=lambda: len(actor.acks) == 3)
+    reasons = sorted(a.reason for a in actor.acks)
+    assert reasons == ["", "incomplete", "zero_variance"]
+    learner.grant(2)
+    assert learner.next_batch(5).groups[0].group_id == good.group_id
+    assert learner.next_batch(0.3) is None
+    # Successful trajectories still reach the store, whatever happened to their group.
+    learner.request_successes(k_per_task=5)
+    pump([learner], 5, until=lambda: len(learner.successes) == 1)
+    assert len({s.task_id for s in learner.successes[0].samples}) == 3
+    actor.close()
+    learner.close()
+
+
+def test_memory_bound_groups_wait_on_disk(start_broker, quiet_log):
+    for persist in (True, False):
+        tb = start_broker(BrokerConfig(groups_per_batch=2, group_size=2, eta=5, persist=persist, memory_bytes=1))
+        actor, learner = clients(tb, quiet_log)
+        tickets = take_tickets(actor, 6, expect=6)
+        sent = [make_group(t) for t in tickets]
+        for g in sent:
+            actor.submit(g)
+        pump([actor], 5, until=lambda: len(actor.acks) == 6)
+        assert tb.broker.mem_bytes <= 1 + max(g.trajectories[0].prompt_ids.nbytes * 0 for g in sent)
+        assert stat(tb, "groups_spilled_to_disk") >= 5
+        learner.grant(3)
+        got = [learner.next_batch(5) for _ in range(3)]
+        ids = {g.group_id: g for b in got for g in b.groups}
+        assert set(ids) == {g.group_id for g in sent}
+        np.testing.assert_array_equal(ids[sent[3].group_id].trajectories[1].output_ids,
+                                      sent[3].trajectories[1].output_ids)
+        actor.close()
+        learner.close()
+        tb.stop()
+
+
+def test_control_reaches_late_subscribers(start_broker, quiet_log):
+    tb = start_broker()
+    learner = LearnerBrokerClient(tb.net, None, quiet_log)
+    learner.connect(5)
+    learner.set_control(7, phase="sft", paused=True)
+    pump([learner], 5, until=lambda: len(learner.controls) == 1)
+    actor = ActorBrokerClient(tb.net, None, quiet_log)
+    actor.connect(5)  # returns only once the Control stream reached it
+    c = actor.control.latest
+    assert (c.version, c.phase, c.paused) == (7, "sft", True)
+    actor.request_ticket()
+    pump([actor], 0.5)
+    assert not actor.tickets, "no tickets while paused"
+    learner.set_control(7, phase="rl", paused=False)
+    pump([actor, learner], 5, until=lambda: len(actor.tickets) == 1)
+    actor.close()
+    learner.close()
+
+
+def test_curve_accepts_run_keys_and_rejects_unknown_key(start_broker, quiet_log, tmp_path):
+    run_dir = tmp_path / "curve-run"
+    tb = start_broker(net=make_net(curve="on"), run_dir=run_dir)
+    keys_dir = tb.run_dir.keys
+    actor = ActorBrokerClient(tb.net, keys_dir, quiet_log)
+    assert actor.connect(5).role == "broker"
+    assert tb.broker.security.enabled
+    # A client with a keypair from another run: its handshake is refused, it gets nothing.
+    stranger_keys = ensure_keys(tmp_path / "other-run" / "keys")
+    forged = type(stranger_keys)(ensure_keys(keys_dir).server_public, None, stranger_keys.client_public,
+                                 stranger_keys.client_secret, stranger_keys.authorized_dir)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    Security(ctx, forged).client(s)
+    s.connect(tb.net.tcp(tb.net.broker_front_port))
+    s.send_multipart(P.encode(P.Hello(role="actor", peer_id="intruder")))
+    assert s.poll(1500) == 0
+    pump([actor], 5, until=lambda: stat(tb, "rejected_auth") >= 1)
+    # No CURVE at all is refused too.
+    plain = ctx.socket(zmq.DEALER)
+    plain.linger = 0
+    plain.connect(tb.net.tcp(tb.net.broker_front_port))
+    plain.send_multipart(P.encode(P.Hello(role="actor", peer_id="plain")))
+    assert plain.poll(1000) == 0
+    take_tickets(actor, 1, expect=1)  # the legitimate actor is unaffected
+    s.close()
+    plain.close()
+    ctx.term()
+    actor.close()
+
+
+def test_learner_reconnect_requeues_and_dedupes(start_broker, quiet_log):
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=3))
+    actor, learner = clients(tb, quiet_log)
+    for t in take_tickets(actor, 2, expect=2):
+        actor.submit(make_group(t))
+    pump([actor], 5, until=lambda: len(actor.acks) == 2)
+    learner.grant(1)
+    first = learner.next_batch(5)
+    # A new learner connection with the same identity (after a crash) gets what was unacked, never twice.
+    learner2 = LearnerBrokerClient(tb.net, None, quiet_log)
+    learner2.load_state(learner.state())
+    learner.close()
+    learner2.connect(5)
+    learner2.grant(1)
+    second = learner2.next_batch(5)
+    assert second is not None and second.groups[0].group_id != first.groups[0].group_id
+    actor.close()
+    learner2.close()
+
+
+def test_control_subscriber_ignores_garbage(quiet_log):
+    net = make_net()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(net.tcp(net.broker_control_port))
+    sub = ControlSubscriber(ctx, net, Security(ctx, None), quiet_log)
+    deadline = time.monotonic() + 5
+    while sub.latest is None and time.monotonic() < deadline:
+        pub.send_multipart([b"ctl", b"garbage"])
+        pub.send_multipart([b"ctl", *P.encode(P.Control(version=3))])
+        sub.poll(0.05)
+    assert sub.latest.version == 3 and sub.rejected >= 1
+    sub.close()
+    pub.close()
+    ctx.term()

@@ -1,0 +1,109 @@
+"""Config loading: YAML + dotted overrides into typed dataclasses; unknown keys named; docs on every field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from common import config as C
+from launch.cli import main
+from launch.config import RunConfig, load_run_config, resolve_run_dir
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    for path in Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"):
+        load_run_config(path)
+
+
+def test_overrides_typed_and_nested(tmp_path):
+    cfg = load_run_config("configs/local.yaml", ["broker.eta=4", "broker.tasks.suite=sim:heldout", "net.heartbeat_s=2",
+                                                 "broker.persist=false", "run.run_id=007"])
+    assert cfg.broker.eta == 4 and isinstance(cfg.net.heartbeat_s, float) and cfg.net.heartbeat_s == 2.0
+    assert cfg.broker.tasks.suite == "sim:heldout" and cfg.broker.persist is False
+    assert cfg.run.run_id == "007"  # a str field keeps exactly what was typed
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("broker.etaa=1", "broker.etaa"),
+    ("broker.tasks.sweet=1", "broker.tasks.sweet"),
+    ("nope.x=1", "nope"),
+    ("broker.eta=many", "broker.eta"),
+    ("broker.persist=3", "broker.persist"),
+    ("net.curve=maybe", "net.curve"),
+    ("broker.eta=-1", "eta"),
+    ("broker", "key=value"),
+])
+def test_bad_keys_and_values_name_the_key(override, needle):
+    with pytest.raises(C.ConfigError) as err:
+        load_run_config(None, [override])
+    assert needle in str(err.value)
+
+
+def test_unknown_key_in_yaml_named_with_path(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump({"broker": {"tasks": {"sute": "x"}}}))
+    with pytest.raises(C.ConfigError, match=r"broker\.tasks\.sute"):
+        load_run_config(p)
+
+
+def _all_config_classes(cls, seen=None):
+    seen = seen if seen is not None else set()
+    if cls in seen:
+        return seen
+    seen.add(cls)
+    for tp in typing.get_type_hints(cls).values():
+        if dataclasses.is_dataclass(tp):
+            _all_config_classes(tp, seen)
+    return seen
+
+
+def test_every_config_field_has_a_one_line_docstring():
+    for cls in _all_config_classes(RunConfig):
+        docs = C.field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"
+            assert "\n" not in docs[f.name], f"{cls.__name__}.{f.name}: docstring is not one line"
+
+
+def test_resolved_config_written_and_reloadable(tmp_path):
+    cfg = load_run_config("configs/local.yaml", ["broker.eta=3"])
+    rd = resolve_run_dir(cfg, str(tmp_path / "r"))
+    C.dump(cfg, rd.config)
+    again = load_run_config(rd.config)
+    assert C.to_dict(again) == C.to_dict(cfg) and again.broker.eta == 3 and again.run.run_id == "r"
+
+
+def test_cli_config_print_and_describe():
+    r = CliRunner().invoke(main, ["config", "-c", "configs/local.yaml", "broker.eta=5"])
+    assert r.exit_code == 0, r.output
+    assert yaml.safe_load(r.output)["broker"]["eta"] == 5
+    r = CliRunner().invoke(main, ["config", "--describe"])
+    assert r.exit_code == 0 and "broker.eta" in r.output and "staleness" in r.output
+    r = CliRunner().invoke(main, ["config", "broker.bogus=1"])
+    assert r.exit_code != 0 and "broker.bogus" in r.output
+
+
+def test_logging_json_lines_bound(tmp_path, capsys):
+    from common import log as L
+
+    log = L.setup("broker", "run-x", 2, tmp_path, "info", console=False)
+    log.info("hello", n=1)
+    L.bind(policy_version=7)
+    log.debug("hidden")
+    log.warning("later")
+    lines = [json.loads(x) for x in (tmp_path / "broker-2.jsonl").read_text().splitlines()]
+    assert [x["event"] for x in lines] == ["hello", "later"]
+    assert all(x["run_id"] == "run-x" and x["role"] == "broker" and x["rank"] == 2 for x in lines)
+    assert lines[1]["policy_version"] == 7 and "timestamp" in lines[0]
+    err = capsys.readouterr().err
+    assert json.loads(err.splitlines()[0])["event"] == "hello"  # not a TTY: JSON on stderr too
+    L.setup("broker", "run-x", 2, tmp_path, "info", console=True)
+    L.get().info("pretty")
+    assert "pretty" in capsys.readouterr().err and '"event"' not in capsys.readouterr().err

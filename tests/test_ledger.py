@@ -1,0 +1,114 @@
+"""Broker bookkeeping without sockets: admission arithmetic, staleness, grant order, leases, requeue."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker.ledger import Ledger, QueuedGroup, TaskSampler, admission_capacity, group_lag, zero_variance
+
+
+def q(i: int, v: int) -> QueuedGroup:
+    return QueuedGroup(f"g{i}", f"task/{i}", v, 100)
+
+
+@pytest.mark.parametrize("v,B,eta,accepted,running,cap", [
+    (0, 8, 0, 0, 0, 8), (0, 8, 2, 0, 0, 24), (3, 4, 1, 12, 0, 8), (3, 4, 1, 12, 7, 1), (3, 4, 1, 14, 7, 0),
+    (3, 4, 1, 20, 7, 0),
+])
+def test_admission_formula(v, B, eta, accepted, running, cap):
+    assert admission_capacity(v, B, eta, accepted, running) == cap
+
+
+def test_ledger_admits_exactly_eta_plus_one_batches_ahead():
+    led = Ledger(groups_per_batch=4, eta=2)
+    granted = []
+    while led.capacity() > 0:
+        granted.append(led.grant(f"r{len(granted)}", "t", b"a", 0.0))
+    assert len(granted) == 12  # (η + v + 1)·B with v = 0
+    for i, t in enumerate(granted[:4]):
+        led.settle(t.ticket_id)
+        led.enqueue(q(i, 0), t.seq)
+    assert led.capacity() == 0
+    batch, dropped = led.take_batch(b"L")
+    assert batch is not None and batch.train_version == 0 and not dropped
+    assert led.capacity() == 0  # handed out, not trained yet
+    led.set_version(1)  # the learner applied it
+    assert led.capacity() == 4
+
+
+def test_stale_groups_dropped_at_batch_time_and_counted():
+    led = Ledger(groups_per_batch=2, eta=1)
+    led.set_version(5)
+    for i, v in enumerate([3, 4, 5, 5]):
+        led.enqueue(q(i, v))
+    batch, dropped = led.take_batch(b"L")
+    assert [g.group_id for g in dropped] == ["g0"]  # lag 2 > η = 1
+    assert [g.behavior_version_min for g in batch.groups] == [4, 5]
+    assert led.counters["dropped_stale"] == 1
+    assert max(group_lag(batch.train_version, g.behavior_version_min) for g in batch.groups) <= led.eta
+    assert led.too_stale(4) is True  # the next batch trains at v=6: lag 2
+
+
+def test_queue_serves_oldest_version_then_grant_order():
+    led = Ledger(groups_per_batch=3, eta=10)
+    led.enqueue(q(1, 2), order=9)
+    led.enqueue(q(2, 1), order=10)
+    led.enqueue(q(3, 2), order=4)
+    led.enqueue(q(4, 0), order=99)
+    batch, _ = led.take_batch(b"L")
+    assert [g.group_id for g in batch.groups] == ["g4", "g2", "g3"]
+
+
+def test_short_queue_yields_no_batch_and_keeps_groups():
+    led = Ledger(groups_per_batch=3, eta=1)
+    led.enqueue(q(1, 0))
+    led.enqueue(q(2, 0))
+    batch, dropped = led.take_batch(b"L")
+    assert batch is None and not dropped and len(led.queue) == 2
+
+
+def test_batches_train_at_consecutive_versions_with_prefetch():
+    led = Ledger(groups_per_batch=1, eta=3)
+    for i in range(3):
+        led.enqueue(q(i, 0))
+    versions = [led.take_batch(b"L")[0].train_version for _ in range(3)]
+    assert versions == [0, 1, 2]
+
+
+def test_reclaim_by_holder_and_by_lease():
+    led = Ledger(groups_per_batch=2, eta=0)
+    a = led.grant("r1", "task/1", b"A", now=0.0)
+    b = led.grant("r2", "task/2", b"B", now=5.0)
+    assert led.capacity() == 0
+    assert [t.task_id for t in led.reclaim(holder=b"A")] == ["task/1"]
+    assert led.capacity() == 1
+    assert [t.ticket_id for t in led.reclaim(older_than=10.0)] == [b.ticket_id]
+    assert led.settle(a.ticket_id) is None and led.counters["groups_without_running_ticket"] == 1
+
+
+def test_requeue_unacked_batches_after_learner_loss():
+    led = Ledger(groups_per_batch=2, eta=5)
+    for i in range(4):
+        led.enqueue(q(i, 0), order=i)
+    b1, _ = led.take_batch(b"L")
+    b2, _ = led.take_batch(b"L")
+    led.ack_batch(b1.batch_id)
+    lost = led.requeue_unacked(holder=b"L")
+    assert [b.batch_id for b in lost] == [b2.batch_id]
+    assert len(led.queue) == 2 and led.next_train_version() == 1
+    again, _ = led.take_batch(b"L2")
+    assert [g.group_id for g in again.groups] == ["g2", "g3"] and again.train_version == 1
+
+
+def test_task_sampler_deterministic_and_reissues_first():
+    a = TaskSampler("sim:train", 10, 5, True, seed=3)
+    b = TaskSampler("sim:train", 10, 5, True, seed=3)
+    seq = [a.next() for _ in range(10)]
+    assert seq == [b.next() for _ in range(10)]
+    assert sorted(seq[:5]) == [f"sim:train/{s}" for s in range(10, 15)]
+    a.reissue.append("sim:train/99")
+    assert a.next() == "sim:train/99"
+
+
+def test_zero_variance():
+    assert zero_variance([1.0, 1.0]) and zero_variance([0.0]) and not zero_variance([0.0, 1.0])
