@@ -190,7 +190,7 @@ def test_memory_bound_groups_wait_on_disk(start_broker, quiet_log):
         for g in sent:
             actor.submit(g)
         pump([actor], 5, until=lambda: len(actor.acks) == 6)
-        assert tb.broker.mem_bytes <= 1 + max(g.trajectories[0].prompt_ids.nbytes * 0 for g in sent)
+        assert tb.broker.mem_bytes <= 1  # everything beyond the 1-byte budget waits on disk
         assert stat(tb, "groups_spilled_to_disk") >= 5
         learner.grant(3)
         got = [learner.next_batch(5) for _ in range(3)]
