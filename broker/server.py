@@ -254,7 +254,7 @@ class Broker:
             # Acks leave only after the fdatasync covering these groups (and, to keep order, every
             # earlier one: a duplicate's original may still be in flight).
             self.ledger.committing += len(to_write)
-            self.commit.submit([(g.group_id, f) for _, g, f in to_write], (to_write, replies, orders))
+            self.commit.submit([(g.group_id, f) for _, g, f in to_write], ("groups", to_write, replies, orders))
         else:
             self._send_acks(replies)
 
@@ -276,7 +276,12 @@ class Broker:
                 self.wake.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-        for (items, replies, orders), locations in self.commit.completed():
+        for token, locations in self.commit.completed():
+            if token[0] == "batchack":
+                if locations is not None:
+                    self.back.send(token[1], token[2])
+                continue
+            _, items, replies, orders = token
             self.ledger.committing -= len(items)
             if locations is None:
                 # The disk failed: nothing here is durable. Forget the ids so the actors' retries count.
@@ -338,8 +343,7 @@ class Broker:
                 if msg.version != self.ledger.version:
                     self._set_version(msg.version)
             elif isinstance(msg, P.BatchAck):
-                self._on_batch_ack(msg)
-                self.back.send(ident, P.BatchAck(learner_id="broker", batch_ids=msg.batch_ids))
+                self._on_batch_ack(ident, msg)
             elif isinstance(msg, P.Control):
                 self._on_control(ident, msg)
             elif isinstance(msg, P.SuccessRequest):
@@ -375,13 +379,20 @@ class Broker:
         self._publish()
         self.back.send(ident, self.control)
 
-    def _on_batch_ack(self, msg: P.BatchAck) -> None:
+    def _on_batch_ack(self, ident: bytes, msg: P.BatchAck) -> None:
+        groups = []
         for batch_id in msg.batch_ids:
             batch = self.ledger.ack_batch(batch_id)
-            if batch is None:
-                continue
-            self.spill.mark_consumed([g.group_id for g in batch.groups], [g.location for g in batch.groups],
-                                     self.state)
+            if batch is not None:
+                groups.extend(batch.groups)
+        echo = P.BatchAck(learner_id="broker", batch_ids=msg.batch_ids)
+        if self.commit is not None:
+            # Echo once the consumed record is durable: a confirmed batch is never delivered again.
+            self.commit.submit_consumed([g.group_id for g in groups], [g.location for g in groups], self.state,
+                                        token=("batchack", ident, echo))
+        else:
+            self._consumed(groups)
+            self.back.send(ident, echo)
 
     def _deliver_batches(self) -> None:
         for ident in list(self.credits):
@@ -390,12 +401,20 @@ class Broker:
                 for g in dropped:
                     self._forget(g)
                 if dropped:
-                    self.spill.mark_consumed([g.group_id for g in dropped], [g.location for g in dropped], self.state)
+                    self._consumed(dropped)
                 if batch is None:
                     return
                 self.credits[ident] -= 1
                 self._send_batch(ident, batch, len(dropped))
             del self.credits[ident]
+
+    def _consumed(self, groups: list[QueuedGroup]) -> None:
+        """Record groups as gone for good (delivered and confirmed, or dropped)."""
+        ids, locs = [g.group_id for g in groups], [g.location for g in groups]
+        if self.commit is not None:
+            self.commit.submit_consumed(ids, locs, self.state)
+        else:
+            self.spill.mark_consumed(ids, locs, self.state)
 
     def _forget(self, g: QueuedGroup) -> None:
         if g.frames is not None:

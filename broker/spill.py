@@ -177,15 +177,21 @@ class SpillLog:
         self.live[self._active] += len(items)
         return [Location(self._active, off, n) for off, n in zip(offsets, lengths)]
 
-    def mark_consumed(self, group_ids: Sequence[str], locations: Sequence[Location | None], state: dict) -> None:
+    def mark_consumed(self, group_ids: Sequence[str], locations: Sequence[Location | None], state: dict,
+                      sync: bool = True) -> None:
         """Record that these groups are gone for good (delivered or dropped), then free their segments."""
         with self.lock:
-            self._mark_consumed(group_ids, locations, state)
+            self._mark_consumed(group_ids, locations, state, sync)
 
-    def _mark_consumed(self, group_ids, locations, state) -> None:
+    def sync(self) -> None:
+        with self.lock:
+            self._sync()
+
+    def _mark_consumed(self, group_ids, locations, state, sync) -> None:
         if self.persist and group_ids:
             self._write([self._record(KIND_CONSUMED, [msgpack.packb({"ids": list(group_ids), "state": state})])])
-            self._sync()
+            if sync:
+                self._sync()
         for loc in locations:
             if loc is not None:
                 self.live[loc.segment] -= 1
@@ -298,8 +304,16 @@ class CommitThread:
         self._thread.start()
 
     def submit(self, items: Sequence[tuple[str, Sequence[Any]]], token: Any) -> None:
+        """Make groups durable; ``(token, locations)`` comes back through ``completed``."""
         self.pending += 1
-        self.jobs.put((items, token))
+        self.jobs.put(("groups", items, token))
+
+    def submit_consumed(self, group_ids: Sequence[str], locations: Sequence[Location | None], state: dict,
+                        token: Any = None) -> None:
+        """Record consumed groups in the next round; with a token, ``(token, [])`` comes back once durable."""
+        if token is not None:
+            self.pending += 1
+        self.jobs.put(("consumed", (list(group_ids), list(locations), dict(state)), token))
 
     def _run(self) -> None:
         while True:
@@ -317,18 +331,24 @@ class CommitThread:
                     stop = True
                     break
                 batch.append(nxt)
-            items = [it for items, _ in batch for it in items]
+            group_jobs = [(items if kind == "groups" else [], token) for kind, items, token in batch
+                          if kind == "groups" or token is not None]
+            items = [it for its, _ in group_jobs for it in its]
             try:
-                locs = self.spill.append_groups(items) if items else []
+                locs = self.spill.append_groups(items, sync=False) if items else []
+                for kind, (ids, locations, state), _ in (j for j in batch if j[0] == "consumed"):
+                    self.spill.mark_consumed(ids, locations, state, sync=False)
+                self.spill.sync()  # one fdatasync for the whole round
             except BaseException as exc:  # a full or failing disk: the loop must stop acking
                 self.error = exc
                 locs = None
             pos = 0
-            for job_items, token in batch:
+            for job_items, token in group_jobs:
                 n = len(job_items)
                 self.done.put((token, None if locs is None else locs[pos:pos + n]))
                 pos += n
-            self._wake.send(b"", copy=True)
+            if group_jobs:
+                self._wake.send(b"", copy=True)
             if stop:
                 break
         self._wake.close(0)
