@@ -289,3 +289,30 @@ def test_control_subscriber_ignores_garbage(quiet_log):
     sub.close()
     pub.close()
     ctx.term()
+
+
+def test_failing_disk_never_acks_and_retries_succeed_later(start_broker, quiet_log):
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=3, persist=True))
+    actor, learner = clients(tb, quiet_log)
+    real_append = tb.broker.spill.append_groups
+    failing = {"on": True}
+
+    def flaky_append(items, sync=None):
+        if failing["on"] and items:
+            raise OSError(28, "No space left on device")
+        return real_append(items, sync)
+
+    tb.broker.spill.append_groups = flaky_append
+    (t,) = take_tickets(actor, 1, expect=1)
+    g = make_group(t)
+    actor.submit(g)
+    pump([actor], 1.0)
+    assert not actor.acks and actor.unacked == 1, "nothing durable, nothing acked"
+    assert stat(tb, "commit_failed_groups") >= 1
+    failing["on"] = False  # space freed: the actor's retry (request timeout) now lands
+    pump([actor], 10, until=lambda: actor.unacked == 0)
+    assert actor.acks[0].accepted and not actor.acks[0].duplicate
+    learner.grant(1)
+    assert learner.next_batch(5).groups[0].group_id == g.group_id
+    actor.close()
+    learner.close()
