@@ -231,6 +231,7 @@ def run_ours(payload_bytes: int, persist: bool, num_actors: int, per_actor: int)
     ports = (free_port(), free_port(), free_port())
     total = num_actors * per_actor
     total -= total % GROUPS_PER_BATCH
+    # On the working directory's disk, not /tmp: a tmpfs would make fdatasync free and flatter persist=on.
     with tempfile.TemporaryDirectory(prefix="bench-broker-", dir=".") as run_dir:
         ready, results = ctx.Event(), ctx.Queue()
         barrier = (ctx.Semaphore(0), ctx.Event())  # (workers ready, go)
