@@ -264,7 +264,7 @@ class Broker:
 
     def _queue_committed(self, items: list, locations: list, orders: dict) -> None:
         for (ident, g, frames), loc in zip(items, locations):
-            nbytes = sum(P._frame_len(f) for f in frames)
+            nbytes = P.frames_nbytes(frames)
             self.ledger.enqueue(QueuedGroup(g.group_id, g.task_id, g.behavior_version_min, nbytes, loc, frames),
                                 orders[g.group_id])
             self.mem_bytes += nbytes

@@ -28,6 +28,8 @@ from typing import Any, Sequence
 
 import msgpack
 
+from common.protocol import frame_buffer, frame_nbytes
+
 MAGIC = b"CRL1"
 _HDR = struct.Struct("<4sBQI")
 _U32 = struct.Struct("<I")
@@ -49,15 +51,6 @@ class Recovered:
     state: dict = field(default_factory=dict)
     truncated_bytes: int = 0
     corrupt_segments: list[int] = field(default_factory=list)
-
-
-def _buf(frame: Any) -> Any:
-    b = getattr(frame, "buffer", None)
-    return b if b is not None else frame
-
-
-def _nbytes(b: Any) -> int:
-    return b.nbytes if isinstance(b, memoryview) else len(b)
 
 
 class SpillLog:
@@ -119,7 +112,7 @@ class SpillLog:
         length = 0
         for p in parts:
             crc = zlib.crc32(p, crc)
-            length += _nbytes(p)
+            length += frame_nbytes(p)
         return [_HDR.pack(MAGIC, kind, length, crc), *parts]
 
     def _write(self, records: list[list[Any]]) -> list[int]:
@@ -128,17 +121,28 @@ class SpillLog:
         iov: list[Any] = []
         for rec in records:
             offsets.append(self._size)
-            self._size += sum(_nbytes(p) for p in rec)
+            self._size += sum(frame_nbytes(p) for p in rec)
             iov.extend(rec)
         for i in range(0, len(iov), _IOV_MAX):
             chunk = iov[i:i + _IOV_MAX]
-            want = sum(_nbytes(p) for p in chunk)
+            want = sum(frame_nbytes(p) for p in chunk)
             done = os.writev(self._fd, chunk)
-            while done < want:  # short write: finish the rest byte-exactly
-                flat = b"".join(bytes(p) for p in chunk)
-                done += os.write(self._fd, flat[done:])
+            if done < want:
+                self._finish_short_write(chunk, done)
             self.bytes_written += want
         return offsets
+
+    def _finish_short_write(self, parts: list[Any], done: int) -> None:
+        """writev may stop early (signals, odd filesystems): write what is left, part by part."""
+        for p in parts:
+            view = memoryview(p).cast("B")
+            if done >= view.nbytes:
+                done -= view.nbytes
+                continue
+            view = view[done:]
+            done = 0
+            while view.nbytes:
+                view = view[os.write(self._fd, view):]
 
     def _sync(self, dir_too: bool = False) -> None:
         # fdatasync also flushes the file size, which is all a reader of appended records needs.
@@ -166,11 +170,11 @@ class SpillLog:
         records = []
         lengths = []
         for group_id, frames in items:
-            bufs = [_buf(f) for f in frames]
-            meta = msgpack.packb([group_id, [_nbytes(b) for b in bufs]])
+            bufs = [frame_buffer(f) for f in frames]
+            meta = msgpack.packb([group_id, [frame_nbytes(b) for b in bufs]])
             parts = [_U32.pack(len(meta)), meta, *bufs]
             records.append(self._record(KIND_GROUP, parts))
-            lengths.append(sum(_nbytes(p) for p in parts))
+            lengths.append(sum(frame_nbytes(p) for p in parts))
         offsets = self._write(records)
         if self.persist if sync is None else sync:
             self._sync()
@@ -237,7 +241,8 @@ class SpillLog:
         groups: collections.OrderedDict[str, Location] = collections.OrderedDict()
         consumed: set[str] = set()
         recent: collections.OrderedDict[str, None] = collections.OrderedDict()
-        for seg in self._existing():
+        existing = self._existing()
+        for seg in existing:
             path = self._path(seg)
             data = path.read_bytes()
             pos = 0
@@ -267,7 +272,7 @@ class SpillLog:
             if pos < len(data):
                 # A torn tail: the write was never acknowledged. Cut it so later appends stay readable.
                 out.truncated_bytes += len(data) - pos
-                if seg != self._existing()[-1]:
+                if seg != existing[-1]:
                     out.corrupt_segments.append(seg)
                 with open(path, "r+b") as f:
                     f.truncate(pos)

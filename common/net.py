@@ -255,7 +255,7 @@ class ServerSocket:
         self.send_frames(ident, P.encode(msg))
 
     def send_frames(self, ident: bytes, frames: list[Any]) -> None:
-        self.bytes_out += sum(P._frame_len(f) for f in frames)
+        self.bytes_out += P.frames_nbytes(frames)
         try:
             self.sock.send_multipart([ident, *frames], copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:  # the peer's queue is full; it will re-request (clients resend on timeout)

@@ -418,7 +418,7 @@ class _Encoder:
         if isinstance(obj, Message):
             return self.embedded(encode(obj))
         if isinstance(obj, Record):
-            return {f: self.value(getattr(obj, f)) for f, _ in _FIELDS_of(obj)}
+            return {f: self.value(getattr(obj, f)) for f, _ in _fields_of(obj)}
         if isinstance(obj, (list, tuple)):
             return [self.value(x) for x in obj]
         if isinstance(obj, dict):
@@ -433,7 +433,7 @@ class _Encoder:
         return {"__msg__": bytes(frames[0]), "start": start, "count": len(frames) - 1}
 
 
-def _FIELDS_of(obj: Record) -> tuple[tuple[str, bool], ...]:
+def _fields_of(obj: Record) -> tuple[tuple[str, bool], ...]:
     cls = type(obj)
     if cls not in _FIELDS:
         _hints(cls)
@@ -443,7 +443,7 @@ def _FIELDS_of(obj: Record) -> tuple[tuple[str, bool], ...]:
 def encode(msg: Message) -> list[Any]:
     """Encode a message into multipart frames (header bytes, then array buffers)."""
     enc = _Encoder()
-    body = {f: enc.value(getattr(msg, f)) for f, _ in _FIELDS_of(msg)}
+    body = {f: enc.value(getattr(msg, f)) for f, _ in _fields_of(msg)}
     body["v"] = PROTOCOL_VERSION
     body["type"] = msg.TYPE
     header = msgpack.packb(body, use_bin_type=True)
@@ -456,16 +456,12 @@ class RawMessage:
 
     frames: list[Any]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(_frame_len(f) for f in self.frames)
-
 
 def encode_with_embedded(msg: Message, **embedded: Sequence[RawMessage]) -> list[Any]:
     """Encode ``msg`` where the named list fields are already-encoded messages (no re-encoding)."""
     enc = _Encoder()
     body = {}
-    for f, _ in _FIELDS_of(msg):
+    for f, _ in _fields_of(msg):
         if f in embedded:
             body[f] = [enc.embedded(raw.frames) for raw in embedded[f]]
         else:
@@ -480,7 +476,8 @@ def encode_with_embedded(msg: Message, **embedded: Sequence[RawMessage]) -> list
 # ---------------------------------------------------------------------------------------------
 
 
-def _frame_len(frame: Any) -> int:
+def frame_nbytes(frame: Any) -> int:
+    """Bytes in one frame, whatever holds it (bytes, memoryview, numpy array, zmq.Frame)."""
     if isinstance(frame, (bytes, bytearray)):
         return len(frame)
     if isinstance(frame, memoryview):
@@ -493,7 +490,12 @@ def _frame_len(frame: Any) -> int:
     return len(frame)
 
 
-def _frame_buffer(frame: Any) -> Any:
+def frames_nbytes(frames: Sequence[Any]) -> int:
+    return sum(frame_nbytes(f) for f in frames)
+
+
+def frame_buffer(frame: Any) -> Any:
+    """The buffer behind a frame (a zmq.Frame's memoryview, or the object itself)."""
     buf = getattr(frame, "buffer", None)
     return buf if buf is not None else frame
 
@@ -522,7 +524,7 @@ class _Decoder:
         dtype = ALLOWED_DTYPES[dtype_name]
         expected = math.prod(shape) * dtype.itemsize
         if "frame" in ref:
-            buf = _frame_buffer(self.take_frame(ref["frame"], path))
+            buf = frame_buffer(self.take_frame(ref["frame"], path))
         elif "data" in ref and isinstance(ref["data"], bytes):
             buf = ref["data"]
         else:
@@ -675,10 +677,10 @@ def decode(frames: Sequence[Any], max_bytes: int | None = DEFAULT_MAX_MESSAGE_BY
     if not frames:
         raise ProtocolError("empty", "no frames")
     if max_bytes is not None:
-        total = sum(_frame_len(f) for f in frames)
+        total = frames_nbytes(frames)
         if total > max_bytes:
             raise ProtocolError("too_large", f"{total} bytes > cap {max_bytes}")
-    header = _frame_buffer(frames[0])
+    header = frame_buffer(frames[0])
     try:
         body = msgpack.unpackb(header, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several exception types on garbage
@@ -696,8 +698,3 @@ def decode(frames: Sequence[Any], max_bytes: int | None = DEFAULT_MAX_MESSAGE_BY
         unused = [i for i, u in enumerate(dec.used) if not u]
         raise ProtocolError("bad_frame_ref", f"{cls.TYPE}: frames {unused} not referenced")
     return msg  # type: ignore[return-value]
-
-
-def decode_raw(frames: Sequence[Any], max_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[Message, RawMessage]:
-    """Decode for validation and keep the original frames for forwarding."""
-    return decode(frames, max_bytes), RawMessage(list(frames))

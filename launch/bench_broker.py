@@ -45,12 +45,6 @@ def make_group(payload_bytes: int, ticket_id: str = "t", task_id: str = "bench/0
                              created_at=time.monotonic())
 
 
-def _nbytes(frames: list[Any]) -> int:
-    from common.protocol import _frame_len
-
-    return sum(_frame_len(f) for f in frames)
-
-
 # ----- raw ZeroMQ ------------------------------------------------------------------------------
 
 
@@ -226,7 +220,7 @@ def run_ours(payload_bytes: int, persist: bool, num_actors: int, per_actor: int)
     from common import protocol as P
     from common.net import free_port
 
-    wire_bytes = _nbytes(P.encode(make_group(payload_bytes)))
+    wire_bytes = P.frames_nbytes(P.encode(make_group(payload_bytes)))
     ctx = mp.get_context("spawn")
     ports = (free_port(), free_port(), free_port())
     total = num_actors * per_actor
@@ -259,7 +253,7 @@ def run_bench(payload_bytes: int, persist: bool, num_actors: int, groups: int, r
     from common import protocol as P
     from common.metrics import percentile
 
-    wire_bytes = _nbytes(P.encode(make_group(payload_bytes)))
+    wire_bytes = P.frames_nbytes(P.encode(make_group(payload_bytes)))
     per_actor = groups or max(GROUPS_PER_BATCH, (384 << 20) // wire_bytes // num_actors)
     raw_runs, our_runs = [], []
     for _ in range(repeats):

@@ -59,7 +59,7 @@ def test_large_arrays_travel_as_frames_small_inline():
     header = msgpack.unpackb(frames[0])
     assert header["info"]["big"] == {"__nd__": 1, "dtype": "int32", "shape": [100_000], "frame": 1}
     assert "data" in header["info"]["small"]
-    assert P._frame_len(frames[1]) == big.nbytes
+    assert P.frame_nbytes(frames[1]) == big.nbytes
 
 
 @given(n_traj=st.integers(1, 4), turns=st.integers(0, 4), prompt_len=st.integers(0, 30_000),

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+import os
+
+import broker.spill as spill_mod
 from broker.spill import SpillLog
 from broker.store import SuccessStore
 from common import protocol as P
@@ -32,12 +35,17 @@ def test_append_recover_consume(tmp_path, quiet_log):
     np.testing.assert_array_equal(back.trajectories[0].prompt_ids, groups[2].trajectories[0].prompt_ids)
 
 
-def test_torn_tail_is_cut_and_log_stays_appendable(tmp_path, quiet_log):
-    s, _ = _open(tmp_path, quiet_log)
+def _two_groups_on_disk(tmp_path, log):
+    """Write two groups and close; returns them and the segment file holding them."""
+    s, _ = _open(tmp_path, log)
     g1, g2 = make_group(), make_group()
     s.append_groups([(g1.group_id, P.encode(g1)), (g2.group_id, P.encode(g2))])
     s.close()
-    seg = sorted(tmp_path.glob("seg-*.log"))[-1]
+    return g1, g2, sorted(tmp_path.glob("seg-*.log"))[-1]
+
+
+def test_torn_tail_is_cut_and_log_stays_appendable(tmp_path, quiet_log):
+    g1, _, seg = _two_groups_on_disk(tmp_path, quiet_log)
     data = seg.read_bytes()
     seg.write_bytes(data[:-7])  # a kill -9 in the middle of the second record
     s2, rec = _open(tmp_path, quiet_log)
@@ -50,11 +58,7 @@ def test_torn_tail_is_cut_and_log_stays_appendable(tmp_path, quiet_log):
 
 
 def test_corrupt_record_stops_replay_of_that_segment(tmp_path, quiet_log):
-    s, _ = _open(tmp_path, quiet_log)
-    g1, g2 = make_group(), make_group()
-    s.append_groups([(g1.group_id, P.encode(g1)), (g2.group_id, P.encode(g2))])
-    s.close()
-    seg = sorted(tmp_path.glob("seg-*.log"))[-1]
+    g1, _, seg = _two_groups_on_disk(tmp_path, quiet_log)
     data = bytearray(seg.read_bytes())
     data[-20] ^= 0xFF  # flip a byte inside the last record: its CRC fails
     seg.write_bytes(bytes(data))
@@ -81,6 +85,24 @@ def test_consumed_segments_deleted_oldest_first_and_dedupe_survives(tmp_path, qu
     _, rec = _open(tmp_path, quiet_log)
     assert [gid for gid, _ in rec.groups] == [gs[2].group_id, gs[3].group_id]
     assert gs[0].group_id in rec.recent_ids  # kept by the snapshot heading a later segment
+
+
+def test_short_writev_is_completed_exactly(tmp_path, quiet_log, monkeypatch):
+    real_writev = os.writev
+
+    def half_writev(fd, parts):  # a writev interrupted after half of what it was given
+        flat = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+        return real_writev(fd, [flat[: len(flat) // 2]])
+
+    s, _ = _open(tmp_path, quiet_log)
+    monkeypatch.setattr(spill_mod.os, "writev", half_writev)
+    groups = [make_group(), make_group()]
+    locs = s.append_groups([(g.group_id, P.encode(g)) for g in groups])
+    monkeypatch.setattr(spill_mod.os, "writev", real_writev)
+    assert P.decode(s.read(locs[1])).group_id == groups[1].group_id
+    s.close()
+    _, rec = _open(tmp_path, quiet_log)
+    assert [gid for gid, _ in rec.groups] == [g.group_id for g in groups] and rec.truncated_bytes == 0
 
 
 def test_persist_off_wipes_old_segments(tmp_path, quiet_log):
