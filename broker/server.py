@@ -54,6 +54,7 @@ class Broker:
         self.parked: collections.OrderedDict[tuple[bytes, str], float] = collections.OrderedDict()
         self.request_ticket: dict[str, str] = {}
         self.credits: collections.Counter[bytes] = collections.Counter()
+        self.unreported_drops = 0  # stale groups dropped since the last Batch told the learner
         self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.lag_hist = Histogram(LAG_BUCKETS)
         self.mem_bytes = 0
@@ -402,10 +403,13 @@ class Broker:
                     self._forget(g)
                 if dropped:
                     self._consumed(dropped)
+                    # Drops found while too few groups waited for a batch ride on the next batch sent.
+                    self.unreported_drops += len(dropped)
                 if batch is None:
                     return
                 self.credits[ident] -= 1
-                self._send_batch(ident, batch, len(dropped))
+                self._send_batch(ident, batch, self.unreported_drops)
+                self.unreported_drops = 0
             del self.credits[ident]
 
     def _consumed(self, groups: list[QueuedGroup]) -> None:

@@ -88,6 +88,9 @@ class SpillLog:
 
     def _rotate(self, recent_ids: Sequence[str], state: dict) -> None:
         if self._fd is not None:
+            if self.persist:
+                # The commit thread may have written a round it has not synced yet (write and sync overlap).
+                os.fdatasync(self._fd)
             os.close(self._fd)
         self._active = (self.segments[-1] + 1) if self.segments else 1
         self.segments.append(self._active)
@@ -191,6 +194,20 @@ class SpillLog:
         with self.lock:
             self._sync()
 
+    def sync_written(self) -> None:
+        """Make everything written so far durable without holding the lock during the disk flush.
+
+        The commit thread keeps appending the next round meanwhile. A duplicate descriptor keeps the
+        file open if the loop rotates segments during the flush; rotation syncs the old segment itself.
+        """
+        with self.lock:
+            fd = os.dup(self._fd)
+        try:
+            os.fdatasync(fd)
+            self.fsyncs += 1
+        finally:
+            os.close(fd)
+
     def _mark_consumed(self, group_ids, locations, state, sync) -> None:
         if self.persist and group_ids:
             self._write([self._record(KIND_CONSUMED, [msgpack.packb({"ids": list(group_ids), "state": state})])])
@@ -287,11 +304,13 @@ class SpillLog:
 
 
 class CommitThread:
-    """Group commit off the broker's loop: appends + one fdatasync per round, in submission order.
+    """Group commit off the broker's loop, in two overlapped stages, completed in submission order.
 
-    The loop submits ``(items, token)`` and keeps serving; every job queued while a sync is running
-    joins the next round. Completed ``(token, locations)`` come back through ``done`` and a wake-up
-    message on an inproc socket the loop polls.
+    The writer stage appends every job queued since its last round; the sync stage runs one fdatasync
+    for all rounds written since its last flush. While the disk flushes one round, the next is copied
+    into the page cache, so the log keeps the disk busy instead of alternating copy and flush.
+    Completed ``(token, locations)`` come back through ``completed`` plus a wake-up message on an
+    inproc socket the loop polls.
     """
 
     def __init__(self, spill: SpillLog, ctx: Any, wake_addr: str):
@@ -302,11 +321,15 @@ class CommitThread:
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = ctx.socket(zmq.PUSH)
         self._wake.connect(wake_addr)
-        self._zmq = zmq
         self.pending = 0
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="spill-commit", daemon=True)
-        self._thread.start()
+        self._written: list[tuple[list, list[Location] | None]] = []  # rounds awaiting the sync stage
+        self._cond = threading.Condition()
+        self._writing_done = False
+        self._writer = threading.Thread(target=self._write_rounds, name="spill-write", daemon=True)
+        self._syncer = threading.Thread(target=self._sync_rounds, name="spill-sync", daemon=True)
+        self._writer.start()
+        self._syncer.start()
 
     def submit(self, items: Sequence[tuple[str, Sequence[Any]]], token: Any) -> None:
         """Make groups durable; ``(token, locations)`` comes back through ``completed``."""
@@ -320,43 +343,75 @@ class CommitThread:
             self.pending += 1
         self.jobs.put(("consumed", (list(group_ids), list(locations), dict(state)), token))
 
-    def _run(self) -> None:
+    def _next_round(self) -> tuple[list, bool]:
+        batch = [self.jobs.get()]
+        if batch[0] is None:
+            return [], True
         while True:
-            job = self.jobs.get()
-            if job is None:
+            try:
+                nxt = self.jobs.get_nowait()
+            except queue.Empty:
+                return batch, False
+            if nxt is None:
+                return batch, True
+            batch.append(nxt)
+
+    def _write_rounds(self) -> None:
+        stop = False
+        while not stop:
+            batch, stop = self._next_round()
+            if not batch:
                 break
-            batch = [job]
-            stop = False
-            while True:
-                try:
-                    nxt = self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    stop = True
-                    break
-                batch.append(nxt)
             group_jobs = [(items if kind == "groups" else [], token) for kind, items, token in batch
                           if kind == "groups" or token is not None]
             items = [it for its, _ in group_jobs for it in its]
+            locs: list[Location] | None
             try:
                 locs = self.spill.append_groups(items, sync=False) if items else []
                 for kind, (ids, locations, state), _ in (j for j in batch if j[0] == "consumed"):
                     self.spill.mark_consumed(ids, locations, state, sync=False)
-                self.spill.sync()  # one fdatasync for the whole round
             except BaseException as exc:  # a full or failing disk: the loop must stop acking
                 self.error = exc
                 locs = None
+            with self._cond:
+                self._written.append((group_jobs, locs))
+                self._cond.notify()
+        with self._cond:
+            self._writing_done = True
+            self._cond.notify()
+
+    def _sync_rounds(self) -> None:
+        while True:
+            with self._cond:
+                while not self._written and not self._writing_done:
+                    self._cond.wait()
+                rounds, self._written = self._written, []
+                finished = self._writing_done
+            if rounds:
+                # A failed round is not acked; the actor's retry writes it again, into a later round.
+                synced = True
+                try:
+                    self.spill.sync_written()  # one fdatasync for every round written so far
+                except BaseException as exc:
+                    self.error = exc
+                    synced = False
+                self._complete(rounds, synced)
+            if finished and not rounds:
+                break
+        self._wake.close(0)
+
+    def _complete(self, rounds: list, synced: bool) -> None:
+        woke = False
+        for group_jobs, locs in rounds:
             pos = 0
             for job_items, token in group_jobs:
                 n = len(job_items)
-                self.done.put((token, None if locs is None else locs[pos:pos + n]))
+                ok = synced and locs is not None
+                self.done.put((token, locs[pos:pos + n] if ok else None))
                 pos += n
-            if group_jobs:
-                self._wake.send(b"", copy=True)
-            if stop:
-                break
-        self._wake.close(0)
+                woke = True
+        if woke:
+            self._wake.send(b"", copy=True)
 
     def completed(self) -> list[tuple[Any, list[Location] | None]]:
         out = []
@@ -370,4 +425,5 @@ class CommitThread:
 
     def close(self) -> None:
         self.jobs.put(None)
-        self._thread.join(30)
+        self._writer.join(30)
+        self._syncer.join(30)

@@ -92,6 +92,23 @@ def _raw_consumer(back: str, total: int, warmups: int, barrier, results) -> None
     ctx.term()
 
 
+def _await_result(results, procs, timeout_s: float):
+    """The measuring process's result; a worker that crashed fails the bench at once instead of hanging it."""
+    import queue
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.terminate()
+                raise RuntimeError(f"bench worker {dead[0].name} exited with code {dead[0].exitcode}")
+    raise RuntimeError(f"no result within {timeout_s:.0f} s")
+
+
 def _reap(procs, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     for p in procs:
@@ -115,7 +132,7 @@ def run_raw(payload_bytes: int, num_actors: int, per_actor: int) -> dict:
               for _ in range(num_actors)]
     for p in procs:
         p.start()
-    res = results.get(timeout=600)
+    res = _await_result(results, procs + [proxy], 600)
     _reap(procs)
     proxy.terminate()
     proxy.join(5)
@@ -147,7 +164,7 @@ def _broker_proc(ports, run_dir: str, persist: bool, ready) -> None:
     b.run()
 
 
-def _actor_proc(ports, payload_bytes: int, n: int, window: int, barrier) -> None:
+def _actor_proc(ports, payload_bytes: int, n: int, window: int, barrier, actors_done) -> None:
     from broker.client import ActorBrokerClient
     from common import log as L
     from common import protocol as P
@@ -175,6 +192,8 @@ def _actor_proc(ports, payload_bytes: int, n: int, window: int, barrier) -> None
             submitted += 1
             if submitted + client.outstanding_ticket_requests < n:
                 client.request_ticket()
+    with actors_done.get_lock():
+        actors_done.value += 1
     client.close()
 
 
@@ -186,7 +205,7 @@ def _await_go(start, poll) -> None:
         poll(0.05)
 
 
-def _consumer_proc(ports, total: int, wire_bytes: int, barrier, results) -> None:
+def _consumer_proc(ports, total: int, num_actors: int, actors_done, wire_bytes: int, barrier, results) -> None:
     from broker.client import LearnerBrokerClient
     from common import log as L
 
@@ -197,23 +216,28 @@ def _consumer_proc(ports, total: int, wire_bytes: int, barrier, results) -> None
     client.set_control(version)
     _await_go(barrier, client.poll)
     t0 = time.monotonic()
-    client.grant(2)
-    got, nbytes, lat = 0, 0, []
-    while got < total:
-        batch = client.next_batch(60)
+    client.grant(4)  # a learner's prefetch: a few batches of credit outstanding
+    got, dropped, nbytes, lat = 0, 0, 0, []
+    t_last = t0
+    while got + dropped < total:
+        batch = client.next_batch(2 if actors_done.value == num_actors else 60)
         if batch is None:
-            raise RuntimeError(f"no batch within 60 s after {got}/{total} groups")
+            if actors_done.value == num_actors:
+                break  # every group is acked; stale drops left fewer than a batch behind
+            raise RuntimeError(f"no batch within 60 s after {got}/{total} groups ({dropped} dropped stale)")
         now = time.monotonic()
         for g in batch.groups:
             lat.append(now - g.created_at)
         got += len(batch.groups)
+        dropped += batch.dropped_stale
         nbytes += len(batch.groups) * wire_bytes
         version += 1
         client.set_control(version)  # the learner's step: frees admission for the next tickets
         client.grant(1)
-    seconds = time.monotonic() - t0
+        t_last = time.monotonic()
+    seconds = t_last - t0
     client.poll(0.2)
-    results.put({"seconds": seconds, "bytes": nbytes, "latencies": lat, "count": got})
+    results.put({"seconds": seconds, "bytes": nbytes, "latencies": lat, "count": got, "dropped_stale": dropped})
 
 
 def run_ours(payload_bytes: int, persist: bool, num_actors: int, per_actor: int) -> dict:
@@ -233,8 +257,10 @@ def run_ours(payload_bytes: int, persist: bool, num_actors: int, per_actor: int)
         broker.start()
         if not ready.wait(60):
             raise RuntimeError("broker did not start")
-        procs = [ctx.Process(target=_consumer_proc, args=(ports, total, wire_bytes, barrier, results))]
-        procs += [ctx.Process(target=_actor_proc, args=(ports, payload_bytes, per_actor, 8, barrier))
+        actors_done = ctx.Value("i", 0)
+        procs = [ctx.Process(target=_consumer_proc,
+                             args=(ports, total, num_actors, actors_done, wire_bytes, barrier, results))]
+        procs += [ctx.Process(target=_actor_proc, args=(ports, payload_bytes, per_actor, 8, barrier, actors_done))
                   for _ in range(num_actors)]
         for p in procs:
             p.start()
@@ -242,7 +268,7 @@ def run_ours(payload_bytes: int, persist: bool, num_actors: int, per_actor: int)
             if not barrier[0].acquire(timeout=120):
                 raise RuntimeError("bench workers did not become ready")
         barrier[1].set()
-        res = results.get(timeout=900)
+        res = _await_result(results, procs + [broker], 900)
         _reap(procs)
         broker.terminate()
         broker.join(30)
@@ -285,4 +311,5 @@ def run_bench(payload_bytes: int, persist: bool, num_actors: int, groups: int, r
         "raw_p99_ms": round(percentile(raw_lat, 99) * 1000, 2),
         "runs_mb_per_s": [round(mbps(r), 1) for r in our_runs],
         "raw_runs_mb_per_s": [round(mbps(r), 1) for r in raw_runs],
+        "dropped_stale": sum(r["dropped_stale"] for r in our_runs),  # stragglers past η: counted, not delivered
     }

@@ -316,3 +316,24 @@ def test_failing_disk_never_acks_and_retries_succeed_later(start_broker, quiet_l
     assert learner.next_batch(5).groups[0].group_id == g.group_id
     actor.close()
     learner.close()
+
+
+def test_stale_drops_while_no_batch_forms_are_reported_on_the_next_batch(start_broker, quiet_log):
+    tb = start_broker(BrokerConfig(groups_per_batch=2, group_size=2, eta=1, persist=False))
+    actor, learner = clients(tb, quiet_log)
+    learner.set_control(0)
+    (t,) = take_tickets(actor, 1, expect=1)
+    actor.submit(make_group(t))
+    pump([actor], 5, until=lambda: len(actor.acks) == 1)
+    learner.grant(1)  # one group waits: too few for a batch
+    learner.set_control(2)  # the waiting group is now 2 versions behind: past η = 1
+    pump([learner], 2, until=lambda: stat(tb, "dropped_stale") == 1)
+    assert stat(tb, "dropped_stale") == 1
+    fresh = take_tickets(actor, 2, expect=2)
+    assert all(t.policy_version == 2 for t in fresh)
+    for t in fresh:
+        actor.submit(make_group(t))
+    batch = learner.next_batch(5)
+    assert batch is not None and batch.dropped_stale == 1, "the learner hears of every stale drop"
+    actor.close()
+    learner.close()

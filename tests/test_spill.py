@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 import os
+import time
+
+import numpy as np
+import zmq
 
 import broker.spill as spill_mod
-from broker.spill import SpillLog
+from broker.spill import CommitThread, SpillLog
 from broker.store import SuccessStore
 from common import protocol as P
 from tests.conftest import make_group, make_traj
@@ -130,3 +132,53 @@ def test_success_store_dedupes_caps_and_persists(tmp_path, quiet_log):
     samples = st2.sample(k_per_task=5, max_tasks=0, seed=0)
     assert sorted(s.task_id for s in samples) == ["b", "c"]
     np.testing.assert_array_equal(samples[0].trajectory.output_ids, t1.output_ids)
+
+
+def test_commit_thread_acks_in_order_only_after_a_sync_covering_the_data(tmp_path, quiet_log, monkeypatch):
+    """Writes and flushes overlap; a job completes only after an fdatasync that started after its write,
+    rotation in between keeps earlier rounds durable, and recovery sees every completed group."""
+    s, _ = _open(tmp_path, quiet_log, segment_bytes=4096)  # tiny segments: rotations between rounds
+    written_at: dict[str, int] = {}
+    syncs_started = []
+    real_append, real_sync = s.append_groups, s.sync_written
+
+    def append(items, sync=None):
+        out = real_append(items, sync)
+        for gid, _ in items:
+            written_at[gid] = len(syncs_started)
+        s.maybe_rotate([], {})
+        return out
+
+    def slow_sync():
+        syncs_started.append(time.monotonic())
+        time.sleep(0.01)  # a slow disk: later rounds get written while this flush runs
+        real_sync()
+
+    monkeypatch.setattr(s, "append_groups", append)
+    monkeypatch.setattr(s, "sync_written", slow_sync)
+    ctx = zmq.Context.instance()
+    wake = ctx.socket(zmq.PULL)
+    wake.bind("inproc://test-commit")
+    commit = CommitThread(s, ctx, "inproc://test-commit")
+    groups = [make_group(version=i) for i in range(30)]
+    for i, g in enumerate(groups):
+        commit.submit([(g.group_id, P.encode(g))], i)
+        if i % 7 == 0:
+            time.sleep(0.005)
+    done = []
+    deadline = time.monotonic() + 10
+    while len(done) < len(groups) and time.monotonic() < deadline:
+        if wake.poll(100):
+            wake.recv()
+        for token, locs in commit.completed():
+            assert locs is not None
+            # the flush that acked it began after the group was written
+            assert len(syncs_started) > written_at[groups[token].group_id]
+            done.append(token)
+    commit.close()
+    wake.close(0)
+    assert done == list(range(len(groups)))
+    assert len(syncs_started) < len(groups), "rounds were grouped, not one flush per group"
+    s.close()
+    _, rec = _open(tmp_path, quiet_log)
+    assert [gid for gid, _ in rec.groups] == [g.group_id for g in groups]
