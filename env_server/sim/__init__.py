@@ -1,0 +1,1 @@
+"""The built-in simulated office desktop: apps with real state, tasks, verifiers and oracle solvers."""

@@ -1,0 +1,676 @@
+"""Procedurally generated tasks on the sim desktop: instruction, setup, verifier and oracle per family.
+
+A task id is ``sim:<split>[:<family>,...]/<seed>``: the seed picks the family (round robin over the
+suite's families) and the instance. ``train`` and ``heldout`` differ by seed range (held-out instances
+come from a disjoint generator stream) and by instruction template (the last template of every family is
+held out). Verifiers read the final state of files and apps, never the agent's ``done()``; only the
+infeasible family asks for ``fail()``, which is its right answer.
+
+Oracles are scripted policies: generators that yield one action string at a time and may look at the live
+desktop between actions (as a person watching the screen would). ``route`` is ``gui`` or ``api``.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import random
+import string
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from env_server.actions import ActionError
+from env_server.sim.desktop import CHOICES, COLS, HOME, ROWS, Desktop, format_sheet
+
+SPLITS = ("train", "heldout")
+HELDOUT_SEED_OFFSET = 1_000_000_007  # held-out instances come from a disjoint generator stream
+
+WORDS = ("alpha", "budget", "draft", "summary", "invoice", "plan", "notes", "memo", "review", "agenda", "report",
+         "minutes", "letter", "outline", "travel", "recipe", "ideas", "goals", "contacts", "schedule")
+FOLDERS = ("Documents", "Downloads", "Pictures", "Music", "Projects")
+NEW_FOLDERS = ("Invoices", "Receipts", "Drafts", "Old", "Backup", "Photos2024", "Taxes", "Work", "Shared", "Temp")
+TEXT_LINES = ("the cat sat on the mat", "call the bank about the loan", "meeting moved to friday",
+              "the cat likes the garden", "remember the milk and the bread", "send the slides to the team",
+              "the report is due soon", "book the train tickets")
+REPLACEMENTS = (("cat", "dog"), ("the", "a"), ("milk", "juice"), ("team", "group"), ("report", "paper"),
+                ("friday", "monday"), ("bank", "office"), ("train", "bus"))
+NAMES = ("alex", "sam", "jordan", "robin", "kim", "lee", "morgan", "taylor")
+
+
+@dataclass
+class DemoConfig:
+    """How imperfect oracle demonstrations are."""
+
+    detour_prob: float = 0.0
+    """probability of a harmless detour (opening an unrelated app first)"""
+    wrong_choice_prob: float = 0.0
+    """probability that the demo picks the wrong item on an ambiguous screen (the episode then fails)"""
+
+
+@dataclass
+class Task:
+    task_id: str
+    family: str
+    split: str
+    template: int
+    instruction: str
+    params: dict
+    feasible: bool
+    max_steps: int
+
+
+@dataclass
+class Family:
+    name: str
+    templates: tuple[str, ...]
+    generate: Callable[[random.Random], dict]
+    setup: Callable[[Desktop, dict], None]
+    verify: Callable[[Desktop, dict], bool]
+    solve: Callable[[Desktop, dict, str], Iterator[str]]
+    max_steps: int = 16
+    feasible: bool = True
+    ambiguous: bool = False
+    wrong: Callable[[Desktop, dict, str], Iterator[str]] | None = None
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+
+# ----- shared setup and oracle building blocks ----------------------------------------------------------
+
+def base_files(desk: Desktop, rng: random.Random) -> None:
+    """A home folder with some folders and distractor files (deterministic per task)."""
+    for f in FOLDERS:
+        desk.fs.dirs.add(f"{HOME}/{f}")
+    for f in ("Documents", "Downloads"):
+        for w in rng.sample(WORDS, 3):
+            desk.fs.write(f"{HOME}/{f}/{w}_{rng.randint(1, 9)}.txt", rng.choice(TEXT_LINES) + "\n")
+
+
+def _nav(desk: Desktop, folder: str) -> Iterator[str]:
+    """GUI: open Files and walk to ``folder`` (absolute) by double-clicking."""
+    if desk.focused != "Files":
+        yield 'open_app("Files")'
+    files = desk.apps["Files"]
+    while files.dialog is not None or files.menu_for is not None:
+        yield 'hotkey("escape")'
+    while not (folder == files.cwd or folder.startswith(files.cwd.rstrip("/") + "/")):
+        yield 'click("Up")'
+    rest = folder[len(files.cwd):].strip("/")
+    for part in [p for p in rest.split("/") if p]:
+        yield f"double_click({part!r})"
+
+
+def _open_doc(desk: Desktop, path: str) -> Iterator[str]:
+    yield from _nav(desk, posixpath.dirname(path))
+    yield f"double_click({posixpath.basename(path)!r})"
+
+
+def _rel(path: str) -> str:
+    return path[len(HOME) + 1:]
+
+
+def _sheet_cells(desk: Desktop, path: str) -> dict[str, str] | None:
+    """The final state of a sheet: the open workbook if the Sheet app holds it, else the file."""
+    sheet = desk.apps["Sheet"]
+    if sheet.path == path:
+        return {c: sheet.value(c) for c in (f"{col}{r}" for col in COLS for r in range(1, ROWS + 1))}
+    if path not in desk.fs.files:
+        return None
+    tmp = Desktop()
+    tmp.fs.dirs.add(posixpath.dirname(path))
+    tmp.fs.files[path] = desk.fs.files[path]
+    tmp.apps["Sheet"].load(path)
+    return _sheet_cells(tmp, path)
+
+
+def _num_eq(a: str | None, b: float) -> bool:
+    try:
+        return a is not None and abs(float(a) - b) < 1e-6
+    except ValueError:
+        return False
+
+
+# ----- families -------------------------------------------------------------------------------------------
+
+def _gen_rename(rng):
+    old = f"{rng.choice(WORDS)}_{rng.randint(10, 99)}.txt"
+    new = f"{rng.choice(WORDS)}_final_{rng.randint(1, 9)}.txt"
+    return {"old": old, "new": new, "text": rng.choice(TEXT_LINES) + "\n", "r": rng.random()}
+
+
+def _setup_rename(desk, p):
+    desk.fs.write(f"{HOME}/Documents/{p['old']}", p["text"])
+
+
+def _verify_rename(desk, p):
+    fs = desk.fs
+    return fs.files.get(f"{HOME}/Documents/{p['new']}") == p["text"] and f"{HOME}/Documents/{p['old']}" not in fs.files
+
+
+def _solve_rename(desk, p, route):
+    if route == "api":
+        yield f"Files.rename({'Documents/' + p['old']!r}, {p['new']!r})"
+        return
+    yield from _nav(desk, f"{HOME}/Documents")
+    yield f"click({p['old']!r})"
+    yield 'click("Rename")'
+    yield f"type({p['new']!r}, overwrite=True)"
+    yield 'click("OK")'
+
+
+def _gen_latest(rng):
+    a, b = rng.sample(range(10, 99), 2)
+    return {"older": f"report_{a}.txt", "newer": f"report_{b}.txt", "new": f"latest_{rng.randint(1, 9)}.txt",
+            "text_old": "old figures\n", "text_new": "new figures\n"}
+
+
+def _setup_latest(desk, p):
+    desk.fs.write(f"{HOME}/Documents/{p['older']}", p["text_old"])
+    desk.fs.write(f"{HOME}/Documents/{p['newer']}", p["text_new"])
+
+
+def _verify_latest(desk, p):
+    fs = desk.fs
+    return (fs.files.get(f"{HOME}/Documents/{p['new']}") == p["text_new"]
+            and fs.files.get(f"{HOME}/Documents/{p['older']}") == p["text_old"])
+
+
+def _solve_latest_pick(pick: str):
+    def solve(desk, p, route):
+        name = p[pick]
+        if route == "api":
+            yield 'Files.list_dir("Documents")'
+            yield f"Files.rename({'Documents/' + name!r}, {p['new']!r})"
+            return
+        yield from _nav(desk, f"{HOME}/Documents")
+        yield f"click({name!r})"
+        yield 'click("Rename")'
+        yield f"type({p['new']!r}, overwrite=True)"
+        yield 'click("OK")'
+    return solve
+
+
+def _gen_mkdir(rng):
+    return {"parent": rng.choice(FOLDERS), "name": rng.choice(NEW_FOLDERS)}
+
+
+def _verify_mkdir(desk, p):
+    return f"{HOME}/{p['parent']}/{p['name']}" in desk.fs.dirs
+
+
+def _solve_mkdir(desk, p, route):
+    if route == "api":
+        yield f"Files.create_folder({p['parent'] + '/' + p['name']!r})"
+        return
+    yield from _nav(desk, f"{HOME}/{p['parent']}")
+    yield 'click("New Folder")'
+    yield f"type({p['name']!r}, overwrite=True)"
+    yield 'click("OK")'
+
+
+def _gen_move(rng):
+    return {"file": f"{rng.choice(WORDS)}_{rng.randint(10, 99)}.txt", "dest": rng.choice(NEW_FOLDERS),
+            "text": rng.choice(TEXT_LINES) + "\n"}
+
+
+def _setup_move(desk, p):
+    desk.fs.dirs.add(f"{HOME}/Documents/{p['dest']}")
+    desk.fs.write(f"{HOME}/Documents/{p['file']}", p["text"])
+
+
+def _verify_move(desk, p):
+    return (desk.fs.files.get(f"{HOME}/Documents/{p['dest']}/{p['file']}") == p["text"]
+            and f"{HOME}/Documents/{p['file']}" not in desk.fs.files)
+
+
+def _solve_move(desk, p, route):
+    if route == "api":
+        yield f"Files.move({'Documents/' + p['file']!r}, {'Documents/' + p['dest']!r})"
+        return
+    yield from _nav(desk, f"{HOME}/Documents")
+    yield f"drag({p['file']!r}, {p['dest']!r})"
+
+
+def _gen_delete(rng):
+    return {"file": f"old_{rng.choice(WORDS)}_{rng.randint(10, 99)}.log"}
+
+
+def _setup_delete(desk, p):
+    desk.fs.write(f"{HOME}/Downloads/{p['file']}", "log\n")
+
+
+def _verify_delete(desk, p):
+    target = f"{HOME}/Downloads/{p['file']}"
+    return target not in desk.fs.files and all(f in desk.fs.files for f in desk.initial_files if f != target)
+
+
+def _solve_delete(desk, p, route):
+    if route == "api":
+        yield f"Files.delete({'Downloads/' + p['file']!r})"
+        return
+    yield from _nav(desk, f"{HOME}/Downloads")
+    yield f"click({p['file']!r})"
+    yield 'click("Delete")'
+
+
+def _gen_replace(rng):
+    find, repl = rng.choice(REPLACEMENTS)
+    lines = [ln for ln in TEXT_LINES if find in ln]
+    body = rng.sample(lines, min(2, len(lines))) + rng.sample(TEXT_LINES, 2)
+    rng.shuffle(body)
+    return {"file": f"{rng.choice(WORDS)}.txt", "find": find, "replace": repl, "text": "\n".join(body) + "\n"}
+
+
+def _setup_text_file(desk, p):
+    desk.fs.write(f"{HOME}/Documents/{p['file']}", p["text"])
+
+
+def _verify_replace(desk, p):
+    return desk.fs.files.get(f"{HOME}/Documents/{p['file']}") == p["text"].replace(p["find"], p["replace"])
+
+
+def _solve_replace(desk, p, route):
+    if route == "api":
+        yield f"Editor.open({'Documents/' + p['file']!r})"
+        yield f"Editor.replace_all({p['find']!r}, {p['replace']!r})"
+        yield "Editor.save()"
+        return
+    yield from _open_doc(desk, f"{HOME}/Documents/{p['file']}")
+    yield 'click("Find and Replace")'
+    yield f"type({p['find']!r})"
+    yield 'click("Replace with")'
+    yield f"type({p['replace']!r})"
+    yield 'click("Replace All")'
+    yield 'click("Save")'
+
+
+def _gen_append(rng):
+    return {"file": f"{rng.choice(WORDS)}.txt", "line": f"{rng.choice(('buy', 'call', 'email', 'pay'))} "
+            f"{rng.choice(NAMES)} {rng.randint(2, 99)}", "text": rng.choice(TEXT_LINES) + "\n"}
+
+
+def _verify_append(desk, p):
+    got = desk.fs.files.get(f"{HOME}/Documents/{p['file']}")
+    return got is not None and got.rstrip("\n") == p["text"].rstrip("\n") + "\n" + p["line"]
+
+
+def _solve_append(desk, p, route):
+    if route == "api":
+        yield f"Editor.open({'Documents/' + p['file']!r})"
+        yield f"Editor.insert({p['line'] + chr(10)!r})"
+        yield "Editor.save()"
+        return
+    yield from _open_doc(desk, f"{HOME}/Documents/{p['file']}")
+    yield 'click("Document")'
+    yield f"type({p['line']!r})"
+    yield 'hotkey("ctrl+s")'
+
+
+def _sheet_file(rng, col: str = "A", n: int = 5) -> tuple[str, dict]:
+    cells = {f"{col}{r}": str(rng.randint(1, 99)) for r in range(1, n + 1)}
+    for r in range(1, n + 1):
+        if col != "B" and rng.random() < 0.5:
+            cells[f"B{r}"] = str(rng.randint(1, 99))
+    return f"{rng.choice(WORDS)}.sheet", cells
+
+
+def _setup_sheet(desk, p):
+    desk.fs.write(f"{HOME}/Documents/{p['sheet']}", format_sheet(p["cells"]))
+
+
+def _gen_set_cell(rng):
+    sheet, cells = _sheet_file(rng)
+    return {"sheet": sheet, "cells": cells, "cell": f"{rng.choice(COLS)}{rng.randint(1, ROWS)}",
+            "value": rng.randint(100, 999)}
+
+
+def _verify_set_cell(desk, p):
+    got = _sheet_cells(desk, f"{HOME}/Documents/{p['sheet']}")
+    return got is not None and _num_eq(got.get(p["cell"]), p["value"])
+
+
+def _solve_set_cell(desk, p, route):
+    if route == "api":
+        yield f"Sheet.open({'Documents/' + p['sheet']!r})"
+        yield f"Sheet.set_cell_value({p['cell']!r}, {p['value']})"
+        return
+    yield from _open_doc(desk, f"{HOME}/Documents/{p['sheet']}")
+    yield f"click({p['cell']!r})"
+    yield f"type({str(p['value'])!r})"
+
+
+def _gen_sum(rng):
+    n = rng.randint(3, 6)
+    sheet, cells = _sheet_file(rng, "A", n)
+    return {"sheet": sheet, "cells": cells, "n": n, "target": f"A{rng.randint(n + 2, ROWS)}",
+            "total": sum(int(cells[f"A{r}"]) for r in range(1, n + 1))}
+
+
+def _verify_sum(desk, p):
+    got = _sheet_cells(desk, f"{HOME}/Documents/{p['sheet']}")
+    return got is not None and _num_eq(got.get(p["target"]), p["total"]) and all(
+        _num_eq(got.get(f"A{r}"), float(p["cells"][f"A{r}"])) for r in range(1, p["n"] + 1))
+
+
+def _solve_sum(desk, p, route):
+    formula = f"=SUM(A1:A{p['n']})"
+    if route == "api":
+        yield f"Sheet.open({'Documents/' + p['sheet']!r})"
+        yield f"Sheet.set_cell_value({p['target']!r}, {formula!r})"
+        return
+    yield from _open_doc(desk, f"{HOME}/Documents/{p['sheet']}")
+    yield f"click({p['target']!r})"
+    yield f"type({formula!r})"
+
+
+def _gen_sort(rng):
+    sheet, cells = _sheet_file(rng, "B", rng.randint(4, 8))
+    return {"sheet": sheet, "cells": cells, "ascending": rng.random() < 0.5}
+
+
+def _verify_sort(desk, p):
+    got = _sheet_cells(desk, f"{HOME}/Documents/{p['sheet']}")
+    if got is None:
+        return False
+    want = sorted((float(v) for k, v in p["cells"].items() if k[0] == "B"), reverse=not p["ascending"])
+    have = [got.get(f"B{r}", "") for r in range(1, len(want) + 1)]
+    return all(_num_eq(h, w) for h, w in zip(have, want)) and got.get(f"B{len(want) + 1}", "") == ""
+
+
+def _solve_sort_dir(flip: bool):
+    def solve(desk, p, route):
+        asc = p["ascending"] != flip
+        if route == "api":
+            yield f"Sheet.open({'Documents/' + p['sheet']!r})"
+            yield f"Sheet.sort_column('B', ascending={asc})"
+            return
+        yield from _open_doc(desk, f"{HOME}/Documents/{p['sheet']}")
+        yield 'click("B1")'
+        yield f"click({'Sort Ascending' if asc else 'Sort Descending'!r})"
+    return solve
+
+
+def _gen_dark_font(rng):
+    return {"dark": rng.random() < 0.7, "size": rng.choice([s for s in CHOICES["Font size"] if s != "12"])}
+
+
+def _verify_dark_font(desk, p):
+    s = desk.apps["Settings"].applied
+    return s["Dark mode"] == p["dark"] and s["Font size"] == p["size"]
+
+
+def _solve_dark_font(desk, p, route):
+    if route == "api":
+        yield f"Settings.set_value('Dark mode', {p['dark']})"
+        yield f"Settings.set_value('Font size', {p['size']!r})"
+        return
+    yield 'open_app("Settings")'
+    if desk.apps["Settings"].pending["Dark mode"] != p["dark"]:
+        yield 'click("Dark mode")'
+    yield 'click("Font size")'
+    yield f"click({p['size']!r})"
+    yield 'click("Apply")'
+
+
+def _gen_profile(rng):
+    return {"user": rng.choice(NAMES) + str(rng.randint(1, 99)),
+            "lang": rng.choice([x for x in CHOICES["Language"] if x != "English"])}
+
+
+def _verify_profile(desk, p):
+    s = desk.apps["Settings"].applied
+    return s["User name"] == p["user"] and s["Language"] == p["lang"]
+
+
+def _solve_profile(desk, p, route):
+    if route == "api":
+        yield f"Settings.set_value('User name', {p['user']!r})"
+        yield f"Settings.set_value('Language', {p['lang']!r})"
+        return
+    yield 'open_app("Settings")'
+    yield 'click("User name")'
+    yield f"type({p['user']!r}, overwrite=True)"
+    yield 'click("Language")'
+    yield f"click({p['lang']!r})"
+    yield 'click("Apply")'
+
+
+def _gen_sheet_to_doc(rng):
+    sheet, cells = _sheet_file(rng)
+    cell = rng.choice(sorted(cells))
+    return {"sheet": sheet, "cells": cells, "cell": cell, "file": f"{rng.choice(WORDS)}_log.txt",
+            "text": rng.choice(TEXT_LINES) + "\n"}
+
+
+def _setup_sheet_and_doc(desk, p):
+    _setup_sheet(desk, p)
+    _setup_text_file(desk, p)
+
+
+def _verify_sheet_to_doc(desk, p):
+    got = desk.fs.files.get(f"{HOME}/Documents/{p['file']}")
+    return got is not None and got.rstrip("\n") == p["text"].rstrip("\n") + "\n" + p["cells"][p["cell"]]
+
+
+def _solve_sheet_to_doc(desk, p, route):
+    if route == "api":
+        yield f"Sheet.open({'Documents/' + p['sheet']!r})"
+        yield f"Sheet.get_cell_value({p['cell']!r})"
+        value = desk.apps["Sheet"].value(p["cell"])
+        yield f"Editor.open({'Documents/' + p['file']!r})"
+        yield f"Editor.insert({value + chr(10)!r})"
+        yield "Editor.save()"
+        return
+    yield from _open_doc(desk, f"{HOME}/Documents/{p['sheet']}")
+    value = desk.apps["Sheet"].value(p["cell"])  # read off the screen
+    yield from _open_doc(desk, f"{HOME}/Documents/{p['file']}")
+    yield 'click("Document")'
+    yield f"type({value!r})"
+    yield 'hotkey("ctrl+s")'
+
+
+def _gen_doc_to_sheet(rng):
+    sheet, cells = _sheet_file(rng)
+    number = rng.randint(100, 9999)
+    return {"sheet": sheet, "cells": cells, "cell": f"{rng.choice('CD')}{rng.randint(1, ROWS)}", "number": number,
+            "file": f"{rng.choice(WORDS)}_total.txt", "text": f"{number}\n"}
+
+
+def _verify_doc_to_sheet(desk, p):
+    got = _sheet_cells(desk, f"{HOME}/Documents/{p['sheet']}")
+    return got is not None and _num_eq(got.get(p["cell"]), p["number"])
+
+
+def _solve_doc_to_sheet(desk, p, route):
+    if route == "api":
+        yield f"Editor.open({'Documents/' + p['file']!r})"
+        yield "Editor.get_text()"
+        number = desk.apps["Editor"].buffer.strip()
+        yield f"Sheet.open({'Documents/' + p['sheet']!r})"
+        yield f"Sheet.set_cell_value({p['cell']!r}, {number})"
+        return
+    yield from _open_doc(desk, f"{HOME}/Documents/{p['file']}")
+    number = desk.apps["Editor"].buffer.strip()
+    yield from _open_doc(desk, f"{HOME}/Documents/{p['sheet']}")
+    yield f"click({p['cell']!r})"
+    yield f"type({number!r})"
+
+
+INFEASIBLE_KINDS = ("rename_missing", "font_size", "language", "delete_missing")
+UNOFFERED_SIZES = ("13", "15", "17", "30", "72")
+UNOFFERED_LANGS = ("Klingon", "Latin", "Esperanto", "Elvish")
+
+
+def _gen_infeasible(rng):
+    kind = rng.choice(INFEASIBLE_KINDS)
+    p = {"kind": kind, "file": f"{rng.choice(WORDS)}_{rng.randint(100, 999)}.txt", "new": "renamed.txt",
+         "size": rng.choice(UNOFFERED_SIZES), "lang": rng.choice(UNOFFERED_LANGS)}
+    return p
+
+
+def _verify_infeasible(desk, p):
+    unchanged = desk.fs.files == desk.initial_files and desk.fs.dirs == desk.initial_dirs and \
+        desk.apps["Settings"].applied["Font size"] == "12" and desk.apps["Settings"].applied["Language"] == "English"
+    return desk.outcome == "fail" and unchanged
+
+
+def _solve_infeasible(desk, p, route):
+    kind = p["kind"]
+    if route == "api":
+        yield 'Files.list_dir("Documents")' if kind in ("rename_missing", "delete_missing") else \
+            "Settings.list_settings()"
+    elif kind in ("rename_missing", "delete_missing"):
+        yield from _nav(desk, f"{HOME}/Documents")
+    else:
+        yield 'open_app("Settings")'
+        yield f"click({'Font size' if kind == 'font_size' else 'Language'!r})"
+    yield f"fail({'the requested item does not exist'!r})"
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in [
+    Family("files_rename", ("Rename {old} in Documents to {new}.",
+                            "In the Documents folder, change the name of {old} to {new}.",
+                            "Give the file Documents/{old} the new name {new}."),
+           _gen_rename, _setup_rename, _verify_rename, _solve_rename, tags=("files",)),
+    Family("files_rename_latest", ("Rename the most recently modified report in Documents to {new}.",
+                                   "There are two reports in Documents; rename the newer one to {new}.",
+                                   "Find the latest report file in Documents and call it {new}."),
+           _gen_latest, _setup_latest, _verify_latest, _solve_latest_pick("newer"), ambiguous=True,
+           wrong=_solve_latest_pick("older"), tags=("files",)),
+    Family("files_create_folder", ("Create a folder named {name} inside {parent}.",
+                                   "Make a new folder {name} in the {parent} folder.",
+                                   "In {parent}, add a folder called {name}."),
+           _gen_mkdir, lambda d, p: None, _verify_mkdir, _solve_mkdir, tags=("files",)),
+    Family("files_move", ("Move {file} from Documents into the folder Documents/{dest}.",
+                          "Put the file {file} (in Documents) into the {dest} folder inside Documents.",
+                          "Relocate Documents/{file} to Documents/{dest}."),
+           _gen_move, _setup_move, _verify_move, _solve_move, tags=("files",)),
+    Family("files_delete", ("Delete {file} from Downloads.", "Remove the file {file} in the Downloads folder.",
+                            "Get rid of Downloads/{file}."),
+           _gen_delete, _setup_delete, _verify_delete, _solve_delete, tags=("files",)),
+    Family("editor_replace", ("In Documents/{file}, replace every '{find}' with '{replace}' and save the file.",
+                              "Open {file} in Documents, change all '{find}' to '{replace}', then save.",
+                              "Substitute '{replace}' for each '{find}' in Documents/{file} and save it."),
+           _gen_replace, _setup_text_file, _verify_replace, _solve_replace, tags=("editor",)),
+    Family("editor_append", ("Add the line '{line}' at the end of Documents/{file} and save it.",
+                             "Append '{line}' as a new last line of {file} in Documents, then save.",
+                             "Write '{line}' on a new line at the bottom of Documents/{file} and save."),
+           _gen_append, _setup_text_file, _verify_append, _solve_append, tags=("editor",)),
+    Family("sheet_set_cell", ("In Documents/{sheet}, set cell {cell} to {value}.",
+                              "Open the spreadsheet {sheet} in Documents and enter {value} in {cell}.",
+                              "Put the number {value} into cell {cell} of Documents/{sheet}."),
+           _gen_set_cell, _setup_sheet, _verify_set_cell, _solve_set_cell, tags=("sheet",)),
+    Family("sheet_sum", ("In Documents/{sheet}, put the sum of A1:A{n} into {target}.",
+                         "Open {sheet} in Documents and write the total of cells A1 to A{n} in {target}.",
+                         "Cell {target} of Documents/{sheet} should hold the sum of A1:A{n}."),
+           _gen_sum, _setup_sheet, _verify_sum, _solve_sum, tags=("sheet",)),
+    Family("sheet_sort", ("Sort column B of Documents/{sheet} in {order} order.",
+                          "Open {sheet} in Documents and sort column B {order}.",
+                          "Order the values of column B in Documents/{sheet} {order}."),
+           _gen_sort, _setup_sheet, _verify_sort, _solve_sort_dir(False), ambiguous=True, wrong=_solve_sort_dir(True),
+           tags=("sheet",)),
+    Family("settings_display", ("{dark_word} dark mode and set the font size to {size}.",
+                                "In Settings, {dark_verb} dark mode and choose font size {size}.",
+                                "Set the font size to {size} and {dark_verb} dark mode."),
+           _gen_dark_font, lambda d, p: None, _verify_dark_font, _solve_dark_font, max_steps=12, tags=("settings",)),
+    Family("settings_profile", ("Set the user name to {user} and the language to {lang}.",
+                                "In Settings, change the language to {lang} and the user name to {user}.",
+                                "Make {user} the user name and {lang} the language."),
+           _gen_profile, lambda d, p: None, _verify_profile, _solve_profile, max_steps=12, tags=("settings",)),
+    Family("sheet_to_editor", ("Append the value of cell {cell} in Documents/{sheet} as a new last line of "
+                               "Documents/{file}, and save {file}.",
+                               "Copy what cell {cell} of {sheet} shows to the end of {file} (both in Documents), "
+                               "on its own line, then save.",
+                               "Add the value of {sheet}!{cell} as the last line of Documents/{file} and save."),
+           _gen_sheet_to_doc, _setup_sheet_and_doc, _verify_sheet_to_doc, _solve_sheet_to_doc, max_steps=20,
+           tags=("sheet", "editor")),
+    Family("editor_to_sheet", ("Documents/{file} holds a number: put it into cell {cell} of Documents/{sheet}.",
+                               "Read the number in {file} and enter it in {cell} of {sheet} (both in Documents).",
+                               "Copy the number from Documents/{file} into {sheet}, cell {cell}."),
+           _gen_doc_to_sheet, _setup_sheet_and_doc, _verify_doc_to_sheet, _solve_doc_to_sheet, max_steps=20,
+           tags=("sheet", "editor")),
+    Family("infeasible", ("{request}", "Please do this: {request}", "{request} Thanks."),
+           _gen_infeasible, lambda d, p: None, _verify_infeasible, _solve_infeasible, feasible=False, max_steps=10,
+           tags=("files", "settings")),
+]}
+
+FAMILY_NAMES = tuple(FAMILIES)
+
+
+def _instruction(fam: Family, template: str, p: dict) -> str:
+    extra: dict[str, Any] = {}
+    if fam.name == "sheet_sort":
+        extra["order"] = "ascending" if p["ascending"] else "descending"
+    if fam.name == "settings_display":
+        extra["dark_word"] = "Enable" if p["dark"] else "Disable"
+        extra["dark_verb"] = "turn on" if p["dark"] else "turn off"
+    if fam.name == "infeasible":
+        extra["request"] = {
+            "rename_missing": f"Rename {p['file']} in Documents to {p['new']}.",
+            "delete_missing": f"Delete {p['file']} from Documents.",
+            "font_size": f"Set the font size to {p['size']}.",
+            "language": f"Switch the language to {p['lang']}.",
+        }[p["kind"]]
+    return string.Formatter().vformat(template, (), {**p, **extra})
+
+
+def parse_task_id(task_id: str) -> tuple[str, tuple[str, ...], int]:
+    """``sim:<split>[:fam1,fam2]/<seed>`` -> (split, families, seed)."""
+    try:
+        suite, seed_s = task_id.rsplit("/", 1)
+        seed = int(seed_s)
+        parts = suite.split(":")
+        if parts[0] != "sim" or len(parts) not in (2, 3) or seed < 0:
+            raise ValueError
+        split = parts[1]
+        fams = tuple(parts[2].split(",")) if len(parts) == 3 else FAMILY_NAMES
+    except ValueError:
+        raise ActionError(f"bad task id {task_id!r}: expected sim:<train|heldout>[:family,...]/<seed>") from None
+    if split not in SPLITS:
+        raise ActionError(f"bad task id {task_id!r}: split must be one of {', '.join(SPLITS)}")
+    unknown = [f for f in fams if f not in FAMILIES]
+    if unknown:
+        raise ActionError(f"bad task id {task_id!r}: unknown family {unknown[0]!r}")
+    return split, fams, seed
+
+
+def make_task(task_id: str) -> Task:
+    split, fams, seed = parse_task_id(task_id)
+    fam = FAMILIES[fams[seed % len(fams)]]
+    instance = seed // len(fams) + (HELDOUT_SEED_OFFSET if split == "heldout" else 0)
+    rng = random.Random(f"{fam.name}/{instance}")
+    params = fam.generate(rng)
+    n_train = len(fam.templates) - 1  # the last template is held out
+    template = n_train if split == "heldout" else rng.randrange(n_train)
+    return Task(task_id, fam.name, split, template, _instruction(fam, fam.templates[template], params), params,
+                fam.feasible, fam.max_steps)
+
+
+def setup_desktop(task: Task) -> Desktop:
+    """A fresh desktop in the task's initial state (deterministic for the task id)."""
+    desk = Desktop()
+    base_files(desk, random.Random(f"files/{task.task_id}"))
+    FAMILIES[task.family].setup(desk, task.params)
+    desk.initial_files, desk.initial_dirs = dict(desk.fs.files), set(desk.fs.dirs)  # for "nothing else changed"
+    desk.changed()
+    return desk
+
+
+def verify(task: Task, desk: Desktop) -> bool:
+    return bool(FAMILIES[task.family].verify(desk, task.params))
+
+
+def oracle(task: Task, desk: Desktop, route: str = "gui", demo: DemoConfig | None = None,
+           rng: random.Random | None = None) -> Iterator[str]:
+    """The scripted solver as a policy: yields actions; reads the live desktop between them."""
+    if route not in ("gui", "api"):
+        raise ValueError("route must be 'gui' or 'api'")
+    fam = FAMILIES[task.family]
+    demo = demo or DemoConfig()
+    rng = rng or random.Random(f"demo/{task.task_id}/{route}")
+    if demo.detour_prob and rng.random() < demo.detour_prob:
+        yield f"open_app({rng.choice(('Files', 'Editor', 'Sheet', 'Settings'))!r})"
+    solver = fam.solve
+    if fam.ambiguous and fam.wrong is not None and demo.wrong_choice_prob and rng.random() < demo.wrong_choice_prob:
+        solver = fam.wrong
+    yield from solver(desk, task.params, route)
+    if fam.feasible:
+        yield "done()"
