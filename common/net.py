@@ -89,13 +89,17 @@ def is_loopback(host: str) -> bool:
             return False
 
 
-def curve_wanted(net: NetConfig) -> bool:
-    """Whether this run's sockets use CURVE: forced on/off, or on for any non-loopback bind."""
+def curve_wanted(net: NetConfig, host: str | None = None) -> bool:
+    """Whether a socket uses CURVE: forced on/off, or on for any non-loopback bind.
+
+    ``host`` is the server's own host where it is not the broker (an env_server on its node).
+    """
     if net.curve == "on":
         return True
     if net.curve == "off":
         return False
-    return not (is_loopback(net.broker_host) and is_loopback(net.bind_host or net.broker_host))
+    host = host or net.broker_host
+    return not (is_loopback(host) and is_loopback(net.bind_host or host))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -181,9 +185,9 @@ class Security:
             self._auth = None
 
 
-def security_for(ctx: zmq.Context, net: NetConfig, keys_dir: str | Path | None) -> Security:
+def security_for(ctx: zmq.Context, net: NetConfig, keys_dir: str | Path | None, host: str | None = None) -> Security:
     """CURVE on when the run wants it; the keys must then exist (or be creatable) in ``keys_dir``."""
-    if not curve_wanted(net):
+    if not curve_wanted(net, host):
         return Security(ctx, None)
     if keys_dir is None:
         raise ValueError("CURVE is on (non-loopback bind or net.curve=on) but no run directory holds its keys")

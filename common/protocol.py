@@ -361,6 +361,90 @@ class Error(Message):
     code: str
     message: str = ""
     ref_type: str = ""
+    request_id: str = ""  # the request it answers, where the request carried one
+
+
+# ----- env_server sessions (actor -> env_server ROUTER); every request carries a request_id and
+# ----- is answered once (a re-sent request gets the same answer, not a second action)
+
+
+@dataclass
+class SessionOpen(Message):
+    """Lease a desktop; answered by ``SessionOpened`` or ``Error(pool_exhausted)``."""
+
+    actor_id: str
+    request_id: str
+    backend: str = ""
+
+
+@dataclass
+class SessionOpened(Message):
+    request_id: str
+    session_id: str
+    backend: str
+    lease_s: float
+
+
+@dataclass
+class EnvReset(Message):
+    """Start an episode of ``task_id`` on the session's desktop; answered by ``EnvObservation``."""
+
+    session_id: str
+    request_id: str
+    task_id: str
+
+
+@dataclass
+class EnvStep(Message):
+    """The model's raw output for one turn; the server parses it. Answered by ``EnvObservation``."""
+
+    session_id: str
+    request_id: str
+    action: str
+
+
+@dataclass
+class EnvObservation(Message):
+    """The desktop after a reset or a step (``obs`` per DESIGN.md: windows, tree, text, screenshot, ...)."""
+
+    request_id: str
+    session_id: str
+    obs: dict
+    done: bool = False
+    format_error: bool = False
+    action_error: bool = False
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class EnvEvaluate(Message):
+    """Run the task's verifier on the final state; answered by ``EnvEvaluation``."""
+
+    session_id: str
+    request_id: str
+
+
+@dataclass
+class EnvEvaluation(Message):
+    request_id: str
+    session_id: str
+    reward: float
+    success: bool
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class SessionClose(Message):
+    """Give the desktop back; answered by ``SessionClosed`` (also for an already closed session)."""
+
+    session_id: str
+    request_id: str
+
+
+@dataclass
+class SessionClosed(Message):
+    request_id: str
+    session_id: str
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,6 +476,9 @@ def _type_name(tp: Any) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+_SCALARS = frozenset((str, int, float, bool, type(None), bytes))
+
+
 class _Encoder:
     def __init__(self) -> None:
         self.frames: list[Any] = []
@@ -413,6 +500,13 @@ class _Encoder:
         return ref
 
     def value(self, obj: Any) -> Any:
+        tp = type(obj)
+        if tp in _SCALARS:  # most leaves: nothing to convert (observations hold hundreds of them)
+            return obj
+        if tp is list or tp is tuple:
+            return [x if type(x) in _SCALARS else self.value(x) for x in obj]
+        if tp is dict:
+            return {k: v if type(v) in _SCALARS else self.value(v) for k, v in obj.items()}
         if isinstance(obj, np.ndarray):
             return self.array(obj)
         if isinstance(obj, Message):
@@ -500,6 +594,9 @@ def frame_buffer(frame: Any) -> Any:
     return buf if buf is not None else frame
 
 
+_CONTAINERS = (dict, list)
+
+
 class _Decoder:
     def __init__(self, frames: Sequence[Any], path: str = ""):
         self.frames = frames
@@ -552,13 +649,17 @@ class _Decoder:
         return _field_decoder(tp)(self, raw, path)
 
     def plain(self, raw: Any, path: str) -> Any:
-        """Free-form values (``info`` dicts): arrays inside are still resolved and validated."""
-        if isinstance(raw, dict):
+        """Free-form values (``info`` dicts, observations): arrays inside are still resolved and validated.
+
+        Only containers are walked and paths are not built per leaf: observations hold hundreds of them.
+        """
+        tp = type(raw)
+        if tp is dict:
             if raw.get("__nd__") == 1:
                 return self.array(raw, path)
-            return {k: self.plain(v, f"{path}.{k}") for k, v in raw.items()}
-        if isinstance(raw, list):
-            return [self.plain(v, f"{path}[{i}]") for i, v in enumerate(raw)]
+            return {k: (self.plain(v, f"{path}.{k}") if type(v) in _CONTAINERS else v) for k, v in raw.items()}
+        if tp is list:
+            return [self.plain(v, f"{path}[]") if type(v) in _CONTAINERS else v for v in raw]
         return raw
 
     def record(self, raw: dict, cls: type[Record], path: str) -> Record:

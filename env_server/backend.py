@@ -17,7 +17,7 @@ from typing import Any
 
 from env_server.actions import ActionError, gui_action_help, parse_action
 from env_server.sim import tasks as T
-from env_server.sim.desktop import SCREEN_H, SCREEN_W, Desktop
+from env_server.sim.desktop import SCREEN_H, SCREEN_W, TREE_FIELDS, Desktop
 
 
 @dataclass
@@ -61,6 +61,12 @@ class StepResult:
     format_error: bool = False
     action_error: bool = False
     info: dict = field(default_factory=dict)
+
+
+def tree_dicts(obs: dict) -> list[dict]:
+    """An observation's tree rows as one map per element."""
+    fields = obs.get("tree_fields", TREE_FIELDS)
+    return [dict(zip(fields, row)) for row in obs.get("tree", [])]
 
 
 class BackendError(RuntimeError):
@@ -175,10 +181,11 @@ class SimBackend(Backend):
             "instruction": self.task.instruction,
             "windows": d.window_list(),
             "focused_app": d.focused or "",
-            "tree": [e.as_dict() for e in els[:cap]],
+            "tree_fields": TREE_FIELDS,
+            "tree": [e.as_row() for e in els[:cap]],
             "tree_truncated": max(0, len(els) - cap),
             "text": self.render_text(),
-            "apis": [s["name"] for s in focused.api_schemas()] if focused else [],
+            "apis": [f"{focused.NAME}.{n}" for n in focused.api_names()] if focused else [],
             "last_result": self.last_result,
         }
         if self.cfg.screenshot != "none":

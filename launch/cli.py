@@ -43,6 +43,22 @@ def broker(config: str | None, run_dir: str | None, overrides: tuple[str, ...]) 
     Broker(cfg.broker, cfg.net, rd, log, seed=cfg.run.seed).run()
 
 
+@main.command("env-server")
+@click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@click.option("--run-dir", type=click.Path(file_okay=False), help="run directory shared by every role of the run")
+@click.option("--rank", default=0, show_default=True, help="index of this env_server among the run's nodes")
+@click.argument("overrides", nargs=-1)
+def env_server(config: str | None, run_dir: str | None, rank: int, overrides: tuple[str, ...]) -> None:
+    """Run a session server owning a pool of desktops (e.g. env_server.pool_size=32)."""
+    from env_server.server import EnvServer
+
+    cfg = _load(config, overrides)
+    rd = resolve_run_dir(cfg, run_dir)
+    C.dump(cfg, rd.root / f"config.env_server-{rank}.yaml")
+    log = L.setup("env_server", cfg.run.run_id, rank, rd.logs, cfg.run.log_level)
+    EnvServer(cfg.env_server, cfg.net, rd, log, rank=rank, seed=cfg.run.seed).run()
+
+
 @main.command("config")
 @click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
 @click.option("--describe", is_flag=True, help="list every key with its type, default and meaning")
@@ -75,6 +91,25 @@ def bench_broker(payload_bytes: int, persist: str, num_actors: int, groups: int,
     from launch.bench_broker import run_bench
 
     result = run_bench(payload_bytes, persist == "on", num_actors, groups, repeats)
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        for k, v in result.items():
+            click.echo(f"{k:>24}: {v}")
+
+
+@bench.command("env")
+@click.option("--backend", default="sim", show_default=True, type=click.Choice(["sim"]))
+@click.option("--sessions", default=8, show_default=True, help="N concurrent client sessions through the server")
+@click.option("--clients", default=1, show_default=True, help="client processes sharing those sessions (an actor is one)")
+@click.option("--seconds", default=3.0, show_default=True, help="measuring time per figure")
+@click.option("--screenshot", type=click.Choice(["none", "png", "jpeg"]), default="none", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def bench_env(backend: str, sessions: int, clients: int, seconds: float, screenshot: str, as_json: bool) -> None:
+    """Desktop steps/s and resets/s in-process, then through the env_server with N concurrent sessions."""
+    from launch.bench_env import run_bench
+
+    result = run_bench(backend, sessions, clients, seconds, screenshot)
     if as_json:
         click.echo(json.dumps(result))
     else:

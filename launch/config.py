@@ -9,6 +9,7 @@ from typing import Iterable
 from broker.config import BrokerConfig
 from common import config as C
 from common.net import NetConfig
+from env_server.config import EnvServerConfig
 from common.rundir import RunDir, new_run_id
 
 
@@ -36,6 +37,8 @@ class RunConfig:
     """addresses, CURVE, heartbeats"""
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     """trajectory broker"""
+    env_server: EnvServerConfig = field(default_factory=EnvServerConfig)
+    """session server and its desktops"""
 
 
 def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:

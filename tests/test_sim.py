@@ -47,9 +47,9 @@ def test_random_policy_mostly_fails():
             els = obs["tree"]
             choice = rng.random()
             if choice < 0.5:
-                a = f"click({rng.choice(els)['id']})"
+                a = f"click({rng.choice(els)[0]})"
             elif choice < 0.65:
-                a = f"double_click({rng.choice(els)['id']})"
+                a = f"double_click({rng.choice(els)[0]})"
             elif choice < 0.8:
                 a = f"type({rng.choice(['x', '42', 'final.txt', 'dog'])!r})"
             elif choice < 0.9:

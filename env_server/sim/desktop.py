@@ -20,6 +20,8 @@ HOME = "/home/user"
 TASKBAR_Y = 690
 CONTENT_TOP = 36
 APP_NAMES = ("Files", "Editor", "Sheet", "Settings")
+# Observation trees are rows (cheaper to build, send and parse than a map per element); value may be None.
+TREE_FIELDS = ("id", "role", "name", "bounds", "states", "value")
 
 
 class Element:
@@ -35,12 +37,9 @@ class Element:
         self.click, self.double, self.right, self.typed, self.drop, self.scroll = click, double, right, typed, drop, \
             scroll
 
-    def as_dict(self) -> dict:
-        d = {"id": self.id, "role": self.role, "name": self.name, "bounds": list(self.bounds),
-             "states": list(self.states)}
-        if self.value is not None:
-            d["value"] = self.value
-        return d
+    def as_row(self) -> list:
+        """The element as an observation row, columns as in ``TREE_FIELDS``."""
+        return [self.id, self.role, self.name, self.bounds, self.states, self.value]
 
 
 def api(schema: dict):
@@ -162,8 +161,16 @@ class App:
         """Handle a hotkey while focused; False if it means nothing here."""
         return False
 
+    @classmethod
+    def api_names(cls) -> tuple[str, ...]:
+        names = cls.__dict__.get("_api_names")
+        if names is None:  # computed once per class: observations list them every step
+            names = tuple(sorted(n for n in dir(cls) if hasattr(getattr(cls, n), "api_schema")))
+            cls._api_names = names
+        return names
+
     def api_functions(self) -> dict[str, Callable]:
-        return {n: getattr(self, n) for n in dir(type(self)) if hasattr(getattr(type(self), n), "api_schema")}
+        return {n: getattr(self, n) for n in self.api_names()}
 
     def api_schemas(self) -> list[dict]:
         return [{"name": f"{self.NAME}.{n}", "description": (fn.__doc__ or "").strip(), "parameters": fn.api_schema}
@@ -908,7 +915,7 @@ class Desktop:
     def _apply(self, a: Action) -> str:
         if a.is_api:
             app = self._app_named(a.app)
-            fn = app.api_functions().get(a.name)
+            fn = getattr(app, a.name) if a.name in app.api_names() else None
             if fn is None:
                 raise ActionError(f"{app.NAME} has no function {a.name!r}; it has: "
                                   f"{', '.join(sorted(app.api_functions()))}")

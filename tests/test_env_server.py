@@ -1,0 +1,235 @@
+"""The session server over real loopback sockets: episodes, leases and reclaim, errors, faults, timeouts."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from common import protocol as P
+from common.net import free_port
+from common.rundir import RunDir
+from env_server import backend as B
+from env_server.client import EnvClient, EnvError
+from env_server.config import EnvServerConfig
+from env_server.server import EnvServer
+from env_server.sim import tasks as T
+from tests.conftest import make_net
+
+
+class ExplodingBackend(B.SimBackend):
+    """A desktop whose step raises on the action 'boom()' (a crashed app, a dead X server)."""
+
+    name = "exploding"
+    healthy_flag = True
+
+    def step(self, text):
+        if text == "boom()":
+            raise RuntimeError("the desktop crashed")
+        return super().step(text)
+
+    def healthy(self):
+        return ExplodingBackend.healthy_flag
+
+
+@pytest.fixture
+def env_server(tmp_path, quiet_log, monkeypatch):
+    monkeypatch.setitem(B.BACKENDS, "exploding", ExplodingBackend)
+    started = []
+
+    def _start(**kw):
+        net = make_net()
+        cfg = EnvServerConfig(port=free_port(), **{"metrics_interval_s": 0.2, **kw})
+        server = EnvServer(cfg, net, RunDir.create(tmp_path / f"run-{len(started)}"), quiet_log)
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        started.append((server, thread))
+        return server, net
+
+    yield _start
+    for server, thread in started:
+        server.request_stop()
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+def client_for(server, net, log) -> EnvClient:
+    c = EnvClient(net, "127.0.0.1", server.cfg.port, None, log)
+    c.connect(10)
+    return c
+
+
+def wait(cond, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition not met")
+
+
+def test_episode_through_the_server_matches_in_process(env_server, quiet_log):
+    server, net = env_server(pool_size=2)
+    c = client_for(server, net, quiet_log)
+    sid = c.open()
+    for route in ("gui", "api"):
+        obs = c.reset(sid, "sim:train:editor_to_sheet/3")
+        task = T.make_task("sim:train:editor_to_sheet/3")
+        assert obs["instruction"] == task.instruction and obs["step"] == 0
+        shadow = B.SimBackend()  # the same task in-process: the oracle reads its state
+        shadow.reset(task.task_id)
+        last = None
+        for a in T.oracle(shadow.task, shadow.desk, route):
+            expect = shadow.step(a)
+            last = c.step(sid, a)
+            assert last.obs["text"] == expect.obs["text"]
+        assert last.done and last.info["outcome"] == "done"
+        ev = c.evaluate(sid)
+        assert ev.success and ev.reward == 1.0 and ev.info["family"] == "editor_to_sheet"
+    c.close_session(sid)
+    c.close_session(sid)  # closing twice is fine
+    wait(lambda: server.pool_stats()["idle_desktops"] == 1)
+    c.close()
+
+
+def test_errors_are_answered_counted_and_the_server_keeps_serving(env_server, quiet_log):
+    server, net = env_server(pool_size=1)
+    c = client_for(server, net, quiet_log)
+    with pytest.raises(EnvError, match="unknown_session"):
+        c.step("nope", "click(1)")
+    sid = c.open()
+    with pytest.raises(EnvError, match="no_episode"):
+        c.step(sid, "click(1)")
+    with pytest.raises(EnvError, match="bad_request"):
+        c.reset(sid, "sim:nonsense/1")
+    with pytest.raises(EnvError, match="pool_exhausted"):
+        c.open()
+    with pytest.raises(EnvError, match="bad_request"):
+        c.call(P.SessionOpen, backend="apptainer")
+    obs = c.reset(sid, "sim:train/0")
+    bad = c.step(sid, "rm -rf /")
+    assert bad.format_error and not bad.done and "format" in bad.obs["last_result"]
+    # garbage frames and a message type the env_server does not serve, on a raw socket
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.linger = 0
+    raw.connect(f"tcp://127.0.0.1:{server.cfg.port}")
+    raw.send_multipart([b"\xc1garbage"])
+    raw.send_multipart([msgpack.packb({"v": 99, "type": "EnvStep"})])
+    raw.send_multipart(P.encode(P.TicketRequest(actor_id="x", request_id="r")))
+    codes = []
+    for _ in range(3):
+        assert raw.poll(5000)
+        codes.append(P.decode(raw.recv_multipart()).code)
+    raw.close()
+    assert codes == ["bad_header", "bad_version", "unexpected_type"]
+    c.close_session(sid)
+    with pytest.raises(EnvError, match="unknown_session"):
+        c.step(sid, "click(1)")
+    sid2 = c.open()
+    assert c.reset(sid2, "sim:train/0")["text"] == obs["text"]
+    counters = server.counters
+    assert counters["errors_unknown_session"] == 2 and counters["errors_pool_exhausted"] == 1
+    assert counters["rejected_bad_header"] == 1 and counters["errors_unexpected_type"] == 1
+    c.close()
+
+
+def test_backend_exception_aborts_only_that_episode(env_server, quiet_log):
+    server, net = env_server(backend="exploding", pool_size=3)
+    c = client_for(server, net, quiet_log)
+    a, b = c.open(), c.open()
+    c.reset(a, "sim:train/1")
+    c.reset(b, "sim:train/2")
+    with pytest.raises(EnvError, match="backend_error"):
+        c.step(a, "boom()")
+    assert not c.step(b, "wait()").action_error, "the other session is untouched"
+    with pytest.raises(EnvError, match="no_episode"):
+        c.step(a, "wait()")
+    c.reset(a, "sim:train/1")  # a fresh desktop replaces the broken one
+    assert c.step(a, "wait()").obs["step"] == 1
+    assert server.counters["desktops_retired_error"] == 1 and server.counters["backend_errors"] == 1
+    c.close()
+
+
+def test_dead_actor_sessions_are_reclaimed(env_server, quiet_log):
+    server, net = env_server(pool_size=2)
+    dead = client_for(server, net, quiet_log)
+    s1, s2 = dead.open(), dead.open()
+    dead.reset(s1, "sim:train/0")
+    dead.close()  # stops heartbeating without closing its sessions
+    wait(lambda: server.pool_stats()["sessions"] == 0, seconds=5)
+    assert server.counters["sessions_reclaimed"] == 2 and server.pool_stats()["idle_desktops"] == 2
+    alive = client_for(server, net, quiet_log)
+    assert len({alive.open(), alive.open()}) == 2, "the reclaimed desktops serve the next actor"
+    alive.close()
+
+
+def test_slow_step_times_out_and_the_desktop_is_replaced(env_server, quiet_log):
+    server, net = env_server(pool_size=2, step_timeout_s=0.3,
+                             sim=B.SimConfig(latency="fixed", latency_mean_s=1.0))
+    c = client_for(server, net, quiet_log)
+    sid = c.open()
+    t0 = time.monotonic()
+    with pytest.raises(EnvError, match="step_timeout"):
+        c.reset(sid, "sim:train/0")  # latency applies to steps only: reset is quick
+        c.step(sid, "wait()")
+    assert time.monotonic() - t0 < 1.0, "the timeout answers before the hung call returns"
+    assert server.counters["step_timeouts"] == 1 and server.counters["desktops_retired_timeout"] == 1
+    with pytest.raises(EnvError, match="no_episode"):
+        c.step(sid, "wait()")
+    c.close()
+
+
+def test_resent_request_is_answered_once_and_acted_once(env_server, quiet_log):
+    server, net = env_server(pool_size=1)
+    c = client_for(server, net, quiet_log)
+    sid = c.open()
+    c.reset(sid, "sim:train:settings_display/0")
+    step = P.EnvStep(session_id=sid, request_id="same-id", action='open_app("Settings")')
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.linger = 0
+    raw.setsockopt(zmq.ROUTING_ID, c.peer_id.encode())  # the same actor, as after a reconnect
+    c.link.sock.close(0)
+    raw.connect(f"tcp://127.0.0.1:{server.cfg.port}")
+    replies = []
+    for _ in range(2):
+        raw.send_multipart(P.encode(step))
+        assert raw.poll(5000)
+        msg = P.decode(raw.recv_multipart())
+        while not isinstance(msg, P.EnvObservation):
+            assert raw.poll(5000)
+            msg = P.decode(raw.recv_multipart())
+        replies.append(msg)
+    assert replies[0].obs == replies[1].obs and replies[0].obs["step"] == 1
+    assert server.counters["replayed_replies"] == 1 and server.counters["steps"] == 1
+    raw.close()
+
+
+def test_health_checks_replace_broken_idle_desktops_and_metrics_are_written(env_server, quiet_log):
+    server, net = env_server(backend="exploding", pool_size=2, prestart=2, health_interval_s=0.1)
+    ExplodingBackend.healthy_flag = False
+    try:
+        wait(lambda: server.counters["desktops_retired_unhealthy"] >= 2)
+    finally:
+        ExplodingBackend.healthy_flag = True
+    c = client_for(server, net, quiet_log)
+    sid = c.open()  # a fresh desktop starts on demand
+    c.reset(sid, "sim:train/0")
+    c.step(sid, "wait()")
+    c.close()
+    path = server.run_dir.metrics / "env_server-0.jsonl"
+    wait(lambda: path.exists() and '"steps_per_s"' in path.read_text())
+    rec = json.loads(path.read_text().splitlines()[-1])
+    assert {"sessions", "desktops", "idle_desktops", "busy_sessions", "counters"} <= set(rec)
+
+
+def test_screenshots_travel_as_array_frames(env_server, quiet_log):
+    server, net = env_server(pool_size=1, sim=B.SimConfig(screenshot="png"))
+    c = client_for(server, net, quiet_log)
+    sid = c.open()
+    obs = c.reset(sid, "sim:train/0")
+    assert isinstance(obs["screenshot"], bytes) and obs["screenshot"][:4] == b"\x89PNG"
+    c.close()
