@@ -238,7 +238,9 @@ def render_screenshot(desk: Desktop, fmt: str = "png") -> bytes:
         else:
             draw.text((10, 10), e.name, fill=(20, 20, 20))
     buf = io.BytesIO()
-    img.save(buf, format="PNG" if fmt == "png" else "JPEG", **({"quality": 80} if fmt == "jpeg" else {}))
+    # Fast settings: a policy needs the pixels, not the smallest file.
+    options = {"quality": 80} if fmt == "jpeg" else {"compress_level": 1}
+    img.save(buf, format="PNG" if fmt == "png" else "JPEG", **options)
     return buf.getvalue()
 
 
