@@ -22,6 +22,7 @@ CONTENT_TOP = 36
 APP_NAMES = ("Files", "Editor", "Sheet", "Settings")
 # Observation trees are rows (cheaper to build, send and parse than a map per element); value may be None.
 TREE_FIELDS = ("id", "role", "name", "bounds", "states", "value")
+LIST_ROWS = 18  # file-manager rows visible at once; scroll for the rest
 
 
 class Element:
@@ -187,6 +188,7 @@ class FilesApp(App):
         self.cwd = HOME
         self.selected: str | None = None
         self.menu_for: str | None = None  # context menu open on this path
+        self.scroll_top = 0  # first listed entry (the list shows LIST_ROWS at a time)
         self.dialog: dict | None = None  # {"kind": "rename"|"new_folder", "path": ..., "text": ...}
 
     def title(self) -> str:
@@ -215,26 +217,35 @@ class FilesApp(App):
         add("button", "Rename", (x + 130, CONTENT_TOP, 100, 30), states=sel_states, click=self._rename)
         add("button", "Delete", (x + 240, CONTENT_TOP, 100, 30), states=sel_states, click=self._delete_selected)
         add("label", f"Location: {self.cwd}", (x + 360, CONTENT_TOP, 500, 30))
-        for i, (name, is_dir) in enumerate(fs.listdir(self.cwd)[:18]):
+        entries = fs.listdir(self.cwd)
+        self.scroll_top = max(0, min(self.scroll_top, len(entries) - LIST_ROWS))
+        add("list", "Folder contents", (10, 72, 620, 32 * LIST_ROWS + 8),
+            states=(f"showing {self.scroll_top + 1}-{min(len(entries), self.scroll_top + LIST_ROWS)} "
+                    f"of {len(entries)}",), scroll=self._scroll)
+        for i, (name, is_dir) in enumerate(entries[self.scroll_top:self.scroll_top + LIST_ROWS]):
             path = posixpath.join(self.cwd, name)
             states = ("selected",) if path == self.selected else ()
             if not is_dir:
                 states = states + (f"modified {fs.mtime.get(path, 0)}",)
             add("folder" if is_dir else "file", name, (20, 76 + 32 * i, 600, 30), states=states, key=path,
                 click=lambda p=path: self._select(p), double=lambda p=path: self._open(p),
-                right=lambda p=path: self._context(p), drop=(lambda src, p=path: self._drop(src, p)) if is_dir else None)
+                right=lambda p=path: self._context(p), drop=(lambda src, p=path: self._drop(src, p)) if is_dir else None,
+                scroll=self._scroll)
 
     # GUI handlers
     def _select(self, p):
         self.selected, self.menu_for = p, None
 
+    def _scroll(self, direction, amount=3):
+        self.scroll_top = max(0, self.scroll_top + (amount if direction == "down" else -amount))
+
     def _up(self):
-        self.cwd, self.selected = posixpath.dirname(self.cwd), None
+        self.cwd, self.selected, self.scroll_top = posixpath.dirname(self.cwd), None, 0
 
     def _open(self, p):
         self.menu_for = None
         if p in self.desk.fs.dirs:
-            self.cwd, self.selected = p, None
+            self.cwd, self.selected, self.scroll_top = p, None, 0
         else:
             self.desk.open_document(p)
 
@@ -868,6 +879,8 @@ class Desktop:
         els = self.elements()
         if isinstance(target, bool) or target is None:
             raise ActionError("target an element by id (int) or by name (str)")
+        if isinstance(target, (list, tuple)) and len(target) == 2:  # [x, y] pixels, e.g. drag((x1, y1), (x2, y2))
+            return self.at(target[0], target[1])
         if isinstance(target, int):
             if 1 <= target <= len(els):
                 return els[target - 1]
@@ -891,12 +904,12 @@ class Desktop:
             if grid != 1000:
                 raise ActionError("grid must be 1000 (coordinates on a 0-1000 grid) or omitted (pixels)")
             x, y = x * SCREEN_W / 1000, y * SCREEN_H / 1000
-        # later elements are drawn on top (menus and dialogs come first, so search in tree order)
-        for e in self.elements():
-            bx, by, bw, bh = e.bounds
-            if e.role != "window" and bx <= x < bx + bw and by <= y < by + bh:
-                return e
-        raise ActionError(f"nothing clickable at ({x:.0f}, {y:.0f})")
+        # The innermost element under the point wins: an item over its list, a menu over the items below it.
+        hits = [e for e in self.elements() if e.role != "window"
+                and e.bounds[0] <= x < e.bounds[0] + e.bounds[2] and e.bounds[1] <= y < e.bounds[1] + e.bounds[3]]
+        if not hits:
+            raise ActionError(f"nothing clickable at ({x:.0f}, {y:.0f})")
+        return min(hits, key=lambda e: e.bounds[2] * e.bounds[3])
 
     def _target(self, action: Action, index: int = 0, key: str = "target") -> Element:
         target = action.arg(index, key)
@@ -967,8 +980,12 @@ class Desktop:
             direction = a.arg(1, "direction")
             if direction not in ("up", "down"):
                 raise ActionError("scroll direction must be 'up' or 'down'")
-            if e.scroll is not None:
-                e.scroll(direction)
+            amount = a.kwargs.get("amount", 3)
+            if not isinstance(amount, int) or isinstance(amount, bool) or not 1 <= amount <= 100:
+                raise ActionError("scroll amount must be an integer from 1 to 100")
+            if e.scroll is None:
+                raise ActionError(f"{e.role} {e.name!r} does not scroll")
+            e.scroll(direction, amount)
             return f"scrolled {direction}"
         if n == "drag":
             src, dst = self.find(a.arg(0, "source")), self.find(a.arg(1, "destination"))
