@@ -200,6 +200,31 @@ class SimBackend(Backend):
             (f"\nLast result: {self.last_result}" if self.last_result else "")
 
 
+@dataclass
+class Demonstration:
+    """One oracle episode: the observation before each action, the action, and the verifier's verdict."""
+
+    task_id: str
+    route: str
+    steps: list[tuple[dict, str]]
+    success: bool
+
+
+def demonstrate(backend: SimBackend, task_id: str, route: str = "gui", demo: T.DemoConfig | None = None,
+                seed: int = 0) -> Demonstration:
+    """Play the oracle on ``backend`` (imperfect per ``demo``), recording what a policy would have seen."""
+    obs = backend.reset(task_id)
+    steps = []
+    rng = random.Random(f"demo/{task_id}/{route}/{seed}")
+    for action in T.oracle(backend.task, backend.desk, route, demo, rng):
+        steps.append((obs, action))
+        result = backend.step(action)
+        obs = result.obs
+        if result.done:
+            break
+    return Demonstration(task_id, route, steps, bool(backend.evaluate()["success"]))
+
+
 def api_schemas(app: str | None = None) -> list[dict]:
     """JSON schemas of the sim apps' API functions (one app, or all) for prompts."""
     desk = Desktop()

@@ -273,3 +273,19 @@ def test_scrolling_long_folders_and_dragging_by_coordinates():
     assert not r.action_error, r.obs["last_result"]
     assert b.evaluate()["success"], "extra files do not matter; the move is what the verifier checks"
     assert b.step('scroll("Documents", "sideways")').action_error
+
+
+def test_demonstrations_record_what_the_policy_saw():
+    from env_server.backend import demonstrate
+
+    b = SimBackend()
+    d = demonstrate(b, "sim:train:sheet_sum/4", "gui")
+    assert d.success and d.steps[-1][1] == "done()"
+    assert d.steps[0][0]["step"] == 0 and d.steps[0][0]["instruction"] in d.steps[-1][0]["instruction"]
+    assert all(obs["step"] == i for i, (obs, _) in enumerate(d.steps))
+    noisy = [demonstrate(b, f"sim:train:sheet_sort/{s}", "api", T.DemoConfig(wrong_choice_prob=0.5), seed=1)
+             for s in range(60)]
+    rate = sum(x.success for x in noisy) / len(noisy)
+    assert 0.3 < rate < 0.7, rate
+    assert demonstrate(b, "sim:train:sheet_sort/3", "api", T.DemoConfig(wrong_choice_prob=0.5), seed=1).steps == \
+        demonstrate(b, "sim:train:sheet_sort/3", "api", T.DemoConfig(wrong_choice_prob=0.5), seed=1).steps
