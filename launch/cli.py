@@ -59,6 +59,32 @@ def env_server(config: str | None, run_dir: str | None, rank: int, overrides: tu
     EnvServer(cfg.env_server, cfg.net, rd, log, rank=rank, seed=cfg.run.seed).run()
 
 
+@main.command()
+@click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@click.option("--run-dir", type=click.Path(file_okay=False), help="run directory shared by every role of the run")
+@click.option("--rank", default=0, show_default=True, help="index of this actor (offsets its sampling seed)")
+@click.argument("overrides", nargs=-1)
+def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[str, ...]) -> None:
+    """Run an actor: tickets from the broker, episodes on env_servers, groups back to the broker."""
+    import dataclasses
+
+    from actor.agent import Actor
+    from actor.engine import make_engine
+
+    cfg = _load(config, overrides)
+    rd = resolve_run_dir(cfg, run_dir)
+    C.dump(cfg, rd.root / f"config.actor-{rank}.yaml")
+    log = L.setup("actor", cfg.run.run_id, rank, rd.logs, cfg.run.log_level)
+    engine_cfg = dataclasses.replace(cfg.actor.engine, seed=cfg.actor.engine.seed + 1000 * rank + cfg.run.seed)
+    engine = make_engine(cfg.model, engine_cfg)
+    a = Actor(cfg.actor, engine, cfg.net, cfg.weights, rd, log, rank=rank)
+    try:
+        a.connect()
+        a.run()
+    finally:
+        a.close()
+
+
 @main.command("config")
 @click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
 @click.option("--describe", is_flag=True, help="list every key with its type, default and meaning")
@@ -110,6 +136,26 @@ def bench_env(backend: str, sessions: int, clients: int, seconds: float, screens
     from launch.bench_env import run_bench
 
     result = run_bench(backend, sessions, clients, seconds, screenshot)
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        for k, v in result.items():
+            click.echo(f"{k:>24}: {v}")
+
+
+@bench.command("actor")
+@click.option("--groups", default=8, show_default=True, help="task groups the actor plays")
+@click.option("--group-size", default=4, show_default=True, help="episodes per group (G)")
+@click.option("--max-groups", default=2, show_default=True, help="groups in flight at once")
+@click.option("--max-new-tokens", default=48, show_default=True, help="tokens per turn")
+@click.option("--hidden", default=64, show_default=True, help="width of the tiny model")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: int, hidden: int,
+                as_json: bool) -> None:
+    """A whole actor against the sim desktop vs its engine alone on the same prompts."""
+    from launch.bench_actor import run_bench
+
+    result = run_bench(groups, group_size, max_groups, max_new_tokens, hidden)
     if as_json:
         click.echo(json.dumps(result))
     else:

@@ -6,9 +6,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from actor.config import ActorConfig
 from broker.config import BrokerConfig
 from common import config as C
+from common.model import ModelConfig
 from common.net import NetConfig
+from common.weightsync import WeightSyncConfig
 from env_server.config import EnvServerConfig
 from common.rundir import RunDir, new_run_id
 
@@ -39,6 +42,12 @@ class RunConfig:
     """trajectory broker"""
     env_server: EnvServerConfig = field(default_factory=EnvServerConfig)
     """session server and its desktops"""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """the policy network (the actor's engine and the learner build the same one)"""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """the agent loop of each actor process"""
+    weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """weight broadcast from the learner to the actors"""
 
 
 def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:

@@ -1,0 +1,343 @@
+"""The actor: tickets in, complete TrajectoryGroups out.
+
+One asyncio loop runs every episode of every ticketed group as a coroutine. Episodes ask for generations
+and env steps and await them; a batcher hands all waiting prompts to the engine at once (on its own
+thread, so env replies keep flowing meanwhile), and one pump polls the broker and env_server links and
+resolves the waiting futures. New weights are received on another thread when Control announces a round;
+the engine swaps them in at a token boundary, so every token keeps the version that sampled it.
+
+A desktop that fails (an ``Error`` reply or no answer in ``env_timeout_s``) aborts only its episode, which
+is played again up to ``max_rerolls`` times (``env_error: reroll``) or left out at once (``incomplete``);
+a group missing an episode is published with ``complete=False`` and the broker does not train on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures as cf
+import dataclasses
+import itertools
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from actor.config import ActorConfig
+from actor.engine import Engine, Generation
+from actor.prompt import EpisodePrompt
+from broker.client import ActorBrokerClient
+from common import protocol as P
+from common.metrics import MetricsWriter, percentile
+from common.net import NetConfig
+from common.rundir import RunDir
+from common.weightsync import RoundFailed, WeightReceiver, WeightSyncConfig
+from env_server.client import EnvClient, EnvError
+
+OBS_TEXT_KEEP = 2000  # observation text kept per turn in a trajectory (debugging only)
+
+
+class EnvLinks:
+    """Awaitable requests over the env_server clients."""
+
+    def __init__(self, clients: list[EnvClient], timeout_s: float):
+        self.clients = clients
+        self.timeout_s = timeout_s
+        self.waiting: dict[str, tuple[asyncio.Future, float]] = {}
+        self._rr = itertools.cycle(range(len(clients)))
+        self.idle_sessions: list[collections.deque[str]] = [collections.deque() for _ in clients]
+
+    def pick(self) -> int:
+        return next(self._rr)
+
+    async def call(self, i: int, kind: type[P.Message], **fields: Any) -> P.Message:
+        rid = self.clients[i].send(kind, **fields)
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting[rid] = (fut, time.monotonic() + self.timeout_s)
+        msg = await fut
+        if isinstance(msg, P.Error):
+            raise EnvError(msg.code, msg.message)
+        return msg
+
+    def pump(self) -> int:
+        n = 0
+        for c in self.clients:
+            for msg in c.poll(0):
+                entry = self.waiting.pop(msg.request_id, None)
+                if entry is not None and not entry[0].done():
+                    entry[0].set_result(msg)
+                    n += 1
+        now = time.monotonic()
+        for rid in [r for r, (_, deadline) in self.waiting.items() if now > deadline]:
+            fut, _ = self.waiting.pop(rid)
+            for c in self.clients:
+                c.link.complete(rid)  # stop re-sending it
+            if not fut.done():
+                fut.set_exception(TimeoutError(f"env request unanswered after {self.timeout_s}s"))
+        return n
+
+    async def session(self, i: int) -> str:
+        if self.idle_sessions[i]:
+            return self.idle_sessions[i].popleft()
+        return (await self.call(i, P.SessionOpen)).session_id
+
+    def release(self, i: int, sid: str, healthy: bool) -> None:
+        if healthy:
+            self.idle_sessions[i].append(sid)
+        else:  # let the env_server retire it; nobody waits for the answer
+            self.clients[i].send(P.SessionClose, session_id=sid)
+
+
+class Actor:
+    def __init__(self, cfg: ActorConfig, engine: Engine, net: NetConfig, weights: WeightSyncConfig | None,
+                 run_dir: RunDir | None, log: Any, rank: int = 0, max_groups_total: int = 0):
+        cfg.validate()
+        self.cfg, self.engine, self.net, self.log, self.rank = cfg, engine, net, log, rank
+        self.tok = engine.tokenizer
+        keys = run_dir.keys if run_dir is not None else None
+        self.broker = ActorBrokerClient(net, keys, log, rank=rank)
+        clients = []
+        for addr in cfg.env_servers:
+            host, _, port = addr.rpartition(":")
+            clients.append(EnvClient(net, host, int(port), keys, log, peer_id=f"{self.broker.actor_id}-env{len(clients)}"))
+        self.env = EnvLinks(clients, cfg.env_timeout_s)
+        self.receiver = WeightReceiver(weights, log) if weights is not None else None
+        self.max_groups_total = max_groups_total  # stop after this many groups (0 = until told to stop)
+        self.gen_queue: list[tuple[list[int], asyncio.Future]] = []
+        self.gen_wakeup: asyncio.Event | None = None
+        self.engine_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.weights_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="weights")
+        self.weights_round = 0
+        self.weights_busy = False
+        self.stats: collections.Counter = collections.Counter()
+        self.episode_lens: list[int] = []
+        self.env_ms: list[float] = []
+        self.engine_busy_s = 0.0
+        self.metrics = MetricsWriter(run_dir.metrics / f"actor-{rank}.jsonl" if run_dir is not None else None)
+        self.groups_started = 0
+        self.in_flight: set[asyncio.Task] = set()
+        self.stopping = False
+
+    # ----- setup ---------------------------------------------------------------------------------
+
+    def connect(self, timeout_s: float = 60.0) -> None:
+        self.broker.connect(timeout_s)
+        for c in self.env.clients:
+            c.connect(timeout_s)
+        self.log.info("actor_ready", actor=self.broker.actor_id, env_servers=self.cfg.env_servers,
+                      version=self.engine.version)
+
+    # ----- generation ----------------------------------------------------------------------------
+
+    async def generate(self, prompt: list[int]) -> Generation:
+        fut = asyncio.get_running_loop().create_future()
+        self.gen_queue.append((prompt, fut))
+        self.gen_wakeup.set()
+        return await fut
+
+    async def batcher(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.gen_wakeup.wait()
+            self.gen_wakeup.clear()
+            while self.gen_queue:
+                batch = self.gen_queue[:self.cfg.engine.max_batch]
+                del self.gen_queue[:len(batch)]
+                t0 = time.perf_counter()
+                try:
+                    gens = await loop.run_in_executor(self.engine_thread, self.engine.generate,
+                                                      [p for p, _ in batch], self.cfg.sampling)
+                except Exception as exc:  # an engine failure fails these episodes, not the actor
+                    self.log.exception("generation_failed")
+                    for _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(exc)
+                    continue
+                finally:
+                    self.engine_busy_s += time.perf_counter() - t0
+                for (_, fut), g in zip(batch, gens):
+                    if not fut.done():
+                        fut.set_result(g)
+
+    # ----- episodes and groups -------------------------------------------------------------------
+
+    async def episode(self, ticket: P.Ticket) -> P.Trajectory:
+        i = self.env.pick()
+        sid = await self.env.session(i)
+        healthy = False
+        try:
+            obs = (await self.env.call(i, P.EnvReset, session_id=sid, task_id=ticket.task_id)).obs
+            prompt = EpisodePrompt(self.tok, self.cfg.prompt, obs.get("instruction", ""))
+            turns: list[P.TurnView] = []
+            limit = self.cfg.max_steps or 10_000
+            finish = "truncated"
+            while len(turns) < limit:
+                ids = prompt.build(obs)
+                gen = await self.generate(ids)
+                t0 = time.perf_counter()
+                step = await self.env.call(i, P.EnvStep, session_id=sid, action=gen.text)
+                self.env_ms.append((time.perf_counter() - t0) * 1000)
+                n = len(gen.token_ids)
+                turns.append(P.TurnView(np.asarray(ids, np.int32), np.asarray(gen.token_ids, np.int32),
+                                        np.asarray(gen.logprobs, np.float32), np.asarray(gen.versions, np.int32),
+                                        np.ones(n, np.uint8), 0.0, bool(step.format_error),
+                                        obs.get("text", "")[:OBS_TEXT_KEEP], gen.text))
+                self.stats["format_errors"] += int(step.format_error)
+                self.stats["turns"] += 1
+                prompt.record(gen.token_ids, str(step.obs.get("last_result", "")))
+                obs = step.obs
+                if step.done:
+                    finish = str(step.info.get("outcome") or "step_limit")
+                    break
+            ev = await self.env.call(i, P.EnvEvaluate, session_id=sid)
+            healthy = True
+        finally:
+            self.env.release(i, sid, healthy)
+        # Step-level credit (ComputerRL): a well-formed turn of a successful episode earns the reward.
+        turns = [dataclasses.replace(t, reward=0.0 if t.format_error else ev.reward) for t in turns]
+        self.episode_lens.append(len(turns))
+        self.stats["episodes"] += 1
+        self.stats["successes"] += int(ev.success)
+        return P.Trajectory.from_turns(uuid.uuid4().hex[:12], ev.reward, ev.success, turns, finish_reason=finish)
+
+    async def episode_with_rerolls(self, ticket: P.Ticket) -> P.Trajectory | None:
+        attempts = 1 + (self.cfg.max_rerolls if self.cfg.env_error == "reroll" else 0)
+        for attempt in range(attempts):
+            try:
+                return await self.episode(ticket)
+            except (EnvError, TimeoutError) as exc:
+                self.stats["env_failures"] += 1
+                self.log.warning("episode_aborted", task=ticket.task_id, attempt=attempt + 1, error=str(exc)[:300])
+        return None
+
+    async def rollout(self, ticket: P.Ticket) -> None:
+        t0 = time.time()
+        results = await asyncio.gather(*(self.episode_with_rerolls(ticket) for _ in range(ticket.group_size)),
+                                       return_exceptions=True)
+        trajs = []
+        for r in results:
+            if isinstance(r, BaseException):  # a bug or an engine failure: counted, the group goes incomplete
+                self.stats["episode_errors"] += 1
+                self.log.error("episode_failed", task=ticket.task_id, error=repr(r)[:300])
+            elif r is not None:
+                trajs.append(r)
+        if not trajs:
+            # Nothing to publish; the broker re-issues the task once the ticket's lease runs out.
+            self.stats["groups_lost"] += 1
+            self.log.error("group_failed", task=ticket.task_id, ticket=ticket.ticket_id)
+            return
+        versions = [int(v) for t in trajs for v in (t.versions.min(), t.versions.max()) if len(t.versions)]
+        group = P.TrajectoryGroup(group_id=uuid.uuid4().hex, ticket_id=ticket.ticket_id, task_id=ticket.task_id,
+                                  actor_id=self.broker.actor_id, trajectories=trajs,
+                                  behavior_version_min=min(versions), behavior_version_max=max(versions),
+                                  created_at=time.time(), complete=len(trajs) == ticket.group_size,
+                                  info={"seconds": round(time.time() - t0, 3)})
+        self.broker.submit(group)
+        self.stats["groups_submitted"] += 1
+        self.stats["groups_incomplete"] += int(not group.complete)
+
+    # ----- weights -------------------------------------------------------------------------------
+
+    def _maybe_receive_weights(self, loop: asyncio.AbstractEventLoop) -> None:
+        control = self.broker.control.latest
+        if self.receiver is None or control is None or self.weights_busy:
+            return
+        r = int(control.info.get("weights_round", 0) or 0)
+        if r <= self.weights_round:
+            return
+        self.weights_round = r
+        self.weights_busy = True
+
+        def receive() -> None:
+            try:
+                version, tensors = self.receiver.receive(r, self.engine.named_parameters())
+                self.engine.load_weights(tensors, version)
+                self.stats["weight_updates"] += 1
+                self.log.info("weights_received", round=r, version=version)
+            except RoundFailed as exc:
+                self.stats["weight_rounds_missed"] += 1
+                self.log.warning("weights_round_missed", round=r, error=str(exc)[:300])
+            finally:
+                self.weights_busy = False
+
+        loop.run_in_executor(self.weights_thread, receive)
+
+    # ----- main loop -----------------------------------------------------------------------------
+
+    async def main(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.gen_wakeup = asyncio.Event()
+        batcher = loop.create_task(self.batcher())
+        t_start = time.monotonic()
+        next_metrics = t_start + self.cfg.metrics_interval_s
+        stop_deadline = None
+        idle_sleep = 0.001
+        try:
+            while True:
+                self.broker.poll(0)
+                moved = self.env.pump()
+                self._maybe_receive_weights(loop)
+                control = self.broker.control.latest
+                if control is not None and control.stop and not self.stopping:
+                    self.stopping = True
+                    stop_deadline = time.monotonic() + self.cfg.stop_grace_s
+                    self.log.info("actor_stopping", in_flight=len(self.in_flight))
+                while self.broker.tickets:
+                    ticket = self.broker.tickets.popleft()
+                    self.groups_started += 1
+                    task = loop.create_task(self.rollout(ticket))
+                    self.in_flight.add(task)
+                    task.add_done_callback(self.in_flight.discard)
+                done_quota = self.max_groups_total and self.groups_started >= self.max_groups_total
+                if not self.stopping and not done_quota:
+                    outstanding = self.broker.outstanding_ticket_requests
+                    want = self.cfg.max_groups - len(self.in_flight) - outstanding
+                    if self.max_groups_total:
+                        want = min(want, self.max_groups_total - self.groups_started - outstanding)
+                    for _ in range(max(0, want)):
+                        self.broker.request_ticket()
+                now = time.monotonic()
+                if now >= next_metrics:
+                    self._write_metrics(now - t_start)
+                    next_metrics = now + self.cfg.metrics_interval_s
+                finished = (self.stopping or done_quota) and not self.in_flight and self.broker.unacked == 0
+                if finished or (stop_deadline is not None and now > stop_deadline):
+                    break
+                # Yield to the episodes; sleep a little longer while nothing moves (no busy spinning).
+                idle_sleep = 0.0 if moved else min(idle_sleep * 2 or 0.0005, 0.005)
+                await asyncio.sleep(idle_sleep)
+        finally:
+            batcher.cancel()
+            for t in list(self.in_flight):
+                t.cancel()
+            self._write_metrics(time.monotonic() - t_start)
+
+    def run(self) -> None:
+        asyncio.run(self.main())
+
+    def _write_metrics(self, wall_s: float) -> None:
+        st = getattr(self.engine, "stats", None)
+        lat, self.env_ms = self.env_ms, []
+        lens, self.episode_lens = self.episode_lens, []
+        eps = self.stats["episodes"]
+        self.metrics.write({
+            "role": "actor", "rank": self.rank, "version": self.engine.version, "wall_s": round(wall_s, 2),
+            "generated_tokens": getattr(st, "generated_tokens", 0),
+            "gen_tokens_per_s": round(getattr(st, "generated_tokens", 0) / max(getattr(st, "seconds", 0), 1e-9), 1),
+            "engine_idle_ratio": round(1 - self.engine_busy_s / max(wall_s, 1e-9), 3),
+            "env_step_ms_p50": round(percentile(lat, 50), 2) if lat else None,
+            "env_step_ms_p99": round(percentile(lat, 99), 2) if lat else None,
+            "episode_len_mean": round(sum(lens) / len(lens), 2) if lens else None,
+            "success_rate": round(self.stats["successes"] / eps, 4) if eps else None,
+            "format_error_rate": round(self.stats["format_errors"] / max(self.stats["turns"], 1), 4),
+            "counters": dict(self.stats),
+        })
+
+    def close(self) -> None:
+        self.engine_thread.shutdown(wait=False, cancel_futures=True)
+        self.weights_thread.shutdown(wait=False, cancel_futures=True)
+        self.broker.close()
+        for c in self.env.clients:
+            c.close()
+        self.metrics.close()

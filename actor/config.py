@@ -1,0 +1,46 @@
+"""Configuration of one actor process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from actor.engine import EngineConfig, SamplingParams
+from actor.prompt import PromptConfig
+
+
+@dataclass
+class ActorConfig:
+    """The agent loop of one actor process."""
+
+    env_servers: list[str] = field(default_factory=lambda: ["127.0.0.1:25558"])
+    """env_server addresses (host:port); sessions are spread over them"""
+    max_groups: int = 2
+    """task groups rolled out at once (tickets held); their episodes' generations are batched together"""
+    max_steps: int = 0
+    """turns per episode; 0 = the task's own limit (the env_server ends the episode there too)"""
+    env_error: str = "reroll"
+    """an episode whose desktop fails: reroll (play it again, up to max_rerolls) | incomplete (mark the group)"""
+    max_rerolls: int = 2
+    """rerolls per episode before its group is marked incomplete (incomplete groups are not trained on)"""
+    env_timeout_s: float = 120.0
+    """an env request unanswered this long counts as a desktop failure"""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """the inference engine"""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """how tokens are drawn"""
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    """how observations become prompts"""
+    metrics_interval_s: float = 5.0
+    """seconds between actor metric records"""
+    stop_grace_s: float = 30.0
+    """after a stop, how long in-flight groups may finish and be acked"""
+
+    def validate(self) -> None:
+        if self.env_error not in ("reroll", "incomplete"):
+            raise ValueError("env_error must be reroll or incomplete")
+        if self.max_groups < 1 or not self.env_servers:
+            raise ValueError("need max_groups >= 1 and at least one env server")
+        for addr in self.env_servers:
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"env server address {addr!r} is not host:port")

@@ -1,0 +1,239 @@
+"""Inference engines behind one interface: ``generate`` with per-token log-probs and versions,
+``load_weights``, ``pause``/``resume``.
+
+``HFEngine`` runs PyTorch + transformers on CPU or GPU: a batch of prompts is left-padded, prefilled once,
+then decoded token by token against a KV cache. Each sampled token records its log-probability under the
+sampling temperature (the learner scores tokens at the same temperature) and the policy version that
+sampled it. New weights staged with ``load_weights`` are swapped in between two decode steps when
+``interrupt`` is on (tokens after the swap carry the new version), else before the next batch.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+from common.model import ModelConfig, build_model, build_tokenizer
+
+
+@dataclass
+class SamplingParams:
+    """How tokens are drawn."""
+
+    temperature: float = 1.0
+    """softmax temperature (> 0); log-probs are recorded under it"""
+    top_p: float = 1.0
+    """nucleus sampling mass (1 = off)"""
+    max_new_tokens: int = 96
+    """most tokens generated per turn"""
+    stop: list[str] = field(default_factory=list)
+    """generation ends once the decoded output contains one of these strings (kept in the output)"""
+
+
+@dataclass
+class Generation:
+    """One sampled continuation."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish: str  # eos | stop | length
+    text: str = ""
+
+
+@dataclass
+class EngineStats:
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    batches: int = 0
+    seconds: float = 0.0
+    weight_swaps: int = 0
+
+
+class Engine(Protocol):
+    version: int
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]: ...
+
+    def load_weights(self, named: Mapping[str, Any], version: int) -> None: ...
+
+    def named_parameters(self) -> list[tuple[str, Any]]: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
+@dataclass
+class EngineConfig:
+    """The actor's inference engine."""
+
+    kind: str = "hf"
+    """hf (PyTorch + transformers) | vllm (optional extra, GPU)"""
+    device: str = "cpu"
+    """cpu | cuda | cuda:N"""
+    max_batch: int = 64
+    """most sequences decoded together"""
+    interrupt: bool = True
+    """swap in new weights between two decode steps instead of waiting for the batch to finish"""
+    seed: int = 0
+    """sampling seed (each actor offsets it by its rank)"""
+    threads: int = 0
+    """torch CPU threads (0 = leave torch's default)"""
+
+    def validate(self) -> None:
+        if self.kind not in ("hf", "vllm"):
+            raise ValueError("engine kind must be hf or vllm")
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+
+
+class HFEngine:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig | None = None):
+        import torch
+
+        self.cfg = cfg or EngineConfig()
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)
+        self.torch = torch
+        self.tokenizer = build_tokenizer(model_cfg)
+        self.model = build_model(model_cfg, self.tokenizer.vocab_size, self.cfg.device).eval()
+        self.device = self.cfg.device
+        self.version = 0
+        self.stats = EngineStats()
+        self.gen = torch.Generator(device=self.device)
+        self.gen.manual_seed(self.cfg.seed)
+        self._staged: tuple[dict, int] | None = None
+        self._lock = threading.Lock()
+        self._running = threading.Event()
+        self._running.set()
+
+    # ----- weights -------------------------------------------------------------------------------
+
+    def named_parameters(self) -> list[tuple[str, Any]]:
+        return list(self.model.named_parameters())  # tied weights once
+
+    def load_weights(self, named: Mapping[str, Any], version: int) -> None:
+        """Stage new weights; they take effect at the next token boundary (or batch, without interrupt)."""
+        with self._lock:
+            self._staged = (dict(named), version)
+
+    def _swap_if_staged(self) -> bool:
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is None:
+            return False
+        named, version = staged
+        state = self.model.state_dict()
+        with self.torch.no_grad():
+            for name, tensor in named.items():
+                if name not in state:
+                    raise KeyError(f"unknown parameter {name!r} in a weight update")
+                state[name].copy_(tensor.to(state[name].device, state[name].dtype))
+        self.version = version
+        self.stats.weight_swaps += 1
+        return True
+
+    def pause(self) -> None:
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    # ----- sampling ------------------------------------------------------------------------------
+
+    def _sample(self, logits: Any, params: SamplingParams) -> tuple[Any, Any]:
+        torch = self.torch
+        logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
+        probs = logp.exp()
+        if params.top_p < 1.0:
+            sorted_p, idx = probs.sort(dim=-1, descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # always keeps the most likely token
+            sorted_p = sorted_p * keep
+            choice = torch.multinomial(sorted_p, 1, generator=self.gen)
+            tokens = idx.gather(-1, choice).squeeze(-1)
+        else:
+            tokens = torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 on_step: Callable[[], None] | None = None) -> list[Generation]:
+        if params.temperature <= 0:
+            raise ValueError("temperature must be > 0 (log-probs are recorded under it)")
+        out: list[Generation] = []
+        for i in range(0, len(prompts), self.cfg.max_batch):
+            out.extend(self._generate_batch(prompts[i:i + self.cfg.max_batch], params, on_step))
+        return out
+
+    def _generate_batch(self, prompts, params, on_step) -> list[Generation]:
+        import time
+
+        torch = self.torch
+        self._running.wait()
+        self._swap_if_staged()
+        t0 = time.perf_counter()
+        n = len(prompts)
+        width = max(len(p) for p in prompts)
+        if width == 0:
+            raise ValueError("empty prompt")
+        ids = torch.full((n, width), self.tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[r, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        gens = [Generation([], [], [], "length") for _ in range(n)]
+        done = [False] * n
+        eos = self.tokenizer.eos_id
+        tails = [""] * n
+        with torch.no_grad():
+            res = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            cache, logits = res.past_key_values, res.logits[:, -1]
+            last_pos = positions[:, -1]
+            for _ in range(params.max_new_tokens):
+                tokens, logps = self._sample(logits, params)
+                tok_list, lp_list = tokens.tolist(), logps.tolist()
+                for r in range(n):
+                    if done[r]:
+                        continue
+                    g = gens[r]
+                    g.token_ids.append(tok_list[r])
+                    g.logprobs.append(lp_list[r])
+                    g.versions.append(self.version)
+                    if tok_list[r] == eos:
+                        done[r], g.finish = True, "eos"
+                    elif params.stop:
+                        tails[r] = (tails[r] + self.tokenizer.decode([tok_list[r]]))[-256:]
+                        if any(s in tails[r] for s in params.stop):
+                            done[r], g.finish = True, "stop"
+                if all(done):
+                    break
+                if on_step is not None:
+                    on_step()
+                if self.cfg.interrupt:
+                    self._running.wait()
+                    self._swap_if_staged()  # the KV cache so far stays: tokens keep the version that drew them
+                mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=self.device)], dim=1)
+                last_pos = last_pos + 1
+                res = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=last_pos[:, None],
+                                 past_key_values=cache, use_cache=True)
+                cache, logits = res.past_key_values, res.logits[:, -1]
+        for g in gens:
+            g.text = self.tokenizer.decode([t for t in g.token_ids if t != eos])
+        st = self.stats
+        st.generated_tokens += sum(len(g.token_ids) for g in gens)
+        st.prompt_tokens += sum(len(p) for p in prompts)
+        st.batches += 1
+        st.seconds += time.perf_counter() - t0
+        return gens
+
+
+def make_engine(model_cfg: ModelConfig, cfg: EngineConfig) -> Engine:
+    cfg.validate()
+    if cfg.kind == "hf":
+        return HFEngine(model_cfg, cfg)
+    from actor.vllm_engine import VLLMEngine  # import-guarded: raises a clear error without vllm
+
+    return VLLMEngine(model_cfg, cfg)

@@ -1,0 +1,130 @@
+"""``computerrl bench actor``: a whole actor (tiny model, sim desktops) against its engine alone.
+
+A broker and an env_server run as their own processes; a learner stand-in pulls batches and advances the
+version so admission keeps flowing. The actor plays ``--groups`` task groups. Every batch the actor's
+engine generated is recorded (prompts, sampling parameters), then replayed through the same engine with no
+env and no transport: ``engine_only_tokens_per_s`` is that baseline, and ``ratio`` is the actor's
+generated tokens/s over it — how much of the engine's speed survives the agent loop.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import tempfile
+import threading
+import time
+from typing import Any
+
+
+def _broker_proc(net, run_dir: str, group_size: int, ready) -> None:
+    from broker.config import BrokerConfig
+    from broker.server import Broker
+    from common import log as L
+    from common.rundir import RunDir
+
+    log = L.setup("broker", "bench", 0, None, "warning", quiet=True)
+    b = Broker(BrokerConfig(groups_per_batch=1, group_size=group_size, eta=4, persist=False), net,
+               RunDir.create(run_dir), log)
+    ready.set()
+    b.run()
+
+
+def _env_proc(net, port: int, run_dir: str, pool: int, ready) -> None:
+    from common import log as L
+    from common.rundir import RunDir
+    from env_server.config import EnvServerConfig
+    from env_server.server import EnvServer
+
+    log = L.setup("env_server", "bench", 0, None, "warning", quiet=True)
+    s = EnvServer(EnvServerConfig(port=port, pool_size=pool, prestart=pool), net, RunDir.create(run_dir), log)
+    ready.set()
+    s.run()
+
+
+def _learner_stand_in(net, log, stop: threading.Event) -> None:
+    from broker.client import LearnerBrokerClient
+
+    c = LearnerBrokerClient(net, None, log)
+    c.connect(30)
+    version = 0
+    c.set_control(version)
+    c.grant(2)
+    while not stop.is_set():
+        if c.next_batch(0.2) is not None:
+            version += 1
+            c.set_control(version)
+            c.grant(1)
+    c.close()
+
+
+def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int, hidden: int) -> dict:
+    from actor.agent import Actor
+    from actor.config import ActorConfig
+    from actor.engine import EngineConfig, HFEngine, SamplingParams
+    from actor.prompt import PromptConfig
+    from common import log as L
+    from common.model import ModelConfig
+    from common.net import NetConfig, free_port
+
+    log = L.setup("actor", "bench", 0, None, "warning", quiet=True)
+    net = NetConfig(broker_front_port=free_port(), broker_back_port=free_port(), broker_control_port=free_port())
+    env_port = free_port()
+    ctx = mp.get_context("spawn")
+    model = ModelConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_layers=2, num_heads=4, num_kv_heads=2)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
+    engine = HFEngine(model, EngineConfig(seed=0))
+    recorded: list[tuple[list, Any]] = []
+    real_generate = engine.generate
+
+    def recording_generate(prompts, params, on_step=None):
+        recorded.append(([list(p) for p in prompts], params))
+        return real_generate(prompts, params, on_step)
+
+    engine.generate = recording_generate  # type: ignore[method-assign]
+    with tempfile.TemporaryDirectory(prefix="bench-actor-") as tmp:
+        b_ready, e_ready = ctx.Event(), ctx.Event()
+        procs = [ctx.Process(target=_broker_proc, args=(net, f"{tmp}/b", group_size, b_ready), daemon=True),
+                 ctx.Process(target=_env_proc, args=(net, env_port, f"{tmp}/e", max_groups * group_size, e_ready),
+                             daemon=True)]
+        for p in procs:
+            p.start()
+        if not (b_ready.wait(60) and e_ready.wait(60)):
+            raise RuntimeError("broker or env_server did not start")
+        stop = threading.Event()
+        learner = threading.Thread(target=_learner_stand_in, args=(net, log, stop), daemon=True)
+        learner.start()
+        cfg = ActorConfig(env_servers=[f"127.0.0.1:{env_port}"], max_groups=max_groups, sampling=sampling,
+                          prompt=PromptConfig(max_prompt_tokens=2048))
+        actor = Actor(cfg, engine, net, None, None, log, max_groups_total=groups)
+        try:
+            actor.connect(60)
+            tokens0 = engine.stats.generated_tokens
+            t0 = time.perf_counter()
+            actor.run()
+            wall = time.perf_counter() - t0
+            tokens = engine.stats.generated_tokens - tokens0
+            episodes = actor.stats["episodes"]
+            stats = dict(actor.stats)
+        finally:
+            actor.close()
+            stop.set()
+            learner.join(10)
+            for p in procs:
+                p.terminate()
+                p.join(10)
+    # Baseline: the same batches through the same engine, nothing else.
+    engine.generate = real_generate  # type: ignore[method-assign]
+    base_tokens, t0 = 0, time.perf_counter()
+    for prompts, params in recorded:
+        base_tokens += sum(len(g.token_ids) for g in real_generate(prompts, params))
+    base_wall = time.perf_counter() - t0
+    return {
+        "groups": groups, "group_size": group_size, "max_groups": max_groups, "hidden_size": hidden,
+        "episodes": episodes, "episodes_per_s": round(episodes / wall, 3),
+        "generated_tokens": tokens, "tokens_per_s": round(tokens / wall, 1),
+        "engine_only_tokens_per_s": round(base_tokens / base_wall, 1),
+        "ratio": round((tokens / wall) / (base_tokens / base_wall), 3),
+        "engine_batches": len(recorded), "mean_batch": round(sum(len(p) for p, _ in recorded) / len(recorded), 2),
+        "format_error_rate": round(stats.get("format_errors", 0) / max(stats.get("turns", 1), 1), 3),
+        "seconds": round(wall, 2),
+    }

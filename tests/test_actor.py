@@ -1,0 +1,157 @@
+"""The actor: prompts as token ids, engine log-probs vs a teacher-forced pass, weight swaps mid-generation,
+and a whole actor against a real broker and env_server on loopback."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from actor.agent import Actor  # noqa: E402
+from actor.config import ActorConfig  # noqa: E402
+from actor.engine import EngineConfig, HFEngine, SamplingParams  # noqa: E402
+from actor.prompt import EpisodePrompt, PromptConfig  # noqa: E402
+from broker.client import LearnerBrokerClient  # noqa: E402
+from broker.config import BrokerConfig  # noqa: E402
+from common.model import ModelConfig, build_model, sequence_logprobs  # noqa: E402
+from common.net import free_port  # noqa: E402
+from common.rundir import RunDir  # noqa: E402
+from common.tokenizer import ByteTokenizer  # noqa: E402
+from common.weightsync import WeightSender, WeightSyncConfig  # noqa: E402
+from env_server.backend import SimBackend  # noqa: E402
+from env_server.config import EnvServerConfig  # noqa: E402
+from env_server.server import EnvServer  # noqa: E402
+
+TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+
+
+def test_prompt_keeps_sampled_ids_verbatim_and_cuts_oldest_history_first():
+    tok = ByteTokenizer()
+    b = SimBackend()
+    obs = b.reset("sim:train:files_rename/0")
+    p = EpisodePrompt(tok, PromptConfig(history_turns=2, max_prompt_tokens=4096), obs["instruction"])
+    first = p.build(obs)
+    text = tok.decode(first)
+    assert obs["instruction"] in text and "taskbar button" in text and "click(" in text  # rules + screen
+    assert first[-1] == tok.special("<|assistant|>")
+    sampled = tok.encode('open_app("Files")') + [tok.eos_id]
+    res = b.step('open_app("Files")')
+    p.record(sampled, res.obs["last_result"])
+    second = p.build(res.obs)
+    n = len(sampled)
+    assert any(second[i:i + n] == sampled for i in range(len(second) - n)), "sampled ids appear as sampled"
+    assert second[:len(p.head)] == first[:len(p.head)], "the fixed head is shared, not re-tokenized differently"
+    for k in range(3):
+        p.record(tok.encode(f"wait() #{k}"), "waited")
+    third = tok.decode(p.build(res.obs))
+    assert "#2" in third and "#1" in third and "#0" not in third and 'open_app("Files")' not in third
+    small = EpisodePrompt(tok, PromptConfig(max_prompt_tokens=900), obs["instruction"])
+    for k in range(4):
+        small.record(tok.encode(f"wait() #{k}"), "waited")
+    cut = small.build(res.obs)
+    assert len(cut) <= 900 and cut[-1] == tok.special("<|assistant|>")
+
+
+def test_recorded_logprobs_equal_a_teacher_forced_pass():
+    eng = HFEngine(TINY, EngineConfig(seed=3, max_batch=3))
+    tok = eng.tokenizer
+    prompts = [tok.encode("short"), tok.encode("a much longer prompt that pads the others " * 3), tok.encode("mid x")]
+    for params in (SamplingParams(temperature=1.0, max_new_tokens=24),
+                   SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=24, stop=[")"])):
+        gens = eng.generate(prompts * 2, params)  # 6 prompts: two batches of max_batch=3
+        assert len(gens) == 6
+        for prompt, g in zip(prompts * 2, gens):
+            assert len(g.token_ids) == len(g.logprobs) == len(g.versions) > 0
+            if g.finish == "stop":
+                assert ")" in g.text
+            seq = torch.tensor([prompt + g.token_ids])
+            with torch.no_grad():
+                ref = sequence_logprobs(eng.model, seq, temperature=params.temperature)[0, len(prompt) - 1:]
+            np.testing.assert_allclose(np.array(g.logprobs), ref.numpy(), atol=2e-5)
+
+
+def test_weights_swap_at_a_token_boundary_and_match_the_learner(quiet_log):
+    eng = HFEngine(TINY, EngineConfig(seed=0, interrupt=True))
+    tok = eng.tokenizer
+    learner = build_model(ModelConfig(**{**TINY.__dict__, "init_seed": 99}), tok.vocab_size).eval()
+    cfg = WeightSyncConfig(port=free_port(), join_window_s=5.0, timeout_s=10.0)
+    sender = WeightSender(cfg, quiet_log)
+    r = sender.open_round()
+    from common.weightsync import WeightReceiver
+
+    received = {}
+
+    def receive():
+        received["v"], received["t"] = WeightReceiver(cfg, quiet_log).receive(r, eng.named_parameters())
+
+    t = threading.Thread(target=receive)
+    t.start()
+    sender.broadcast(list(learner.named_parameters()), version=5, expected=1)
+    t.join(10)
+    assert received["v"] == 5
+    prompt = tok.encode("click(")
+    params = SamplingParams(temperature=1.0, max_new_tokens=20)
+    before = eng.generate([prompt], params)[0]
+    steps = {"n": 0}
+
+    def on_step():
+        steps["n"] += 1
+        if steps["n"] == 6:
+            eng.load_weights(received["t"], received["v"])  # arrives mid-generation
+
+    mid = eng.generate([prompt], params, on_step=on_step)[0]
+    assert mid.versions[:6] == [0] * 6 and set(mid.versions[6:]) == {5}, mid.versions
+    after = eng.generate([prompt] * 2, params)
+    for g in after:
+        assert set(g.versions) == {5}
+        seq = torch.tensor([prompt + g.token_ids])
+        with torch.no_grad():
+            ref = sequence_logprobs(learner, seq)[0, len(prompt) - 1:]
+        np.testing.assert_allclose(np.array(g.logprobs), ref.numpy(), atol=2e-5)
+    with torch.no_grad():
+        lp_old = sequence_logprobs(build_model(TINY, tok.vocab_size).eval(), torch.tensor([prompt + before.token_ids]))
+        lp_new = sequence_logprobs(eng.model, torch.tensor([prompt + before.token_ids]))
+    assert not torch.allclose(lp_old, lp_new), "the update changed the policy"
+
+
+def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path):
+    tb = start_broker(BrokerConfig(groups_per_batch=2, group_size=2, eta=4, persist=True))
+    env_cfg = EnvServerConfig(port=free_port(), pool_size=8)
+    server = EnvServer(env_cfg, tb.net, RunDir.create(tmp_path / "env"), quiet_log)
+    st = threading.Thread(target=server.run, daemon=True)
+    st.start()
+    cfg = ActorConfig(env_servers=[f"127.0.0.1:{env_cfg.port}"], max_groups=2, max_steps=3,
+                      sampling=SamplingParams(max_new_tokens=24), prompt=PromptConfig(max_prompt_tokens=2048))
+    engine = HFEngine(TINY, EngineConfig(seed=1))
+    actor = Actor(cfg, engine, tb.net, None, tb.run_dir, quiet_log, max_groups_total=2)
+    learner = LearnerBrokerClient(tb.net, None, quiet_log)
+    learner.connect(10)
+    try:
+        actor.connect(10)
+        actor.run()
+        assert actor.stats["groups_submitted"] == 2 and actor.broker.unacked == 0
+        learner.grant(1)
+        batch = learner.next_batch(10)
+        assert batch is not None and len(batch.groups) == 2
+        for g in batch.groups:
+            assert g.complete and g.actor_id == actor.broker.actor_id and len(g.trajectories) == 2
+            assert g.task_id.startswith("sim:train/")
+            for tr in g.trajectories:
+                assert 1 <= tr.num_turns <= 3 and set(tr.versions.tolist()) == {0}
+                assert tr.loss_mask.sum() == len(tr.output_ids) and len(tr.actions) == tr.num_turns
+                turn = tr.turn(0)
+                seq = torch.tensor([np.concatenate([turn.prompt_ids, turn.output_ids]).tolist()])
+                with torch.no_grad():
+                    ref = sequence_logprobs(engine.model, seq)[0, len(turn.prompt_ids) - 1:]
+                np.testing.assert_allclose(turn.logprobs, ref.numpy(), atol=2e-5)
+                assert engine.tokenizer.decode(turn.output_ids.tolist()).startswith(tr.actions[0][:5])
+        metrics = (tb.run_dir.metrics / "actor-0.jsonl").read_text()
+        assert '"gen_tokens_per_s"' in metrics and '"engine_idle_ratio"' in metrics
+    finally:
+        actor.close()
+        learner.close()
+        server.request_stop()
+        st.join(10)
