@@ -102,6 +102,7 @@ class Actor:
             host, _, port = addr.rpartition(":")
             clients.append(EnvClient(net, host, int(port), keys, log, peer_id=f"{self.broker.actor_id}-env{len(clients)}"))
         self.env = EnvLinks(clients, cfg.env_timeout_s)
+        self.weights_cfg = weights
         self.receiver = WeightReceiver(weights, log) if weights is not None else None
         self.max_groups_total = max_groups_total  # stop after this many groups (0 = until told to stop)
         self.gen_queue: list[tuple[list[int], asyncio.Future]] = []
@@ -251,8 +252,11 @@ class Actor:
 
         def receive() -> None:
             try:
-                version, tensors = self.receiver.receive(r, self.engine.named_parameters())
-                self.engine.load_weights(tensors, version)
+                if hasattr(self.engine, "receive_round"):  # vLLM: its GPU workers join the round themselves
+                    version = self.engine.receive_round(r, dataclasses.asdict(self.weights_cfg))
+                else:
+                    version, tensors = self.receiver.receive(r, self.engine.named_parameters())
+                    self.engine.load_weights(tensors, version)
                 self.stats["weight_updates"] += 1
                 self.log.info("weights_received", round=r, version=version)
             except RoundFailed as exc:

@@ -155,3 +155,53 @@ def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path):
         learner.close()
         server.request_stop()
         st.join(10)
+
+
+def test_engine_loads_a_local_hf_checkpoint_and_tokenizer(tmp_path):
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = RawTokenizer(models.BPE(unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.train_from_iterator(["click the Save button", 'open_app("Files")', "type hello world"] * 50,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "[PAD]"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", pad_token="[PAD]")
+    fast.save_pretrained(tmp_path)
+    model = build_model(TINY, len(fast))
+    model.save_pretrained(tmp_path)
+    cfg = ModelConfig(path=str(tmp_path), tokenizer="hf")
+    eng = HFEngine(cfg, EngineConfig(seed=0))
+    tok = eng.tokenizer
+    assert tok.special("<|end|>") >= len(fast), "role tokens were added to the vocabulary"
+    assert eng.model.get_input_embeddings().num_embeddings >= tok.vocab_size
+    prompt = [tok.special("<|user|>"), *tok.encode("click the Save button"), tok.special("<|assistant|>")]
+    g = eng.generate([prompt], SamplingParams(max_new_tokens=8))[0]
+    with torch.no_grad():
+        ref = sequence_logprobs(eng.model, torch.tensor([prompt + g.token_ids]))[0, len(prompt) - 1:]
+    np.testing.assert_allclose(np.array(g.logprobs), ref.numpy(), atol=2e-5)
+    with torch.no_grad():  # the weights are the saved ones, not a fresh init
+        name, saved = next(iter(model.named_parameters()))
+        assert torch.equal(dict(eng.model.named_parameters())[name][:saved.shape[0]], saved)
+
+
+def test_vllm_engine_parts_that_run_without_vllm():
+    import importlib.util
+
+    from actor.engine import make_engine
+    from actor.vllm_engine import Partial, hf_layout
+    from common.weightsync import layout_hash
+
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(RuntimeError, match="pip install 'computerrl\\[gpu\\]'"):
+            make_engine(ModelConfig(path="/nonexistent"), EngineConfig(kind="vllm"))
+    part = Partial([1, 2, 3])
+    part.add([7, 8], [-0.1, -0.2], version=4)
+    part.add([9], [-0.3], version=5)  # resumed with new weights after an interruption
+    assert part.continuation(SamplingParams(max_new_tokens=10)) == ([1, 2, 3, 7, 8, 9], 7)
+    assert part.versions == [4, 4, 5]
+    tok = ByteTokenizer()
+    layout = hf_layout(TINY, tok.vocab_size)
+    real = list(build_model(TINY, tok.vocab_size).named_parameters())
+    assert [n for n, _ in layout] == [n for n, _ in real]
+    assert layout_hash(layout) == layout_hash(real), "a round from the learner fits the vLLM workers' layout"
