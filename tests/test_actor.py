@@ -205,3 +205,46 @@ def test_vllm_engine_parts_that_run_without_vllm():
     real = list(build_model(TINY, tok.vocab_size).named_parameters())
     assert [n for n, _ in layout] == [n for n, _ in real]
     assert layout_hash(layout) == layout_hash(real), "a round from the learner fits the vLLM workers' layout"
+
+
+def test_actor_joins_weight_rounds_announced_on_control(start_broker, quiet_log, tmp_path):
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=8, persist=False))
+    env_cfg = EnvServerConfig(port=free_port(), pool_size=4)
+    server = EnvServer(env_cfg, tb.net, RunDir.create(tmp_path / "env"), quiet_log)
+    threading.Thread(target=server.run, daemon=True).start()
+    wcfg = WeightSyncConfig(port=free_port(), join_window_s=10.0, timeout_s=10.0)
+    sender = WeightSender(wcfg, quiet_log)
+    cfg = ActorConfig(env_servers=[f"127.0.0.1:{env_cfg.port}"], max_groups=1, max_steps=2,
+                      sampling=SamplingParams(max_new_tokens=8), prompt=PromptConfig(max_prompt_tokens=1024))
+    engine = HFEngine(TINY, EngineConfig(seed=2))
+    actor = Actor(cfg, engine, tb.net, wcfg, tb.run_dir, quiet_log, max_groups_total=4)
+    learner = LearnerBrokerClient(tb.net, None, quiet_log)
+    learner.connect(10)
+    learner.set_control(0)
+    actor.connect(10)
+    runner = threading.Thread(target=actor.run, daemon=True)
+    runner.start()
+    try:
+        learner.grant(1)
+        first = learner.next_batch(30)
+        assert first is not None and first.groups[0].behavior_version_max == 0
+        new_weights = build_model(ModelConfig(**{**TINY.__dict__, "init_seed": 7}), engine.tokenizer.vocab_size)
+        r = sender.open_round()
+        learner.set_control(1, info={"weights_round": r})
+        assert sender.broadcast(list(new_weights.named_parameters()), version=1, expected=1) == 1
+        later = []
+        for _ in range(3):
+            learner.grant(1)
+            b = learner.next_batch(30)
+            assert b is not None
+            later += b.groups
+        assert later[-1].behavior_version_max == 1, "groups started after the round carry the new version"
+        assert actor.stats["weight_updates"] == 1
+        for name, p in new_weights.named_parameters():
+            assert torch.equal(dict(engine.model.named_parameters())[name], p)
+        runner.join(30)
+        assert not runner.is_alive()
+    finally:
+        actor.close()
+        learner.close()
+        server.request_stop()
