@@ -255,7 +255,8 @@ class Actor:
                 if hasattr(self.engine, "receive_round"):  # vLLM: its GPU workers join the round themselves
                     version = self.engine.receive_round(r, dataclasses.asdict(self.weights_cfg))
                 else:
-                    version, tensors = self.receiver.receive(r, self.engine.named_parameters())
+                    reuse = not self.engine.has_staged()  # the last weights were copied in: reuse buffers
+                    version, tensors = self.receiver.receive(r, self.engine.named_parameters(), reuse=reuse)
                     self.engine.load_weights(tensors, version)
                 self.stats["weight_updates"] += 1
                 self.log.info("weights_received", round=r, version=version)

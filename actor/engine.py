@@ -119,6 +119,11 @@ class HFEngine:
         with self._lock:
             self._staged = (dict(named), version)
 
+    def has_staged(self) -> bool:
+        """Whether staged weights still wait for a token boundary (their buffers must not be reused yet)."""
+        with self._lock:
+            return self._staged is not None
+
     def _swap_if_staged(self) -> bool:
         with self._lock:
             staged, self._staged = self._staged, None

@@ -139,7 +139,9 @@ class WeightSender:
                                   device=device)
             pg.broadcast(header, 0).wait()
             for idx in plan:
-                flat = torch.cat([named[i][1].detach().reshape(-1) for i in idx])
+                parts = [named[i][1].detach().reshape(-1) for i in idx]
+                # A bucket of one contiguous tensor goes as is; only small tensors are packed (one copy).
+                flat = parts[0] if len(parts) == 1 else torch.cat(parts)
                 pg.broadcast(flat, 0).wait()
         except Exception as exc:
             self.failed_rounds += 1
@@ -160,6 +162,7 @@ class WeightReceiver:
         cfg.validate()
         self.cfg, self.log = cfg, log
         self._store: Any = None
+        self._buffers: list[Any] = []  # receive buffers kept between rounds (no page faults after the first)
 
     def _connect(self) -> Any:
         import torch.distributed as dist
@@ -168,8 +171,12 @@ class WeightReceiver:
             self._store = dist.TCPStore(self.cfg.host, self.cfg.port, is_master=False, timeout=_timeout(self.cfg))
         return self._store
 
-    def receive(self, r: int, like: Sequence[tuple[str, Any]]) -> tuple[int, dict[str, Any]]:
-        """Join round ``r``; returns (version, {name: tensor}) shaped ``like`` or raises ``RoundFailed``."""
+    def receive(self, r: int, like: Sequence[tuple[str, Any]], reuse: bool = False) -> tuple[int, dict[str, Any]]:
+        """Join round ``r``; returns (version, {name: tensor}) shaped ``like`` or raises ``RoundFailed``.
+
+        With ``reuse``, the tensors are views into buffers that the next ``receive`` overwrites: pass it only
+        once the previous result has been consumed (copied into the model).
+        """
         import torch
 
         try:
@@ -194,9 +201,10 @@ class WeightReceiver:
             if len(plan) != n_buckets:
                 raise RoundFailed("bucket plans differ (weights.bucket_mb must match)")
             out: dict[str, Any] = {}
-            for idx in plan:
-                numel = sum(like[i][1].numel() for i in idx)
-                flat = torch.empty(numel, dtype=like[idx[0]][1].dtype, device=device)
+            if not reuse or len(self._buffers) != len(plan):
+                self._buffers = [torch.empty(sum(like[i][1].numel() for i in idx), dtype=like[idx[0]][1].dtype,
+                                             device=device) for idx in plan]
+            for idx, flat in zip(plan, self._buffers):
                 pg.broadcast(flat, 0).wait()
                 pos = 0
                 for i in idx:

@@ -85,6 +85,23 @@ def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[s
         a.close()
 
 
+@main.command()
+@click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@click.option("--run-dir", type=click.Path(file_okay=False), help="run directory shared by every role of the run")
+@click.option("--resume", is_flag=True, help="continue from the run directory's latest checkpoint")
+@click.argument("overrides", nargs=-1)
+def learner(config: str | None, run_dir: str | None, resume: bool, overrides: tuple[str, ...]) -> None:
+    """Run the learner: batches from the broker, training steps, weights to the actors, checkpoints."""
+    from learner.trainer import Learner
+
+    cfg = _load(config, overrides)
+    rd = resolve_run_dir(cfg, run_dir)
+    C.dump(cfg, rd.root / "config.learner.yaml")
+    log = L.setup("learner", cfg.run.run_id, 0, rd.logs, cfg.run.log_level)
+    Learner(cfg.learner, cfg.model, cfg.weights, cfg.net, rd, log, temperature=cfg.actor.sampling.temperature,
+            seed=cfg.run.seed, resume=resume).run()
+
+
 @main.command("config")
 @click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
 @click.option("--describe", is_flag=True, help="list every key with its type, default and meaning")
@@ -156,6 +173,44 @@ def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: i
     from launch.bench_actor import run_bench
 
     result = run_bench(groups, group_size, max_groups, max_new_tokens, hidden)
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        for k, v in result.items():
+            click.echo(f"{k:>24}: {v}")
+
+
+@bench.command("learner")
+@click.option("--hidden", default=128, show_default=True, help="model width")
+@click.option("--layers", default=2, show_default=True, help="transformer blocks")
+@click.option("--groups", default=4, show_default=True, help="groups per batch (B)")
+@click.option("--group-size", default=8, show_default=True, help="trajectories per group (G)")
+@click.option("--prompt-len", default=256, show_default=True, help="prompt tokens per sample")
+@click.option("--output-len", default=32, show_default=True, help="sampled tokens per sample")
+@click.option("--steps", default=5, show_default=True, help="timed steps")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def bench_learner(hidden: int, layers: int, groups: int, group_size: int, prompt_len: int, output_len: int,
+                  steps: int, as_json: bool) -> None:
+    """Learner train tokens/s vs a bare forward+backward+step of the same model and tensors."""
+    from launch.bench_learner import run_learner_bench
+
+    _emit(run_learner_bench(hidden, layers, groups, group_size, prompt_len, output_len, steps), as_json)
+
+
+@bench.command("weights")
+@click.option("--params", default=10_000_000, show_default=True, help="float32 parameters to send")
+@click.option("--receivers", default=2, show_default=True, help="K receiver processes")
+@click.option("--repeats", default=3, show_default=True, help="timed rounds (median reported)")
+@click.option("--bucket-mb", default=512.0, show_default=True, help="bucket size of our rounds")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def bench_weights(params: int, receivers: int, repeats: int, bucket_mb: float, as_json: bool) -> None:
+    """Seconds per weight round to K receivers vs a raw torch.distributed broadcast of the same bytes."""
+    from launch.bench_learner import run_weights_bench
+
+    _emit(run_weights_bench(params, receivers, repeats, bucket_mb), as_json)
+
+
+def _emit(result: dict, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(result))
     else:

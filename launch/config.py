@@ -13,6 +13,7 @@ from common.model import ModelConfig
 from common.net import NetConfig
 from common.weightsync import WeightSyncConfig
 from env_server.config import EnvServerConfig
+from learner.config import LearnerConfig
 from common.rundir import RunDir, new_run_id
 
 
@@ -48,6 +49,8 @@ class RunConfig:
     """the agent loop of each actor process"""
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """weight broadcast from the learner to the actors"""
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    """the training loop and its algorithm"""
 
 
 def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:

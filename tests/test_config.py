@@ -87,3 +87,15 @@ def test_cli_config_print_and_describe():
     assert r.exit_code == 0 and "broker.eta" in r.output and "staleness" in r.output
     r = CliRunner().invoke(main, ["config", "broker.bogus=1"])
     assert r.exit_code != 0 and "broker.bogus" in r.output
+
+
+def test_broker_and_env_server_roles_do_not_import_torch():
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = ("import sys, launch.cli, launch.config, broker.server, env_server.server, actor.config; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-1000:]

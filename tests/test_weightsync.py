@@ -87,3 +87,21 @@ def test_layout_mismatch_is_refused(quiet_log):
         sender.broadcast(params(0), version=1, expected=1)
     t.join(10)
     assert "layout" in bad["err"]
+
+
+def test_receive_buffers_are_reused_only_when_asked(quiet_log):
+    cfg = WeightSyncConfig(port=free_port(), join_window_s=3.0, timeout_s=5.0)
+    sender = WeightSender(cfg, quiet_log)
+    rx = WeightReceiver(cfg, quiet_log)
+    results = []
+    for i, reuse in enumerate([False, True, False]):
+        r = sender.open_round()
+        t = threading.Thread(target=lambda r=r, reuse=reuse: results.append(rx.receive(r, params(0), reuse=reuse)))
+        t.start()
+        sender.broadcast(params(10 + i), version=i + 1, expected=1)
+        t.join(10)
+    (v1, a), (v2, b), (v3, c) = results
+    assert (v1, v2, v3) == (1, 2, 3)
+    assert a["a.weight"].data_ptr() == b["a.weight"].data_ptr(), "reuse writes into the same buffers"
+    assert c["a.weight"].data_ptr() != b["a.weight"].data_ptr()
+    assert torch.equal(b["a.weight"], params(11)[0][1]) and torch.equal(c["a.weight"], params(12)[0][1])

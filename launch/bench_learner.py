@@ -1,0 +1,182 @@
+"""``computerrl bench learner`` and ``computerrl bench weights``.
+
+learner: train tokens/s of ``Trainer.train_step`` on synthetic trajectory groups, against the bare loop a
+user would write for the same model and the same padded tensors (forward, log-softmax gather, token-mean
+loss, backward, clip, AdamW step). ``ratio`` = ours / bare.
+
+weights: seconds to get N float32 parameters to K receiver processes through our weight rounds (rendezvous,
+fresh group, header, buckets), against a raw ``torch.distributed`` broadcast of the same bytes as one flat
+tensor over a gloo group built once. ``ratio`` = raw seconds / our seconds (1 = no overhead).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+import uuid
+
+import numpy as np
+
+
+def _groups(n_groups: int, group_size: int, prompt_len: int, output_len: int, vocab: int, seed: int):
+    from common import protocol as P
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(n_groups):
+        trajs = []
+        for i in range(group_size):
+            turn = P.TurnView(rng.integers(0, vocab, prompt_len).astype(np.int32),
+                              rng.integers(0, vocab, output_len).astype(np.int32),
+                              np.full(output_len, -2.0, np.float32), np.zeros(output_len, np.int32),
+                              np.ones(output_len, np.uint8), float(i % 2), False, "", "")
+            trajs.append(P.Trajectory.from_turns(uuid.uuid4().hex[:8], float(i % 2), bool(i % 2), [turn]))
+        out.append(P.TrajectoryGroup(group_id=uuid.uuid4().hex, ticket_id="t", task_id=f"sim:train/{k}",
+                                     actor_id="bench", trajectories=trajs, behavior_version_min=0,
+                                     behavior_version_max=0))
+    return out
+
+
+def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, prompt_len: int, output_len: int,
+                      steps: int) -> dict:
+    import torch
+
+    from common.model import ModelConfig
+    from learner.batch import build_samples, collate, micro_batches
+    from learner.config import LearnerConfig
+    from learner.trainer import Trainer
+
+    heads = max(1, hidden // 16)
+    model_cfg = ModelConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers, num_heads=heads,
+                            num_kv_heads=heads)
+    cfg = LearnerConfig(lr=1e-5)
+    ours = Trainer(cfg, model_cfg)
+    vocab = ours.tokenizer.vocab_size
+    data = [_groups(groups, group_size, prompt_len, output_len, 256, s) for s in range(steps + 1)]
+    ours.train_step(data[0])  # warm-up (allocator, kernels)
+    t0 = time.perf_counter()
+    tokens = 0
+    for d in data[1:]:
+        ours.eta = None
+        ours.version = 0
+        tokens += ours.train_step(d)["tokens"]
+    ours_s = time.perf_counter() - t0
+
+    bare = Trainer(cfg, model_cfg)  # same model, its own optimizer; the loop below is all it runs
+    model, opt = bare.model, torch.optim.AdamW(bare.model.parameters(), lr=1e-5)
+    tensors = []
+    for d in data:
+        samples, _ = build_samples(d, cfg.advantage, vocab, 0)
+        tensors.append([collate(mb, bare.tokenizer.pad_id) for mb in micro_batches(samples, cfg.micro_batch_tokens)])
+
+    def bare_step(mbs) -> None:
+        opt.zero_grad(set_to_none=True)
+        n = sum(tb.num_tokens for tb in mbs)
+        for tb in mbs:
+            pos = (tb.attention_mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=tb.input_ids, attention_mask=tb.attention_mask, position_ids=pos).logits[:, :-1]
+            lp = torch.log_softmax(logits.float(), -1).gather(-1, tb.input_ids[:, 1:, None]).squeeze(-1)
+            (-(lp * tb.advantages * tb.mask).sum() / n).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    bare_step(tensors[0])
+    t0 = time.perf_counter()
+    bare_tokens = 0
+    for mbs in tensors[1:]:
+        bare_step(mbs)
+        bare_tokens += sum(tb.num_tokens for tb in mbs)
+    bare_s = time.perf_counter() - t0
+    params = sum(p.numel() for p in ours.model.parameters())
+    return {"params": params, "hidden": hidden, "layers": layers, "groups": groups, "group_size": group_size,
+            "prompt_len": prompt_len, "output_len": output_len, "steps": steps,
+            "train_tokens_per_s": round(tokens / ours_s, 1), "bare_tokens_per_s": round(bare_tokens / bare_s, 1),
+            "ratio": round((tokens / ours_s) / (bare_tokens / bare_s), 3),
+            "step_seconds": round(ours_s / steps, 4)}
+
+
+# ----- weights -----------------------------------------------------------------------------------------
+
+def _our_receiver(cfg_dict: dict, numel: int, rounds, results) -> None:
+    import torch
+
+    from common.weightsync import WeightReceiver, WeightSyncConfig
+
+    rx = WeightReceiver(WeightSyncConfig(**cfg_dict), None)
+    like = [("w", torch.empty(numel))]
+    while True:
+        r = rounds.get()
+        if r is None:
+            break
+        rx.receive(r, like, reuse=True)  # the bench discards what it received
+        results.put(r)
+
+
+def _raw_member(port: int, rank: int, world: int, numel: int, repeats: int, results) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
+    pg = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=120))
+    buf = torch.ones(numel) if rank == 0 else torch.empty(numel)
+    times = []
+    for _ in range(repeats + 1):
+        pg.barrier().wait()
+        t0 = time.perf_counter()
+        pg.broadcast(buf, 0).wait()
+        pg.barrier().wait()  # done when everyone has it, as our round is
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        results.put(times[1:])
+
+
+def run_weights_bench(params: int, receivers: int, repeats: int, bucket_mb: float) -> dict:
+    import torch
+
+    from common import log as L
+    from common.net import free_port
+    from common.weightsync import WeightSender, WeightSyncConfig
+
+    ctx = mp.get_context("spawn")
+    # raw: a group built once, one flat broadcast per repeat
+    port = free_port()
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_raw_member, args=(port, r, receivers + 1, params, repeats, results), daemon=True)
+             for r in range(receivers + 1)]
+    for p in procs:
+        p.start()
+    raw_times = results.get(timeout=600)
+    for p in procs:
+        p.join(30)
+    # ours: a round per repeat (rendezvous, fresh group, header, buckets)
+    cfg = WeightSyncConfig(port=free_port(), join_window_s=30.0, timeout_s=120.0, bucket_mb=bucket_mb)
+    log = L.setup("learner", "bench", 0, None, "warning", quiet=True)
+    sender = WeightSender(cfg, log)
+    named = [("w", torch.ones(params))]
+    rounds = [ctx.Queue() for _ in range(receivers)]
+    done = ctx.Queue()
+    cfg_dict = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+    procs = [ctx.Process(target=_our_receiver, args=(cfg_dict, params, q, done), daemon=True) for q in rounds]
+    for p in procs:
+        p.start()
+    ours = []
+    for i in range(repeats + 1):
+        r = sender.open_round()
+        t0 = time.perf_counter()
+        for q in rounds:
+            q.put(r)  # stands in for Control announcing the round
+        sender.broadcast(named, version=i + 1, expected=receivers)
+        for _ in range(receivers):
+            done.get(timeout=300)
+        ours.append(time.perf_counter() - t0)
+    for q in rounds:
+        q.put(None)
+    for p in procs:
+        p.join(30)
+    ours_s, raw_s = statistics.median(ours[1:]), statistics.median(raw_times)
+    return {"params": params, "megabytes": round(params * 4 / 1e6, 1), "receivers": receivers, "repeats": repeats,
+            "seconds": round(ours_s, 4), "raw_seconds": round(raw_s, 4), "ratio": round(raw_s / ours_s, 3),
+            "gb_per_s_per_receiver": round(params * 4 / 1e9 / ours_s, 3)}

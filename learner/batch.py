@@ -1,0 +1,146 @@
+"""From token-in/token-out trajectory groups to padded training tensors.
+
+Every model turn is a sample: its prompt ids exactly as the engine saw them, then its sampled ids. Logits
+at position p predict token p + 1, so a sample with a P-token prompt and O sampled tokens has its loss on
+shifted positions P - 1 .. P + O - 2, where the behaviour log-probs, versions, loss mask and the turn's
+advantage are placed. Nothing is re-tokenized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from common import protocol as P
+from learner.advantages import AdvantageConfig, GroupRewards, compute, zero_variance
+
+
+class BadBatch(ValueError):
+    """A batch that must not be trained on; the message says why."""
+
+
+@dataclass
+class Sample:
+    ids: np.ndarray  # prompt + sampled ids
+    prompt_len: int
+    behav_logprobs: np.ndarray  # per sampled token
+    versions: np.ndarray
+    loss_mask: np.ndarray
+    advantage: float
+    task_id: str
+    traj_id: str
+    turn: int
+
+
+def check_group(g: P.TrajectoryGroup, vocab_size: int, version: int) -> None:
+    for t in g.trajectories:
+        if len(t.logprobs) and not np.isfinite(t.logprobs).all():
+            raise BadBatch(f"group {g.group_id}: non-finite behaviour log-probs")
+        if len(t.logprobs) and t.logprobs.max() > 1e-4:
+            raise BadBatch(f"group {g.group_id}: log-probs above 0")
+        for arr, what in ((t.prompt_ids, "prompt"), (t.output_ids, "output")):
+            if len(arr) and (arr.min() < 0 or arr.max() >= vocab_size):
+                raise BadBatch(f"group {g.group_id}: {what} token id outside the vocabulary ({vocab_size})")
+        if len(t.versions) and t.versions.max() > version:
+            raise BadBatch(f"group {g.group_id}: tokens from version {int(t.versions.max())} > learner's {version}")
+        if not np.isfinite(t.reward) or not np.isfinite(t.turn_rewards).all():
+            raise BadBatch(f"group {g.group_id}: non-finite reward")
+
+
+def build_samples(groups: list[P.TrajectoryGroup], adv_cfg: AdvantageConfig, vocab_size: int,
+                  version: int) -> tuple[list[Sample], dict]:
+    """Samples with advantages; raises ``BadBatch``. Stats: groups kept, dropped for zero variance."""
+    for g in groups:
+        check_group(g, vocab_size, version)
+    rewards = [GroupRewards(g.task_id, [float(t.reward) for t in g.trajectories],
+                            [[float(r) for r in t.turn_rewards] for t in g.trajectories]) for g in groups]
+    keep = [i for i, r in enumerate(rewards) if not (adv_cfg.drop_zero_variance and zero_variance(r, adv_cfg))]
+    stats = {"groups": len(groups), "zero_variance_dropped": len(groups) - len(keep)}
+    if not keep:
+        return [], stats
+    adv = compute([rewards[i] for i in keep], adv_cfg)
+    samples = []
+    for gi, a in zip(keep, adv):
+        g = groups[gi]
+        for traj, a_traj in zip(g.trajectories, a):
+            for k in range(traj.num_turns):
+                tv = traj.turn(k)
+                if not len(tv.output_ids):
+                    continue
+                samples.append(Sample(np.concatenate([tv.prompt_ids, tv.output_ids]).astype(np.int64),
+                                      len(tv.prompt_ids), tv.logprobs, tv.versions, tv.loss_mask,
+                                      float(a_traj[k]), g.task_id, traj.traj_id, k))
+    return samples, stats
+
+
+def micro_batches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
+    """Group samples of similar length so that rows x longest row <= max_tokens (one row at least)."""
+    order = sorted(samples, key=lambda s: len(s.ids))
+    out: list[list[Sample]] = []
+    cur: list[Sample] = []
+    for s in order:
+        if cur and (len(cur) + 1) * len(s.ids) > max_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        out.append(cur)
+    return out
+
+
+@dataclass
+class TensorBatch:
+    input_ids: "object"  # torch.LongTensor [N, L]
+    attention_mask: "object"  # [N, L]
+    behav_logprobs: "object"  # [N, L - 1] float32
+    versions: "object"  # [N, L - 1] int64
+    mask: "object"  # [N, L - 1] float32
+    advantages: "object"  # [N, L - 1] float32
+    num_tokens: int
+
+
+def collate(samples: list[Sample], pad_id: int, device: str = "cpu") -> TensorBatch:
+    import torch
+
+    n, width = len(samples), max(len(s.ids) for s in samples)
+    ids = np.full((n, width), pad_id, np.int64)
+    attn = np.zeros((n, width), np.int64)
+    behav = np.zeros((n, width - 1), np.float32)
+    versions = np.zeros((n, width - 1), np.int64)
+    mask = np.zeros((n, width - 1), np.float32)
+    adv = np.zeros((n, width - 1), np.float32)
+    for r, s in enumerate(samples):
+        L, p, o = len(s.ids), s.prompt_len, len(s.ids) - s.prompt_len
+        ids[r, :L] = s.ids
+        attn[r, :L] = 1
+        sl = slice(p - 1, p - 1 + o)
+        behav[r, sl] = s.behav_logprobs
+        versions[r, sl] = s.versions
+        mask[r, sl] = s.loss_mask
+        adv[r, sl] = s.advantage
+    t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    return TensorBatch(t(ids), t(attn), t(behav), t(versions), t(mask), t(adv), int(mask.sum()))
+
+
+def loglinear_prox(behav: "object", theta: "object", versions: "object", v_prox: float, v_theta: float) -> "object":
+    """AReaL's approximation of log pi_prox from versions, skipping a forward pass:
+    ``log pi_prox ~= log pi_behav + alpha (log pi_theta - log pi_behav)``,
+    ``alpha = (v_prox - v_behav) / (v_theta - v_behav)`` (1 where v_theta == v_behav)."""
+    import torch
+
+    vb = versions.to(theta.dtype)
+    denom = v_theta - vb
+    alpha = torch.where(denom.abs() < 1e-9, torch.ones_like(vb), (v_prox - vb) / denom.where(denom.abs() >= 1e-9,
+                                                                                         torch.ones_like(vb)))
+    return (behav + alpha.clamp(0, 1) * (theta.detach() - behav)).detach()
+
+
+def token_entropy(logits: "object") -> "object":
+    """Entropy of each position's next-token distribution (no gradient)."""
+    import torch
+
+    with torch.no_grad():
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return -(logp.exp() * logp).sum(-1)
+

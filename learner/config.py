@@ -1,0 +1,86 @@
+"""Configuration of the learner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from learner.advantages import AdvantageConfig
+from learner.entropulse import EntropulseConfig
+
+
+@dataclass
+class LossConfig:
+    """The policy loss and its knobs (each loss reads the ones it needs)."""
+
+    name: str = "grpo"
+    """grpo | ppo | reinforce | sft | an import path pkg.module:function"""
+    eps_low: float = 0.2
+    """PPO clip below: ratios under 1 - eps_low stop contributing"""
+    eps_high: float = 0.28
+    """PPO clip above (DAPO's clip-higher keeps exploration alive)"""
+    w_max: float = 5.0
+    """behaviour importance weights above this are truncated"""
+    w_mode: str = "mask"
+    """mask (drop the token) | clamp (cap the weight) | off"""
+    w_level: str = "token"
+    """token | sequence (one weight per sample: the product of its token ratios)"""
+    kl_beta: float = 0.0
+    """weight of the k3 KL penalty to the reference policy (0 = no reference model)"""
+    extra: dict = field(default_factory=dict)
+    """free-form knobs for a custom loss"""
+
+    def validate(self) -> None:
+        if self.w_mode not in ("mask", "clamp", "off") or self.w_level not in ("token", "sequence"):
+            raise ValueError("w_mode must be mask|clamp|off and w_level token|sequence")
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0 and self.w_max > 0 and self.kl_beta >= 0):
+            raise ValueError("need 0 <= eps_low < 1, eps_high >= 0, w_max > 0, kl_beta >= 0")
+
+
+@dataclass
+class LearnerConfig:
+    """The training loop (algorithm-blind: the algorithm is loss + advantage)."""
+
+    device: str = "cpu"
+    """cpu | cuda | cuda:N"""
+    lr: float = 1e-4
+    """AdamW learning rate during RL"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas"""
+    grad_clip: float = 1.0
+    """gradient norm clip (0 = off)"""
+    warmup_steps: int = 0
+    """linear LR warm-up steps"""
+    schedule: str = "constant"
+    """LR after warm-up: constant | cosine (to 10% over total_steps)"""
+    total_steps: int = 0
+    """stop (and tell every role to stop) after this many optimizer steps; 0 = run until stopped"""
+    micro_batch_tokens: int = 16384
+    """padded tokens per forward/backward pass (rows x longest row)"""
+    updates_per_batch: int = 1
+    """optimizer steps per batch (mini-batches); above 1, pi_prox is recomputed or approximated"""
+    prox: str = "recompute"
+    """log pi_prox: recompute (a forward pass at step start) | loglinear (AReaL's approximation from versions)"""
+    prefetch: int = 2
+    """batches of credit kept outstanding at the broker"""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """the policy loss"""
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """how rewards become advantages"""
+    entropulse: EntropulseConfig = field(default_factory=EntropulseConfig)
+    """RL/SFT phase switching"""
+    checkpoint_every: int = 50
+    """write a checkpoint every this many steps (and on SIGTERM/SIGUSR2 and at the end); 0 = only then"""
+    keep_checkpoints: int = 3
+    """checkpoints kept on disk"""
+    expected_actors: int = 0
+    """weight rounds close as soon as this many actors joined (0 = wait weights.join_window_s)"""
+    broadcast_weights: bool = True
+    """send weights to the actors after every update"""
+
+    def validate(self) -> None:
+        if self.prox not in ("recompute", "loglinear") or self.schedule not in ("constant", "cosine"):
+            raise ValueError("prox must be recompute|loglinear and schedule constant|cosine")
+        if self.updates_per_batch < 1 or self.prefetch < 1 or self.micro_batch_tokens < 16:
+            raise ValueError("need updates_per_batch >= 1, prefetch >= 1, micro_batch_tokens >= 16")

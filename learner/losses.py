@@ -1,0 +1,138 @@
+"""Losses: pure functions ``(LossInputs, LossConfig) -> LossOutputs``, selected by name or import path.
+
+All tensors are ``[N, T]``: one row per sample (a model turn), one column per predicted token; ``mask`` is 1
+on the tokens to train on (the sampled ones) and 0 on padding and prompt. Token-mean aggregation: sums
+are divided by the number of loss tokens in the whole step (``num_tokens``), so micro-batches add up.
+
+Decoupled GRPO (DESIGN.md), per token t::
+
+    w = exp(logp_prox - logp_behav)              detached; truncated at w_max (mask or clamp, token or sequence)
+    u = exp(logp - logp_prox)
+    L = -sum_t w * min(u * A, clip(u, 1 - eps_low, 1 + eps_high) * A) / N_tokens + beta * KL_k3(pi_theta || pi_ref)
+
+A custom loss is a function with the same signature in any importable module: ``loss.name: pkg.mod:fn``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from learner.config import LossConfig
+
+
+@dataclass
+class LossInputs:
+    logprobs: torch.Tensor  # log pi_theta of each target token (carries the gradient)
+    prox_logprobs: torch.Tensor  # log pi_prox (detached)
+    behav_logprobs: torch.Tensor  # log pi_behav, recorded by the actor
+    advantages: torch.Tensor  # per token (a sample's advantage broadcast over its tokens)
+    mask: torch.Tensor  # float, 1 = loss token
+    num_tokens: float  # loss tokens in the whole step (the token-mean denominator)
+    ref_logprobs: torch.Tensor | None = None
+
+
+@dataclass
+class LossOutputs:
+    loss: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+LossFn = Callable[[LossInputs, LossConfig], LossOutputs]
+
+
+def behaviour_weights(inp: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w, kept): the detached importance weight per token and the tokens that survive truncation."""
+    log_w = (inp.prox_logprobs - inp.behav_logprobs).detach() * inp.mask
+    if cfg.w_level == "sequence":
+        log_w = log_w.sum(-1, keepdim=True).expand_as(inp.mask)
+    w = torch.exp(log_w.clamp(max=60.0))  # exp of huge log-ratios is inf; truncation handles the rest
+    kept = inp.mask.clone()
+    if cfg.w_mode == "mask":
+        kept = kept * (w <= cfg.w_max)
+    elif cfg.w_mode == "clamp":
+        w = w.clamp(max=cfg.w_max)
+    return w * kept, kept
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi_theta || pi_ref): exp(d) - d - 1 with d = log pi_ref - log pi_theta."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1
+
+
+def _common_metrics(inp: LossInputs, w: torch.Tensor, kept: torch.Tensor) -> dict[str, float]:
+    n = inp.mask.sum().clamp(min=1)
+    return {"is_weight_mean": float((w * inp.mask).sum() / n), "is_weight_max": float((w * inp.mask).max()),
+            "is_masked_frac": float(((inp.mask - kept) > 0).sum() / n)}
+
+
+def _clipped_surrogate(inp: LossInputs, cfg: LossConfig, eps_low: float, eps_high: float) -> LossOutputs:
+    w, kept = behaviour_weights(inp, cfg)
+    u = torch.exp(inp.logprobs - inp.prox_logprobs.detach())
+    a = inp.advantages
+    unclipped, clipped = u * a, u.clamp(1 - eps_low, 1 + eps_high) * a
+    per_token = -w * torch.minimum(unclipped, clipped)
+    pg = per_token.sum() / inp.num_tokens
+    metrics = _common_metrics(inp, w, kept)
+    clip_frac = ((clipped < unclipped).float() * inp.mask).sum() / inp.mask.sum().clamp(min=1)
+    metrics.update(pg_loss=float(pg.detach()), clip_frac=float(clip_frac))
+    loss = pg
+    if cfg.kl_beta > 0:
+        if inp.ref_logprobs is None:
+            raise ValueError("kl_beta > 0 needs reference log-probs")
+        kl = (k3_kl(inp.logprobs, inp.ref_logprobs) * inp.mask).sum() / inp.num_tokens
+        loss = loss + cfg.kl_beta * kl
+        metrics["kl"] = float(kl.detach())
+    return LossOutputs(loss, metrics)
+
+
+def grpo_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
+    """Decoupled GRPO: clip-higher PPO around pi_prox, behaviour IS weights, optional k3 KL."""
+    return _clipped_surrogate(inp, cfg, cfg.eps_low, cfg.eps_high)
+
+
+def ppo_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
+    """PPO-style: the same decoupling with a symmetric clip (eps_low both ways); advantages from a baseline."""
+    return _clipped_surrogate(inp, cfg, cfg.eps_low, cfg.eps_low)
+
+
+def reinforce_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
+    """Off-policy REINFORCE: -w * u * A (no clip); pair it with the RLOO advantage."""
+    w, kept = behaviour_weights(inp, cfg)
+    u = torch.exp(inp.logprobs - inp.prox_logprobs.detach())
+    loss = (-w * u * inp.advantages).sum() / inp.num_tokens
+    metrics = _common_metrics(inp, w, kept)
+    metrics["pg_loss"] = float(loss.detach())
+    if cfg.kl_beta > 0 and inp.ref_logprobs is not None:
+        kl = (k3_kl(inp.logprobs, inp.ref_logprobs) * inp.mask).sum() / inp.num_tokens
+        loss = loss + cfg.kl_beta * kl
+        metrics["kl"] = float(kl.detach())
+    return LossOutputs(loss, metrics)
+
+
+def sft_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
+    """Cross-entropy on model tokens (Entropulse SFT phases, behaviour cloning)."""
+    nll = -(inp.logprobs * inp.mask).sum() / inp.num_tokens
+    return LossOutputs(nll, {"nll": float(nll.detach())})
+
+
+LOSSES: dict[str, LossFn] = {"grpo": grpo_loss, "ppo": ppo_loss, "reinforce": reinforce_loss, "sft": sft_loss}
+
+
+def load_by_path(spec: str) -> Any:
+    """``pkg.module:attr`` -> the object, with an error that says what was wrong."""
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ValueError(f"{spec!r} is neither a built-in name nor an import path pkg.module:function")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load {spec!r}: {exc}") from None
+
+
+def get_loss(name: str) -> LossFn:
+    return LOSSES[name] if name in LOSSES else load_by_path(name)

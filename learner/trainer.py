@@ -1,0 +1,350 @@
+"""The learner: batches from the broker, one algorithm-blind training step each, weights to the actors.
+
+A step: samples from the batch's groups (advantages by the configured estimator), micro-batches by token
+budget, log pi_theta from a forward pass (temperature as sampled), log pi_prox (the same values when one
+update is made per batch; recomputed at step start or approximated log-linearly when there are more),
+reference log-probs when the KL term is on, then ``loss(LossInputs, LossConfig)``, backward, clip, AdamW,
+LR schedule; the version goes up, weights go out in a round announced on Control, metrics are written.
+The loss function is the only place the algorithm lives.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from common import protocol as P
+from common.metrics import MetricsWriter
+from common.model import ModelConfig, build_model, build_tokenizer
+from common.rundir import RunDir
+from learner import checkpoint as CK
+from learner.batch import BadBatch, Sample, build_samples, collate, loglinear_prox, micro_batches, token_entropy
+from learner.config import LearnerConfig
+from learner.entropulse import Entropulse
+from learner.losses import LossConfig, LossInputs, get_loss
+
+
+def _logprobs_of(model: Any, tb: Any, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = (tb.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=tb.input_ids, attention_mask=tb.attention_mask, position_ids=positions).logits[:, :-1]
+    logits = logits.float() / temperature
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, tb.input_ids[:, 1:, None]).squeeze(-1)
+    return lp, logits
+
+
+class Trainer:
+    """Model, optimizer and one training step; no sockets (the ``Learner`` below adds those)."""
+
+    def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, temperature: float = 1.0, seed: int = 0):
+        cfg.validate()
+        cfg.loss.validate()
+        cfg.advantage.validate()
+        cfg.entropulse.validate()
+        self.cfg, self.model_cfg, self.temperature = cfg, model_cfg, temperature
+        torch.manual_seed(seed)
+        self.tokenizer = build_tokenizer(model_cfg)
+        self.model = build_model(model_cfg, self.tokenizer.vocab_size, cfg.device).train()
+        self.ref_model = self._frozen_copy() if cfg.loss.kl_beta > 0 else None
+        self.loss_fn = get_loss(cfg.loss.name)
+        self.sft_fn = get_loss("sft")
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                                           weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.entropulse = Entropulse(cfg.entropulse)
+        self.version = 0
+        self.eta: int | None = None  # the broker's staleness bound, re-checked here before training
+        self.counters: dict[str, int] = {}
+
+    def _frozen_copy(self) -> Any:
+        ref = copy.deepcopy(self.model).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    def _lr_factor(self, step: int) -> float:
+        c = self.cfg
+        if c.warmup_steps and step < c.warmup_steps:
+            return (step + 1) / c.warmup_steps
+        if c.schedule == "cosine" and c.total_steps:
+            frac = min(1.0, (step - c.warmup_steps) / max(1, c.total_steps - c.warmup_steps))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+        return 1.0
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    # ----- RL step -------------------------------------------------------------------------------
+
+    def train_step(self, groups: list[P.TrajectoryGroup]) -> dict | None:
+        """One update from a batch of groups; None (counted) when the batch is rejected or skipped."""
+        t0 = time.perf_counter()
+        if self.eta is not None:  # batches that waited (e.g. through an SFT phase) may have gone stale
+            fresh = [g for g in groups if self.version - g.behavior_version_min <= self.eta]
+            self._count("groups_dropped_stale", len(groups) - len(fresh))
+            groups = fresh
+        groups = [g for g in groups if g.complete]
+        try:
+            samples, stats = build_samples(groups, self.cfg.advantage, self.tokenizer.vocab_size, self.version)
+        except BadBatch as exc:
+            self._count("batches_rejected")
+            return {"rejected": str(exc)}
+        self._count("groups_zero_variance", stats["zero_variance_dropped"])
+        if not samples:
+            self._count("batches_empty")
+            return None
+        out = self._update(samples, self.loss_fn, self.cfg.loss)
+        if out is None:
+            return None
+        rewards = [float(t.reward) for g in groups for t in g.trajectories]
+        lags = [self.version - 1 - int(v) for s in samples for v in s.versions]
+        out.update(success_rate=sum(float(t.success) for g in groups for t in g.trajectories) / max(len(rewards), 1),
+                   reward_mean=sum(rewards) / max(len(rewards), 1), max_lag=max(lags, default=0),
+                   mean_lag=sum(lags) / max(len(lags), 1), groups=len(groups), samples=len(samples),
+                   zero_variance_dropped=stats["zero_variance_dropped"],
+                   tokens_per_s=out["tokens"] / (time.perf_counter() - t0))
+        return out
+
+    def _update(self, samples: list[Sample], loss_fn: Any, loss_cfg: LossConfig) -> dict | None:
+        cfg = self.cfg
+        pad = self.tokenizer.pad_id
+        mbs = [collate(mb, pad, cfg.device) for mb in micro_batches(samples, cfg.micro_batch_tokens)]
+        k = min(cfg.updates_per_batch, len(mbs))
+        chunks = [mbs[i::k] for i in range(k)]
+        prox: dict[int, torch.Tensor] = {}
+        if k > 1 and cfg.prox == "recompute":  # pi_prox: the policy at the start of this step
+            with torch.no_grad():
+                for tb in mbs:
+                    prox[id(tb)] = _logprobs_of(self.model, tb, self.temperature)[0]
+        sums: dict[str, float] = {}
+        total_tokens = 0
+        entropy_sum = 0.0
+        grad_norm = 0.0
+        for j, chunk in enumerate(chunks):
+            chunk_tokens = sum(tb.num_tokens for tb in chunk)
+            if chunk_tokens == 0:
+                continue
+            self.optimizer.zero_grad(set_to_none=True)
+            for tb in chunk:
+                lp, logits = _logprobs_of(self.model, tb, self.temperature)
+                if k == 1:
+                    lp_prox = lp.detach()  # one update per batch: pi_prox is pi_theta before this update
+                elif cfg.prox == "recompute":
+                    lp_prox = prox[id(tb)]
+                else:
+                    lp_prox = loglinear_prox(tb.behav_logprobs, lp, tb.versions, self.version,
+                                             self.version + j / k)
+                ref = None
+                if self.ref_model is not None:
+                    with torch.no_grad():
+                        ref = _logprobs_of(self.ref_model, tb, self.temperature)[0]
+                inp = LossInputs(lp, lp_prox, tb.behav_logprobs, tb.advantages, tb.mask, float(chunk_tokens), ref)
+                res = loss_fn(inp, loss_cfg)
+                if not torch.isfinite(res.loss):
+                    self._count("steps_skipped_nonfinite")
+                    self.optimizer.zero_grad(set_to_none=True)
+                    return None
+                res.loss.backward()
+                ent = token_entropy(logits)
+                entropy_sum += float((ent * tb.mask).sum())
+                for key, v in res.metrics.items():
+                    sums[key] = sums.get(key, 0.0) + v * tb.num_tokens
+                sums["loss"] = sums.get("loss", 0.0) + float(res.loss.detach()) * chunk_tokens
+                total_tokens += tb.num_tokens
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            if not torch.isfinite(norm):
+                self._count("steps_skipped_nonfinite")
+                self.optimizer.zero_grad(set_to_none=True)
+                return None
+            grad_norm = float(norm)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.version += 1
+        metrics = {key: v / max(total_tokens, 1) for key, v in sums.items() if key != "is_weight_max"}
+        metrics.update(entropy=entropy_sum / max(total_tokens, 1), grad_norm=grad_norm, tokens=total_tokens,
+                       lr=self.optimizer.param_groups[0]["lr"], version=self.version, micro_batches=len(mbs))
+        return metrics
+
+    # ----- SFT step ------------------------------------------------------------------------------
+
+    def sft_step(self, trajectories: list[P.Trajectory], lr: float) -> dict | None:
+        """Cross-entropy on the model tokens of successful trajectories, at the SFT learning rate."""
+        samples = []
+        for tr in trajectories:
+            for k in range(tr.num_turns):
+                tv = tr.turn(k)
+                if len(tv.output_ids):
+                    ids = np.concatenate([tv.prompt_ids, tv.output_ids]).astype(np.int64)
+                    samples.append(Sample(ids, len(tv.prompt_ids), tv.logprobs, tv.versions, tv.loss_mask, 0.0, "",
+                                          tr.traj_id, k))
+        if not samples:
+            return None
+        saved = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        try:
+            k_saved, self.cfg.updates_per_batch = self.cfg.updates_per_batch, 1
+            out = self._update(samples, self.sft_fn, self.cfg.loss)
+        finally:
+            self.cfg.updates_per_batch = k_saved
+            for g, v in zip(self.optimizer.param_groups, saved):
+                g["lr"] = v
+        return out
+
+    def reset_reference(self) -> None:
+        if self.ref_model is not None:
+            self.ref_model.load_state_dict(self.model.state_dict())
+
+    # ----- checkpoints ---------------------------------------------------------------------------
+
+    def save(self, root: Any, extra: dict | None = None) -> Any:
+        state = {"entropulse": self.entropulse.state_dict(), "counters": self.counters, **(extra or {})}
+        return CK.save(root, self.version, self.model, self.optimizer, self.scheduler, state, self.cfg.keep_checkpoints)
+
+    def load(self, path: Any) -> dict:
+        state = CK.load(path, self.model, self.optimizer, self.scheduler)
+        self.version = int(state["version"])
+        self.entropulse.load_state_dict(state["entropulse"])
+        self.counters = dict(state.get("counters", {}))
+        if self.ref_model is not None:
+            self.reset_reference()
+        return state
+
+
+class Learner:
+    """The learner process: a Trainer plus the broker link, weight rounds, metrics and checkpoints."""
+
+    def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, weights: Any, net: Any, run_dir: RunDir,
+                 log: Any, temperature: float = 1.0, seed: int = 0, resume: bool = False):
+        from broker.client import LearnerBrokerClient
+        from common.weightsync import WeightSender
+
+        self.cfg, self.run_dir, self.log = cfg, run_dir, log
+        self.trainer = Trainer(cfg, model_cfg, temperature, seed)
+        self.client = LearnerBrokerClient(net, run_dir.keys, log)
+        self.sender = WeightSender(weights, log) if (weights is not None and cfg.broadcast_weights) else None
+        self.metrics = MetricsWriter(run_dir.metrics / "learner.jsonl")
+        self._stop = threading.Event()
+        self._want_checkpoint = False
+        if resume:
+            path = CK.latest(run_dir.checkpoints)
+            if path is None:
+                log.warning("resume_without_checkpoint", dir=str(run_dir.checkpoints))
+            else:
+                state = self.trainer.load(path)
+                self.client.load_state(state.get("broker_client", {}))
+                log.info("resumed", checkpoint=str(path), version=self.trainer.version,
+                         phase=self.trainer.entropulse.phase)
+
+    def request_stop(self, checkpoint: bool = True) -> None:
+        self._want_checkpoint = checkpoint
+        self._stop.set()
+
+    def checkpoint(self) -> None:
+        path = self.trainer.save(self.run_dir.checkpoints, {"broker_client": self.client.state()})
+        self.log.info("checkpoint_written", path=str(path), version=self.trainer.version)
+
+    def publish(self, paused: bool = False, stop: bool = False) -> None:
+        """Tell the broker the version and phase; open a weight round and send the new weights."""
+        t = self.trainer
+        info: dict = {}
+        if self.sender is not None and not stop:
+            info["weights_round"] = self.sender.open_round()
+        self.client.set_control(t.version, phase=t.entropulse.phase, paused=paused, stop=stop, info=info)
+        self.client.poll(0)
+        if "weights_round" in info:
+            from common.weightsync import RoundFailed
+
+            try:
+                n = self.sender.broadcast(list(t.model.named_parameters()), t.version, self.cfg.expected_actors)
+                t._count("weight_receivers", n)
+            except RoundFailed:
+                t._count("weight_rounds_failed")
+
+    def run(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.request_stop(True))
+        t, c = self.trainer, self.client
+        ready = c.connect(60)
+        t.eta = int(ready.info.get("eta", 0)) if ready.info else None
+        sft = t.entropulse.phase == "sft"
+        self.publish(paused=sft)
+        c.grant(self.cfg.prefetch)
+        finished = False
+        try:
+            while not self._stop.is_set():
+                if self.cfg.total_steps and t.version >= self.cfg.total_steps:
+                    finished = True
+                    break
+                if t.entropulse.phase == "rl":
+                    batch = c.next_batch(0.5)
+                    if batch is None:
+                        continue
+                    c.grant(1)
+                    m = t.train_step(batch.groups)
+                    if m is None or "rejected" in m:
+                        if m is not None:
+                            self.log.warning("batch_rejected", reason=m["rejected"], batch=batch.batch_id)
+                        continue
+                    m.update(broker_max_lag=batch.max_lag, dropped_stale=batch.dropped_stale)
+                    switch = t.entropulse.observe_rl(m["entropy"], m["success_rate"])
+                    self._log_step("rl", m)
+                    if switch == "sft":
+                        self.log.info("phase_change", to="sft", version=t.version)
+                    self.publish(paused=switch == "sft")
+                else:
+                    m = self._sft_step()
+                    if m is None:
+                        continue
+                    self._log_step("sft", m)
+                    if t.entropulse.observe_sft() == "rl":
+                        if self.cfg.entropulse.reset_reference:
+                            t.reset_reference()
+                        self.log.info("phase_change", to="rl", version=t.version)
+                    self.publish(paused=t.entropulse.phase == "sft")
+                if self.cfg.checkpoint_every and t.version % self.cfg.checkpoint_every == 0:
+                    self.checkpoint()
+        finally:
+            if finished or self._want_checkpoint:
+                self.checkpoint()
+            if finished:
+                self.publish(stop=True)
+                c.poll(1.0)
+            self.close()
+
+    def _sft_step(self) -> dict | None:
+        t, c, e = self.trainer, self.client, self.cfg.entropulse
+        c.request_successes(e.k_per_task, e.max_tasks, seed=t.version)
+        deadline = time.monotonic() + 30
+        while not c.successes and time.monotonic() < deadline and not self._stop.is_set():
+            c.poll(0.5)
+        if not c.successes:
+            return None
+        got = c.successes.popleft()
+        trajs = [s.trajectory for s in got.samples]
+        if not trajs:  # nothing to imitate yet: back to RL rather than stall
+            t.entropulse._switch("rl")
+            self.log.warning("sft_phase_skipped", reason="the success store is empty")
+            self.publish()
+            return None
+        return t.sft_step(trajs, e.sft_lr)
+
+    def _log_step(self, phase: str, m: dict) -> None:
+        t = self.trainer
+        rec = {"phase": phase, "step": t.version, **m, "counters": dict(t.counters)}
+        self.metrics.write(rec)
+        self.log.info("train_step", phase=phase, version=t.version, loss=round(m.get("loss", 0.0), 5),
+                      entropy=round(m.get("entropy", 0.0), 4), success=m.get("success_rate"),
+                      max_lag=m.get("max_lag"))
+
+    def close(self) -> None:
+        self.client.close()
+        self.metrics.close()

@@ -1,0 +1,140 @@
+"""Every built-in loss and advantage estimator against an independent computation (plain Python loops)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from learner import advantages as ADV  # noqa: E402
+from learner.losses import LossConfig, LossInputs, get_loss, grpo_loss, k3_kl  # noqa: E402
+
+
+def make_inputs(seed=0, n=4, t=6, spread=0.6, ref=True):
+    rng = np.random.default_rng(seed)
+    behav = -rng.random((n, t)) * 2 - 0.1
+    prox = behav + rng.normal(0, spread, (n, t))
+    theta = prox + rng.normal(0, 0.3, (n, t))
+    mask = (rng.random((n, t)) > 0.2).astype(np.float64)
+    mask[:, 0] = 1
+    adv = np.repeat(rng.normal(0, 1, (n, 1)), t, axis=1)
+    refl = theta + rng.normal(0, 0.2, (n, t))
+    T = lambda a: torch.tensor(a, dtype=torch.float64)  # noqa: E731
+    inp = LossInputs(T(theta).requires_grad_(), T(prox), T(behav), T(adv), T(mask), float(mask.sum()),
+                     T(refl) if ref else None)
+    return inp, dict(theta=theta, prox=prox, behav=behav, mask=mask, adv=adv, ref=refl)
+
+
+def reference_grpo(d, eps_low, eps_high, w_max, w_mode, w_level, beta):
+    n, t = d["mask"].shape
+    total = d["mask"].sum()
+    loss = 0.0
+    for i in range(n):
+        seq_log_w = sum((d["prox"][i, j] - d["behav"][i, j]) for j in range(t) if d["mask"][i, j])
+        for j in range(t):
+            if not d["mask"][i, j]:
+                continue
+            if beta:  # the KL term applies to every loss token, truncated or not
+                dd = d["ref"][i, j] - d["theta"][i, j]
+                loss += beta * (math.exp(dd) - dd - 1)
+            log_w = seq_log_w if w_level == "sequence" else d["prox"][i, j] - d["behav"][i, j]
+            w = math.exp(log_w)
+            if w_mode == "mask" and w > w_max:
+                continue
+            if w_mode == "clamp":
+                w = min(w, w_max)
+            u = math.exp(d["theta"][i, j] - d["prox"][i, j])
+            a = d["adv"][i, j]
+            loss -= w * min(u * a, min(max(u, 1 - eps_low), 1 + eps_high) * a)
+    return loss / total
+
+
+@pytest.mark.parametrize("w_mode", ["mask", "clamp", "off"])
+@pytest.mark.parametrize("w_level", ["token", "sequence"])
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_grpo_matches_an_independent_computation(w_mode, w_level, beta):
+    for seed in range(3):
+        inp, d = make_inputs(seed)
+        cfg = LossConfig(eps_low=0.2, eps_high=0.28, w_max=1.5, w_mode=w_mode, w_level=w_level, kl_beta=beta)
+        out = grpo_loss(inp, cfg)
+        want = reference_grpo(d, 0.2, 0.28, 1.5, w_mode, w_level, beta)
+        assert out.loss.item() == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert "is_masked_frac" in out.metrics and "clip_frac" in out.metrics
+
+
+def test_truncation_actually_bites_and_clip_boundaries():
+    inp, d = make_inputs(1, spread=1.5)
+    masked = grpo_loss(inp, LossConfig(w_max=1.2, w_mode="mask"))
+    assert 0 < masked.metrics["is_masked_frac"] < 1
+    # At the clip boundaries: with A > 0 a ratio above 1 + eps_high stops moving the loss; below it still does.
+    for u, a, moves in [(1.5, 1.0, False), (1.1, 1.0, True), (0.5, -1.0, False), (0.9, -1.0, True)]:
+        theta = torch.tensor([[math.log(u)]], dtype=torch.float64, requires_grad=True)
+        zero = torch.zeros((1, 1), dtype=torch.float64)
+        x = LossInputs(theta, zero, zero, torch.tensor([[a]], dtype=torch.float64),
+                       torch.ones((1, 1), dtype=torch.float64), 1.0)
+        grpo_loss(x, LossConfig(eps_low=0.2, eps_high=0.28)).loss.backward()
+        assert (theta.grad.abs().item() > 0) == moves, (u, a)
+
+
+def test_decoupled_grpo_with_prox_equal_behaviour_is_plain_clipped_grpo():
+    inp, d = make_inputs(2)
+    inp.prox_logprobs = inp.behav_logprobs.clone()
+    out = grpo_loss(inp, LossConfig(w_mode="mask", w_max=1.0))
+    u = torch.exp(inp.logprobs - inp.behav_logprobs)
+    plain = -(torch.minimum(u * inp.advantages, u.clamp(0.8, 1.28) * inp.advantages) * inp.mask).sum() / inp.num_tokens
+    assert out.loss.item() == pytest.approx(plain.item(), rel=1e-12)
+    assert out.metrics["is_masked_frac"] == 0 and out.metrics["is_weight_mean"] == pytest.approx(1.0)
+
+
+def test_ppo_reinforce_sft_and_k3():
+    inp, d = make_inputs(3)
+    ppo = get_loss("ppo")(inp, LossConfig(eps_low=0.2, w_mode="off"))
+    assert ppo.loss.item() == pytest.approx(reference_grpo(d, 0.2, 0.2, 1e9, "off", "token", 0.0), rel=1e-9)
+    rf = get_loss("reinforce")(inp, LossConfig(w_mode="off"))
+    want = -sum(math.exp(d["prox"][i, j] - d["behav"][i, j]) * math.exp(d["theta"][i, j] - d["prox"][i, j])
+                * d["adv"][i, j] for i in range(4) for j in range(6) if d["mask"][i, j]) / d["mask"].sum()
+    assert rf.loss.item() == pytest.approx(want, rel=1e-9)
+    sft = get_loss("sft")(inp, LossConfig())
+    assert sft.loss.item() == pytest.approx(-(d["theta"] * d["mask"]).sum() / d["mask"].sum(), rel=1e-12)
+    x, r = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -0.5])
+    p, q = torch.exp(x), torch.exp(r)
+    assert torch.allclose(k3_kl(x, r), q / p - torch.log(q / p) - 1)
+    assert (k3_kl(x, x) == 0).all()
+    with pytest.raises(ValueError, match="import path"):
+        get_loss("nonexistent")
+
+
+def test_group_advantages_trajectory_and_step_level():
+    g = ADV.GroupRewards("t", [1.0, 0.0, 1.0, 0.0], [[1.0, 1.0], [0.0], [1.0, 0.0, 1.0], [0.0, 0.0]])
+    cfg = ADV.AdvantageConfig()
+    adv = ADV.compute([g], cfg)[0]
+    assert [len(a) for a in adv] == [2, 1, 3, 2]
+    assert adv[0][0] == pytest.approx((1 - 0.5) / (0.5 + 1e-6)) and adv[1][0] == pytest.approx(-0.5 / (0.5 + 1e-6))
+    dr = ADV.compute([g], ADV.AdvantageConfig(std=False))[0]
+    assert dr[0] == [0.5, 0.5] and dr[1] == [-0.5]
+    step = ADV.compute([g], ADV.AdvantageConfig(level="step"))[0]
+    flat = [1, 1, 0, 1, 0, 1, 0, 0]
+    m = sum(flat) / 8
+    s = math.sqrt(sum((x - m) ** 2 for x in flat) / 8)
+    assert step[2] == pytest.approx([(1 - m) / (s + 1e-6), (0 - m) / (s + 1e-6), (1 - m) / (s + 1e-6)])
+    same = ADV.GroupRewards("t", [1.0, 1.0], [[1.0], [1.0]])
+    assert ADV.zero_variance(same, cfg) and not ADV.zero_variance(g, cfg)
+    assert ADV.compute([same], cfg)[0] == [[0.0], [0.0]]
+
+
+def test_rloo_batch_and_per_task():
+    g1 = ADV.GroupRewards("a", [1.0, 0.0, 0.5], [[1.0], [0.0], [0.5]])
+    g2 = ADV.GroupRewards("b", [0.0, 0.0, 1.0], [[0.0], [0.0], [1.0]])
+    r = ADV.compute([g1], ADV.AdvantageConfig(name="rloo"))[0]
+    assert [x[0] for x in r] == pytest.approx([1 - 0.25, 0 - 0.75, 0.5 - 0.5])
+    b = ADV.compute([g1, g2], ADV.AdvantageConfig(name="batch"))
+    allr = [1, 0, 0.5, 0, 0, 1]
+    m = sum(allr) / 6
+    s = math.sqrt(sum((x - m) ** 2 for x in allr) / 6)
+    assert b[1][2][0] == pytest.approx((1 - m) / (s + 1e-6))
+    pt = ADV.compute([g1, g2, g2], ADV.AdvantageConfig(std=False, per_task=True))
+    vals = [x for traj in pt[1] + pt[2] for x in traj]
+    assert sum(vals) == pytest.approx(0, abs=1e-9) and np.std(vals) == pytest.approx(1, rel=1e-3)
