@@ -7,6 +7,7 @@ from a small architecture config with random weights. torch and transformers are
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,8 +73,11 @@ def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu") -> Any:
 
     cfg.validate()
     dtype = torch_dtype(cfg, device)
+    extra = {}
+    if device.startswith("cuda") and dtype != torch.float32 and importlib.util.find_spec("flash_attn") is not None:
+        extra["attn_implementation"] = "flash_attention_2"  # the gpu extra; SDPA otherwise
     if cfg.path:
-        model = AutoModelForCausalLM.from_pretrained(cfg.path, local_files_only=True, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(cfg.path, local_files_only=True, dtype=dtype, **extra)
         if model.get_input_embeddings().num_embeddings < vocab_size:
             model.resize_token_embeddings(vocab_size)  # role tokens added to the tokenizer
     else:
@@ -84,7 +88,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu") -> Any:
                           tie_word_embeddings=True)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.init_seed)
-            model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, **extra)
     return model.to(device)
 
 

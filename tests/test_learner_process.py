@@ -1,0 +1,83 @@
+"""Real processes: SIGTERM makes the learner checkpoint and exit; --resume continues the version sequence."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from broker.client import ActorBrokerClient
+from tests.conftest import REPO, broker_process, make_net
+
+pytestmark = pytest.mark.slow
+
+pytest.importorskip("torch")
+
+
+def _learner(run_dir, net, *extra, resume=False) -> subprocess.Popen:
+    args = [sys.executable, "-m", "launch.cli", "learner", "--run-dir", str(run_dir),
+            *(["--resume"] if resume else []),
+            f"net.broker_front_port={net.broker_front_port}", f"net.broker_back_port={net.broker_back_port}",
+            f"net.broker_control_port={net.broker_control_port}", f"net.heartbeat_s={net.heartbeat_s}",
+            "model.hidden_size=32", "model.intermediate_size=64", "learner.checkpoint_every=0",
+            "weights.join_window_s=0.05", *extra]
+    return subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _feed_until(actor, cond, seconds=60):
+    import dataclasses
+
+    from learner.config import LearnerConfig
+    from learner.trainer import Trainer
+    from tests.test_learner import TINY, groups_from  # a feeder with the learner's initial weights
+
+    feeder = Trainer(LearnerConfig(), TINY)
+    deadline = time.monotonic() + seconds
+    n = 0
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met"
+        if actor.outstanding_ticket_requests < 2:
+            actor.request_ticket()
+        actor.poll(0.2)
+        while actor.tickets:
+            t = actor.tickets.popleft()
+            n += 1
+            g = groups_from(feeder, n_groups=1, seed=n)[0]
+            actor.submit(dataclasses.replace(g, ticket_id=t.ticket_id, task_id=t.task_id))
+        actor.poll(0.05)
+
+
+def test_sigterm_checkpoints_and_resume_continues_versions(tmp_path, quiet_log):
+    net = make_net()
+    run_dir = tmp_path / "run"
+    broker = broker_process(run_dir, net, "broker.groups_per_batch=1", "broker.group_size=4", "broker.eta=1000",
+                            "broker.persist=false")
+    actor = ActorBrokerClient(net, None, quiet_log)
+    learner = _learner(run_dir, net)
+    try:
+        actor.connect(60)
+        _feed_until(actor, lambda: actor.version >= 3)
+        learner.send_signal(signal.SIGTERM)
+        assert learner.wait(60) == 0, learner.stderr.read().decode()[-2000:]
+        ck = run_dir / "checkpoints"
+        saved = json.loads((ck / (ck / "latest").read_text() / "state.json").read_text())["version"]
+        assert saved >= 3
+        learner = _learner(run_dir, net, f"learner.total_steps={saved + 2}", resume=True)
+        _feed_until(actor, lambda: learner.poll() is not None)
+        assert learner.returncode == 0, learner.stderr.read().decode()[-2000:]
+        final = json.loads((ck / (ck / "latest").read_text() / "state.json").read_text())["version"]
+        assert final == saved + 2, "the resumed learner continued the version sequence"
+        log = (run_dir / "logs" / "learner-0.jsonl").read_text()
+        assert '"resumed"' in log
+    finally:
+        actor.close()
+        for p in (learner, broker):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(20)
