@@ -242,7 +242,13 @@ class Actor:
 
     def _maybe_receive_weights(self, loop: asyncio.AbstractEventLoop) -> None:
         control = self.broker.control.latest
-        if self.receiver is None or control is None or self.weights_busy:
+        if control is None or self.weights_busy:
+            return
+        content = control.info.get("content_version")
+        if content is not None and control.version > self.engine.version and \
+                getattr(self.engine, "content_version", None) == content and hasattr(self.engine, "relabel"):
+            self.engine.relabel(control.version)  # same weights, newer version: no transfer needed
+        if self.receiver is None:
             return
         r = int(control.info.get("weights_round", 0) or 0)
         if r <= self.weights_round:

@@ -101,6 +101,7 @@ class HFEngine:
         self.model = build_model(model_cfg, self.tokenizer.vocab_size, self.cfg.device).eval()
         self.device = self.cfg.device
         self.version = 0
+        self.content_version = 0  # the learner version these weights came from (relabels keep it)
         self.stats = EngineStats()
         self.gen = torch.Generator(device=self.device)
         self.gen.manual_seed(self.cfg.seed)
@@ -136,9 +137,15 @@ class HFEngine:
                 if name not in state:
                     raise KeyError(f"unknown parameter {name!r} in a weight update")
                 state[name].copy_(tensor.to(state[name].device, state[name].dtype))
-        self.version = version
+        self.version = self.content_version = version
         self.stats.weight_swaps += 1
         return True
+
+    def relabel(self, version: int) -> None:
+        """The learner advanced its version without changing these weights: later tokens carry the new one."""
+        with self._lock:
+            if self._staged is None and version > self.version:
+                self.version = version
 
     def pause(self) -> None:
         self._running.clear()

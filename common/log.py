@@ -43,6 +43,7 @@ def setup(role: str, run_id: str = "", rank: int = 0, log_dir: str | Path | None
     renderer on a TTY, JSON lines otherwise, nothing when ``quiet`` (a supervisor shows its own view).
     """
     global _FILE
+    quiet = quiet or os.environ.get("COMPUTERRL_QUIET") == "1"  # under `computerrl run`: files only
     if _FILE is not None:
         _FILE.close()
         _FILE = None

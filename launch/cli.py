@@ -102,6 +102,23 @@ def learner(config: str | None, run_dir: str | None, resume: bool, overrides: tu
             seed=cfg.run.seed, resume=resume).run()
 
 
+@main.command()
+@click.argument("config", type=click.Path(exists=True, dir_okay=False))
+@click.argument("overrides", nargs=-1)
+@click.option("--run-dir", type=click.Path(file_okay=False), help="run directory (default: run.run_dir)")
+@click.option("--resume", is_flag=True, help="continue the run in --run-dir from its latest checkpoint")
+def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bool) -> None:
+    """Run every role on this machine, supervised, with a live view (e.g. configs/local.yaml learner.lr=3e-4)."""
+    from launch.local import Supervisor
+
+    cfg = _load(config, overrides)
+    if resume and not run_dir:
+        raise click.UsageError("--resume needs the --run-dir of the run to continue")
+    rd = resolve_run_dir(cfg, run_dir)
+    C.dump(cfg, rd.config)
+    sys.exit(Supervisor(cfg, rd.config, rd, resume).run())
+
+
 @main.command("config")
 @click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
 @click.option("--describe", is_flag=True, help="list every key with its type, default and meaning")

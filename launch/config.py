@@ -13,6 +13,7 @@ from common.model import ModelConfig
 from common.net import NetConfig
 from common.weightsync import WeightSyncConfig
 from env_server.config import EnvServerConfig
+from launch.local import LocalConfig
 from learner.config import LearnerConfig
 from common.rundir import RunDir, new_run_id
 
@@ -51,6 +52,8 @@ class RunConfig:
     """weight broadcast from the learner to the actors"""
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     """the training loop and its algorithm"""
+    local: LocalConfig = field(default_factory=LocalConfig)
+    """the local supervisor of `computerrl run`"""
 
 
 def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:

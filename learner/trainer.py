@@ -59,6 +59,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.entropulse = Entropulse(cfg.entropulse)
         self.version = 0
+        self.content_version = 0  # the version at which the weights last changed (empty steps keep it)
         self.eta: int | None = None  # the broker's staleness bound, re-checked here before training
         self.counters: dict[str, int] = {}
 
@@ -167,6 +168,7 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
             self.version += 1
+            self.content_version = self.version
         metrics = {key: v / max(total_tokens, 1) for key, v in sums.items() if key != "is_weight_max"}
         metrics.update(entropy=entropy_sum / max(total_tokens, 1), grad_norm=grad_norm, tokens=total_tokens,
                        lr=self.optimizer.param_groups[0]["lr"], version=self.version, micro_batches=len(mbs))
@@ -205,12 +207,14 @@ class Trainer:
     # ----- checkpoints ---------------------------------------------------------------------------
 
     def save(self, root: Any, extra: dict | None = None) -> Any:
-        state = {"entropulse": self.entropulse.state_dict(), "counters": self.counters, **(extra or {})}
+        state = {"entropulse": self.entropulse.state_dict(), "counters": self.counters,
+                 "content_version": self.content_version, **(extra or {})}
         return CK.save(root, self.version, self.model, self.optimizer, self.scheduler, state, self.cfg.keep_checkpoints)
 
     def load(self, path: Any) -> dict:
         state = CK.load(path, self.model, self.optimizer, self.scheduler)
         self.version = int(state["version"])
+        self.content_version = int(state.get("content_version", self.version))
         self.entropulse.load_state_dict(state["entropulse"])
         self.counters = dict(state.get("counters", {}))
         if self.ref_model is not None:
@@ -251,68 +255,83 @@ class Learner:
         path = self.trainer.save(self.run_dir.checkpoints, {"broker_client": self.client.state()})
         self.log.info("checkpoint_written", path=str(path), version=self.trainer.version)
 
-    def publish(self, paused: bool = False, stop: bool = False) -> None:
-        """Tell the broker the version and phase; open a weight round and send the new weights."""
+    def publish(self, paused: bool = False, stop: bool = False) -> Any:
+        """Tell the broker the version and phase; returns the weight round to broadcast (or None)."""
         t = self.trainer
-        info: dict = {}
+        info: dict = {"content_version": t.content_version}
         if self.sender is not None and not stop:
             info["weights_round"] = self.sender.open_round()
         self.client.set_control(t.version, phase=t.entropulse.phase, paused=paused, stop=stop, info=info)
         self.client.poll(0)
-        if "weights_round" in info:
-            from common.weightsync import RoundFailed
+        return info.get("weights_round")
 
-            try:
-                n = self.sender.broadcast(list(t.model.named_parameters()), t.version, self.cfg.expected_actors)
-                t._count("weight_receivers", n)
-            except RoundFailed:
-                t._count("weight_rounds_failed")
+    def _broadcast(self) -> None:
+        """Worker thread: send the current weights in the round just announced."""
+        from common.weightsync import RoundFailed
+
+        t = self.trainer
+        try:
+            t._count("weight_receivers", self.sender.broadcast(list(t.model.named_parameters()), t.version,
+                                                               self.cfg.expected_actors))
+        except RoundFailed:
+            t._count("weight_rounds_failed")
 
     def run(self) -> None:
+        """Main thread: the broker link (heartbeats, batches, Control) never stops being polled; training
+        steps and weight broadcasts run one at a time on a worker thread, so a long step never makes the
+        broker think the learner died."""
+        import concurrent.futures as cf
+
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.request_stop(True))
         t, c = self.trainer, self.client
         ready = c.connect(60)
         t.eta = int(ready.info.get("eta", 0)) if ready.info else None
-        sft = t.entropulse.phase == "sft"
-        self.publish(paused=sft)
+        worker = cf.ThreadPoolExecutor(1, thread_name_prefix="train")
+        job: cf.Future | None = None
+        job_kind = ""
+        if self.publish(paused=t.entropulse.phase == "sft") is not None:
+            job, job_kind = worker.submit(self._broadcast), "broadcast"
         c.grant(self.cfg.prefetch)
         finished = False
+        sft_requested = False
         try:
             while not self._stop.is_set():
+                c.poll(0.05)
+                if job is not None:
+                    if not job.done():
+                        continue
+                    result, kind, job = job.result(), job_kind, None
+                    if kind in ("rl", "sft"):
+                        if self._after_step(kind, result):
+                            job, job_kind = worker.submit(self._broadcast), "broadcast"
+                        continue
                 if self.cfg.total_steps and t.version >= self.cfg.total_steps:
                     finished = True
                     break
                 if t.entropulse.phase == "rl":
-                    batch = c.next_batch(0.5)
-                    if batch is None:
+                    if c.batches:
+                        batch = c.batches.popleft()
+                        c.grant(1)
+                        job, job_kind = worker.submit(self._rl_step, batch), "rl"
+                elif not sft_requested:
+                    e = self.cfg.entropulse
+                    c.request_successes(e.k_per_task, e.max_tasks, seed=t.version)
+                    sft_requested = True
+                elif c.successes:
+                    sft_requested = False
+                    trajs = [s.trajectory for s in c.successes.popleft().samples]
+                    if not trajs:  # nothing to imitate yet: back to RL rather than stall
+                        t.entropulse._switch("rl")
+                        self.log.warning("sft_phase_skipped", reason="the success store is empty")
+                        self.publish()
                         continue
-                    c.grant(1)
-                    m = t.train_step(batch.groups)
-                    if m is None or "rejected" in m:
-                        if m is not None:
-                            self.log.warning("batch_rejected", reason=m["rejected"], batch=batch.batch_id)
-                        continue
-                    m.update(broker_max_lag=batch.max_lag, dropped_stale=batch.dropped_stale)
-                    switch = t.entropulse.observe_rl(m["entropy"], m["success_rate"])
-                    self._log_step("rl", m)
-                    if switch == "sft":
-                        self.log.info("phase_change", to="sft", version=t.version)
-                    self.publish(paused=switch == "sft")
-                else:
-                    m = self._sft_step()
-                    if m is None:
-                        continue
-                    self._log_step("sft", m)
-                    if t.entropulse.observe_sft() == "rl":
-                        if self.cfg.entropulse.reset_reference:
-                            t.reset_reference()
-                        self.log.info("phase_change", to="rl", version=t.version)
-                    self.publish(paused=t.entropulse.phase == "sft")
-                if self.cfg.checkpoint_every and t.version % self.cfg.checkpoint_every == 0:
-                    self.checkpoint()
+                    job, job_kind = worker.submit(t.sft_step, trajs, self.cfg.entropulse.sft_lr), "sft"
         finally:
+            if job is not None:
+                job.result()
+            worker.shutdown(wait=True)
             if finished or self._want_checkpoint:
                 self.checkpoint()
             if finished:
@@ -320,22 +339,44 @@ class Learner:
                 c.poll(1.0)
             self.close()
 
-    def _sft_step(self) -> dict | None:
-        t, c, e = self.trainer, self.client, self.cfg.entropulse
-        c.request_successes(e.k_per_task, e.max_tasks, seed=t.version)
-        deadline = time.monotonic() + 30
-        while not c.successes and time.monotonic() < deadline and not self._stop.is_set():
-            c.poll(0.5)
-        if not c.successes:
-            return None
-        got = c.successes.popleft()
-        trajs = [s.trajectory for s in got.samples]
-        if not trajs:  # nothing to imitate yet: back to RL rather than stall
-            t.entropulse._switch("rl")
-            self.log.warning("sft_phase_skipped", reason="the success store is empty")
-            self.publish()
-            return None
-        return t.sft_step(trajs, e.sft_lr)
+    def _rl_step(self, batch: P.Batch) -> dict | None:
+        m = self.trainer.train_step(batch.groups)
+        if m is not None and "rejected" not in m:
+            m.update(broker_max_lag=batch.max_lag, dropped_stale=batch.dropped_stale)
+        return m
+
+    def _after_step(self, kind: str, m: dict | None) -> bool:
+        """Main thread, after a step: metrics, phase logic, Control; True when weights should go out."""
+        t = self.trainer
+        if m is None or "rejected" in m:
+            if m is not None:
+                self.log.warning("batch_rejected", reason=m["rejected"])
+            # Nothing trained, but the batch is consumed: the version still advances so that admission
+            # keeps flowing (its formula counts versions); the weights are unchanged, so no round.
+            t.version += 1
+            t._count("empty_steps")
+            self._log_step(kind, {"empty": True, "version": t.version})
+            # Actors holding the same weights relabel them with the new version (no transfer needed).
+            self.client.set_control(t.version, phase=t.entropulse.phase, paused=t.entropulse.phase == "sft",
+                                    info={"content_version": t.content_version})
+            self._maybe_checkpoint()
+            return False
+        if kind == "rl":
+            switch = t.entropulse.observe_rl(m["entropy"], m["success_rate"])
+            if switch == "sft":
+                self.log.info("phase_change", to="sft", version=t.version)
+        else:
+            if t.entropulse.observe_sft() == "rl":
+                if self.cfg.entropulse.reset_reference:
+                    t.reset_reference()
+                self.log.info("phase_change", to="rl", version=t.version)
+        self._log_step(kind, m)
+        self._maybe_checkpoint()
+        return self.publish(paused=t.entropulse.phase == "sft") is not None
+
+    def _maybe_checkpoint(self) -> None:
+        if self.cfg.checkpoint_every and self.trainer.version % self.cfg.checkpoint_every == 0:
+            self.checkpoint()
 
     def _log_step(self, phase: str, m: dict) -> None:
         t = self.trainer

@@ -248,3 +248,16 @@ def test_actor_joins_weight_rounds_announced_on_control(start_broker, quiet_log,
         actor.close()
         learner.close()
         server.request_stop()
+
+
+def test_engine_relabels_unchanged_weights_and_never_over_staged_ones():
+    eng = HFEngine(TINY, EngineConfig(seed=0))
+    eng.relabel(3)
+    assert eng.version == 3 and eng.content_version == 0
+    g = eng.generate([eng.tokenizer.encode("x")], SamplingParams(max_new_tokens=3))[0]
+    assert set(g.versions) == {3}
+    eng.load_weights(dict(eng.named_parameters()), 5)  # staged, not yet swapped
+    eng.relabel(4)
+    assert eng.version == 3, "staged weights pending: no relabel"
+    eng.generate([eng.tokenizer.encode("x")], SamplingParams(max_new_tokens=1))
+    assert eng.version == eng.content_version == 5

@@ -199,4 +199,39 @@ def test_learner_process_loop_with_a_broker(start_broker, quiet_log, tmp_path):
     recs = [__import__("json").loads(x) for x in (tb.run_dir.metrics / "learner.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in recs][:3] == ["rl", "rl", "sft"]
     assert (tb.run_dir.checkpoints / "latest").exists()
-    assert tb.broker.control.stop and tb.broker.control.info == {}, "the learner told every role to stop"
+    assert tb.broker.control.stop and "weights_round" not in tb.broker.control.info, "told every role to stop"
+
+
+def test_untrainable_batches_still_advance_the_version_without_new_weights(start_broker, quiet_log):
+    """All-zero-variance batches (a policy that never succeeds yet) must not stall admission."""
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=4, eta=1, persist=False))
+    cfg = LearnerConfig(total_steps=4, checkpoint_every=0)
+    learner = Learner(cfg, TINY, None, tb.net, tb.run_dir, quiet_log)
+    actor = ActorBrokerClient(tb.net, None, quiet_log)
+    actor.connect(10)
+    runner = threading.Thread(target=learner.run, daemon=True)
+    runner.start()
+    feeder = Trainer(LearnerConfig(), TINY)
+    deadline = __import__("time").monotonic() + 60
+    try:
+        while runner.is_alive():
+            assert __import__("time").monotonic() < deadline, "the learner stalled"
+            if actor.outstanding_ticket_requests < 2:
+                actor.request_ticket()
+            actor.poll(0.1)
+            while actor.tickets:
+                t = actor.tickets.popleft()
+                g = groups_from(feeder, n_groups=1, good=b"x", bad=b"x")[0]
+                v = actor.version  # an actor relabels unchanged weights with the learner's version
+                for tr in g.trajectories:  # everyone failed: zero variance
+                    tr.reward, tr.success = 0.0, False
+                    tr.turn_rewards[:] = 0.0
+                    tr.versions[:] = v
+                actor.submit(dataclasses.replace(g, ticket_id=t.ticket_id, task_id=t.task_id,
+                                                 behavior_version_min=v, behavior_version_max=v))
+        runner.join(10)
+    finally:
+        actor.close()
+    assert learner.trainer.version == 4 and learner.trainer.content_version == 0
+    assert learner.trainer.counters["empty_steps"] == 4
+    assert tb.broker.control.info.get("content_version") == 0

@@ -1,0 +1,331 @@
+"""``computerrl run``: every role of a run as its own OS process on this machine, supervised.
+
+Start order follows readiness, not sleeps: the broker, once it answers a Hello; the env_server, once it
+does; then the learner and the actors, which wait for their peers themselves. While the run goes:
+- a crashed actor or env_server is restarted with exponential back-off (up to ``max_restarts`` each);
+- a crashed broker or learner ends the run cleanly with the reason and the tail of its stderr; the run
+  directory stays resumable (learner checkpoints, broker spill log): ``computerrl run ... --resume``;
+- SIGINT/SIGTERM stop the learner first (it checkpoints), then actors, env_server and broker; whatever
+  has not exited after ``stop_timeout_s`` is killed, and every child dies with the supervisor (PDEATHSIG).
+The terminal shows a progress view built from the roles' metrics files; their logs go to the run dir.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from common.rundir import RunDir
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class LocalConfig:
+    """The local supervisor (``computerrl run``)."""
+
+    actors: int = 2
+    """actor processes"""
+    max_restarts: int = 5
+    """restarts allowed per actor or env_server before the run gives up"""
+    restart_backoff_s: float = 1.0
+    """first restart delay; doubles per restart of the same role, up to 30 s"""
+    ready_timeout_s: float = 120.0
+    """how long the broker and env_server may take to answer their first Hello"""
+    stop_timeout_s: float = 30.0
+    """how long each role may take to exit after SIGTERM before it is killed"""
+    view_interval_s: float = 1.0
+    """refresh period of the terminal view"""
+    torch_threads: int = 1
+    """torch CPU threads per actor and learner process (the machine's cores are shared by every role)"""
+
+    def validate(self) -> None:
+        if self.actors < 1:
+            raise ValueError("local.actors must be >= 1")
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: the supervisor's own signal handling still stops the children
+        pass
+
+
+@dataclass
+class Role:
+    name: str
+    rank: int
+    args: list[str]
+    restartable: bool
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    started_at: float = 0.0
+    stderr_path: Path | None = None
+    done: bool = False  # exited cleanly when told to: not restarted
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}-{self.rank}"
+
+
+def probe(host: str, port: int, timeout_s: float, net: Any, keys_dir: Path, alive: Callable[[], bool]) -> None:
+    """Wait until a server answers Hello with Ready (its sockets are bound and its loop runs)."""
+    import zmq
+
+    from common import protocol as P
+    from common.net import security_for
+
+    ctx = zmq.Context.instance()
+    security = security_for(ctx, net, keys_dir, host)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if not alive():
+                raise RuntimeError("the process exited before it became ready")
+            sock = ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            security.client(sock)
+            sock.connect(f"tcp://{host}:{port}")
+            sock.send_multipart(P.encode(P.Hello(role="probe", peer_id=f"probe-{os.getpid()}")))
+            ok = sock.poll(500)
+            sock.close(0)
+            if ok:
+                return
+        raise TimeoutError(f"no Ready from {host}:{port} within {timeout_s:.0f} s")
+    finally:
+        security.close()
+
+
+class Supervisor:
+    def __init__(self, cfg: Any, config_path: Path, run_dir: RunDir, resume: bool, out: Any = None):
+        self.cfg, self.local = cfg, cfg.local
+        self.local.validate()
+        self.run_dir = run_dir
+        self.out = out or sys.stdout
+        self.tty = hasattr(self.out, "isatty") and self.out.isatty()
+        base = [sys.executable, "-m", "launch.cli"]
+        common_args = ["--config", str(config_path), "--run-dir", str(run_dir.root)]
+        self.roles = [Role("broker", 0, [*base, "broker", *common_args], False),
+                      Role("env_server", 0, [*base, "env-server", *common_args], True),
+                      Role("learner", 0, [*base, "learner", *common_args, *(["--resume"] if resume else [])], False)]
+        self.roles += [Role("actor", i, [*base, "actor", *common_args, "--rank", str(i)], True)
+                       for i in range(self.local.actors)]
+        self.stopping = False
+        self.outcome = ""
+        self.t0 = time.monotonic()
+        self._view_lines = 0
+
+    # ----- processes -----------------------------------------------------------------------------
+
+    def _spawn(self, role: Role) -> None:
+        role.stderr_path = self.run_dir.logs / f"{role.label}.stderr"
+        env = {**os.environ, "COMPUTERRL_QUIET": "1", "PYTHONUNBUFFERED": "1",
+               "OMP_NUM_THREADS": str(self.local.torch_threads)}
+        with open(role.stderr_path, "ab") as err:
+            role.proc = subprocess.Popen(role.args, stdout=subprocess.DEVNULL, stderr=err, env=env,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+        role.started_at = time.monotonic()
+
+    def _role(self, name: str) -> Role:
+        return next(r for r in self.roles if r.name == name)
+
+    def _stderr_tail(self, role: Role, n: int = 15) -> str:
+        try:
+            lines = role.stderr_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def start(self) -> None:
+        net = self.cfg.net
+        broker = self._role("broker")
+        self._spawn(broker)
+        probe(net.broker_host, net.broker_front_port, self.local.ready_timeout_s, net, self.run_dir.keys,
+              lambda: broker.proc.poll() is None)
+        env = self._role("env_server")
+        self._spawn(env)
+        es = self.cfg.env_server
+        probe(es.host, es.port, self.local.ready_timeout_s, net, self.run_dir.keys, lambda: env.proc.poll() is None)
+        for role in self.roles:
+            if role.proc is None:
+                self._spawn(role)
+
+    def stop(self, reason: str) -> None:
+        """Learner first (it checkpoints), then actors, env_server, broker; kill what lingers."""
+        if not self.outcome:
+            self.outcome = reason
+        self.stopping = True
+        order = ["learner", "actor", "env_server", "broker"]
+        for name in order:
+            group = [r for r in self.roles if r.name == name and r.proc is not None and r.proc.poll() is None]
+            for r in group:
+                r.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.local.stop_timeout_s
+            for r in group:
+                try:
+                    r.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    os.killpg(r.proc.pid, signal.SIGKILL)
+                    r.proc.wait(10)
+        for r in self.roles:  # anything a role started in its own group goes too
+            if r.proc is not None:
+                try:
+                    os.killpg(r.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def _check(self) -> bool:
+        """One supervision pass; False once the run is over."""
+        now = time.monotonic()
+        for role in self.roles:
+            if role.done:
+                continue
+            if role.proc is None:
+                if now >= role.next_start:
+                    self._spawn(role)
+                continue
+            rc = role.proc.poll()
+            if rc is None:
+                continue
+            if role.name == "learner":
+                if rc == 0:
+                    self._finish()
+                    return False
+                self.stop(f"the learner exited with code {rc}; the run is resumable with --resume\n"
+                          f"{self._stderr_tail(role)}")
+                return False
+            if role.name == "broker":
+                self.stop(f"the broker exited with code {rc}; the run is resumable with --resume\n"
+                          f"{self._stderr_tail(role)}")
+                return False
+            if role.name == "actor" and rc == 0:
+                role.done = True  # told to stop on Control: it leaves before the learner does
+                continue
+            if role.restarts >= self.local.max_restarts:
+                self.stop(f"{role.label} crashed {role.restarts + 1} times (last exit code {rc}); giving up\n"
+                          f"{self._stderr_tail(role)}")
+                return False
+            delay = min(30.0, self.local.restart_backoff_s * 2 ** role.restarts)
+            role.restarts += 1
+            role.proc, role.next_start = None, now + delay
+            self._event(f"{role.label} exited with code {rc}; restart {role.restarts} in {delay:.0f} s")
+        return True
+
+    def _finish(self) -> None:
+        """The learner finished its steps and told everyone to stop: let the actors drain, then end."""
+        deadline = time.monotonic() + self.local.stop_timeout_s
+        for r in self.roles:
+            if r.name == "actor" and r.proc is not None:
+                try:
+                    r.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        self.stop("finished")
+
+    def run(self) -> int:
+        def on_signal(signum, _frame):
+            raise KeyboardInterrupt
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._event(f"run directory: {self.run_dir.root}")
+            self.start()
+            self._event(f"started: broker, env_server, learner, {self.local.actors} actor(s)")
+            next_view = 0.0
+            while self._check():
+                now = time.monotonic()
+                if now >= next_view:
+                    self._view()
+                    next_view = now + self.local.view_interval_s
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            self._event("stopping (signal): the learner checkpoints first")
+            self.stop("interrupted")
+        except Exception as exc:
+            self.stop(f"supervisor error: {exc!r}")
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        self._view(final=True)
+        self._event(f"outcome: {self.outcome}")
+        return 0 if self.outcome in ("finished", "interrupted") else 1
+
+    # ----- terminal view -------------------------------------------------------------------------
+
+    def _event(self, text: str) -> None:
+        self._view_lines = 0
+        self.out.write(f"[computerrl] {text}\n")
+        self.out.flush()
+
+    def _view(self, final: bool = False) -> None:
+        lines = render_view(self.run_dir, self.cfg, time.monotonic() - self.t0,
+                            {r.label: (r.proc is not None and r.proc.poll() is None, r.restarts) for r in self.roles})
+        if self.tty and not final:
+            if self._view_lines:
+                self.out.write(f"\x1b[{self._view_lines}F\x1b[J")
+            self.out.write("\n".join(lines) + "\n")
+            self._view_lines = len(lines)
+        elif final or int(time.monotonic() - self.t0) % 10 < self.local.view_interval_s:
+            self.out.write(" | ".join(lines) + "\n")
+        self.out.flush()
+
+
+def _last_record(path: Path, max_bytes: int = 65536) -> dict | None:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            tail = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(tail):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
+
+
+def _fmt(x: Any, nd: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def render_view(run_dir: RunDir, cfg: Any, elapsed: float, roles: dict[str, tuple[bool, int]]) -> list[str]:
+    m = run_dir.metrics
+    lr = _last_record(m / "learner.jsonl") or {}
+    br = _last_record(m / "broker.jsonl") or {}
+    es = _last_record(m / "env_server-0.jsonl") or {}
+    actors = [a for a in (_last_record(p) for p in sorted(m.glob("actor-*.jsonl"))) if a]
+    step = lr.get("step", 0)
+    total = cfg.learner.total_steps
+    eta = "-"
+    if total and step:
+        eta = f"{(total - step) * elapsed / step / 60:.1f} min"
+    gen = sum(a.get("gen_tokens_per_s") or 0 for a in actors)
+    eps = sum((a.get("counters") or {}).get("episodes", 0) for a in actors)
+    alive = " ".join(f"{k}{'' if up else '(down)'}{f'[r{n}]' if n else ''}" for k, (up, n) in roles.items())
+    return [
+        f"phase {lr.get('phase', '-').upper():<4} step {step}/{total or '∞'}  elapsed {elapsed / 60:.1f} min  "
+        f"ETA {eta}",
+        f"success {_fmt(lr.get('success_rate'))}  entropy {_fmt(lr.get('entropy'), 3)}  "
+        f"loss {_fmt(lr.get('loss'), 4)}  max lag {_fmt(lr.get('max_lag'))}  "
+        f"learner {_fmt(lr.get('tokens_per_s'), 0)} tok/s",
+        f"broker queue {_fmt(br.get('queue_depth'))}  running {_fmt(br.get('running'))}  "
+        f"dropped stale {_fmt(br.get('dropped_stale', 0))}  in {_fmt(br.get('mb_in_per_s'))} MB/s",
+        f"actors gen {gen:.0f} tok/s  episodes {eps}  env {_fmt(es.get('steps_per_s'), 0)} steps/s  "
+        f"sessions {_fmt(es.get('sessions'))}",
+        f"roles {alive}",
+    ]
