@@ -265,6 +265,21 @@ class Learner:
         self.client.poll(0)
         return info.get("weights_round")
 
+    def _start_broadcast(self) -> Any:
+        """Run the round on a daemon thread: a stop never waits for a round stuck on a dead peer."""
+        import concurrent.futures as cf
+
+        fut: cf.Future = cf.Future()
+
+        def run() -> None:
+            try:
+                self._broadcast()
+                fut.set_result(None)
+            except BaseException as exc:  # reported when the loop reads the result
+                fut.set_exception(exc)
+        threading.Thread(target=run, name="weights-round", daemon=True).start()
+        return fut
+
     def _broadcast(self) -> None:
         """Worker thread: send the current weights in the round just announced."""
         from common.weightsync import RoundFailed
@@ -292,7 +307,7 @@ class Learner:
         job: cf.Future | None = None
         job_kind = ""
         if self.publish(paused=t.entropulse.phase == "sft") is not None:
-            job, job_kind = worker.submit(self._broadcast), "broadcast"
+            job, job_kind = self._start_broadcast(), "broadcast"
         c.grant(self.cfg.prefetch)
         finished = False
         sft_requested = False
@@ -305,7 +320,7 @@ class Learner:
                     result, kind, job = job.result(), job_kind, None
                     if kind in ("rl", "sft"):
                         if self._after_step(kind, result):
-                            job, job_kind = worker.submit(self._broadcast), "broadcast"
+                            job, job_kind = self._start_broadcast(), "broadcast"
                         continue
                 if self.cfg.total_steps and t.version >= self.cfg.total_steps:
                     finished = True
@@ -329,8 +344,8 @@ class Learner:
                         continue
                     job, job_kind = worker.submit(t.sft_step, trajs, self.cfg.entropulse.sft_lr), "sft"
         finally:
-            if job is not None:
-                job.result()
+            if job is not None and job_kind != "broadcast":
+                job.result()  # a training step ends on its own; a round stuck on a dead peer is not waited for
             worker.shutdown(wait=True)
             if finished or self._want_checkpoint:
                 self.checkpoint()

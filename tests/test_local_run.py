@@ -1,0 +1,88 @@
+"""`computerrl run` end to end with a tiny budget: every role a real process on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from common.net import free_port
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("torch")
+
+
+def _ports() -> list[str]:
+    return [f"net.broker_front_port={free_port()}", f"net.broker_back_port={free_port()}",
+            f"net.broker_control_port={free_port()}", f"env_server.port={free_port()}",
+            f"weights.port={free_port()}"]
+
+
+def _run(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    port = free_port()
+    env_server = f"actor.env_servers=['127.0.0.1:{port}']"
+    args = [sys.executable, "-m", "launch.cli", "run", "configs/local.yaml", *_ports(), f"env_server.port={port}",
+            env_server, "weights.join_window_s=0.5", *overrides, "--run-dir", str(run_dir)]
+    return subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _children_of_run(run_dir: Path) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if str(run_dir) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_run_trains_checkpoints_and_leaves_no_process(tmp_path):
+    run_dir = tmp_path / "run"
+    p = _run(run_dir, "learner.total_steps=4", "learner.checkpoint_every=2")
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-3000:]
+    assert "outcome: finished" in out
+    recs = [json.loads(x) for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4], "versions advance one per step"
+    broker = [json.loads(x) for x in (run_dir / "metrics" / "broker.jsonl").read_text().splitlines()]
+    assert max(b.get("groups_accepted", 0) for b in broker) >= 4, "groups flowed from the actors"
+    hist = broker[-1]["lag_hist"]
+    eta = 2
+    assert sum(v for k, v in hist.items() if k not in ("16+",) and int(k) > eta) == 0 and hist["16+"] == 0
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000004"
+    assert not _children_of_run(run_dir), "no role outlived the run"
+
+
+def test_a_killed_actor_is_restarted_and_sigint_stops_cleanly(tmp_path):
+    run_dir = tmp_path / "run"
+    p = _run(run_dir, "learner.total_steps=1000", "local.restart_backoff_s=0.2")
+    try:
+        log = run_dir / "logs" / "actor-0.jsonl"
+        deadline = time.monotonic() + 120
+        while not (log.exists() and '"actor_ready"' in log.read_text()):
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.2)
+        pid = json.loads(log.read_text().splitlines()[0])["pid"]
+        os.kill(pid, signal.SIGKILL)
+        while log.read_text().count('"actor_ready"') < 2:
+            assert time.monotonic() < deadline and p.poll() is None, "the actor was not restarted"
+            time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, out[-3000:]
+    assert "actor-0 exited with code -9; restart 1" in out and "outcome: interrupted" in out
+    assert (run_dir / "checkpoints" / "latest").exists(), "the learner checkpointed on the way out"
+    assert not _children_of_run(run_dir)
