@@ -22,7 +22,7 @@ class SamplingParams:
     """How tokens are drawn."""
 
     temperature: float = 1.0
-    """softmax temperature (> 0); log-probs are recorded under it"""
+    """softmax temperature; log-probs are recorded under it (0 = greedy, for evaluation only)"""
     top_p: float = 1.0
     """nucleus sampling mass (1 = off)"""
     max_new_tokens: int = 96
@@ -157,6 +157,10 @@ class HFEngine:
 
     def _sample(self, logits: Any, params: SamplingParams) -> tuple[Any, Any]:
         torch = self.torch
+        if params.temperature == 0:  # greedy (evaluation); log-probs under temperature 1
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            tokens = logp.argmax(-1)
+            return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
         logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
         probs = logp.exp()
         if params.top_p < 1.0:
@@ -171,8 +175,8 @@ class HFEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  on_step: Callable[[], None] | None = None) -> list[Generation]:
-        if params.temperature <= 0:
-            raise ValueError("temperature must be > 0 (log-probs are recorded under it)")
+        if params.temperature < 0:
+            raise ValueError("temperature must be >= 0 (0 = greedy, for evaluation)")
         out: list[Generation] = []
         for i in range(0, len(prompts), self.cfg.max_batch):
             out.extend(self._generate_batch(prompts[i:i + self.cfg.max_batch], params, on_step))

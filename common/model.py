@@ -70,7 +70,9 @@ def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu") -> Any:
     """A causal LM: loaded from ``cfg.path``, or built from the architecture fields with seeded weights."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # role logs are JSON lines; a progress bar on stderr is noise there
     cfg.validate()
     dtype = torch_dtype(cfg, device)
     extra = {}

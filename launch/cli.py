@@ -119,6 +119,29 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
     sys.exit(Supervisor(cfg, rd.config, rd, resume).run())
 
 
+@main.command("eval")
+@click.option("--checkpoint", required=True, type=click.Path(exists=True, file_okay=False),
+              help="a checkpoint directory (step-N) or a run's checkpoints/ directory (its latest)")
+@click.option("--suite", default="sim:heldout", show_default=True, help="sim:<train|heldout>[:family,...]")
+@click.option("--episodes", default=20, show_default=True, help="episodes per family")
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy")
+@click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False),
+              help="prompt settings to use (default: the run's config.yaml)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, config: str | None,
+             as_json: bool) -> None:
+    """Success rate of a checkpoint on a task suite, overall and per family."""
+    import dataclasses
+
+    from launch.evaluate import evaluate, load_policy, suite_tasks
+
+    engine, prompt_cfg, sampling, max_steps = load_policy(checkpoint, _load(config, ()) if config else None)
+    result = evaluate(engine, suite_tasks(suite, episodes), prompt_cfg,
+                      dataclasses.replace(sampling, temperature=temperature), max_steps)
+    result.update(checkpoint=str(checkpoint), suite=suite)
+    _emit(result, as_json)
+
+
 @main.command("config")
 @click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
 @click.option("--describe", is_flag=True, help="list every key with its type, default and meaning")

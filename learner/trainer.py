@@ -11,6 +11,7 @@ The loss function is the only place the algorithm lives.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import signal
 import threading
@@ -207,8 +208,9 @@ class Trainer:
     # ----- checkpoints ---------------------------------------------------------------------------
 
     def save(self, root: Any, extra: dict | None = None) -> Any:
+        model_cfg = {**dataclasses.asdict(self.model_cfg), "path": ""}  # what eval needs to rebuild the policy
         state = {"entropulse": self.entropulse.state_dict(), "counters": self.counters,
-                 "content_version": self.content_version, **(extra or {})}
+                 "content_version": self.content_version, "model_config": model_cfg, **(extra or {})}
         return CK.save(root, self.version, self.model, self.optimizer, self.scheduler, state, self.cfg.keep_checkpoints)
 
     def load(self, path: Any) -> dict:

@@ -61,6 +61,14 @@ def test_run_trains_checkpoints_and_leaves_no_process(tmp_path):
     assert sum(v for k, v in hist.items() if k not in ("16+",) and int(k) > eta) == 0 and hist["16+"] == 0
     assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000004"
     assert not _children_of_run(run_dir), "no role outlived the run"
+    ev = subprocess.run([sys.executable, "-m", "launch.cli", "eval", "--checkpoint", str(run_dir / "checkpoints"),
+                         "--suite", "sim:heldout:files_rename,sheet_sum", "--episodes", "2", "--json"],
+                        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                        timeout=300)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    result = json.loads(ev.stdout.strip().splitlines()[-1])
+    assert result["episodes"] == 4 and set(result["per_family"]) == {"files_rename", "sheet_sum"}
+    assert 0.0 <= result["success_rate"] <= 1.0
 
 
 def test_a_killed_actor_is_restarted_and_sigint_stops_cleanly(tmp_path):

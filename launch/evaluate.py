@@ -1,0 +1,82 @@
+"""``computerrl eval``: success rate of a checkpoint on a task suite, per family, in one process.
+
+Episodes run on in-process sim desktops (no broker, no server); all episodes of a chunk advance together
+so their generations are batched. Decoding is greedy unless a temperature is given. The prompt settings
+are the run's (its config.yaml next to the checkpoints), so a policy is judged on the prompts it saw.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from actor.engine import HFEngine, SamplingParams
+from actor.prompt import EpisodePrompt, PromptConfig
+from env_server.backend import SimBackend, SimConfig
+from env_server.sim import tasks as T
+
+
+def suite_tasks(suite: str, episodes: int) -> list[str]:
+    """``sim:<split>[:fam,...]`` -> task ids, ``episodes`` per family (seeds 0..episodes-1)."""
+    parts = suite.split(":")
+    if parts[0] != "sim" or len(parts) not in (2, 3) or parts[1] not in T.SPLITS:
+        raise ValueError(f"suite {suite!r}: expected sim:<train|heldout>[:family,...]")
+    fams = parts[2].split(",") if len(parts) == 3 else list(T.FAMILY_NAMES)
+    unknown = [f for f in fams if f not in T.FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown family {unknown[0]!r}")
+    return [f"sim:{parts[1]}:{fam}/{seed}" for fam in fams for seed in range(episodes)]
+
+
+def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sampling: SamplingParams,
+             max_steps: int = 0, chunk: int = 64) -> dict:
+    per_family: dict[str, list[int]] = {}
+    steps = format_errors = 0
+    for i in range(0, len(task_ids), chunk):
+        ids = task_ids[i:i + chunk]
+        envs = [SimBackend(SimConfig()) for _ in ids]
+        obs = [e.reset(t) for e, t in zip(envs, ids)]
+        prompts = [EpisodePrompt(engine.tokenizer, prompt_cfg, o["instruction"]) for o in obs]
+        active = list(range(len(ids)))
+        turn = 0
+        while active and (not max_steps or turn < max_steps):
+            gens = engine.generate([prompts[k].build(obs[k]) for k in active], sampling)
+            still = []
+            for k, g in zip(active, gens):
+                r = envs[k].step(g.text)
+                steps += 1
+                format_errors += int(r.format_error)
+                prompts[k].record(g.token_ids, str(r.obs.get("last_result", "")))
+                obs[k] = r.obs
+                if not r.done:
+                    still.append(k)
+            active = still
+            turn += 1
+        for e in envs:
+            ev = e.evaluate()
+            per_family.setdefault(ev["family"], []).append(int(ev["success"]))
+    total = sum(sum(v) for v in per_family.values())
+    n = sum(len(v) for v in per_family.values())
+    return {"success_rate": round(total / max(n, 1), 4), "episodes": n,
+            "per_family": {f: round(sum(v) / len(v), 4) for f, v in sorted(per_family.items())},
+            "format_error_rate": round(format_errors / max(steps, 1), 4), "mean_steps": round(steps / max(n, 1), 2)}
+
+
+def load_policy(checkpoint: str | Path, config: Any | None) -> tuple[HFEngine, PromptConfig, SamplingParams, int]:
+    """The checkpoint's engine, and the prompt/sampling/step settings of its run (or of ``config``)."""
+    from actor.engine import EngineConfig
+    from common.model import ModelConfig
+    from launch.config import load_run_config
+
+    ck = Path(checkpoint)
+    if (ck / "latest").exists():  # a checkpoints directory: its newest
+        ck = ck / (ck / "latest").read_text().strip()
+    state = json.loads((ck / "state.json").read_text())
+    if config is None:
+        run_cfg_path = ck.parent.parent / "config.yaml"
+        config = load_run_config(run_cfg_path if run_cfg_path.exists() else None)
+    saved = state.get("model_config") or {k: getattr(config.model, k) for k in config.model.__dataclass_fields__}
+    model_cfg = ModelConfig(**{**saved, "path": str(ck)})
+    engine = HFEngine(model_cfg, EngineConfig(seed=0, max_batch=64))
+    return engine, config.actor.prompt, config.actor.sampling, config.actor.max_steps
