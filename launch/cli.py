@@ -142,6 +142,24 @@ def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, con
     _emit(result, as_json)
 
 
+@main.command()
+@click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="checkpoint directory to write")
+@click.argument("overrides", nargs=-1)
+def pretrain(config: str | None, out: str, overrides: tuple[str, ...]) -> None:
+    """Behaviour cloning on oracle demonstrations: a base checkpoint (point model.path at it)."""
+    from launch.pretrain import pretrain as run_pretrain
+
+    cfg = _load(config, overrides)
+    log = L.setup("pretrain", "pretrain", 0, None, cfg.run.log_level)
+
+    def progress(step: int, total: int, loss: float) -> None:
+        click.echo(f"[pretrain] step {step}/{total}  loss {loss:.4f}")
+
+    result = run_pretrain(cfg.pretrain, cfg.model, cfg.actor.prompt, Path(out), log, progress)
+    click.echo(json.dumps(result))
+
+
 @main.command("config")
 @click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
 @click.option("--describe", is_flag=True, help="list every key with its type, default and meaning")

@@ -14,6 +14,7 @@ from common.net import NetConfig
 from common.weightsync import WeightSyncConfig
 from env_server.config import EnvServerConfig
 from launch.local import LocalConfig
+from launch.pretrain import PretrainConfig
 from learner.config import LearnerConfig
 from common.rundir import RunDir, new_run_id
 
@@ -54,6 +55,8 @@ class RunConfig:
     """the training loop and its algorithm"""
     local: LocalConfig = field(default_factory=LocalConfig)
     """the local supervisor of `computerrl run`"""
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    """behaviour cloning on oracle demonstrations (`computerrl pretrain`)"""
 
 
 def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:

@@ -1,0 +1,116 @@
+"""``computerrl pretrain``: behaviour cloning on oracle demonstrations -> a base checkpoint for RL.
+
+Demonstrations are recorded on in-process sim desktops (``env_server.backend.demonstrate``) with the
+run's own prompt settings, so the model learns from exactly the token layout the actors will build:
+every (prompt ids, action ids + end token) of every demo step is one SFT sample. Demonstrations can be
+imperfect (``demo.detour_prob``, ``demo.wrong_choice_prob``) so that cloning alone is not the ceiling.
+The result is a normal checkpoint directory (HF-format safetensors + config) that ``model.path`` can
+point at; the same command with the same config and seed remakes it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common import protocol as P
+
+
+@dataclass
+class PretrainConfig:
+    """Behaviour cloning on oracle demonstrations (``computerrl pretrain``)."""
+
+    families: list[str] = field(default_factory=list)
+    """task families to clone (empty = all)"""
+    route: str = "api"
+    """oracle route shown: api | gui | mixed"""
+    seeds: int = 2000
+    """training-split seeds demonstrated (per family count = seeds / families)"""
+    detour_prob: float = 0.0
+    """share of demos with a harmless detour"""
+    wrong_choice_prob: float = 0.0
+    """share of demos taking the wrong item on ambiguous screens"""
+    steps: int = 300
+    """optimizer steps"""
+    batch_samples: int = 32
+    """demo steps per optimizer step"""
+    lr: float = 1e-3
+    """learning rate"""
+    seed: int = 0
+    """sampling seed of demos and batches"""
+
+    def validate(self) -> None:
+        if self.route not in ("api", "gui", "mixed"):
+            raise ValueError("pretrain.route must be api, gui or mixed")
+        if self.seeds < 1 or self.steps < 1 or self.batch_samples < 1:
+            raise ValueError("seeds, steps and batch_samples must be >= 1")
+
+
+def demo_trajectories(cfg: PretrainConfig, prompt_cfg: Any, tokenizer: Any, log: Any = None) -> list[P.Trajectory]:
+    """Record demonstrations as token-in/token-out trajectories (one turn per demo step)."""
+    from actor.prompt import EpisodePrompt
+    from env_server.backend import SimBackend, demonstrate
+    from env_server.sim import tasks as T
+
+    fams = cfg.families or list(T.FAMILY_NAMES)
+    demo = T.DemoConfig(cfg.detour_prob, cfg.wrong_choice_prob)
+    rng = random.Random(cfg.seed)
+    backend = SimBackend()
+    out = []
+    end = tokenizer.special("<|end|>")
+    for seed in range(cfg.seeds):
+        task_id = f"sim:train:{','.join(fams)}/{seed}"
+        route = cfg.route if cfg.route != "mixed" else rng.choice(("api", "gui"))
+        d = demonstrate(backend, task_id, route, demo, seed=cfg.seed)
+        prompt = EpisodePrompt(tokenizer, prompt_cfg, d.steps[0][0]["instruction"] if d.steps else "")
+        turns = []
+        for k, (obs, action) in enumerate(d.steps):
+            ids = prompt.build(obs)
+            target = [*tokenizer.encode(action), end]
+            n = len(target)
+            turns.append(P.TurnView(np.asarray(ids, np.int32), np.asarray(target, np.int32), np.zeros(n, np.float32),
+                                    np.zeros(n, np.int32), np.ones(n, np.uint8), 1.0, False, "", action))
+            result = d.steps[k + 1][0].get("last_result", "") if k + 1 < len(d.steps) else ""
+            prompt.record(target, str(result))
+        if turns:
+            out.append(P.Trajectory.from_turns(f"demo-{seed}", float(d.success), d.success, turns))
+    if log is not None:
+        log.info("demos_recorded", trajectories=len(out), steps=sum(t.num_turns for t in out))
+    return out
+
+
+def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path, log: Any,
+             progress: Any = None) -> dict:
+    from learner.config import LearnerConfig
+    from learner.trainer import Trainer
+
+    cfg.validate()
+    trainer = Trainer(LearnerConfig(lr=cfg.lr, keep_checkpoints=1), model_cfg, seed=cfg.seed)
+    t0 = time.monotonic()
+    trajs = demo_trajectories(cfg, prompt_cfg, trainer.tokenizer, log)
+    # One sample per demo step: split trajectories into single-turn pieces so batches mix tasks and steps.
+    pieces = []
+    for tr in trajs:
+        for k in range(tr.num_turns):
+            tv = tr.turn(k)
+            pieces.append(P.Trajectory.from_turns(f"{tr.traj_id}-{k}", 1.0, True, [tv]))
+    rng = random.Random(cfg.seed)
+    losses = []
+    for step in range(cfg.steps):
+        batch = rng.sample(pieces, min(cfg.batch_samples, len(pieces)))
+        m = trainer.sft_step(batch, cfg.lr)
+        if m is not None:
+            losses.append(m["loss"])
+        if progress is not None and (step + 1) % max(1, cfg.steps // 20) == 0:
+            progress(step + 1, cfg.steps, sum(losses[-10:]) / max(1, len(losses[-10:])))
+    trainer.version = 0  # a base policy: RL starts counting from here
+    trainer.content_version = 0
+    path = trainer.save(out_dir, {"pretrain": {"demos": len(trajs), "samples": len(pieces), "steps": cfg.steps}})
+    return {"checkpoint": str(path), "demos": len(trajs), "samples": len(pieces),
+            "final_loss": round(sum(losses[-10:]) / max(1, len(losses[-10:])), 4),
+            "seconds": round(time.monotonic() - t0, 1)}
