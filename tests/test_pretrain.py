@@ -1,0 +1,49 @@
+"""Behaviour cloning: demos become samples with the actors' prompt layout; the result loads and evaluates."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from actor.prompt import EpisodePrompt, PromptConfig  # noqa: E402
+from common import log as L  # noqa: E402
+from common.model import ModelConfig  # noqa: E402
+from common.tokenizer import ByteTokenizer  # noqa: E402
+from launch.evaluate import evaluate, suite_tasks  # noqa: E402
+from launch.pretrain import PretrainConfig, demo_trajectories, pretrain  # noqa: E402
+
+TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+
+
+def test_demo_samples_are_what_an_actor_would_have_prompted():
+    tok = ByteTokenizer()
+    pc = PromptConfig(style="minimal", max_prompt_tokens=1024)
+    cfg = PretrainConfig(families=["files_rename"], seeds=3, route="gui")
+    trajs = demo_trajectories(cfg, pc, tok)
+    assert len(trajs) == 3 and all(t.success for t in trajs)
+    t = trajs[0]
+    first = t.turn(0)
+    assert tok.decode(first.output_ids.tolist()).startswith("open_app(") and first.output_ids[-1] == tok.eos_id
+    # the second prompt holds the first action's ids verbatim, as an actor's prompt would
+    second = t.turn(1).prompt_ids.tolist()
+    ids = first.output_ids.tolist()
+    assert any(second[i:i + len(ids)] == ids for i in range(len(second)))
+    assert EpisodePrompt(tok, pc, "x").head[0] == tok.special("<|user|>"), "minimal style: no system block"
+
+
+@pytest.mark.slow
+def test_pretrain_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
+    log = L.setup("test", "test", 0, None, "warning", quiet=True)
+    cfg = PretrainConfig(families=["settings_display"], seeds=40, steps=25, batch_samples=16, lr=3e-3)
+    pc = PromptConfig(style="minimal", max_prompt_tokens=768)
+    losses = []
+    out = pretrain(cfg, TINY, pc, tmp_path / "base", log, lambda s, n, loss: losses.append(loss))
+    assert losses[-1] < losses[0] * 0.7, losses
+    from actor.engine import EngineConfig, HFEngine
+    from actor.engine import SamplingParams
+
+    eng = HFEngine(ModelConfig(**{**TINY.__dict__, "path": out["checkpoint"]}), EngineConfig())
+    res = evaluate(eng, suite_tasks("sim:heldout:settings_display", 2), pc, SamplingParams(temperature=0.0,
+                                                                                          max_new_tokens=40), 4)
+    assert res["episodes"] == 2 and "settings_display" in res["per_family"]
