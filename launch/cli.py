@@ -115,6 +115,9 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
     if resume and not run_dir:
         raise click.UsageError("--resume needs the --run-dir of the run to continue")
     rd = resolve_run_dir(cfg, run_dir)
+    if cfg.learner.expected_actors == 0:
+        # Every actor of this run is known: a weight round closes as soon as they all joined.
+        cfg.learner.expected_actors = cfg.local.actors
     C.dump(cfg, rd.config)
     sys.exit(Supervisor(cfg, rd.config, rd, resume).run())
 
