@@ -255,14 +255,15 @@ class Actor:
             return
         self.weights_round = r
         self.weights_busy = True
+        epoch = int(control.info.get("weights_epoch", 0) or 0)
 
         def receive() -> None:
             try:
                 if hasattr(self.engine, "receive_round"):  # vLLM: its GPU workers join the round themselves
-                    version = self.engine.receive_round(r, dataclasses.asdict(self.weights_cfg))
+                    version = self.engine.receive_round(r, epoch, dataclasses.asdict(self.weights_cfg))
                 else:
                     reuse = not self.engine.has_staged()  # the last weights were copied in: reuse buffers
-                    version, tensors = self.receiver.receive(r, self.engine.named_parameters(), reuse=reuse)
+                    version, tensors = self.receiver.receive(r, epoch, self.engine.named_parameters(), reuse=reuse)
                     self.engine.load_weights(tensors, version)
                 self.stats["weight_updates"] += 1
                 self.log.info("weights_received", round=r, version=version)

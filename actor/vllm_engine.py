@@ -73,14 +73,17 @@ def hf_layout(model_cfg: ModelConfig, vocab_size: int) -> list[tuple[str, Any]]:
 class VLLMWeightExtension:
     """Mixed into every vLLM worker (``worker_extension_cls``); called through ``collective_rpc``."""
 
-    def receive_weights(self, round_no: int, weights_cfg: dict, layout: list[tuple[str, tuple, str]]) -> int:
+    def receive_weights(self, round_no: int, epoch: int, weights_cfg: dict,
+                        layout: list[tuple[str, tuple, str]]) -> int:
         import torch
 
         from common.weightsync import WeightReceiver, WeightSyncConfig
 
         like = [(n, torch.empty(shape, dtype=getattr(torch, dt), device=self.device)) for n, shape, dt in layout]
-        receiver = WeightReceiver(WeightSyncConfig(**weights_cfg), log=None)
-        version, tensors = receiver.receive(round_no, like)
+        receiver = getattr(self, "_weights_receiver", None)
+        if receiver is None:  # kept on the worker: its epoch's group outlives one round
+            receiver = self._weights_receiver = WeightReceiver(WeightSyncConfig(**weights_cfg), log=None)
+        version, tensors = receiver.receive(round_no, epoch, like)
         self.model_runner.model.load_weights(weights=list(tensors.items()))
         return version
 
@@ -187,13 +190,14 @@ class VLLMEngine:
         """The layout a weight round must carry (HF names; tensors on the meta device)."""
         return hf_layout(self.model_cfg, self.tokenizer.vocab_size)
 
-    def receive_round(self, round_no: int, weights_cfg: dict) -> int:
+    def receive_round(self, round_no: int, epoch: int, weights_cfg: dict) -> int:
         """Join a weight round inside every vLLM worker; with ``interrupt``, pause in-flight requests first."""
         async def swap() -> int:
             if self.cfg.interrupt:
                 self._gate.clear()
                 await self.llm.abort(list(self._running))
-            versions = await self.llm.collective_rpc("receive_weights", args=(round_no, weights_cfg, self._layout))
+            versions = await self.llm.collective_rpc("receive_weights",
+                                                     args=(round_no, epoch, weights_cfg, self._layout))
             await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
             self.version = int(versions[0])
             self._gate.set()

@@ -1,17 +1,20 @@
-"""Weight broadcast from the learner's rank 0 to every actor engine, in rounds with fresh process groups.
+"""Weight broadcast from the learner's rank 0 to every actor engine, over membership epochs.
 
-Each update is a *round* with its own key prefix in one TCPStore that the learner hosts:
+One TCPStore, hosted by the learner, is the rendezvous. An *epoch* is a fixed set of members with its own
+stateless process group (gloo on CPU, NCCL on GPU) built from a ``PrefixStore`` under ``e<epoch>/`` —
+never the process-global default group — so an epoch can be replaced without restarting any process.
+Every update is a *round* on the current epoch, announced to actors on Control with the epoch number:
 
-1. the learner opens round r (announced to actors on Control with the new version);
-2. each actor that wants the weights takes a rank with an atomic ``add`` on ``r<r>/joined``;
-3. after everyone expected joined, or ``join_window_s`` passed, the learner fixes ``r<r>/world``; an actor
-   whose rank is beyond it came too late and waits for the next round;
-4. all members build a stateless process group (gloo on CPU, NCCL on GPU) from a ``PrefixStore`` of the
-   round, never the process-global default group, and the learner broadcasts a header (version, layout
-   hash, bucket count) then the parameters in flat buckets.
+1. a member that already holds the epoch's group joins the round's broadcast directly;
+2. an actor without it takes a rank with an atomic ``add`` on ``e<epoch>/joined``; if the learner already
+   fixed ``e<epoch>/world`` it is too late: it files a join request and waits for the next epoch;
+3. the learner opens a new epoch when there is no group yet, a round failed, or join requests are pending;
+   it then waits for joiners until everyone expected joined or ``join_window_s`` passed;
+4. a round broadcasts a header (version, layout hash, bucket count, round) then the parameters in buckets.
 
-Every step runs under ``timeout_s``: a member that dies costs the others at most one timeout, the round is
-abandoned (receivers keep their old weights), and the next round starts clean with whoever is alive.
+Every collective runs under ``timeout_s``: a member that dies costs the others at most one timeout, the
+epoch is abandoned (receivers keep their old weights) and the next round forms a new one with whoever is
+alive. A stable epoch pays no rendezvous or group construction per round.
 torch is imported lazily: ``common/`` is also imported by roles that run without it.
 """
 
@@ -98,7 +101,7 @@ def _backend_for(cfg: WeightSyncConfig, device: Any) -> str:
 
 
 class WeightSender:
-    """The learner's side: hosts the store and broadcasts one round per update."""
+    """The learner's side: hosts the store, keeps the epoch's group, broadcasts one round per update."""
 
     def __init__(self, cfg: WeightSyncConfig, log: Any):
         import torch.distributed as dist
@@ -108,60 +111,80 @@ class WeightSender:
         self.store = dist.TCPStore(cfg.host, cfg.port, is_master=True, wait_for_workers=False,
                                    timeout=_timeout(cfg))
         self.round = int(self.store.add("round", 0))
+        self.epoch = int(self.store.add("epoch", 0))
+        self.members = 0
+        self._pg: Any = None
+        self._forming = False  # the open round starts a new epoch
+        self._requests_seen = int(self.store.add("join_requests", 0))
         self.failed_rounds = 0
 
-    def open_round(self) -> int:
-        """Start a new round; announce its number (and the version) to actors, then call ``broadcast``."""
+    def open_round(self) -> tuple[int, int]:
+        """Start round r (on a new epoch when membership must change); announce (round, epoch) to actors."""
         self.round = int(self.store.add("round", 1))
-        return self.round
+        requests = int(self.store.add("join_requests", 0))
+        if self._pg is None or requests > self._requests_seen:
+            self._requests_seen = requests
+            self.epoch = int(self.store.add("epoch", 1))
+            self._pg, self.members, self._forming = None, 0, True
+        return self.round, self.epoch
+
+    def _form(self, expected: int, device: Any) -> None:
+        e, cfg = self.epoch, self.cfg
+        deadline = time.monotonic() + cfg.join_window_s
+        joined = int(self.store.add(f"e{e}/joined", 0))
+        while time.monotonic() < deadline and (expected <= 0 or joined < expected):
+            time.sleep(0.005)
+            joined = int(self.store.add(f"e{e}/joined", 0))
+        # Ranks are 1..joined; a later add gets a rank >= world and files a join request instead.
+        self.store.set(f"e{e}/world", str(joined + 1))
+        self._forming, self.members = False, joined
+        if joined:
+            self._pg = _group(self.store, f"e{e}/pg/", 0, joined + 1, _backend_for(cfg, device), cfg)
 
     def broadcast(self, named: Sequence[tuple[str, Any]], version: int, expected: int = 0) -> int:
-        """Send ``named`` to everyone who joins the open round; returns how many received it."""
+        """Send ``named`` to the epoch's members in the open round; returns how many received it."""
         import torch
 
-        r, cfg = self.round, self.cfg
-        deadline = time.monotonic() + cfg.join_window_s
-        joined = int(self.store.add(f"r{r}/joined", 0))
-        while time.monotonic() < deadline and (expected <= 0 or joined < expected):
-            time.sleep(0.01)
-            joined = int(self.store.add(f"r{r}/joined", 0))
-        # Ranks are 1..joined; a later add gets a rank >= world and knows it missed this round.
-        world = joined + 1
-        self.store.set(f"r{r}/world", str(world))
-        if joined == 0:
-            return 0
         device = named[0][1].device if named else "cpu"
         t0 = time.monotonic()
         try:
-            pg = _group(self.store, f"r{r}/pg/", 0, world, _backend_for(cfg, device), cfg)
-            plan = buckets(named, int(cfg.bucket_mb * (1 << 20)))
-            header = torch.tensor([version, layout_hash(named), len(plan), len(named)], dtype=torch.int64,
-                                  device=device)
-            pg.broadcast(header, 0).wait()
+            if self._forming:
+                self._form(expected, device)
+            if self._pg is None:
+                return 0
+            plan = buckets(named, int(self.cfg.bucket_mb * (1 << 20)))
+            header = torch.tensor([version, layout_hash(named), len(plan), len(named), self.round],
+                                  dtype=torch.int64, device=device)
+            self._pg.broadcast(header, 0).wait()
             for idx in plan:
                 parts = [named[i][1].detach().reshape(-1) for i in idx]
                 # A bucket of one contiguous tensor goes as is; only small tensors are packed (one copy).
                 flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-                pg.broadcast(flat, 0).wait()
+                self._pg.broadcast(flat, 0).wait()
         except Exception as exc:
             self.failed_rounds += 1
-            self.log.warning("weights_round_failed", round=r, version=version, members=joined, error=str(exc)[:300])
+            self._pg = None  # the next round forms a new epoch with whoever is alive
+            self.log.warning("weights_round_failed", round=self.round, epoch=self.epoch, version=version,
+                             members=self.members, error=str(exc)[:300])
             raise RoundFailed(str(exc)) from exc
-        self.log.info("weights_broadcast", round=r, version=version, receivers=joined,
-                      seconds=round(time.monotonic() - t0, 3))
-        return joined
+        self.log.info("weights_broadcast", round=self.round, epoch=self.epoch, version=version,
+                      receivers=self.members, seconds=round(time.monotonic() - t0, 3))
+        return self.members
 
     def close(self) -> None:
+        self._pg = None
         self.store = None
 
 
 class WeightReceiver:
-    """An actor's side: joins a round and returns the new tensors (the engine swaps them in)."""
+    """An actor's side: keeps its epoch's group and returns each round's tensors (the engine swaps them in)."""
 
     def __init__(self, cfg: WeightSyncConfig, log: Any):
         cfg.validate()
         self.cfg, self.log = cfg, log
         self._store: Any = None
+        self._epoch = 0
+        self._pg: Any = None
         self._buffers: list[Any] = []  # receive buffers kept between rounds (no page faults after the first)
 
     def _connect(self) -> Any:
@@ -171,41 +194,59 @@ class WeightReceiver:
             self._store = dist.TCPStore(self.cfg.host, self.cfg.port, is_master=False, timeout=_timeout(self.cfg))
         return self._store
 
-    def receive(self, r: int, like: Sequence[tuple[str, Any]], reuse: bool = False) -> tuple[int, dict[str, Any]]:
-        """Join round ``r``; returns (version, {name: tensor}) shaped ``like`` or raises ``RoundFailed``.
+    def _lost(self, why: str) -> RoundFailed:
+        """Leave the epoch and ask to be in the next one."""
+        self._pg = None
+        try:
+            if self._store is not None:
+                self._store.add("join_requests", 1)
+        except Exception:
+            self._store = None  # the learner is gone; reconnect next time
+        return RoundFailed(why)
 
-        With ``reuse``, the tensors are views into buffers that the next ``receive`` overwrites: pass it only
-        once the previous result has been consumed (copied into the model).
+    def _join(self, epoch: int, device: Any) -> None:
+        try:
+            store = self._connect()
+            rank = int(store.add(f"e{epoch}/joined", 1))
+            world = int(store.get(f"e{epoch}/world"))
+        except Exception as exc:  # the learner is gone or the store is unreachable
+            self._store = None
+            raise RoundFailed(f"rendezvous of epoch {epoch}: {exc}") from exc
+        if rank >= world:
+            raise self._lost(f"joined epoch {epoch} after it closed")
+        self._pg = _group(store, f"e{epoch}/pg/", rank, world, _backend_for(self.cfg, device), self.cfg)
+        self._epoch = epoch
+
+    def receive(self, r: int, epoch: int, like: Sequence[tuple[str, Any]],
+                reuse: bool = False) -> tuple[int, dict[str, Any]]:
+        """Take part in round ``r`` of ``epoch``; returns (version, {name: tensor}) shaped ``like``.
+
+        Raises ``RoundFailed`` (weights unchanged). With ``reuse``, the tensors are views into buffers the
+        next ``receive`` overwrites: pass it only once the previous result has been copied into the model.
         """
         import torch
 
-        try:
-            store = self._connect()
-            rank = int(store.add(f"r{r}/joined", 1))
-            world = int(store.get(f"r{r}/world"))
-        except Exception as exc:  # the learner is gone or the store is unreachable
-            self._store = None
-            raise RoundFailed(f"rendezvous of round {r}: {exc}") from exc
-        if rank >= world:
-            raise RoundFailed(f"joined round {r} after it closed")
         device = like[0][1].device if like else "cpu"
+        if self._pg is None or epoch != self._epoch:
+            self._join(epoch, device)
         try:
-            pg = _group(store, f"r{r}/pg/", rank, world, _backend_for(self.cfg, device), self.cfg)
-            header = torch.zeros(4, dtype=torch.int64, device=device)
-            pg.broadcast(header, 0).wait()
-            version, lhash, n_buckets, n_params = (int(x) for x in header.tolist())
+            header = torch.zeros(5, dtype=torch.int64, device=device)
+            self._pg.broadcast(header, 0).wait()
+            version, lhash, n_buckets, n_params, round_no = (int(x) for x in header.tolist())
+            if round_no != r:
+                raise self._lost(f"expected round {r}, the learner sent round {round_no}")
             if lhash != layout_hash(like) or n_params != len(like):
                 # A configuration error (different models): this round fails for everyone, loudly.
-                raise RoundFailed("the learner's parameter layout differs from this engine's model")
+                raise self._lost("the learner's parameter layout differs from this engine's model")
             plan = buckets(like, int(self.cfg.bucket_mb * (1 << 20)))
             if len(plan) != n_buckets:
-                raise RoundFailed("bucket plans differ (weights.bucket_mb must match)")
+                raise self._lost("bucket plans differ (weights.bucket_mb must match)")
             out: dict[str, Any] = {}
             if not reuse or len(self._buffers) != len(plan):
                 self._buffers = [torch.empty(sum(like[i][1].numel() for i in idx), dtype=like[idx[0]][1].dtype,
                                              device=device) for idx in plan]
             for idx, flat in zip(plan, self._buffers):
-                pg.broadcast(flat, 0).wait()
+                self._pg.broadcast(flat, 0).wait()
                 pos = 0
                 for i in idx:
                     name, t = like[i]
@@ -214,5 +255,5 @@ class WeightReceiver:
         except RoundFailed:
             raise
         except Exception as exc:
-            raise RoundFailed(f"round {r}: {exc}") from exc
+            raise self._lost(f"round {r}: {exc}") from exc
         return version, out

@@ -262,7 +262,7 @@ class Learner:
         t = self.trainer
         info: dict = {"content_version": t.content_version}
         if self.sender is not None and not stop:
-            info["weights_round"] = self.sender.open_round()
+            info["weights_round"], info["weights_epoch"] = self.sender.open_round()
         self.client.set_control(t.version, phase=t.entropulse.phase, paused=paused, stop=stop, info=info)
         self.client.poll(0)
         return info.get("weights_round")

@@ -79,13 +79,13 @@ def test_weights_swap_at_a_token_boundary_and_match_the_learner(quiet_log):
     learner = build_model(ModelConfig(**{**TINY.__dict__, "init_seed": 99}), tok.vocab_size).eval()
     cfg = WeightSyncConfig(port=free_port(), join_window_s=5.0, timeout_s=10.0)
     sender = WeightSender(cfg, quiet_log)
-    r = sender.open_round()
+    r, e = sender.open_round()
     from common.weightsync import WeightReceiver
 
     received = {}
 
     def receive():
-        received["v"], received["t"] = WeightReceiver(cfg, quiet_log).receive(r, eng.named_parameters())
+        received["v"], received["t"] = WeightReceiver(cfg, quiet_log).receive(r, e, eng.named_parameters())
 
     t = threading.Thread(target=receive)
     t.start()
@@ -229,8 +229,8 @@ def test_actor_joins_weight_rounds_announced_on_control(start_broker, quiet_log,
         first = learner.next_batch(30)
         assert first is not None and first.groups[0].behavior_version_max == 0
         new_weights = build_model(ModelConfig(**{**TINY.__dict__, "init_seed": 7}), engine.tokenizer.vocab_size)
-        r = sender.open_round()
-        learner.set_control(1, info={"weights_round": r})
+        r, e = sender.open_round()
+        learner.set_control(1, info={"weights_round": r, "weights_epoch": e})
         assert sender.broadcast(list(new_weights.named_parameters()), version=1, expected=1) == 1
         later = []
         for _ in range(3):

@@ -25,60 +25,69 @@ def test_buckets_split_by_size_and_dtype():
     assert buckets(params(0), 1 << 20) == [[0, 1, 2], [3]]
 
 
-def test_round_delivers_to_every_member_and_a_dead_member_costs_one_timeout(quiet_log):
+def test_epochs_deliver_rounds_survive_a_dead_member_and_admit_late_joiners(quiet_log):
     cfg = WeightSyncConfig(port=free_port(), join_window_s=3.0, timeout_s=2.0, bucket_mb=0.001)
     sender = WeightSender(cfg, quiet_log)
-    src = params(1)
+    rx = {n: WeightReceiver(cfg, quiet_log) for n in ("x", "y", "z")}
     got = {}
 
-    def receive(name, r):
+    def receive(name, r, e):
         try:
-            got[name] = WeightReceiver(cfg, quiet_log).receive(r, params(2))
+            got[name] = rx[name].receive(r, e, params(2))
         except RoundFailed as exc:
             got[name] = exc
 
-    r = sender.open_round()
-    threads = [threading.Thread(target=receive, args=(n, r)) for n in ("x", "y")]
-    [t.start() for t in threads]
-    assert sender.broadcast(src, version=7, expected=2) == 2
-    [t.join(10) for t in threads]
-    for name in ("x", "y"):
-        version, tensors = got[name]
-        assert version == 7 and all(torch.equal(tensors[n], t) for n, t in src)
+    def round_with(names, version, expected):
+        r, e = sender.open_round()
+        threads = [threading.Thread(target=receive, args=(n, r, e)) for n in names]
+        [t.start() for t in threads]
+        try:
+            return e, sender.broadcast(params(version), version=version, expected=expected)
+        finally:
+            [t.join(10) for t in threads]
 
-    # A member that joins and then dies: the round fails within the timeout, nobody hangs.
-    r = sender.open_round()
-    dead = WeightReceiver(cfg, quiet_log)._connect()
-    dead.add(f"r{r}/joined", 1)
-    t = threading.Thread(target=receive, args=("z", r))
-    t.start()
-    t0 = time.monotonic()
-    with pytest.raises(RoundFailed):
-        sender.broadcast(src, version=8, expected=2)
-    assert time.monotonic() - t0 < cfg.join_window_s + 3 * cfg.timeout_s
-    t.join(10)
-    assert isinstance(got["z"], RoundFailed)
+    e1, n = round_with(["x", "y"], 7, expected=2)
+    assert n == 2 and all(got[k][0] == 7 and torch.equal(got[k][1]["a.weight"], params(7)[0][1]) for k in "xy")
+    e2, n = round_with(["x", "y"], 8, expected=2)
+    assert e2 == e1 and n == 2 and got["x"][0] == 8, "a stable epoch keeps its group: no new rendezvous"
 
-    # The next round, with the living only, works; a late joiner is told it missed the round.
-    r = sender.open_round()
-    t = threading.Thread(target=receive, args=("w", r))
-    t.start()
-    assert sender.broadcast(src, version=9, expected=1) == 1
-    t.join(10)
-    assert got["w"][0] == 9
+    # z arrives late: it cannot enter the running epoch, files a join request, and is in the next one.
+    r, e = sender.open_round()
+    assert e == e1
+    tx = [threading.Thread(target=receive, args=(k, r, e)) for k in "xy"]
+    [t.start() for t in tx]
+    sender.broadcast(params(9), version=9, expected=2)
+    [t.join(10) for t in tx]
     with pytest.raises(RoundFailed, match="after it closed"):
-        WeightReceiver(cfg, quiet_log).receive(r, params(2))
+        rx["z"].receive(r, e, params(2))
+    e3, n = round_with(["x", "y", "z"], 10, expected=3)
+    assert e3 == e1 + 1 and n == 3 and got["z"][0] == 10
+
+    # A member that dies mid-epoch: the round fails within the timeout, nobody hangs, the next epoch goes on.
+    dead = rx.pop("z")
+    dead._pg = None  # it will never take part again
+    t0 = time.monotonic()
+    r, e = sender.open_round()
+    tx = [threading.Thread(target=receive, args=(k, r, e)) for k in "xy"]
+    [t.start() for t in tx]
+    with pytest.raises(RoundFailed):
+        sender.broadcast(params(11), version=11, expected=3)
+    [t.join(15) for t in tx]
+    assert time.monotonic() - t0 < 3 * cfg.timeout_s + 2
+    assert isinstance(got["x"], RoundFailed) and isinstance(got["y"], RoundFailed)
+    e4, n = round_with(["x", "y"], 12, expected=2)
+    assert e4 > e3 and n == 2 and got["y"][0] == 12
 
 
 def test_layout_mismatch_is_refused(quiet_log):
     cfg = WeightSyncConfig(port=free_port(), join_window_s=2.0, timeout_s=2.0)
     sender = WeightSender(cfg, quiet_log)
-    r = sender.open_round()
+    r, e = sender.open_round()
     bad = {}
 
     def receive():
         try:
-            WeightReceiver(cfg, quiet_log).receive(r, params(0)[:2])
+            WeightReceiver(cfg, quiet_log).receive(r, e, params(0)[:2])
         except RoundFailed as exc:
             bad["err"] = str(exc)
     t = threading.Thread(target=receive)
@@ -95,8 +104,9 @@ def test_receive_buffers_are_reused_only_when_asked(quiet_log):
     rx = WeightReceiver(cfg, quiet_log)
     results = []
     for i, reuse in enumerate([False, True, False]):
-        r = sender.open_round()
-        t = threading.Thread(target=lambda r=r, reuse=reuse: results.append(rx.receive(r, params(0), reuse=reuse)))
+        r, e = sender.open_round()
+        t = threading.Thread(target=lambda r=r, e=e, reuse=reuse: results.append(rx.receive(r, e, params(0),
+                                                                                          reuse=reuse)))
         t.start()
         sender.broadcast(params(10 + i), version=i + 1, expected=1)
         t.join(10)
