@@ -239,12 +239,15 @@ class Supervisor:
             self._event(f"run directory: {self.run_dir.root}")
             self.start()
             self._event(f"started: broker, env_server, learner, {self.local.actors} actor(s)")
-            next_view = 0.0
+            next_view = next_curve = 0.0
             while self._check():
                 now = time.monotonic()
                 if now >= next_view:
                     self._view()
                     next_view = now + self.local.view_interval_s
+                if now >= next_curve:
+                    self._curve()
+                    next_curve = now + 30.0
                 time.sleep(0.2)
         except KeyboardInterrupt:
             self._event("stopping (signal): the learner checkpoints first")
@@ -255,8 +258,19 @@ class Supervisor:
             for s, h in old.items():
                 signal.signal(s, h)
         self._view(final=True)
+        if self._curve():
+            self._event(f"learning curve: {self.run_dir.curve_png}")
         self._event(f"outcome: {self.outcome}")
         return 0 if self.outcome in ("finished", "interrupted") else 1
+
+    def _curve(self) -> bool:
+        from launch.curve import render_curve
+
+        try:
+            return render_curve(self.run_dir.metrics, self.run_dir.curve_png, f"run {self.run_dir.root.name}")
+        except Exception as exc:  # a drawing problem never stops a run
+            self._event(f"learning curve not drawn: {exc!r}")
+            return False
 
     # ----- terminal view -------------------------------------------------------------------------
 

@@ -1,0 +1,31 @@
+"""The learning-curve PNG is drawn from metrics files, with SFT phases and held-out points."""
+
+from __future__ import annotations
+
+import json
+
+from PIL import Image
+
+from launch.curve import render_curve
+
+
+def test_curve_png_from_metrics(tmp_path):
+    m = tmp_path / "metrics"
+    m.mkdir()
+    assert not render_curve(m, tmp_path / "curve.png"), "nothing to draw yet"
+    with open(m / "learner.jsonl", "w") as f:
+        for step in range(1, 41):
+            phase = "sft" if 20 < step <= 25 else "rl"
+            f.write(json.dumps({"step": step, "phase": phase, "success_rate": step / 40, "entropy": 2 - step / 40})
+                    + "\n")
+        f.write("not json\n")
+    with open(m / "eval.jsonl", "w") as f:
+        for step in (10, 20, 30, 40):
+            f.write(json.dumps({"step": step, "success_rate": step / 50}) + "\n")
+    out = tmp_path / "curve.png"
+    assert render_curve(m, out, "test run")
+    img = Image.open(out).convert("RGB")
+    assert img.size == (960, 600)
+    colors = {c for _, c in img.getcolors(maxcolors=1 << 16)}
+    assert (255, 236, 179) in colors, "SFT phase shaded"
+    assert (214, 39, 40) in colors and (31, 119, 180) in colors and (44, 160, 44) in colors
