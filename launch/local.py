@@ -46,6 +46,10 @@ class LocalConfig:
     """refresh period of the terminal view"""
     torch_threads: int = 1
     """torch CPU threads per actor and learner process (the machine's cores are shared by every role)"""
+    eval_episodes: int = 0
+    """held-out episodes per family evaluated on each new checkpoint (0 = no periodic evaluation)"""
+    eval_suite: str = "sim:heldout"
+    """suite of the periodic evaluation"""
 
     def validate(self) -> None:
         if self.actors < 1:
@@ -119,6 +123,9 @@ class Supervisor:
                       Role("learner", 0, [*base, "learner", *common_args, *(["--resume"] if resume else [])], False)]
         self.roles += [Role("actor", i, [*base, "actor", *common_args, "--rank", str(i)], True)
                        for i in range(self.local.actors)]
+        self.config_path = config_path
+        self.eval_proc: subprocess.Popen | None = None
+        self.eval_step = -1  # checkpoint version being (or last) evaluated
         self.stopping = False
         self.outcome = ""
         self.t0 = time.monotonic()
@@ -248,6 +255,7 @@ class Supervisor:
                 if now >= next_curve:
                     self._curve()
                     next_curve = now + 30.0
+                self._poll_eval()
                 time.sleep(0.2)
         except KeyboardInterrupt:
             self._event("stopping (signal): the learner checkpoints first")
@@ -257,11 +265,56 @@ class Supervisor:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+        if self.outcome == "finished" and self.local.eval_episodes > 0:
+            # The final checkpoint's evaluation belongs on the curve: finish any running one, then run it.
+            for _ in range(2):
+                if self.eval_proc is not None:
+                    self.eval_proc.wait()
+                self._poll_eval(final=True)
+        elif self.eval_proc is not None and self.eval_proc.poll() is None:
+            self.eval_proc.kill()
+            self.eval_proc.wait()
         self._view(final=True)
         if self._curve():
             self._event(f"learning curve: {self.run_dir.curve_png}")
         self._event(f"outcome: {self.outcome}")
         return 0 if self.outcome in ("finished", "interrupted") else 1
+
+    def _poll_eval(self, final: bool = False) -> None:
+        """Evaluate each new checkpoint on held-out tasks in a separate process; results go to eval.jsonl."""
+        if self.local.eval_episodes <= 0:
+            return
+        out = self.run_dir.logs / "eval.out"
+        if self.eval_proc is not None:
+            if self.eval_proc.poll() is None:
+                return
+            lines = out.read_text(errors="replace").strip().splitlines() if out.exists() else []
+            try:
+                result = json.loads(lines[-1])
+                with open(self.run_dir.metrics / "eval.jsonl", "a") as f:
+                    f.write(json.dumps({"step": self.eval_step, **result}) + "\n")
+                self._event(f"held-out eval at step {self.eval_step}: success {result['success_rate']:.3f}")
+            except (ValueError, IndexError, KeyError):
+                self._event(f"held-out eval at step {self.eval_step} failed (see {out})")
+            self.eval_proc = None
+        pointer = self.run_dir.checkpoints / "latest"
+        if (self.stopping and not final) or not pointer.exists():
+            return
+        ckpt = self.run_dir.checkpoints / pointer.read_text().strip()
+        try:
+            step = int(ckpt.name.split("-")[-1])
+        except ValueError:
+            return
+        if step <= self.eval_step:
+            return
+        self.eval_step = step
+        args = [sys.executable, "-m", "launch.cli", "eval", "--checkpoint", str(ckpt), "--suite",
+                self.local.eval_suite, "--episodes", str(self.local.eval_episodes), "--config",
+                str(self.config_path), "--json"]
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.local.torch_threads)}
+        with open(out, "w") as f:
+            self.eval_proc = subprocess.Popen(args, stdout=f, stderr=subprocess.DEVNULL, env=env,
+                                              start_new_session=True, preexec_fn=_die_with_parent)
 
     def _curve(self) -> bool:
         from launch.curve import render_curve

@@ -48,7 +48,8 @@ def _children_of_run(run_dir: Path) -> list[int]:
 
 def test_run_trains_checkpoints_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "run"
-    p = _run(run_dir, "learner.total_steps=4", "learner.checkpoint_every=2")
+    p = _run(run_dir, "learner.total_steps=4", "learner.checkpoint_every=2", "local.eval_episodes=1",
+             "local.eval_suite=sim:heldout:files_delete")
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out[-3000:]
     assert "outcome: finished" in out
@@ -61,6 +62,9 @@ def test_run_trains_checkpoints_and_leaves_no_process(tmp_path):
     assert sum(v for k, v in hist.items() if k not in ("16+",) and int(k) > eta) == 0 and hist["16+"] == 0
     assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000004"
     assert not _children_of_run(run_dir), "no role outlived the run"
+    evals = [json.loads(x) for x in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
+    assert evals and evals[-1]["step"] == 4 and evals[-1]["per_family"].keys() == {"files_delete"}
+    assert (run_dir / "learning_curve.png").stat().st_size > 1000
     ev = subprocess.run([sys.executable, "-m", "launch.cli", "eval", "--checkpoint", str(run_dir / "checkpoints"),
                          "--suite", "sim:heldout:files_rename,sheet_sum", "--episodes", "2", "--json"],
                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
