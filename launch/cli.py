@@ -271,6 +271,22 @@ def bench_weights(params: int, receivers: int, repeats: int, bucket_mb: float, a
     _emit(run_weights_bench(params, receivers, repeats, bucket_mb), as_json)
 
 
+@bench.command("async")
+@click.option("--config", "-c", default="configs/local.yaml", show_default=True, type=click.Path(exists=True))
+@click.option("--steps", default=10, show_default=True, help="learner steps in each run")
+@click.option("--eta", "async_eta", default=2, show_default=True, help="staleness bound of the asynchronous run")
+@click.option("--latency", "latency_s", default=0.05, show_default=True, help="mean injected env step delay (s)")
+@click.option("--spread", default=0.7, show_default=True, help="lognormal sigma of per-desktop speed factors")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.argument("overrides", nargs=-1)
+def bench_async(config: str, steps: int, async_eta: int, latency_s: float, spread: float, as_json: bool,
+                overrides: tuple[str, ...]) -> None:
+    """The same learner steps synchronously (eta = 0) and asynchronously, with slow uneven desktops."""
+    from launch.bench_async import run_bench
+
+    _emit(run_bench(config, steps, async_eta, latency_s, spread, list(overrides)), as_json)
+
+
 def _emit(result: dict, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(result))

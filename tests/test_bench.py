@@ -39,3 +39,16 @@ def test_bench_env_prints_ratio_json(tmp_path):
         assert result[key] > 0, key
     assert result["server_errors"] == 0 and result["sessions"] == 3
     assert abs(result["ratio"] - result["server_steps_per_s"] / result["steps_per_s"]) < 0.01
+
+
+def test_bench_async_prints_speedup_json(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "bench", "async", "--json", "--steps", "2",
+                          "--config", str(REPO / "configs" / "local.yaml"), "local.eval_episodes=1",
+                          "local.eval_suite=sim:heldout:files_delete"],
+                         cwd=tmp_path, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:] + out.stdout[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["sync_seconds"] > 0 and result["async_seconds"] > 0
+    assert abs(result["speedup"] - result["sync_seconds"] / result["async_seconds"]) < 0.01
+    assert result["sync_heldout_success"] is not None and result["async_heldout_success"] is not None
