@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import collections
-import signal
 import threading
 import time
 import uuid
@@ -25,7 +24,7 @@ from broker.spill import CommitThread, SpillLog
 from broker.store import SuccessStore
 from common import protocol as P
 from common.metrics import Histogram, MetricsWriter
-from common.net import NetConfig, PeerTable, ServerSocket, security_for
+from common.net import NetConfig, PeerTable, ServerSocket, answer_heartbeat, security_for, serve
 from common.rundir import RunDir
 
 CONTROL_TOPIC = b"ctl"
@@ -111,24 +110,13 @@ class Broker:
         self._stop.set()
 
     def run(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self.request_stop())
         poller = zmq.Poller()
         poller.register(self.front.sock, zmq.POLLIN)
         poller.register(self.back.sock, zmq.POLLIN)
         poller.register(self.wake, zmq.POLLIN)
         try:
-            while not self._stop.is_set():
-                if self._stop_at is not None and time.monotonic() >= self._stop_at:
-                    break
-                try:
-                    self.step(poller, self.net.heartbeat_s / 4)
-                except Exception:
-                    # A bug in one handler must not take the buffer down with every acked group in it.
-                    self.counters["internal_errors"] += 1
-                    self.log.exception("broker_internal_error")
-                    time.sleep(0.01)
+            serve(lambda: self.step(poller, self.net.heartbeat_s / 4), self._stop, self.log, self.counters, "broker",
+                  done=lambda: self._stop_at is not None and time.monotonic() >= self._stop_at)
         finally:
             self.close()
 
@@ -163,7 +151,7 @@ class Broker:
                 self.actors.touch(ident, now, msg.actor_id, "actor")
                 self._on_ticket_request(ident, msg)
             elif isinstance(msg, P.Heartbeat):
-                self._on_heartbeat(self.front, self.actors, ident, msg, now)
+                answer_heartbeat(self.front, self.actors, ident, msg, now, "broker", self.epoch, self.counters)
             elif isinstance(msg, P.Hello):
                 self.actors.touch(ident, now, msg.peer_id, msg.role)
                 self.front.send(ident, self._ready())
@@ -173,16 +161,6 @@ class Broker:
         if groups:
             self._on_groups(groups)
             self.store.flush()
-
-    def _on_heartbeat(self, sock: ServerSocket, peers, ident: bytes, msg: P.Heartbeat, now: float) -> None:
-        if ident not in peers.peers:
-            # We declared this peer dead (or never met it) and dropped its parked requests: make it
-            # re-handshake and re-send what it still waits for, instead of waiting forever.
-            self.counters["unknown_peer_heartbeats"] += 1
-            sock.send(ident, P.Error(code="unknown_peer", message="handshake again", ref_type="Heartbeat"))
-            return
-        peers.touch(ident, now, msg.peer_id)
-        sock.send(ident, P.Heartbeat(peer_id="broker", epoch=self.epoch, sent_at=time.time()))
 
     def _ready(self) -> P.Ready:
         return P.Ready(role="broker", epoch=self.epoch, control=self.control, info={
@@ -336,7 +314,7 @@ class Broker:
             if msg is None:
                 continue
             if isinstance(msg, P.Heartbeat):
-                self._on_heartbeat(self.back, self.learners, ident, msg, now)
+                answer_heartbeat(self.back, self.learners, ident, msg, now, "broker", self.epoch, self.counters)
                 continue
             self.learners.touch(ident, now, getattr(msg, "learner_id", "") or getattr(msg, "peer_id", ""), "learner")
             if isinstance(msg, P.BatchRequest):

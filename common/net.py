@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import signal
 import socket as pysocket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -318,6 +320,37 @@ class PeerTable:
         for p in dead:
             del self.peers[p.ident]
         return dead
+
+
+def answer_heartbeat(sock: ServerSocket, peers: PeerTable, ident: bytes, msg: P.Heartbeat, now: float,
+                     server_id: str, epoch: str, counters: dict) -> None:
+    """Answer a peer's heartbeat with our epoch; a peer we do not know (declared dead, or never met) is told
+    to handshake again, so it re-sends what it still waits for instead of waiting forever."""
+    if ident not in peers.peers:
+        counters["unknown_peer_heartbeats"] = counters.get("unknown_peer_heartbeats", 0) + 1
+        sock.send(ident, P.Error(code="unknown_peer", message="handshake again", ref_type="Heartbeat"))
+        return
+    peers.touch(ident, now, msg.peer_id)
+    sock.send(ident, P.Heartbeat(peer_id=server_id, epoch=epoch, sent_at=time.time()))
+
+
+def serve(step: Callable[[], None], stop: threading.Event, log: Any, counters: dict, role: str,
+          done: Callable[[], bool] = lambda: False) -> None:
+    """A server's loop: ``step`` until stopped (SIGTERM/SIGINT in the main thread) or ``done()``.
+
+    An exception in one step is counted (``internal_errors``) and logged, and the loop goes on: a bug in
+    one handler must not take a server down with all the state it holds.
+    """
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    while not stop.is_set() and not done():
+        try:
+            step()
+        except Exception:
+            counters["internal_errors"] = counters.get("internal_errors", 0) + 1
+            log.exception(f"{role}_internal_error")
+            time.sleep(0.01)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from env_server.actions import ActionError, gui_action_help, parse_action
 from env_server.sim import tasks as T

@@ -15,7 +15,6 @@ import concurrent.futures as cf
 import itertools
 import os
 import queue
-import signal
 import threading
 import time
 import uuid
@@ -27,7 +26,7 @@ import zmq
 
 from common import protocol as P
 from common.metrics import MetricsWriter, percentile
-from common.net import NetConfig, PeerTable, ServerSocket, security_for
+from common.net import NetConfig, PeerTable, ServerSocket, answer_heartbeat, security_for, serve
 from common.rundir import RunDir
 from env_server.actions import ActionError
 from env_server.backend import Backend, StepResult, make_backend
@@ -147,20 +146,12 @@ class EnvServer:
         self._stop.set()
 
     def run(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self.request_stop())
         poller = zmq.Poller()
         poller.register(self.sock.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         try:
-            while not self._stop.is_set():
-                try:
-                    self.step(poller, self.net.heartbeat_s / 4)
-                except Exception:
-                    self.counters["internal_errors"] += 1
-                    self.log.exception("env_server_internal_error")
-                    time.sleep(0.01)
+            serve(lambda: self.step(poller, self.net.heartbeat_s / 4), self._stop, self.log, self.counters,
+                  "env_server")
         finally:
             self.close()
 
@@ -188,12 +179,7 @@ class EnvServer:
 
     def _dispatch(self, ident: bytes, msg: P.Message, now: float) -> None:
         if isinstance(msg, P.Heartbeat):
-            if ident not in self.peers.peers:
-                self.counters["unknown_peer_heartbeats"] += 1
-                self.sock.send(ident, P.Error(code="unknown_peer", message="handshake again", ref_type="Heartbeat"))
-                return
-            self.peers.touch(ident, now, msg.peer_id)
-            self.sock.send(ident, P.Heartbeat(peer_id="env_server", epoch=self.epoch, sent_at=time.time()))
+            answer_heartbeat(self.sock, self.peers, ident, msg, now, "env_server", self.epoch, self.counters)
         elif isinstance(msg, P.Hello):
             self.peers.touch(ident, now, msg.peer_id, msg.role)
             self.sock.send(ident, P.Ready(role="env_server", epoch=self.epoch, control=P.Control(version=0),

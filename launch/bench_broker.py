@@ -16,7 +16,6 @@ import struct
 import tempfile
 import time
 import uuid
-from typing import Any
 
 import numpy as np
 import zmq
@@ -167,7 +166,6 @@ def _broker_proc(ports, run_dir: str, persist: bool, ready) -> None:
 def _actor_proc(ports, payload_bytes: int, n: int, window: int, barrier, actors_done) -> None:
     from broker.client import ActorBrokerClient
     from common import log as L
-    from common import protocol as P
 
     log = L.setup("actor", "bench", 0, None, "warning", quiet=True)
     client = ActorBrokerClient(_bench_net(ports), None, log)

@@ -164,6 +164,8 @@ def test_dead_actor_sessions_are_reclaimed(env_server, quiet_log):
     assert server.counters["sessions_reclaimed"] == 2 and server.pool_stats()["idle_desktops"] == 2
     alive = client_for(server, net, quiet_log)
     assert len({alive.open(), alive.open()}) == 2, "the reclaimed desktops serve the next actor"
+    with pytest.raises(EnvError, match="unknown_session"):
+        alive.step(s2, "wait()")  # the dead actor's sessions are gone, not just idle
     alive.close()
 
 
