@@ -28,42 +28,46 @@ def main() -> None:
     """computerrl: asynchronous actor-learner RL for computer-use agents."""
 
 
+def role_options(fn):
+    """--config, --run-dir and the dotted overrides every role command takes."""
+    fn = click.argument("overrides", nargs=-1)(fn)
+    fn = click.option("--run-dir", type=click.Path(file_okay=False),
+                      help="run directory shared by every role of the run")(fn)
+    return click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)(fn)
+
+
+def _start_role(role: str, config: str | None, run_dir: str | None, overrides: tuple[str, ...], rank: int = 0):
+    """Resolve the config and run directory, record what this role runs with, set up its logs."""
+    cfg = _load(config, overrides)
+    rd = resolve_run_dir(cfg, run_dir)
+    C.dump(cfg, rd.root / f"config.{role}-{rank}.yaml")
+    return cfg, rd, L.setup(role, cfg.run.run_id, rank, rd.logs, cfg.run.log_level)
+
+
 @main.command()
-@click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
-@click.option("--run-dir", type=click.Path(file_okay=False), help="run directory shared by every role of the run")
-@click.argument("overrides", nargs=-1)
+@role_options
 def broker(config: str | None, run_dir: str | None, overrides: tuple[str, ...]) -> None:
     """Run the trajectory broker (OVERRIDES: dotted key=value, e.g. broker.eta=4)."""
     from broker.server import Broker
 
-    cfg = _load(config, overrides)
-    rd = resolve_run_dir(cfg, run_dir)
-    C.dump(cfg, rd.root / "config.broker.yaml")
-    log = L.setup("broker", cfg.run.run_id, 0, rd.logs, cfg.run.log_level)
+    cfg, rd, log = _start_role("broker", config, run_dir, overrides)
     Broker(cfg.broker, cfg.net, rd, log, seed=cfg.run.seed).run()
 
 
 @main.command("env-server")
-@click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
-@click.option("--run-dir", type=click.Path(file_okay=False), help="run directory shared by every role of the run")
+@role_options
 @click.option("--rank", default=0, show_default=True, help="index of this env_server among the run's nodes")
-@click.argument("overrides", nargs=-1)
 def env_server(config: str | None, run_dir: str | None, rank: int, overrides: tuple[str, ...]) -> None:
     """Run a session server owning a pool of desktops (e.g. env_server.pool_size=32)."""
     from env_server.server import EnvServer
 
-    cfg = _load(config, overrides)
-    rd = resolve_run_dir(cfg, run_dir)
-    C.dump(cfg, rd.root / f"config.env_server-{rank}.yaml")
-    log = L.setup("env_server", cfg.run.run_id, rank, rd.logs, cfg.run.log_level)
+    cfg, rd, log = _start_role("env_server", config, run_dir, overrides, rank)
     EnvServer(cfg.env_server, cfg.net, rd, log, rank=rank, seed=cfg.run.seed).run()
 
 
 @main.command()
-@click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
-@click.option("--run-dir", type=click.Path(file_okay=False), help="run directory shared by every role of the run")
+@role_options
 @click.option("--rank", default=0, show_default=True, help="index of this actor (offsets its sampling seed)")
-@click.argument("overrides", nargs=-1)
 def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[str, ...]) -> None:
     """Run an actor: tickets from the broker, episodes on env_servers, groups back to the broker."""
     import dataclasses
@@ -71,10 +75,7 @@ def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[s
     from actor.agent import Actor
     from actor.engine import make_engine
 
-    cfg = _load(config, overrides)
-    rd = resolve_run_dir(cfg, run_dir)
-    C.dump(cfg, rd.root / f"config.actor-{rank}.yaml")
-    log = L.setup("actor", cfg.run.run_id, rank, rd.logs, cfg.run.log_level)
+    cfg, rd, log = _start_role("actor", config, run_dir, overrides, rank)
     engine_cfg = dataclasses.replace(cfg.actor.engine, seed=cfg.actor.engine.seed + 1000 * rank + cfg.run.seed)
     engine = make_engine(cfg.model, engine_cfg)
     a = Actor(cfg.actor, engine, cfg.net, cfg.weights, rd, log, rank=rank)
@@ -86,18 +87,13 @@ def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[s
 
 
 @main.command()
-@click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
-@click.option("--run-dir", type=click.Path(file_okay=False), help="run directory shared by every role of the run")
+@role_options
 @click.option("--resume", is_flag=True, help="continue from the run directory's latest checkpoint")
-@click.argument("overrides", nargs=-1)
 def learner(config: str | None, run_dir: str | None, resume: bool, overrides: tuple[str, ...]) -> None:
     """Run the learner: batches from the broker, training steps, weights to the actors, checkpoints."""
     from learner.trainer import Learner
 
-    cfg = _load(config, overrides)
-    rd = resolve_run_dir(cfg, run_dir)
-    C.dump(cfg, rd.root / "config.learner.yaml")
-    log = L.setup("learner", cfg.run.run_id, 0, rd.logs, cfg.run.log_level)
+    cfg, rd, log = _start_role("learner", config, run_dir, overrides)
     Learner(cfg.learner, cfg.model, cfg.weights, cfg.net, rd, log, temperature=cfg.actor.sampling.temperature,
             seed=cfg.run.seed, resume=resume).run()
 
@@ -195,11 +191,7 @@ def bench_broker(payload_bytes: int, persist: str, num_actors: int, groups: int,
     from launch.bench_broker import run_bench
 
     result = run_bench(payload_bytes, persist == "on", num_actors, groups, repeats)
-    if as_json:
-        click.echo(json.dumps(result))
-    else:
-        for k, v in result.items():
-            click.echo(f"{k:>24}: {v}")
+    _emit(result, as_json)
 
 
 @bench.command("env")
@@ -214,11 +206,7 @@ def bench_env(backend: str, sessions: int, clients: int, seconds: float, screens
     from launch.bench_env import run_bench
 
     result = run_bench(backend, sessions, clients, seconds, screenshot)
-    if as_json:
-        click.echo(json.dumps(result))
-    else:
-        for k, v in result.items():
-            click.echo(f"{k:>24}: {v}")
+    _emit(result, as_json)
 
 
 @bench.command("actor")
@@ -234,11 +222,7 @@ def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: i
     from launch.bench_actor import run_bench
 
     result = run_bench(groups, group_size, max_groups, max_new_tokens, hidden)
-    if as_json:
-        click.echo(json.dumps(result))
-    else:
-        for k, v in result.items():
-            click.echo(f"{k:>24}: {v}")
+    _emit(result, as_json)
 
 
 @bench.command("learner")
@@ -288,6 +272,7 @@ def bench_async(config: str, steps: int, async_eta: int, latency_s: float, sprea
 
 
 def _emit(result: dict, as_json: bool) -> None:
+    """A benchmark's or evaluation's result: one JSON object, or one aligned line per figure."""
     if as_json:
         click.echo(json.dumps(result))
     else:
