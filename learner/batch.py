@@ -62,16 +62,21 @@ def build_samples(groups: list[P.TrajectoryGroup], adv_cfg: AdvantageConfig, voc
     adv = compute([rewards[i] for i in keep], adv_cfg)
     samples = []
     for gi, a in zip(keep, adv):
-        g = groups[gi]
-        for traj, a_traj in zip(g.trajectories, a):
-            for k in range(traj.num_turns):
-                tv = traj.turn(k)
-                if not len(tv.output_ids):
-                    continue
-                samples.append(Sample(np.concatenate([tv.prompt_ids, tv.output_ids]).astype(np.int64),
-                                      len(tv.prompt_ids), tv.logprobs, tv.versions, tv.loss_mask,
-                                      float(a_traj[k]), g.task_id, traj.traj_id, k))
+        for traj, a_traj in zip(groups[gi].trajectories, a):
+            samples += turn_samples(traj, groups[gi].task_id, a_traj)
     return samples, stats
+
+
+def turn_samples(traj: P.Trajectory, task_id: str, advantages: list[float] | None = None) -> list[Sample]:
+    """One sample per model turn that sampled anything; ``advantages`` per turn (0 for SFT)."""
+    out = []
+    for k in range(traj.num_turns):
+        tv = traj.turn(k)
+        if len(tv.output_ids):
+            out.append(Sample(np.concatenate([tv.prompt_ids, tv.output_ids]).astype(np.int64), len(tv.prompt_ids),
+                              tv.logprobs, tv.versions, tv.loss_mask,
+                              float(advantages[k]) if advantages is not None else 0.0, task_id, traj.traj_id, k))
+    return out
 
 
 def micro_batches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:

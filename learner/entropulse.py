@@ -92,6 +92,11 @@ class Entropulse:
             return self._switch("rl")
         return None
 
+    def skip_sft(self) -> None:
+        """End an SFT phase that has nothing to train on (the success store is empty)."""
+        if self.phase == "sft":
+            self._switch("rl")
+
     def _switch(self, phase: str) -> str:
         self.phase, self.phase_step = phase, 0
         if phase == "rl":

@@ -18,7 +18,6 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from common import protocol as P
@@ -26,7 +25,8 @@ from common.metrics import MetricsWriter
 from common.model import ModelConfig, build_model, build_tokenizer
 from common.rundir import RunDir
 from learner import checkpoint as CK
-from learner.batch import BadBatch, Sample, build_samples, collate, loglinear_prox, micro_batches, token_entropy
+from learner.batch import (BadBatch, Sample, build_samples, collate, loglinear_prox, micro_batches, token_entropy,
+                           turn_samples)
 from learner.config import LearnerConfig
 from learner.entropulse import Entropulse
 from learner.losses import LossConfig, LossInputs, get_loss
@@ -101,11 +101,12 @@ class Trainer:
         if not samples:
             self._count("batches_empty")
             return None
-        out = self._update(samples, self.loss_fn, self.cfg.loss)
+        version_before = self.version  # lags are measured against the policy that starts this step
+        out = self._update(samples, self.loss_fn, self.cfg.loss, self.cfg.updates_per_batch)
         if out is None:
             return None
         rewards = [float(t.reward) for g in groups for t in g.trajectories]
-        lags = [self.version - 1 - int(v) for s in samples for v in s.versions]
+        lags = [version_before - int(v) for s in samples for v in s.versions]
         out.update(success_rate=sum(float(t.success) for g in groups for t in g.trajectories) / max(len(rewards), 1),
                    reward_mean=sum(rewards) / max(len(rewards), 1), max_lag=max(lags, default=0),
                    mean_lag=sum(lags) / max(len(lags), 1), groups=len(groups), samples=len(samples),
@@ -113,11 +114,11 @@ class Trainer:
                    tokens_per_s=out["tokens"] / (time.perf_counter() - t0))
         return out
 
-    def _update(self, samples: list[Sample], loss_fn: Any, loss_cfg: LossConfig) -> dict | None:
+    def _update(self, samples: list[Sample], loss_fn: Any, loss_cfg: LossConfig, updates: int) -> dict | None:
         cfg = self.cfg
         pad = self.tokenizer.pad_id
         mbs = [collate(mb, pad, cfg.device) for mb in micro_batches(samples, cfg.micro_batch_tokens)]
-        k = min(cfg.updates_per_batch, len(mbs))
+        k = min(updates, len(mbs))
         chunks = [mbs[i::k] for i in range(k)]
         prox: dict[int, torch.Tensor] = {}
         if k > 1 and cfg.prox == "recompute":  # pi_prox: the policy at the start of this step
@@ -179,27 +180,23 @@ class Trainer:
 
     def sft_step(self, trajectories: list[P.Trajectory], lr: float) -> dict | None:
         """Cross-entropy on the model tokens of successful trajectories, at the SFT learning rate."""
-        samples = []
-        for tr in trajectories:
-            for k in range(tr.num_turns):
-                tv = tr.turn(k)
-                if len(tv.output_ids):
-                    ids = np.concatenate([tv.prompt_ids, tv.output_ids]).astype(np.int64)
-                    samples.append(Sample(ids, len(tv.prompt_ids), tv.logprobs, tv.versions, tv.loss_mask, 0.0, "",
-                                          tr.traj_id, k))
+        samples = [s for tr in trajectories for s in turn_samples(tr, "")]
         if not samples:
             return None
         saved = [g["lr"] for g in self.optimizer.param_groups]
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         try:
-            k_saved, self.cfg.updates_per_batch = self.cfg.updates_per_batch, 1
-            out = self._update(samples, self.sft_fn, self.cfg.loss)
+            return self._update(samples, self.sft_fn, self.cfg.loss, updates=1)
         finally:
-            self.cfg.updates_per_batch = k_saved
             for g, v in zip(self.optimizer.param_groups, saved):
                 g["lr"] = v
-        return out
+
+    def advance_without_update(self) -> None:
+        """A consumed batch with nothing to train on: the version still advances (admission counts
+        versions) while the weights, and so ``content_version``, stay as they are."""
+        self.version += 1
+        self._count("empty_steps")
 
     def reset_reference(self) -> None:
         if self.ref_model is not None:
@@ -257,11 +254,15 @@ class Learner:
         path = self.trainer.save(self.run_dir.checkpoints, {"broker_client": self.client.state()})
         self.log.info("checkpoint_written", path=str(path), version=self.trainer.version)
 
-    def publish(self, paused: bool = False, stop: bool = False) -> Any:
-        """Tell the broker the version and phase; returns the weight round to broadcast (or None)."""
+    def publish(self, paused: bool = False, stop: bool = False, new_weights: bool = True) -> Any:
+        """Tell the broker the version and phase; returns the weight round to broadcast (or None).
+
+        ``content_version`` always rides along: actors holding those weights relabel them with the new
+        version, which is all an update without new weights needs.
+        """
         t = self.trainer
         info: dict = {"content_version": t.content_version}
-        if self.sender is not None and not stop:
+        if self.sender is not None and not stop and new_weights:
             info["weights_round"], info["weights_epoch"] = self.sender.open_round()
         self.client.set_control(t.version, phase=t.entropulse.phase, paused=paused, stop=stop, info=info)
         self.client.poll(0)
@@ -340,7 +341,7 @@ class Learner:
                     sft_requested = False
                     trajs = [s.trajectory for s in c.successes.popleft().samples]
                     if not trajs:  # nothing to imitate yet: back to RL rather than stall
-                        t.entropulse._switch("rl")
+                        t.entropulse.skip_sft()
                         self.log.warning("sft_phase_skipped", reason="the success store is empty")
                         self.publish()
                         continue
@@ -368,14 +369,9 @@ class Learner:
         if m is None or "rejected" in m:
             if m is not None:
                 self.log.warning("batch_rejected", reason=m["rejected"])
-            # Nothing trained, but the batch is consumed: the version still advances so that admission
-            # keeps flowing (its formula counts versions); the weights are unchanged, so no round.
-            t.version += 1
-            t._count("empty_steps")
+            t.advance_without_update()
             self._log_step(kind, {"empty": True, "version": t.version})
-            # Actors holding the same weights relabel them with the new version (no transfer needed).
-            self.client.set_control(t.version, phase=t.entropulse.phase, paused=t.entropulse.phase == "sft",
-                                    info={"content_version": t.content_version})
+            self.publish(paused=t.entropulse.phase == "sft", new_weights=False)
             self._maybe_checkpoint()
             return False
         if kind == "rl":

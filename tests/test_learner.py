@@ -111,6 +111,7 @@ def test_several_updates_per_batch(prox):
     t = Trainer(LearnerConfig(updates_per_batch=2, micro_batch_tokens=64, prox=prox, lr=1e-3), TINY)
     m = t.train_step(groups_from(t, n_groups=4))
     assert m is not None and t.version == 2 and m["micro_batches"] >= 2
+    assert m["max_lag"] == 0, "lag is measured against the policy that started the step"
 
 
 def test_kl_term_and_reference_reset():
@@ -146,6 +147,12 @@ def test_entropulse_schedule_and_adaptive_transitions():
     assert b.state_dict() == saved and b.phase == "sft"
     c = Entropulse(EntropulseConfig(mode="adaptive", min_rl_steps=1, entropy_floor=0.5, entropy_drop=0, window=2))
     assert [c.observe_rl(0.4, s) for s in (0.2, 0.2, 0.2, 0.2)] == [None, None, None, "sft"]
+    d = Entropulse(EntropulseConfig(mode="schedule", rl_steps=1, sft_steps=5))
+    d.observe_rl(1.0, 0.5)
+    d.skip_sft()
+    assert d.phase == "rl" and d.phases_done == 1 and d.phase_step == 0
+    d.skip_sft()
+    assert d.phase == "rl" and d.phases_done == 1, "skipping outside an SFT phase changes nothing"
     off = Entropulse(EntropulseConfig(mode="off"))
     assert all(off.observe_rl(0.01, 0.9) is None for _ in range(500))
 
