@@ -48,7 +48,7 @@ class EnvClient:
         self.security = security_for(self.ctx, net, keys_dir, host)
         hello = P.Hello(role="actor", peer_id=self.peer_id, pid=os.getpid(), host=socket.gethostname())
         self.link = ServerLink(self.ctx, net.tcp(port, host=host), hello, net, self.security, log)
-        self.replies: dict[str, P.Message] = {}
+        self._held: list[P.Message] = []  # answers to other requests that arrived during a blocking call
         self.unmatched = 0
 
     def connect(self, timeout_s: float = 30.0) -> P.Ready:
@@ -66,8 +66,8 @@ class EnvClient:
 
     def poll(self, timeout_s: float) -> list[P.Message]:
         """Replies that arrived (each answers one ``send``), waiting up to ``timeout_s`` for the first."""
-        out = []
-        for msg in self.link.poll(timeout_s):
+        out, self._held = self._held, []
+        for msg in self.link.poll(0.0 if out else timeout_s):
             if isinstance(msg, REPLY_TYPES) and msg.request_id and self.link.complete(msg.request_id):
                 if isinstance(msg, P.EnvObservation):
                     msg.obs = obs_from_wire(msg.obs)
@@ -87,7 +87,7 @@ class EnvClient:
                     if isinstance(msg, P.Error):
                         raise EnvError(msg.code, msg.message)
                     return msg
-                self.replies[msg.request_id] = msg
+                self._held.append(msg)  # someone else's answer: the next poll returns it
         self.link.complete(rid)
         raise TimeoutError(f"no answer to {kind.TYPE} within {timeout_s}s")
 

@@ -235,3 +235,15 @@ def test_screenshots_travel_as_array_frames(env_server, quiet_log):
     obs = c.reset(sid, "sim:train/0")
     assert isinstance(obs["screenshot"], bytes) and obs["screenshot"][:4] == b"\x89PNG"
     c.close()
+
+
+def test_a_blocking_call_keeps_other_answers_for_poll(env_server, quiet_log):
+    server, net = env_server(pool_size=2)
+    c = client_for(server, net, quiet_log)
+    a, b = c.open(), c.open()
+    rid = c.send(P.EnvReset, session_id=a, task_id="sim:train/0")
+    time.sleep(0.3)  # its answer arrives while the blocking call below waits for its own
+    c.reset(b, "sim:train/1")
+    got = c.poll(1.0)
+    assert [m.request_id for m in got] == [rid] and got[0].obs["step"] == 0
+    c.close()
