@@ -16,7 +16,7 @@ class EnvServerConfig:
     port: int = 25558
     """ROUTER port for actor sessions"""
     backend: str = "sim"
-    """desktop backend of the pool: sim | xvfb | apptainer"""
+    """desktop backend of the pool: sim (real desktops, xvfb and apptainer, arrive with issue 7)"""
     pool_size: int = 16
     """most desktops (and so sessions) this server runs at once"""
     prestart: int = 0

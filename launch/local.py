@@ -82,31 +82,30 @@ class Role:
 
 
 def probe(host: str, port: int, timeout_s: float, net: Any, keys_dir: Path, alive: Callable[[], bool]) -> None:
-    """Wait until a server answers Hello with Ready (its sockets are bound and its loop runs)."""
+    """Wait until a server answers Hello with Ready (its sockets are bound and its loop runs), through the
+    same handshake every role's link does."""
+    import structlog
     import zmq
 
     from common import protocol as P
-    from common.net import security_for
+    from common.net import ServerLink, security_for
 
     ctx = zmq.Context.instance()
     security = security_for(ctx, net, keys_dir, host)
+    link = ServerLink(ctx, net.tcp(port, host=host), P.Hello(role="probe", peer_id=f"probe-{os.getpid()}"), net,
+                      security, log=structlog.ReturnLogger())  # a server not up yet is expected: no warnings
     deadline = time.monotonic() + timeout_s
     try:
-        while time.monotonic() < deadline:
+        while not link.ready:
             if not alive():
                 raise RuntimeError("the process exited before it became ready")
-            sock = ctx.socket(zmq.DEALER)
-            sock.linger = 0
-            security.client(sock)
-            sock.connect(f"tcp://{host}:{port}")
-            sock.send_multipart(P.encode(P.Hello(role="probe", peer_id=f"probe-{os.getpid()}")))
-            ok = sock.poll(500)
-            sock.close(0)
-            if ok:
-                return
-        raise TimeoutError(f"no Ready from {host}:{port} within {timeout_s:.0f} s")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no Ready from {host}:{port} within {timeout_s:.0f} s")
+            link.poll(0.2)
     finally:
+        link.close()
         security.close()
+
 
 
 class Supervisor:

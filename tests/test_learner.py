@@ -89,6 +89,15 @@ def test_bad_batches_are_rejected_and_nonfinite_steps_skipped():
     assert t.train_step(same) is None and t.counters["groups_zero_variance"] == 2
 
 
+def test_incomplete_groups_are_never_trained_on():
+    t = Trainer(LearnerConfig(), TINY)
+    complete, broken = groups_from(t, n_groups=2)
+    broken = dataclasses.replace(broken, complete=False)
+    m = t.train_step([complete, broken])
+    assert m["groups"] == 1 and m["samples"] == len(complete.trajectories)
+    assert t.train_step([dataclasses.replace(complete, complete=False)]) is None and t.version == 1
+
+
 def nan_loss(inp, cfg):
     from learner.losses import LossOutputs
 
