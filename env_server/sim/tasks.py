@@ -103,8 +103,60 @@ def _open_doc(desk: Desktop, path: str) -> Iterator[str]:
     yield f"double_click({posixpath.basename(path)!r})"
 
 
-def _rel(path: str) -> str:
-    return path[len(HOME) + 1:]
+def _rename(desk: Desktop, name: str, new: str, route: str) -> Iterator[str]:
+    """Rename Documents/<name> to <new>."""
+    if route == "api":
+        yield f"Files.rename({'Documents/' + name!r}, {new!r})"
+        return
+    yield from _nav(desk, f"{HOME}/Documents")
+    yield f"click({name!r})"
+    yield 'click("Rename")'
+    yield f"type({new!r}, overwrite=True)"
+    yield 'click("OK")'
+
+
+def _append_line(desk: Desktop, file: str, line: str, route: str) -> Iterator[str]:
+    """Add ``line`` as the last line of Documents/<file> (which ends with a newline) and save it."""
+    if route == "api":
+        yield f"Editor.open({'Documents/' + file!r})"
+        yield f"Editor.insert({line + chr(10)!r})"
+        yield "Editor.save()"
+        return
+    yield from _open_doc(desk, f"{HOME}/Documents/{file}")
+    yield 'click("Document")'
+    yield f"type({line!r})"
+    yield 'hotkey("ctrl+s")'
+
+
+def _set_cell(desk: Desktop, sheet: str, cell: str, value: str, route: str, numeric: bool) -> Iterator[str]:
+    """Enter ``value`` (a number, or text such as a formula) into <cell> of Documents/<sheet>."""
+    if route == "api":
+        yield f"Sheet.open({'Documents/' + sheet!r})"
+        yield f"Sheet.set_cell_value({cell!r}, {value if numeric else repr(value)})"
+        return
+    yield from _open_doc(desk, f"{HOME}/Documents/{sheet}")
+    yield f"click({cell!r})"
+    yield f"type({value!r})"
+
+
+def _settings(desk: Desktop, changes: list[tuple[str, object]], route: str) -> Iterator[str]:
+    """Set and apply settings: a bool toggles a check box, a str picks an option or fills a text field."""
+    if route == "api":
+        for name, value in changes:
+            yield f"Settings.set_value({name!r}, {value!r})"
+        return
+    yield 'open_app("Settings")'
+    for name, value in changes:
+        if isinstance(value, bool):
+            if desk.apps["Settings"].pending[name] != value:
+                yield f"click({name!r})"
+        elif name in CHOICES:
+            yield f"click({name!r})"
+            yield f"click({value!r})"
+        else:
+            yield f"click({name!r})"
+            yield f"type({value!r}, overwrite=True)"
+    yield 'click("Apply")'
 
 
 def _sheet_cells(desk: Desktop, path: str) -> dict[str, str] | None:
@@ -133,7 +185,7 @@ def _num_eq(a: str | None, b: float) -> bool:
 def _gen_rename(rng):
     old = f"{rng.choice(WORDS)}_{rng.randint(10, 99)}.txt"
     new = f"{rng.choice(WORDS)}_final_{rng.randint(1, 9)}.txt"
-    return {"old": old, "new": new, "text": rng.choice(TEXT_LINES) + "\n", "r": rng.random()}
+    return {"old": old, "new": new, "text": rng.choice(TEXT_LINES) + "\n"}
 
 
 def _setup_rename(desk, p):
@@ -146,14 +198,7 @@ def _verify_rename(desk, p):
 
 
 def _solve_rename(desk, p, route):
-    if route == "api":
-        yield f"Files.rename({'Documents/' + p['old']!r}, {p['new']!r})"
-        return
-    yield from _nav(desk, f"{HOME}/Documents")
-    yield f"click({p['old']!r})"
-    yield 'click("Rename")'
-    yield f"type({p['new']!r}, overwrite=True)"
-    yield 'click("OK")'
+    yield from _rename(desk, p["old"], p["new"], route)
 
 
 def _gen_latest(rng):
@@ -175,16 +220,9 @@ def _verify_latest(desk, p):
 
 def _solve_latest_pick(pick: str):
     def solve(desk, p, route):
-        name = p[pick]
         if route == "api":
-            yield 'Files.list_dir("Documents")'
-            yield f"Files.rename({'Documents/' + name!r}, {p['new']!r})"
-            return
-        yield from _nav(desk, f"{HOME}/Documents")
-        yield f"click({name!r})"
-        yield 'click("Rename")'
-        yield f"type({p['new']!r}, overwrite=True)"
-        yield 'click("OK")'
+            yield 'Files.list_dir("Documents")'  # the dates are only visible in the listing
+        yield from _rename(desk, p[pick], p["new"], route)
     return solve
 
 
@@ -293,15 +331,7 @@ def _verify_append(desk, p):
 
 
 def _solve_append(desk, p, route):
-    if route == "api":
-        yield f"Editor.open({'Documents/' + p['file']!r})"
-        yield f"Editor.insert({p['line'] + chr(10)!r})"
-        yield "Editor.save()"
-        return
-    yield from _open_doc(desk, f"{HOME}/Documents/{p['file']}")
-    yield 'click("Document")'
-    yield f"type({p['line']!r})"
-    yield 'hotkey("ctrl+s")'
+    yield from _append_line(desk, p["file"], p["line"], route)
 
 
 def _sheet_file(rng, col: str = "A", n: int = 5) -> tuple[str, dict]:
@@ -328,13 +358,7 @@ def _verify_set_cell(desk, p):
 
 
 def _solve_set_cell(desk, p, route):
-    if route == "api":
-        yield f"Sheet.open({'Documents/' + p['sheet']!r})"
-        yield f"Sheet.set_cell_value({p['cell']!r}, {p['value']})"
-        return
-    yield from _open_doc(desk, f"{HOME}/Documents/{p['sheet']}")
-    yield f"click({p['cell']!r})"
-    yield f"type({str(p['value'])!r})"
+    yield from _set_cell(desk, p["sheet"], p["cell"], str(p["value"]), route, numeric=True)
 
 
 def _gen_sum(rng):
@@ -351,14 +375,7 @@ def _verify_sum(desk, p):
 
 
 def _solve_sum(desk, p, route):
-    formula = f"=SUM(A1:A{p['n']})"
-    if route == "api":
-        yield f"Sheet.open({'Documents/' + p['sheet']!r})"
-        yield f"Sheet.set_cell_value({p['target']!r}, {formula!r})"
-        return
-    yield from _open_doc(desk, f"{HOME}/Documents/{p['sheet']}")
-    yield f"click({p['target']!r})"
-    yield f"type({formula!r})"
+    yield from _set_cell(desk, p["sheet"], p["target"], f"=SUM(A1:A{p['n']})", route, numeric=False)
 
 
 def _gen_sort(rng):
@@ -398,16 +415,7 @@ def _verify_dark_font(desk, p):
 
 
 def _solve_dark_font(desk, p, route):
-    if route == "api":
-        yield f"Settings.set_value('Dark mode', {p['dark']})"
-        yield f"Settings.set_value('Font size', {p['size']!r})"
-        return
-    yield 'open_app("Settings")'
-    if desk.apps["Settings"].pending["Dark mode"] != p["dark"]:
-        yield 'click("Dark mode")'
-    yield 'click("Font size")'
-    yield f"click({p['size']!r})"
-    yield 'click("Apply")'
+    yield from _settings(desk, [("Dark mode", p["dark"]), ("Font size", p["size"])], route)
 
 
 def _gen_profile(rng):
@@ -421,16 +429,7 @@ def _verify_profile(desk, p):
 
 
 def _solve_profile(desk, p, route):
-    if route == "api":
-        yield f"Settings.set_value('User name', {p['user']!r})"
-        yield f"Settings.set_value('Language', {p['lang']!r})"
-        return
-    yield 'open_app("Settings")'
-    yield 'click("User name")'
-    yield f"type({p['user']!r}, overwrite=True)"
-    yield 'click("Language")'
-    yield f"click({p['lang']!r})"
-    yield 'click("Apply")'
+    yield from _settings(desk, [("User name", p["user"]), ("Language", p["lang"])], route)
 
 
 def _gen_sheet_to_doc(rng):
@@ -454,17 +453,10 @@ def _solve_sheet_to_doc(desk, p, route):
     if route == "api":
         yield f"Sheet.open({'Documents/' + p['sheet']!r})"
         yield f"Sheet.get_cell_value({p['cell']!r})"
-        value = desk.apps["Sheet"].value(p["cell"])
-        yield f"Editor.open({'Documents/' + p['file']!r})"
-        yield f"Editor.insert({value + chr(10)!r})"
-        yield "Editor.save()"
-        return
-    yield from _open_doc(desk, f"{HOME}/Documents/{p['sheet']}")
-    value = desk.apps["Sheet"].value(p["cell"])  # read off the screen
-    yield from _open_doc(desk, f"{HOME}/Documents/{p['file']}")
-    yield 'click("Document")'
-    yield f"type({value!r})"
-    yield 'hotkey("ctrl+s")'
+    else:
+        yield from _open_doc(desk, f"{HOME}/Documents/{p['sheet']}")
+    value = desk.apps["Sheet"].value(p["cell"])  # read off the result, or the screen
+    yield from _append_line(desk, p["file"], value, route)
 
 
 def _gen_doc_to_sheet(rng):
@@ -483,15 +475,10 @@ def _solve_doc_to_sheet(desk, p, route):
     if route == "api":
         yield f"Editor.open({'Documents/' + p['file']!r})"
         yield "Editor.get_text()"
-        number = desk.apps["Editor"].buffer.strip()
-        yield f"Sheet.open({'Documents/' + p['sheet']!r})"
-        yield f"Sheet.set_cell_value({p['cell']!r}, {number})"
-        return
-    yield from _open_doc(desk, f"{HOME}/Documents/{p['file']}")
-    number = desk.apps["Editor"].buffer.strip()
-    yield from _open_doc(desk, f"{HOME}/Documents/{p['sheet']}")
-    yield f"click({p['cell']!r})"
-    yield f"type({number!r})"
+    else:
+        yield from _open_doc(desk, f"{HOME}/Documents/{p['file']}")
+    number = desk.apps["Editor"].buffer.strip()  # read off the result, or the screen
+    yield from _set_cell(desk, p["sheet"], p["cell"], number, route, numeric=True)
 
 
 INFEASIBLE_KINDS = ("rename_missing", "font_size", "language", "delete_missing")
