@@ -20,6 +20,8 @@ import uuid
 import numpy as np
 import zmq
 
+from launch.benchprocs import await_result, reap, start_together
+
 GROUP_SIZE = 8
 GROUPS_PER_BATCH = 4
 ETA = 4
@@ -91,32 +93,6 @@ def _raw_consumer(back: str, total: int, warmups: int, barrier, results) -> None
     ctx.term()
 
 
-def _await_result(results, procs, timeout_s: float):
-    """The measuring process's result; a worker that crashed fails the bench at once instead of hanging it."""
-    import queue
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            return results.get(timeout=0.5)
-        except queue.Empty:
-            dead = [p for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.terminate()
-                raise RuntimeError(f"bench worker {dead[0].name} exited with code {dead[0].exitcode}")
-    raise RuntimeError(f"no result within {timeout_s:.0f} s")
-
-
-def _reap(procs, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-        if p.is_alive():
-            p.terminate()
-            p.join(5)
-
-
 def run_raw(payload_bytes: int, num_actors: int, per_actor: int) -> dict:
     from common.net import free_port
 
@@ -131,8 +107,8 @@ def run_raw(payload_bytes: int, num_actors: int, per_actor: int) -> dict:
               for _ in range(num_actors)]
     for p in procs:
         p.start()
-    res = _await_result(results, procs + [proxy], 600)
-    _reap(procs)
+    res = await_result(results, procs + [proxy], 600)
+    reap(procs)
     proxy.terminate()
     proxy.join(5)
     return res
@@ -260,14 +236,9 @@ def run_ours(payload_bytes: int, persist: bool, num_actors: int, per_actor: int)
                              args=(ports, total, num_actors, actors_done, wire_bytes, barrier, results))]
         procs += [ctx.Process(target=_actor_proc, args=(ports, payload_bytes, per_actor, 8, barrier, actors_done))
                   for _ in range(num_actors)]
-        for p in procs:
-            p.start()
-        for _ in procs:
-            if not barrier[0].acquire(timeout=120):
-                raise RuntimeError("bench workers did not become ready")
-        barrier[1].set()
-        res = _await_result(results, procs + [broker], 900)
-        _reap(procs)
+        start_together(procs, barrier, "bench workers")
+        res = await_result(results, procs + [broker], 900)
+        reap(procs)
         broker.terminate()
         broker.join(30)
     return res

@@ -16,6 +16,7 @@ from typing import Any
 from env_server.actions import parse_action
 from env_server.backend import SimBackend, SimConfig
 from env_server.sim import tasks as T
+from launch.benchprocs import await_result, reap, start_together
 
 TASKS = 64
 
@@ -139,15 +140,9 @@ def through_server(sessions: int, clients: int, seconds: float, screenshot: str)
         per = [sessions // clients + (1 if i < sessions % clients else 0) for i in range(clients)]
         procs = [ctx.Process(target=_client_proc, args=(port, n, seconds, barrier, results), daemon=True)
                  for n in per if n > 0]
-        for p in procs:
-            p.start()
-        for _ in procs:
-            if not barrier[0].acquire(timeout=120):
-                raise RuntimeError("bench clients did not become ready")
-        barrier[1].set()
-        res = [results.get(timeout=seconds + 120) for _ in procs]
-        for p in procs:
-            p.join(10)
+        start_together(procs, barrier, "bench clients")
+        res = [await_result(results, procs + [server], seconds + 120) for _ in procs]
+        reap(procs)
         server.terminate()
         server.join(10)
     total_steps = sum(r["steps"] for r in res)

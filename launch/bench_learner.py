@@ -18,6 +18,8 @@ import uuid
 
 import numpy as np
 
+from launch.benchprocs import await_result, reap
+
 
 def _groups(n_groups: int, group_size: int, prompt_len: int, output_len: int, vocab: int, seed: int):
     from common import protocol as P
@@ -149,9 +151,8 @@ def run_weights_bench(params: int, receivers: int, repeats: int, bucket_mb: floa
              for r in range(receivers + 1)]
     for p in procs:
         p.start()
-    raw_times = results.get(timeout=600)
-    for p in procs:
-        p.join(30)
+    raw_times = await_result(results, procs, 600)
+    reap(procs, 30)
     # ours: a round per repeat (rendezvous, fresh group, header, buckets)
     cfg = WeightSyncConfig(port=free_port(), join_window_s=30.0, timeout_s=120.0, bucket_mb=bucket_mb)
     log = L.setup("learner", "bench", 0, None, "warning", quiet=True)
@@ -171,7 +172,7 @@ def run_weights_bench(params: int, receivers: int, repeats: int, bucket_mb: floa
             q.put((r, e))  # stands in for Control announcing the round
         sender.broadcast(named, version=i + 1, expected=receivers)
         for _ in range(receivers):
-            done.get(timeout=300)
+            await_result(done, procs, 300)
         ours.append(time.perf_counter() - t0)
     for q in rounds:
         q.put(None)
@@ -179,6 +180,6 @@ def run_weights_bench(params: int, receivers: int, repeats: int, bucket_mb: floa
         p.join(30)
     ours_s, raw_s = statistics.median(ours[1:]), statistics.median(raw_times)
     return {"params": params, "megabytes": round(params * 4 / 1e6, 1), "receivers": receivers, "repeats": repeats,
-            "seconds": round(ours_s, 4), "raw_seconds": round(raw_s, 4), "ratio": round(raw_s / ours_s, 3),
+            "seconds": round(ours_s, 6), "raw_seconds": round(raw_s, 6), "ratio": round(raw_s / ours_s, 3),
             "first_round_seconds": round(ours[0], 4),  # forms the epoch (rendezvous + group), not in the median
             "gb_per_s_per_receiver": round(params * 4 / 1e9 / ours_s, 3)}

@@ -52,3 +52,21 @@ def test_bench_async_prints_speedup_json(tmp_path):
     assert result["sync_seconds"] > 0 and result["async_seconds"] > 0
     assert abs(result["speedup"] - result["sync_seconds"] / result["async_seconds"]) < 0.01
     assert result["sync_heldout_success"] is not None and result["async_heldout_success"] is not None
+
+
+def _bench_json(tmp_path, *args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "bench", *args, "--json"], cwd=tmp_path,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_bench_learner_and_weights_print_ratio_json(tmp_path):
+    r = _bench_json(tmp_path, "learner", "--hidden", "32", "--groups", "2", "--group-size", "2", "--prompt-len", "32",
+                    "--output-len", "8", "--steps", "2")
+    assert r["train_tokens_per_s"] > 0 and r["bare_tokens_per_s"] > 0
+    assert abs(r["ratio"] - r["train_tokens_per_s"] / r["bare_tokens_per_s"]) < 0.01
+    w = _bench_json(tmp_path, "weights", "--params", "100000", "--receivers", "1", "--repeats", "2")
+    assert w["seconds"] > 0 and w["raw_seconds"] > 0 and w["first_round_seconds"] > 0
+    assert abs(w["ratio"] - w["raw_seconds"] / w["seconds"]) < 0.01
