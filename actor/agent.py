@@ -245,8 +245,7 @@ class Actor:
         if control is None or self.weights_busy:
             return
         content = control.info.get("content_version")
-        if content is not None and control.version > self.engine.version and \
-                getattr(self.engine, "content_version", None) == content and hasattr(self.engine, "relabel"):
+        if content is not None and control.version > self.engine.version and self.engine.content_version == content:
             self.engine.relabel(control.version)  # same weights, newer version: no transfer needed
         if self.receiver is None:
             return

@@ -52,11 +52,16 @@ class EngineStats:
 
 
 class Engine(Protocol):
-    version: int
+    version: int  # stamped on every token sampled from now on
+    content_version: int  # the learner version these weights came from (relabels keep it)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]: ...
 
     def load_weights(self, named: Mapping[str, Any], version: int) -> None: ...
+
+    def has_staged(self) -> bool: ...
+
+    def relabel(self, version: int) -> None: ...
 
     def named_parameters(self) -> list[tuple[str, Any]]: ...
 

@@ -105,6 +105,7 @@ class VLLMEngine:
         self.tokenizer = build_tokenizer(model_cfg)
         self.model_cfg = model_cfg
         self.version = 0
+        self.content_version = 0
         self.stats = EngineStats()
         self._layout = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
                         for n, t in hf_layout(model_cfg, self.tokenizer.vocab_size)]
@@ -199,7 +200,7 @@ class VLLMEngine:
             versions = await self.llm.collective_rpc("receive_weights",
                                                      args=(round_no, epoch, weights_cfg, self._layout))
             await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
-            self.version = int(versions[0])
+            self.version = self.content_version = int(versions[0])
             self._gate.set()
             self.stats.weight_swaps += 1
             return self.version
@@ -212,8 +213,15 @@ class VLLMEngine:
         async def swap() -> None:
             await self.llm.collective_rpc("load_named", args=(items,))
             await self.llm.reset_prefix_cache()
-            self.version = version
+            self.version = self.content_version = version
         self._run(swap())
+
+    def has_staged(self) -> bool:
+        return False  # weights are loaded inside the workers before receive_round/load_weights return
+
+    def relabel(self, version: int) -> None:
+        if version > self.version:
+            self.version = version
 
     def pause(self) -> None:
         self._loop.call_soon_threadsafe(self._gate.clear)
