@@ -90,12 +90,27 @@ def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[s
 @role_options
 @click.option("--resume", is_flag=True, help="continue from the run directory's latest checkpoint")
 def learner(config: str | None, run_dir: str | None, resume: bool, overrides: tuple[str, ...]) -> None:
-    """Run the learner: batches from the broker, training steps, weights to the actors, checkpoints."""
-    from learner.trainer import Learner
+    """Run the learner: batches from the broker, training steps, weights to the actors, checkpoints.
 
-    cfg, rd, log = _start_role("learner", config, run_dir, overrides)
-    Learner(cfg.learner, cfg.model, cfg.weights, cfg.net, rd, log, temperature=cfg.actor.sampling.temperature,
-            seed=cfg.run.seed, resume=resume).run()
+    Several ranks (FSDP2): start every rank with torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
+    from learner.distributed import JobChannel, follow, from_environment
+    from learner.trainer import Learner, Trainer
+
+    cfg = _load(config, overrides)
+    dist = from_environment(cfg.learner.device, cfg.learner.dist_timeout_s)
+    cfg, rd, log = _start_role("learner", config, run_dir, overrides, dist.rank)
+    temperature = cfg.actor.sampling.temperature
+    if dist.is_main:
+        Learner(cfg.learner, cfg.model, cfg.weights, cfg.net, rd, log, temperature=temperature, seed=cfg.run.seed,
+                resume=resume, dist=dist).run()
+    else:
+        import signal
+
+        # A signal reaches every rank at once (torchrun, the local supervisor, Slurm), but rank 0 checkpoints
+        # first and needs this rank for it; this rank leaves when rank 0 says stop or its connection drops.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+            signal.signal(sig, lambda *_: log.info("signal_left_to_rank0"))
+        follow(Trainer(cfg.learner, cfg.model, temperature, cfg.run.seed, dist), JobChannel(dist), log)
 
 
 @main.command()

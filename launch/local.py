@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,10 +50,14 @@ class LocalConfig:
     """held-out episodes per family evaluated on each new checkpoint (0 = no periodic evaluation)"""
     eval_suite: str = "sim:heldout"
     """suite of the periodic evaluation"""
+    learner_ranks: int = 1
+    """learner processes; above 1 the model is sharded over them with FSDP2 (gloo on CPU, NCCL on GPUs)"""
+    learner_dist_port: int = 25560
+    """loopback port of the learner ranks' rendezvous (MASTER_PORT) when learner_ranks > 1"""
 
     def validate(self) -> None:
-        if self.actors < 1:
-            raise ValueError("local.actors must be >= 1")
+        if self.actors < 1 or self.learner_ranks < 1:
+            raise ValueError("local.actors and local.learner_ranks must be >= 1")
 
 
 def _die_with_parent() -> None:
@@ -75,6 +79,7 @@ class Role:
     started_at: float = 0.0
     stderr_path: Path | None = None
     done: bool = False  # exited cleanly when told to: not restarted
+    env: dict[str, str] = field(default_factory=dict)  # extra environment (a learner rank's place)
 
     @property
     def label(self) -> str:
@@ -118,8 +123,13 @@ class Supervisor:
         base = [sys.executable, "-m", "launch.cli"]
         common_args = ["--config", str(config_path), "--run-dir", str(run_dir.root)]
         self.roles = [Role("broker", 0, [*base, "broker", *common_args], False),
-                      Role("env_server", 0, [*base, "env-server", *common_args], True),
-                      Role("learner", 0, [*base, "learner", *common_args, *(["--resume"] if resume else [])], False)]
+                      Role("env_server", 0, [*base, "env-server", *common_args], True)]
+        ranks = self.local.learner_ranks
+        for r in range(ranks):
+            dist_env = {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(self.local.learner_dist_port)} if ranks > 1 else {}
+            self.roles.append(Role("learner", r, [*base, "learner", *common_args, *(["--resume"] if resume else [])],
+                                   False, env=dist_env))
         self.roles += [Role("actor", i, [*base, "actor", *common_args, "--rank", str(i)], True)
                        for i in range(self.local.actors)]
         self.config_path = config_path
@@ -135,7 +145,7 @@ class Supervisor:
     def _spawn(self, role: Role) -> None:
         role.stderr_path = self.run_dir.logs / f"{role.label}.stderr"
         env = {**os.environ, "COMPUTERRL_QUIET": "1", "PYTHONUNBUFFERED": "1",
-               "OMP_NUM_THREADS": str(self.local.torch_threads)}
+               "OMP_NUM_THREADS": str(self.local.torch_threads), **role.env}
         with open(role.stderr_path, "ab") as err:
             role.proc = subprocess.Popen(role.args, stdout=subprocess.DEVNULL, stderr=err, env=env,
                                          start_new_session=True, preexec_fn=_die_with_parent)
@@ -202,11 +212,14 @@ class Supervisor:
             rc = role.proc.poll()
             if rc is None:
                 continue
+            if role.name == "learner" and role.rank > 0 and rc == 0:
+                role.done = True  # rank 0 said stop; rank 0's own exit ends the run
+                continue
             if role.name == "learner":
                 if rc == 0:
                     self._finish()
                     return False
-                self.stop(f"the learner exited with code {rc}; the run is resumable with --resume\n"
+                self.stop(f"{role.label} exited with code {rc}; the run is resumable with --resume\n"
                           f"{self._stderr_tail(role)}")
                 return False
             if role.name == "broker":

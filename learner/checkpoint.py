@@ -28,14 +28,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save(root: Path, version: int, model: Any, optimizer: Any, scheduler: Any, state: dict, keep: int = 3) -> Path:
+def save(root: Path, version: int, model: Any, weights: dict, optimizer_state: dict, scheduler: Any, state: dict,
+         keep: int = 3) -> Path:
+    """Write one checkpoint from full (unsharded) state dicts; ``model`` supplies the HF config.
+
+    The optimizer state is keyed by parameter name, so a checkpoint resumes on any number of learner ranks.
+    """
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{version:08d}"
     tmp = root / f".tmp-step-{version:08d}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+    model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+    torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}},
                tmp / TRAINER_FILE)
     (tmp / STATE_FILE).write_text(json.dumps({"version": version, **state}))
@@ -63,25 +68,25 @@ def latest(root: Path) -> Path | None:
     return path if (path / STATE_FILE).exists() else None
 
 
-def load(path: Path, model: Any, optimizer: Any | None, scheduler: Any | None) -> dict:
-    """Restore weights (and optimizer, scheduler, RNG when given); returns the trainer state."""
+def read(path: Path, model: Any, with_trainer: bool) -> tuple[dict, dict | None, dict]:
+    """(full weights, optimizer/scheduler/RNG blob or None, trainer state) of a checkpoint, checked against
+    the model's parameter names (only weights tied to the embedding may be missing)."""
     from safetensors.torch import load_file
 
     tensors: dict[str, Any] = {}
     for f in sorted(path.glob("*.safetensors")):
         tensors.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    # Tied weights are saved once: only those may be missing.
+    expected = set(model.state_dict())
+    missing, unexpected = expected - set(tensors), set(tensors) - expected
     tied = {n for n in missing if "lm_head" in n and getattr(model.config, "tie_word_embeddings", False)}
-    if set(missing) - tied or unexpected:
-        raise ValueError(f"checkpoint {path} does not fit the model: missing {sorted(set(missing) - tied)[:5]}, "
+    if missing - tied or unexpected:
+        raise ValueError(f"checkpoint {path} does not fit the model: missing {sorted(missing - tied)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]}")
-    if optimizer is not None:
-        blob = torch.load(path / TRAINER_FILE, weights_only=False)
-        optimizer.load_state_dict(blob["optimizer"])
-        if scheduler is not None:
-            scheduler.load_state_dict(blob["scheduler"])
-        torch.set_rng_state(blob["rng"]["torch"])
-        np.random.set_state(blob["rng"]["numpy"])
-        random.setstate(blob["rng"]["python"])
-    return json.loads((path / STATE_FILE).read_text())
+    blob = torch.load(path / TRAINER_FILE, weights_only=False) if with_trainer else None
+    return tensors, blob, json.loads((path / STATE_FILE).read_text())
+
+
+def restore_rng(blob: dict) -> None:
+    torch.set_rng_state(blob["rng"]["torch"])
+    np.random.set_state(blob["rng"]["numpy"])
+    random.setstate(blob["rng"]["python"])

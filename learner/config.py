@@ -78,9 +78,13 @@ class LearnerConfig:
     """weight rounds close as soon as this many actors joined (0 = wait weights.join_window_s)"""
     broadcast_weights: bool = True
     """send weights to the actors after every update"""
+    dist_timeout_s: float = 600.0
+    """with several learner ranks: how long a training collective may wait for a slow or dead rank"""
 
     def validate(self) -> None:
         if self.prox not in ("recompute", "loglinear") or self.schedule not in ("constant", "cosine"):
             raise ValueError("prox must be recompute|loglinear and schedule constant|cosine")
         if self.updates_per_batch < 1 or self.prefetch < 1 or self.micro_batch_tokens < 16:
             raise ValueError("need updates_per_batch >= 1, prefetch >= 1, micro_batch_tokens >= 16")
+        if self.dist_timeout_s <= 0:
+            raise ValueError("learner.dist_timeout_s must be > 0")

@@ -16,9 +16,11 @@ import math
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from common import protocol as P
 from common.metrics import MetricsWriter
@@ -28,6 +30,7 @@ from learner import checkpoint as CK
 from learner.batch import (BadBatch, Sample, build_samples, collate, loglinear_prox, micro_batches, token_entropy,
                            turn_samples)
 from learner.config import LearnerConfig
+from learner.distributed import DistContext, full_state, load_full_state, padding_samples, shard_model
 from learner.entropulse import Entropulse
 from learner.losses import LossConfig, LossInputs, get_loss
 
@@ -41,18 +44,31 @@ def _logprobs_of(model: Any, tb: Any, temperature: float) -> tuple[torch.Tensor,
 
 
 class Trainer:
-    """Model, optimizer and one training step; no sockets (the ``Learner`` below adds those)."""
+    """Model, optimizer and one training step; no sockets (the ``Learner`` below adds those).
 
-    def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, temperature: float = 1.0, seed: int = 0):
+    With more than one learner rank (``dist``), the model is sharded with FSDP2 and every rank calls the
+    same methods in the same order (rank 0 drives, ``learner.distributed.follow`` mirrors it); each rank
+    trains on its share of a step's samples.
+    """
+
+    def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, temperature: float = 1.0, seed: int = 0,
+                 dist: DistContext | None = None):
         cfg.validate()
         cfg.loss.validate()
         cfg.advantage.validate()
         cfg.entropulse.validate()
         self.cfg, self.model_cfg, self.temperature = cfg, model_cfg, temperature
-        torch.manual_seed(seed)
+        self.dist = dist or DistContext()
+        self.device = self.dist.device(cfg.device)
+        torch.manual_seed(seed)  # the same on every rank: all shards come from one initialisation
         self.tokenizer = build_tokenizer(model_cfg)
-        self.model = build_model(model_cfg, self.tokenizer.vocab_size, cfg.device).train()
+        self.model = build_model(model_cfg, self.tokenizer.vocab_size, self.device).train()
         self.ref_model = self._frozen_copy() if cfg.loss.kl_beta > 0 else None
+        if self.dist.enabled:
+            shard_model(self.model, self.dist)
+            if self.ref_model is not None:
+                shard_model(self.ref_model, self.dist)
+        self._gathered: list[tuple[str, torch.Tensor]] = []  # rank 0's full weights after the last update
         self.loss_fn = get_loss(cfg.loss.name)
         self.sft_fn = get_loss("sft")
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
@@ -115,11 +131,20 @@ class Trainer:
         return out
 
     def _update(self, samples: list[Sample], loss_fn: Any, loss_cfg: LossConfig, updates: int) -> dict | None:
-        cfg = self.cfg
+        cfg, dist = self.cfg, self.dist
         pad = self.tokenizer.pad_id
-        mbs = [collate(mb, pad, cfg.device) for mb in micro_batches(samples, cfg.micro_batch_tokens)]
-        k = min(updates, len(mbs))
+        if dist.enabled:  # this rank's share, balanced by length
+            samples = sorted(samples, key=lambda s: len(s.ids))[dist.rank::dist.world_size]
+        groups = micro_batches(samples, cfg.micro_batch_tokens)
+        n = dist.max_int(len(groups))  # every rank runs as many forward/backward passes as the busiest
+        groups += [padding_samples(1, pad) for _ in range(n - len(groups))]
+        mbs = [collate(mb, pad, self.device) for mb in groups]
+        k = min(updates, n)
         chunks = [mbs[i::k] for i in range(k)]
+        # Token-mean over the whole step: every rank divides by the tokens of all ranks.
+        chunk_tokens_all = [int(v) for v in dist.sum([sum(tb.num_tokens for tb in c) for c in chunks])]
+        # FSDP2 averages gradients over ranks; scaling the loss by the world size makes that average a sum.
+        loss_scale = float(dist.world_size)
         prox: dict[int, torch.Tensor] = {}
         if k > 1 and cfg.prox == "recompute":  # pi_prox: the policy at the start of this step
             with torch.no_grad():
@@ -130,10 +155,11 @@ class Trainer:
         entropy_sum = 0.0
         grad_norm = 0.0
         for j, chunk in enumerate(chunks):
-            chunk_tokens = sum(tb.num_tokens for tb in chunk)
+            chunk_tokens = chunk_tokens_all[j]
             if chunk_tokens == 0:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
+            bad = False
             for tb in chunk:
                 lp, logits = _logprobs_of(self.model, tb, self.temperature)
                 if k == 1:
@@ -150,10 +176,12 @@ class Trainer:
                 inp = LossInputs(lp, lp_prox, tb.behav_logprobs, tb.advantages, tb.mask, float(chunk_tokens), ref)
                 res = loss_fn(inp, loss_cfg)
                 if not torch.isfinite(res.loss):
-                    self._count("steps_skipped_nonfinite")
-                    self.optimizer.zero_grad(set_to_none=True)
-                    return None
-                res.loss.backward()
+                    if not dist.enabled:
+                        self._count("steps_skipped_nonfinite")
+                        self.optimizer.zero_grad(set_to_none=True)
+                        return None
+                    bad = True  # the other ranks are mid-step: finish the collectives, then all skip together
+                (res.loss * loss_scale if dist.enabled else res.loss).backward()
                 ent = token_entropy(logits)
                 entropy_sum += float((ent * tb.mask).sum())
                 for key, v in res.metrics.items():
@@ -162,7 +190,9 @@ class Trainer:
                 total_tokens += tb.num_tokens
             params = [p for p in self.model.parameters() if p.grad is not None]
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-            if not torch.isfinite(norm):
+            if isinstance(norm, DTensor):  # sharded parameters: the norm is already global
+                norm = norm.full_tensor()
+            if dist.any(bad) or not torch.isfinite(norm):
                 self._count("steps_skipped_nonfinite")
                 self.optimizer.zero_grad(set_to_none=True)
                 return None
@@ -171,10 +201,34 @@ class Trainer:
             self.scheduler.step()
             self.version += 1
             self.content_version = self.version
-        metrics = {key: v / max(total_tokens, 1) for key, v in sums.items() if key != "is_weight_max"}
+        keys = sorted(k for k in sums if k != "is_weight_max")
+        entropy_sum, total, *values = dist.sum([entropy_sum, total_tokens, *(sums[k] for k in keys)])
+        total_tokens = int(total)
+        metrics = {key: v / max(total_tokens, 1) for key, v in zip(keys, values)}
         metrics.update(entropy=entropy_sum / max(total_tokens, 1), grad_norm=grad_norm, tokens=total_tokens,
                        lr=self.optimizer.param_groups[0]["lr"], version=self.version, micro_batches=len(mbs))
+        if dist.enabled and cfg.broadcast_weights:
+            self._gather_weights()
         return metrics
+
+    def _gather_weights(self) -> None:
+        """Collective: rank 0 keeps the full weights the actors get (on the learner's device, as NCCL needs)."""
+        weights, _ = full_state(self.model)
+        if self.dist.is_main:
+            self._gathered = [(n, weights[n].to(self.device)) for n, _ in self.model.named_parameters()]
+
+    def weights_for_broadcast(self) -> list[tuple[str, torch.Tensor]]:
+        """The current weights as (name, full tensor) in parameter order."""
+        if not self.dist.enabled:
+            return list(self.model.named_parameters())
+        if not self._gathered:  # no update yet (the first round): gather now (rank 0 sent a job first)
+            raise RuntimeError("no gathered weights yet: call gather_weights on every rank first")
+        return self._gathered
+
+    def gather_weights(self) -> None:
+        """Collective on every rank (one rank: nothing to do)."""
+        if self.dist.enabled:
+            self._gather_weights()
 
     # ----- SFT step ------------------------------------------------------------------------------
 
@@ -205,13 +259,22 @@ class Trainer:
     # ----- checkpoints ---------------------------------------------------------------------------
 
     def save(self, root: Any, extra: dict | None = None) -> Any:
+        """Collective with several ranks (each calls it; rank 0 writes and returns the path)."""
+        weights, optim = full_state(self.model, self.optimizer)
+        if not self.dist.is_main:
+            return None
         model_cfg = {**dataclasses.asdict(self.model_cfg), "path": ""}  # what eval needs to rebuild the policy
         state = {"entropulse": self.entropulse.state_dict(), "counters": self.counters,
                  "content_version": self.content_version, "model_config": model_cfg, **(extra or {})}
-        return CK.save(root, self.version, self.model, self.optimizer, self.scheduler, state, self.cfg.keep_checkpoints)
+        return CK.save(Path(root), self.version, self.model, weights, optim, self.scheduler, state,
+                       self.cfg.keep_checkpoints)
 
     def load(self, path: Any) -> dict:
-        state = CK.load(path, self.model, self.optimizer, self.scheduler)
+        """Every rank reads the checkpoint (a path all ranks see) and keeps its shard."""
+        weights, blob, state = CK.read(Path(path), self.model, with_trainer=True)
+        load_full_state(self.model, self.optimizer, weights, blob["optimizer"], self.dist.enabled)
+        self.scheduler.load_state_dict(blob["scheduler"])
+        CK.restore_rng(blob)
         self.version = int(state["version"])
         self.content_version = int(state.get("content_version", self.version))
         self.entropulse.load_state_dict(state["entropulse"])
@@ -222,15 +285,22 @@ class Trainer:
 
 
 class Learner:
-    """The learner process: a Trainer plus the broker link, weight rounds, metrics and checkpoints."""
+    """The learner process: a Trainer plus the broker link, weight rounds, metrics and checkpoints.
+
+    With several learner ranks this is rank 0; every step it takes is announced on ``self.jobs`` first
+    so that the other ranks (``learner.distributed.follow``) run the same step on their shards.
+    """
 
     def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, weights: Any, net: Any, run_dir: RunDir,
-                 log: Any, temperature: float = 1.0, seed: int = 0, resume: bool = False):
+                 log: Any, temperature: float = 1.0, seed: int = 0, resume: bool = False,
+                 dist: DistContext | None = None):
         from broker.client import LearnerBrokerClient
         from common.weightsync import WeightSender
+        from learner.distributed import JobChannel
 
         self.cfg, self.run_dir, self.log = cfg, run_dir, log
-        self.trainer = Trainer(cfg, model_cfg, temperature, seed)
+        self.trainer = Trainer(cfg, model_cfg, temperature, seed, dist)
+        self.jobs = JobChannel(self.trainer.dist)
         self.client = LearnerBrokerClient(net, run_dir.keys, log)
         self.sender = WeightSender(weights, log) if (weights is not None and cfg.broadcast_weights) else None
         self.metrics = MetricsWriter(run_dir.metrics / "learner.jsonl")
@@ -241,6 +311,7 @@ class Learner:
             if path is None:
                 log.warning("resume_without_checkpoint", dir=str(run_dir.checkpoints))
             else:
+                self.jobs.send("load", {"path": str(path)})
                 state = self.trainer.load(path)
                 self.client.load_state(state.get("broker_client", {}))
                 log.info("resumed", checkpoint=str(path), version=self.trainer.version,
@@ -251,6 +322,7 @@ class Learner:
         self._stop.set()
 
     def checkpoint(self) -> None:
+        self.jobs.send("save")
         path = self.trainer.save(self.run_dir.checkpoints, {"broker_client": self.client.state()})
         self.log.info("checkpoint_written", path=str(path), version=self.trainer.version)
 
@@ -289,7 +361,7 @@ class Learner:
 
         t = self.trainer
         try:
-            t._count("weight_receivers", self.sender.broadcast(list(t.model.named_parameters()), t.version,
+            t._count("weight_receivers", self.sender.broadcast(t.weights_for_broadcast(), t.version,
                                                                self.cfg.expected_actors))
         except RoundFailed:
             t._count("weight_rounds_failed")
@@ -309,6 +381,9 @@ class Learner:
         worker = cf.ThreadPoolExecutor(1, thread_name_prefix="train")
         job: cf.Future | None = None
         job_kind = ""
+        if self.sender is not None and t.dist.enabled:  # the first round needs full weights on rank 0
+            self.jobs.send("gather")
+            t.gather_weights()
         if self.publish(paused=t.entropulse.phase == "sft") is not None:
             job, job_kind = self._start_broadcast(), "broadcast"
         c.grant(self.cfg.prefetch)
@@ -339,13 +414,13 @@ class Learner:
                     sft_requested = True
                 elif c.successes:
                     sft_requested = False
-                    trajs = [s.trajectory for s in c.successes.popleft().samples]
-                    if not trajs:  # nothing to imitate yet: back to RL rather than stall
+                    successes = c.successes.popleft()
+                    if not successes.samples:  # nothing to imitate yet: back to RL rather than stall
                         t.entropulse.skip_sft()
                         self.log.warning("sft_phase_skipped", reason="the success store is empty")
                         self.publish()
                         continue
-                    job, job_kind = worker.submit(t.sft_step, trajs, self.cfg.entropulse.sft_lr), "sft"
+                    job, job_kind = worker.submit(self._sft_step, successes), "sft"
         finally:
             if job is not None and job_kind != "broadcast":
                 job.result()  # a training step ends on its own; a round stuck on a dead peer is not waited for
@@ -355,13 +430,20 @@ class Learner:
             if finished:
                 self.publish(stop=True)
                 c.poll(1.0)
+            self.jobs.send("stop")
             self.close()
 
     def _rl_step(self, batch: P.Batch) -> dict | None:
+        self.jobs.send("rl", {"eta": self.trainer.eta}, batch)
         m = self.trainer.train_step(batch.groups)
         if m is not None and "rejected" not in m:
             m.update(broker_max_lag=batch.max_lag, dropped_stale=batch.dropped_stale)
         return m
+
+    def _sft_step(self, successes: P.SuccessBatch) -> dict | None:
+        lr = self.cfg.entropulse.sft_lr
+        self.jobs.send("sft", {"lr": lr}, successes)
+        return self.trainer.sft_step([s.trajectory for s in successes.samples], lr)
 
     def _after_step(self, kind: str, m: dict | None) -> bool:
         """Main thread, after a step: metrics, phase logic, Control; True when weights should go out."""
@@ -369,6 +451,7 @@ class Learner:
         if m is None or "rejected" in m:
             if m is not None:
                 self.log.warning("batch_rejected", reason=m["rejected"])
+            self.jobs.send("advance")
             t.advance_without_update()
             self._log_step(kind, {"empty": True, "version": t.version})
             self.publish(paused=t.entropulse.phase == "sft", new_weights=False)
@@ -381,6 +464,7 @@ class Learner:
         else:
             if t.entropulse.observe_sft() == "rl":
                 if self.cfg.entropulse.reset_reference:
+                    self.jobs.send("reset_reference")
                     t.reset_reference()
                 self.log.info("phase_change", to="rl", version=t.version)
         self._log_step(kind, m)

@@ -98,3 +98,34 @@ def test_a_killed_actor_is_restarted_and_sigint_stops_cleanly(tmp_path):
     assert "actor-0 exited with code -9; restart 1" in out and "outcome: interrupted" in out
     assert (run_dir / "checkpoints" / "latest").exists(), "the learner checkpointed on the way out"
     assert not _children_of_run(run_dir)
+
+
+def test_two_learner_ranks_train_checkpoint_and_stop_on_sigint(tmp_path):
+    """FSDP2 over two gloo ranks inside `computerrl run`: real updates (zero-variance groups kept, so every
+    step trains and broadcasts gathered weights), a checkpoint on SIGINT, both ranks gone afterwards."""
+    run_dir = tmp_path / "run"
+    p = _run(run_dir, "local.learner_ranks=2", f"local.learner_dist_port={free_port()}", "local.actors=1",
+             "learner.total_steps=1000", "learner.checkpoint_every=0", "learner.advantage.drop_zero_variance=false",
+             "local.eval_episodes=0")
+    try:
+        metrics = run_dir / "metrics" / "learner.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and p.poll() is None, "no training steps"
+            time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, out[-3000:]
+    recs = [json.loads(x) for x in metrics.read_text().splitlines()]
+    trained = [r for r in recs if not r.get("empty")]
+    assert len(trained) >= 3 and all(r["tokens"] > 0 for r in trained)
+    rounds = [json.loads(x) for x in (run_dir / "logs" / "learner-0.jsonl").read_text().splitlines()
+              if '"weights_broadcast"' in x]
+    assert any(r["version"] >= 2 and r["receivers"] == 1 for r in rounds), "gathered weights reached the actor"
+    latest = (run_dir / "checkpoints" / "latest").read_text()
+    assert int(latest.split("-")[1]) >= 3, "rank 0 checkpointed with rank 1 on SIGINT"
+    assert (run_dir / "logs" / "learner-1.jsonl").exists()
+    assert not _children_of_run(run_dir)

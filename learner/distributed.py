@@ -1,0 +1,214 @@
+"""More than one learner rank: FSDP2 sharding, and rank 0 telling the other ranks what to train on.
+
+Launch every rank with the usual torch.distributed variables (``torchrun --nproc-per-node N computerrl
+learner ...`` sets them; so does ``computerrl run`` with ``local.learner_ranks: N``): ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``. Rank 0 is the learner the rest of the
+system sees: it holds the broker link, decides every step (RL batch, SFT batch, empty step, checkpoint,
+stop), sends the step's input to the other ranks as msgpack frames over a gloo group (``JobChannel``), and
+broadcasts the gathered full weights to the actors. Every rank then runs the same step on its share of the
+samples; FSDP2 all-gathers parameters and reduce-scatters gradients, so all ranks end every step with the
+same (sharded) weights and the same version.
+
+Collectives must line up: every rank runs the same number of micro-batches (short ranks run padding
+micro-batches whose loss mask is empty), and every skip decision (non-finite loss or gradient) is agreed
+on with an all-reduce before anyone acts on it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+import torch
+
+from common import protocol as P
+
+# A follower waits on the job channel for as long as rank 0 waits for the next batch (an SFT phase, slow
+# actors); rank 0 dying closes the gloo connections, which ends the wait at once, so no short timeout here.
+JOB_WAIT = datetime.timedelta(days=7)
+
+
+@dataclass
+class DistContext:
+    """Where this process sits among the learner ranks."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    group: Any = None  # the training process group (NCCL on GPU, gloo on CPU)
+    job_group: Any = None  # gloo group of the job channel
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def device(self, configured: str) -> str:
+        """``cuda`` becomes this rank's GPU (``cuda:LOCAL_RANK``); anything else is kept."""
+        return f"cuda:{self.local_rank}" if configured == "cuda" and self.enabled else configured
+
+    # ----- agreement between ranks (no-ops on one rank) ---------------------------------------------
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        if not self.enabled:
+            return list(values)
+        t = torch.tensor(list(values), dtype=torch.float64)
+        torch.distributed.all_reduce(t, group=self.job_group)
+        return t.tolist()
+
+    def max_int(self, value: int) -> int:
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.job_group)
+        return int(t.item())
+
+    def any(self, flag: bool) -> bool:
+        return bool(self.max_int(int(flag)))
+
+
+def from_environment(device: str, timeout_s: float) -> DistContext:
+    """The learner ranks from torch.distributed's environment variables; one rank when they are absent."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistContext()
+    missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise RuntimeError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: launch the learner ranks with "
+                           "torchrun (or set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT for each)")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("learner.device is cuda but no GPU is visible to this learner rank")
+        torch.cuda.set_device(local_rank)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    torch.distributed.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    job_group = torch.distributed.new_group(backend="gloo", timeout=JOB_WAIT)  # CPU tensors, even beside NCCL
+    return DistContext(rank, world, local_rank, torch.distributed.group.WORLD, job_group)
+
+
+def shard_model(model: Any, ctx: DistContext, reshard_after_forward: bool = True) -> Any:
+    """FSDP2: every decoder layer is its own unit (all-gathered just before use), then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError("FSDP2 sharding expects a Hugging Face decoder (model.model.layers)")
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def full_state(model: Any, optimizer: Any | None = None) -> tuple[dict, dict | None]:
+    """Collective: the unsharded weights (and optimizer state, keyed by parameter name) on CPU at rank 0;
+    the other ranks get empty dicts. On one rank it is the same dicts without any communication."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=opts)
+    optim = get_optimizer_state_dict(model, optimizer, options=opts) if optimizer is not None else None
+    return weights, optim
+
+
+def load_full_state(model: Any, optimizer: Any | None, weights: dict, optim: dict | None, sharded: bool) -> None:
+    """Every rank passes the full dicts read from the checkpoint; sharded models keep their own shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=sharded, strict=False)
+    set_model_state_dict(model, weights, options=opts)
+    if optimizer is not None and optim is not None:
+        set_optimizer_state_dict(model, optimizer, optim, options=opts)
+
+
+# ----- the job channel ---------------------------------------------------------------------------
+
+JOBS = ("rl", "sft", "advance", "gather", "save", "load", "reset_reference", "stop")
+
+
+@dataclass
+class Job:
+    kind: str
+    meta: dict
+    message: P.Message | None = None
+
+
+class JobChannel:
+    """Rank 0 -> every other rank: one job at a time, a msgpack header plus the message's own frames.
+
+    Wire: an int64 length, then a uint8 tensor ``[header length u32][header][frame 0][frame 1]...`` where
+    the header is msgpack ``[kind, meta, [frame lengths]]``, both broadcast from rank 0 over the gloo group.
+    """
+
+    def __init__(self, ctx: DistContext):
+        self.ctx = ctx
+
+    def send(self, kind: str, meta: dict | None = None, message: P.Message | None = None) -> None:
+        if kind not in JOBS:
+            raise ValueError(f"unknown learner job {kind!r}")
+        if not self.ctx.enabled:
+            return
+        frames = [bytes(P.frame_buffer(f)) for f in P.encode(message)] if message is not None else []
+        header = msgpack.packb([kind, meta or {}, [len(f) for f in frames]])
+        blob = b"".join([struct.pack("<I", len(header)), header, *frames])
+        size = torch.tensor([len(blob)], dtype=torch.int64)
+        torch.distributed.broadcast(size, src=0, group=self.ctx.job_group)
+        torch.distributed.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8), src=0,
+                                    group=self.ctx.job_group)
+
+    def receive(self) -> Job:
+        size = torch.zeros(1, dtype=torch.int64)
+        torch.distributed.broadcast(size, src=0, group=self.ctx.job_group)
+        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        torch.distributed.broadcast(buf, src=0, group=self.ctx.job_group)
+        blob = buf.numpy().tobytes()
+        (hlen,) = struct.unpack_from("<I", blob)
+        kind, meta, lengths = msgpack.unpackb(blob[4:4 + hlen])
+        frames, pos = [], 4 + hlen
+        for n in lengths:
+            frames.append(blob[pos:pos + n])
+            pos += n
+        return Job(kind, meta, P.decode(frames, max_bytes=None) if frames else None)  # from rank 0: trusted
+
+
+def padding_samples(count: int, pad_id: int) -> list[Any]:
+    """Samples with no loss token: a rank short of micro-batches runs these so collectives line up."""
+    from learner.batch import Sample
+
+    return [Sample(np.full(2, pad_id, np.int64), 1, np.zeros(1, np.float32), np.zeros(1, np.int64),
+                   np.zeros(1, np.float32), 0.0, "", "", 0) for _ in range(count)]
+
+
+def follow(trainer: Any, channel: JobChannel, log: Any) -> None:
+    """Ranks 1..N-1: run whatever rank 0 runs, until it says stop."""
+    while True:
+        job = channel.receive()
+        if job.kind == "stop":
+            log.info("learner_rank_stopping", rank=channel.ctx.rank)
+            return
+        if job.kind == "rl":
+            assert isinstance(job.message, P.Batch)
+            trainer.eta = job.meta.get("eta")
+            trainer.train_step(job.message.groups)
+        elif job.kind == "sft":
+            assert isinstance(job.message, P.SuccessBatch)
+            trainer.sft_step([s.trajectory for s in job.message.samples], float(job.meta["lr"]))
+        elif job.kind == "advance":
+            trainer.advance_without_update()
+        elif job.kind == "gather":
+            trainer.gather_weights()
+        elif job.kind == "save":
+            trainer.save(None)  # collective; only rank 0 writes
+        elif job.kind == "load":
+            trainer.load(job.meta["path"])
+        elif job.kind == "reset_reference":
+            trainer.reset_reference()

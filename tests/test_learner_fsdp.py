@@ -1,0 +1,120 @@
+"""Two FSDP2 learner ranks on CPU (gloo) train exactly like one rank: same weights after RL and SFT steps
+(with uneven micro-batch counts, so padding passes run), rank 1 driven only through the job channel, and a
+checkpoint written by two ranks resumes on one with the identical next step."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from common import protocol as P  # noqa: E402
+from common.net import free_port  # noqa: E402
+from learner.config import LearnerConfig  # noqa: E402
+from learner.trainer import Trainer  # noqa: E402
+from tests.test_learner import TINY, groups_from  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+# 9 samples of 26 tokens, 2 rows per micro-batch: rank 0 gets 5 samples (3 passes), rank 1 gets 4 (2 + 1 padding).
+CFG = LearnerConfig(lr=1e-3, micro_batch_tokens=60, keep_checkpoints=5)
+
+
+def _script(trainer: Trainer, groups: list, successes: P.SuccessBatch, drive=None) -> list[dict]:
+    """The steps every run takes; ``drive(kind, meta, message)`` announces each one to the other ranks."""
+    drive = drive or (lambda *a: None)
+    out = []
+    drive("rl", {"eta": None}, P.Batch("b1", 0, groups[:3]))
+    out.append(trainer.train_step(groups[:3]))
+    drive("sft", {"lr": 5e-4}, successes)
+    out.append(trainer.sft_step([s.trajectory for s in successes.samples], 5e-4))
+    drive("advance", {}, None)
+    trainer.advance_without_update()
+    drive("rl", {"eta": None}, P.Batch("b2", 0, groups[3:]))
+    out.append(trainer.train_step(groups[3:]))
+    return out
+
+
+def _full_weights(trainer: Trainer) -> dict:
+    from learner.distributed import full_state
+
+    weights, _ = full_state(trainer.model)
+    return {k: v.clone() for k, v in weights.items()}
+
+
+def _rank_main(rank: int, port: int, workdir: str) -> None:
+    from common import log as L
+    from learner.distributed import JobChannel, follow, from_environment
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    with open(os.path.join(workdir, "inputs.pkl"), "rb") as f:
+        groups, successes = pickle.load(f)
+    dist = from_environment("cpu", 60)
+    trainer = Trainer(CFG, TINY, dist=dist)
+    jobs = JobChannel(dist)
+    if rank == 1:
+        follow(trainer, jobs, L.get())  # everything below happens here too, announced by rank 0
+        follow(trainer, jobs, L.get())  # second phase: load and one more step
+        torch.distributed.destroy_process_group()
+        return
+    metrics = _script(trainer, groups, successes, drive=jobs.send)
+    jobs.send("gather")
+    trainer.gather_weights()
+    broadcast = {n: t.clone() for n, t in trainer.weights_for_broadcast()}
+    jobs.send("save")
+    path = trainer.save(os.path.join(workdir, "ck"))
+    jobs.send("stop")
+    # Resume from that checkpoint on both ranks and take one more step.
+    jobs.send("load", {"path": str(path)})
+    trainer.load(path)
+    nxt = groups_from(Trainer(CFG, TINY), n_groups=2, g=3, seed=9, version=trainer.version)
+    jobs.send("rl", {"eta": None}, P.Batch("b3", trainer.version, nxt))
+    after = trainer.train_step(nxt)
+    jobs.send("stop")
+    with open(os.path.join(workdir, "rank0.pkl"), "wb") as f:
+        pickle.dump({"metrics": metrics, "broadcast": broadcast, "path": str(path), "next": after, "nxt": nxt,
+                     "version": trainer.version}, f)
+    torch.distributed.destroy_process_group()
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-4 * max(1.0, abs(a))
+
+
+def test_two_fsdp_ranks_train_like_one(tmp_path):
+    import torch.multiprocessing as mp
+
+    ref = Trainer(CFG, TINY)
+    groups = groups_from(ref, n_groups=3, g=3, seed=1) + groups_from(ref, n_groups=2, g=4, seed=2)
+    successes = P.SuccessBatch([P.SuccessSample(g.task_id, t) for g in groups[:2] for t in g.trajectories
+                                if t.success])
+    with open(tmp_path / "inputs.pkl", "wb") as f:
+        pickle.dump((groups, successes), f)
+    mp.spawn(_rank_main, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    with open(tmp_path / "rank0.pkl", "rb") as f:
+        got = pickle.load(f)
+
+    want = _script(ref, groups, successes)
+    for m_ref, m_two in zip(want, got["metrics"]):
+        assert m_two["tokens"] == m_ref["tokens"]
+        assert _close(m_two["loss"], m_ref["loss"]) and _close(m_two["entropy"], m_ref["entropy"])
+        assert _close(m_two["grad_norm"], m_ref["grad_norm"])
+    assert ref.version == 4
+    names = [n for n, _ in ref.model.named_parameters()]
+    assert list(got["broadcast"]) == names, "the actors get every parameter, full size, in parameter order"
+    for n, p in ref.model.named_parameters():
+        assert torch.allclose(got["broadcast"][n], p.detach(), atol=1e-5), n
+
+    # The two-rank checkpoint resumes on one rank, identically to the two-rank continuation.
+    one = Trainer(CFG, dataclasses.replace(TINY, init_seed=77))
+    state = one.load(got["path"])
+    assert state["version"] == 4 and one.version == 4
+    m = one.train_step(got["nxt"])
+    assert _close(m["loss"], got["next"]["loss"]) and m["tokens"] == got["next"]["tokens"]
+    assert one.version == got["version"] == 5
