@@ -47,6 +47,7 @@ class EnvLinks:
         self.waiting: dict[str, tuple[asyncio.Future, float]] = {}
         self._rr = itertools.cycle(range(len(clients)))
         self.idle_sessions: list[collections.deque[str]] = [collections.deque() for _ in clients]
+        self.pool_waits = 0  # SessionOpen answered "pool_exhausted" and retried
 
     def pick(self) -> int:
         return next(self._rr)
@@ -78,9 +79,22 @@ class EnvLinks:
         return n
 
     async def session(self, i: int) -> str:
-        if self.idle_sessions[i]:
-            return self.idle_sessions[i].popleft()
-        return (await self.call(i, P.SessionOpen)).session_id
+        """A session on env_server ``i``: a cached idle one, or a new one. A full pool is a wait, not a
+        broken desktop: other episodes (of this or another actor) give desktops back within a step, so
+        the request is retried with back-off until ``timeout_s`` rather than burning this episode's rerolls."""
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.05
+        while True:
+            if self.idle_sessions[i]:  # given back by another episode of this actor while this one waited
+                return self.idle_sessions[i].popleft()
+            try:
+                return (await self.call(i, P.SessionOpen)).session_id
+            except EnvError as exc:
+                if exc.code != "pool_exhausted" or time.monotonic() + delay > deadline:
+                    raise
+                self.pool_waits += 1
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
 
     def release(self, i: int, sid: str, healthy: bool) -> None:
         if healthy:
@@ -342,7 +356,7 @@ class Actor:
             "episode_len_mean": round(sum(lens) / len(lens), 2) if lens else None,
             "success_rate": round(self.stats["successes"] / eps, 4) if eps else None,
             "format_error_rate": round(self.stats["format_errors"] / max(self.stats["turns"], 1), 4),
-            "counters": dict(self.stats),
+            "counters": {**self.stats, "env_pool_waits": self.env.pool_waits},
         })
 
     def close(self) -> None:

@@ -132,6 +132,11 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(f"config key '{path}': expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 5e-5 (no dot) as a string; a user means the number
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key '{path}': expected a number, got {value!r}")
         return float(value)

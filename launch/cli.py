@@ -129,6 +129,12 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
     if cfg.learner.expected_actors == 0:
         # Every actor of this run is known: a weight round closes as soon as they all joined.
         cfg.learner.expected_actors = cfg.local.actors
+    # Every episode in flight holds a desktop: a smaller pool makes actors queue for desktops.
+    in_flight = cfg.local.actors * cfg.actor.max_groups * cfg.broker.group_size
+    if cfg.env_server.pool_size < in_flight:
+        click.echo(f"env_server.pool_size {cfg.env_server.pool_size} -> {in_flight} (local.actors x "
+                   f"actor.max_groups x broker.group_size episodes run at once)")
+        cfg.env_server.pool_size = in_flight
     C.dump(cfg, rd.config)
     sys.exit(Supervisor(cfg, rd.config, rd, resume).run())
 

@@ -10,6 +10,8 @@ point at; the same command with the same config and seed remakes it.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -40,13 +42,25 @@ class PretrainConfig:
     batch_samples: int = 32
     """demo steps per optimizer step"""
     lr: float = 1e-3
-    """learning rate"""
+    """peak learning rate (linear warm-up, then cosine decay to 0 over ``steps``)"""
+    warmup_steps: int = 50
+    """linear warm-up steps"""
+    init: str = "scratch"
+    """scratch (seeded from the model fields; model.path, often this output, is ignored) | model (from model.path)"""
     seed: int = 0
     """sampling seed of demos and batches"""
+    eval_episodes: int = 0
+    """held-out episodes per cloned family evaluated (greedy) on the result; 0 = none"""
+    eval_max_new_tokens: int = 64
+    """tokens per action in that evaluation"""
+    eval_max_steps: int = 12
+    """turns per episode in that evaluation"""
 
     def validate(self) -> None:
         if self.route not in ("api", "gui", "mixed"):
             raise ValueError("pretrain.route must be api, gui or mixed")
+        if self.init not in ("scratch", "model"):
+            raise ValueError("pretrain.init must be scratch or model")
         if self.seeds < 1 or self.steps < 1 or self.batch_samples < 1:
             raise ValueError("seeds, steps and batch_samples must be >= 1")
 
@@ -84,12 +98,19 @@ def demo_trajectories(cfg: PretrainConfig, prompt_cfg: Any, tokenizer: Any, log:
     return out
 
 
+def learning_rate(cfg: PretrainConfig, step: int) -> float:
+    warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    return cfg.lr * warm * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+
+
 def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path, log: Any,
              progress: Any = None) -> dict:
     from learner.config import LearnerConfig
     from learner.trainer import Trainer
 
     cfg.validate()
+    if cfg.init == "scratch":
+        model_cfg = dataclasses.replace(model_cfg, path="", tokenizer_path=model_cfg.tokenizer_path or model_cfg.path)
     trainer = Trainer(LearnerConfig(lr=cfg.lr, keep_checkpoints=1), model_cfg, seed=cfg.seed)
     t0 = time.monotonic()
     trajs = demo_trajectories(cfg, prompt_cfg, trainer.tokenizer, log)
@@ -103,14 +124,29 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
     losses = []
     for step in range(cfg.steps):
         batch = rng.sample(pieces, min(cfg.batch_samples, len(pieces)))
-        m = trainer.sft_step(batch, cfg.lr)
+        m = trainer.sft_step(batch, learning_rate(cfg, step))
         if m is not None:
             losses.append(m["loss"])
         if progress is not None and (step + 1) % max(1, cfg.steps // 20) == 0:
             progress(step + 1, cfg.steps, sum(losses[-10:]) / max(1, len(losses[-10:])))
     trainer.version = 0  # a base policy: RL starts counting from here
-    trainer.content_version = 0
-    path = trainer.save(out_dir, {"pretrain": {"demos": len(trajs), "samples": len(pieces), "steps": cfg.steps}})
-    return {"checkpoint": str(path), "demos": len(trajs), "samples": len(pieces),
-            "final_loss": round(sum(losses[-10:]) / max(1, len(losses[-10:])), 4),
-            "seconds": round(time.monotonic() - t0, 1)}
+    result: dict[str, Any] = {"demos": len(trajs), "samples": len(pieces), "steps": cfg.steps,
+                              "final_loss": round(sum(losses[-10:]) / max(1, len(losses[-10:])), 4),
+                              "seconds": round(time.monotonic() - t0, 1)}
+    path = trainer.export(out_dir, {"pretrain": {**dataclasses.asdict(cfg), **result}})
+    result["checkpoint"] = str(path)
+    if cfg.eval_episodes:
+        result["heldout"] = evaluate_base(path, cfg, model_cfg, prompt_cfg)
+    return result
+
+
+def evaluate_base(path: Path, cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any) -> dict:
+    """Greedy held-out success of the new base policy on the families it was cloned on."""
+    from actor.engine import EngineConfig, HFEngine, SamplingParams
+    from env_server.sim import tasks as T
+    from launch.evaluate import evaluate, suite_tasks
+
+    engine = HFEngine(dataclasses.replace(model_cfg, path=str(path)), EngineConfig(seed=cfg.seed, max_batch=64))
+    fams = ",".join(cfg.families or T.FAMILY_NAMES)
+    return evaluate(engine, suite_tasks(f"sim:heldout:{fams}", cfg.eval_episodes), prompt_cfg,
+                    SamplingParams(temperature=0.0, max_new_tokens=cfg.eval_max_new_tokens), cfg.eval_max_steps)

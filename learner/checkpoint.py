@@ -60,6 +60,26 @@ def save(root: Path, version: int, model: Any, weights: dict, optimizer_state: d
     return final
 
 
+def export_policy(out: Path, model: Any, weights: dict, state: dict) -> Path:
+    """A weights-only policy directory (HF config + safetensors + state.json) for ``model.path`` and
+    ``computerrl eval``: no optimizer state, so small enough to ship; replaced atomically."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+    (tmp / STATE_FILE).write_text(json.dumps(state))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    _fsync_dir(out.parent)
+    return out
+
+
 def latest(root: Path) -> Path | None:
     pointer = root / "latest"
     if not pointer.exists():

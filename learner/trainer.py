@@ -269,6 +269,15 @@ class Trainer:
         return CK.save(Path(root), self.version, self.model, weights, optim, self.scheduler, state,
                        self.cfg.keep_checkpoints)
 
+    def export(self, out: Any, extra: dict | None = None) -> Any:
+        """Collective with several ranks: the weights alone as a policy directory (rank 0 writes)."""
+        weights, _ = full_state(self.model)
+        if not self.dist.is_main:
+            return None
+        model_cfg = {**dataclasses.asdict(self.model_cfg), "path": ""}
+        return CK.export_policy(Path(out), self.model, weights,
+                                {"version": self.version, "model_config": model_cfg, **(extra or {})})
+
     def load(self, path: Any) -> dict:
         """Every rank reads the checkpoint (a path all ranks see) and keeps its shard."""
         weights, blob, state = CK.read(Path(path), self.model, with_trainer=True)

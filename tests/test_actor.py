@@ -117,9 +117,11 @@ def test_weights_swap_at_a_token_boundary_and_match_the_learner(quiet_log):
     assert not torch.allclose(lp_old, lp_new), "the update changed the policy"
 
 
-def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path):
+@pytest.mark.parametrize("pool_size", [8, 1])
+def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, pool_size):
+    """With a pool smaller than the episodes in flight, episodes wait for a desktop instead of failing."""
     tb = start_broker(BrokerConfig(groups_per_batch=2, group_size=2, eta=4, persist=True))
-    env_cfg = EnvServerConfig(port=free_port(), pool_size=8)
+    env_cfg = EnvServerConfig(port=free_port(), pool_size=pool_size)
     server = EnvServer(env_cfg, tb.net, RunDir.create(tmp_path / "env"), quiet_log)
     st = threading.Thread(target=server.run, daemon=True)
     st.start()
@@ -133,6 +135,7 @@ def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path):
         actor.connect(10)
         actor.run()
         assert actor.stats["groups_submitted"] == 2 and actor.broker.unacked == 0
+        assert actor.stats["env_failures"] == 0 and (actor.env.pool_waits > 0) == (pool_size == 1)
         learner.grant(1)
         batch = learner.next_batch(10)
         assert batch is not None and len(batch.groups) == 2

@@ -23,7 +23,8 @@ def test_shipped_configs_load():
 
 def test_overrides_typed_and_nested(tmp_path):
     cfg = load_run_config("configs/local.yaml", ["broker.eta=4", "broker.tasks.suite=sim:heldout", "net.heartbeat_s=2",
-                                                 "broker.persist=false", "run.run_id=007"])
+                                                 "broker.persist=false", "run.run_id=007", "learner.lr=5e-5"])
+    assert cfg.learner.lr == 5e-5, "YAML 1.1 reads 5e-5 as a string; a float field takes it as the number"
     assert cfg.broker.eta == 4 and isinstance(cfg.net.heartbeat_s, float) and cfg.net.heartbeat_s == 2.0
     assert cfg.broker.tasks.suite == "sim:heldout" and cfg.broker.persist is False
     assert cfg.run.run_id == "007"  # a str field keeps exactly what was typed
@@ -36,6 +37,7 @@ def test_overrides_typed_and_nested(tmp_path):
     ("broker.eta=many", "broker.eta"),
     ("broker.persist=3", "broker.persist"),
     ("net.curve=maybe", "net.curve"),
+    ("learner.lr=fast", "learner.lr"),
     ("broker.eta=-1", "eta"),
     ("broker", "key=value"),
 ])

@@ -35,10 +35,12 @@ def test_demo_samples_are_what_an_actor_would_have_prompted():
 @pytest.mark.slow
 def test_pretrain_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
     log = L.setup("test", "test", 0, None, "warning", quiet=True)
-    cfg = PretrainConfig(families=["settings_display"], seeds=40, steps=25, batch_samples=16, lr=3e-3)
+    cfg = PretrainConfig(families=["settings_display"], seeds=40, steps=25, batch_samples=16, lr=6e-3, warmup_steps=2)
     pc = PromptConfig(style="minimal", max_prompt_tokens=768)
     losses = []
     out = pretrain(cfg, TINY, pc, tmp_path / "base", log, lambda s, n, loss: losses.append(loss))
+    assert out["checkpoint"] == str(tmp_path / "base") and (tmp_path / "base" / "config.json").exists()
+    assert not (tmp_path / "base" / "trainer.pt").exists(), "a policy directory: weights only"
     assert losses[-1] < losses[0] * 0.7, losses
     from actor.engine import EngineConfig, HFEngine
     from actor.engine import SamplingParams
