@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -79,6 +80,9 @@ def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu") -> Any:
     if device.startswith("cuda") and dtype != torch.float32 and importlib.util.find_spec("flash_attn") is not None:
         extra["attn_implementation"] = "flash_attention_2"  # the gpu extra; SDPA otherwise
     if cfg.path:
+        if not (Path(cfg.path) / "config.json").exists():
+            raise FileNotFoundError(f"model.path {cfg.path!r}: no checkpoint there (a directory with config.json and "
+                                    "*.safetensors; `computerrl pretrain --out DIR` makes one)")
         model = AutoModelForCausalLM.from_pretrained(cfg.path, local_files_only=True, dtype=dtype, **extra)
         if model.get_input_embeddings().num_embeddings < vocab_size:
             model.resize_token_embeddings(vocab_size)  # role tokens added to the tokenizer

@@ -60,7 +60,18 @@ class RunConfig:
 
 
 def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:
-    return C.load(RunConfig, path, overrides)
+    cfg = C.load(RunConfig, path, overrides)
+    # A relative model directory means: from here, or else next to the config file (configs/local.yaml
+    # names configs/base-policy as "base-policy"). Made absolute, so every role and a run's saved
+    # config.yaml find the same files from any working directory.
+    for attr in ("path", "tokenizer_path"):
+        value = getattr(cfg.model, attr)
+        if value and not Path(value).is_absolute():
+            here, beside = Path(value), (Path(path).parent / value if path else None)
+            found = here if here.exists() else beside if beside is not None and beside.exists() else None
+            if found is not None:  # not there at all: left as written (pretrain may be about to make it)
+                setattr(cfg.model, attr, str(found.resolve()))
+    return cfg
 
 
 def resolve_run_dir(cfg: RunConfig, run_dir: str | None) -> RunDir:

@@ -76,6 +76,8 @@ def load_policy(checkpoint: str | Path, config: Any | None) -> tuple[HFEngine, P
     if config is None:
         run_cfg_path = ck.parent.parent / "config.yaml"
         config = load_run_config(run_cfg_path if run_cfg_path.exists() else None)
+        if not run_cfg_path.exists() and "prompt" in state:  # a policy directory (pretrain) records its layout
+            config.actor.prompt = PromptConfig(**state["prompt"])
     saved = state.get("model_config") or {k: getattr(config.model, k) for k in config.model.__dataclass_fields__}
     model_cfg = ModelConfig(**{**saved, "path": str(ck)})
     engine = HFEngine(model_cfg, EngineConfig(seed=0, max_batch=64))

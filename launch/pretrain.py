@@ -133,7 +133,8 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
     result: dict[str, Any] = {"demos": len(trajs), "samples": len(pieces), "steps": cfg.steps,
                               "final_loss": round(sum(losses[-10:]) / max(1, len(losses[-10:])), 4),
                               "seconds": round(time.monotonic() - t0, 1)}
-    path = trainer.export(out_dir, {"pretrain": {**dataclasses.asdict(cfg), **result}})
+    path = trainer.export(out_dir, {"pretrain": {**dataclasses.asdict(cfg), **result},
+                                    "prompt": dataclasses.asdict(prompt_cfg)})  # eval rebuilds the same prompts
     result["checkpoint"] = str(path)
     if cfg.eval_episodes:
         result["heldout"] = evaluate_base(path, cfg, model_cfg, prompt_cfg)

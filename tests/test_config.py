@@ -12,6 +12,9 @@ from click.testing import CliRunner
 from common import config as C
 from launch.cli import main
 from launch.config import RunConfig, load_run_config, resolve_run_dir
+from tests.conftest import REPO
+
+REPO_CONFIG = REPO / "configs" / "local.yaml"
 
 
 def test_shipped_configs_load():
@@ -101,3 +104,16 @@ def test_broker_and_env_server_roles_do_not_import_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-1000:]
+
+
+def test_relative_model_path_is_found_next_to_the_config_and_made_absolute(tmp_path, monkeypatch):
+    (tmp_path / "cfgs" / "policy").mkdir(parents=True)
+    (tmp_path / "cfgs" / "c.yaml").write_text("model:\n  path: policy\n")
+    (tmp_path / "cfgs" / "missing.yaml").write_text("model:\n  path: not-made-yet\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert load_run_config(tmp_path / "cfgs" / "c.yaml").model.path == str((tmp_path / "cfgs" / "policy").resolve())
+    assert load_run_config(tmp_path / "cfgs" / "missing.yaml").model.path == "not-made-yet"
+    assert load_run_config("../cfgs/c.yaml", ["model.path=../cfgs/policy"]).model.path == str(
+        (tmp_path / "cfgs" / "policy").resolve()), "an override is taken from the working directory"
+    assert load_run_config(REPO_CONFIG).model.path.endswith("configs/base-policy")

@@ -49,3 +49,6 @@ def test_pretrain_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
     res = evaluate(eng, suite_tasks("sim:heldout:settings_display", 2), pc, SamplingParams(temperature=0.0,
                                                                                           max_new_tokens=40), 4)
     assert res["episodes"] == 2 and "settings_display" in res["per_family"]
+    from launch.evaluate import load_policy
+
+    assert load_policy(out["checkpoint"], None)[1] == pc, "eval rebuilds the prompts the policy was cloned on"
