@@ -58,7 +58,9 @@ def test_run_trains_checkpoints_and_leaves_no_process(tmp_path):
     broker = [json.loads(x) for x in (run_dir / "metrics" / "broker.jsonl").read_text().splitlines()]
     assert max(b.get("groups_accepted", 0) for b in broker) >= 4, "groups flowed from the actors"
     hist = broker[-1]["lag_hist"]
-    eta = 2
+    import yaml
+
+    eta = yaml.safe_load((run_dir / "config.yaml").read_text())["broker"]["eta"]
     assert sum(v for k, v in hist.items() if k not in ("16+",) and int(k) > eta) == 0 and hist["16+"] == 0
     assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000004"
     assert not _children_of_run(run_dir), "no role outlived the run"
