@@ -2,7 +2,10 @@
 
 learner: train tokens/s of ``Trainer.train_step`` on synthetic trajectory groups, against the bare loop a
 user would write for the same model and the same padded tensors (forward, log-softmax gather, token-mean
-loss, backward, clip, AdamW step). ``ratio`` = ours / bare.
+loss, backward, clip, AdamW step). ``ratio`` = ours / bare. On a GPU (``--device cuda``) it also reports
+MFU: model FLOPs (6 x parameters + 12 x layers x width x sequence length, per processed token: prompt and
+output, forward and backward) per second over the device's dense bf16 peak (looked up by name, or
+``--peak-tflops``).
 
 weights: seconds per weight round to K receiver processes (header + buckets on the epoch's group; the first
 round, which forms the epoch, is reported apart), against a raw ``torch.distributed`` broadcast of the same
@@ -40,8 +43,23 @@ def _groups(n_groups: int, group_size: int, prompt_len: int, output_len: int, vo
     return out
 
 
+# Dense bf16 peaks (TFLOP/s) by device-name fragment; anything else needs --peak-tflops.
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+
+
+def peak_tflops(device: str, given: float) -> float | None:
+    if given > 0:
+        return given
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(torch.device(device))
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
 def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, prompt_len: int, output_len: int,
-                      steps: int) -> dict:
+                      steps: int, device: str = "cpu", peak: float = 0.0) -> dict:
     import torch
 
     from common.model import ModelConfig
@@ -49,20 +67,26 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
     from learner.config import LearnerConfig
     from learner.trainer import Trainer
 
+    def sync() -> None:  # GPU work is asynchronous: time what has finished
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
     heads = max(1, hidden // 16)
     model_cfg = ModelConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers, num_heads=heads,
                             num_kv_heads=heads)
-    cfg = LearnerConfig(lr=1e-5)
+    cfg = LearnerConfig(lr=1e-5, device=device)
     ours = Trainer(cfg, model_cfg)
     vocab = ours.tokenizer.vocab_size
     data = [_groups(groups, group_size, prompt_len, output_len, 256, s) for s in range(steps + 1)]
     ours.train_step(data[0])  # warm-up (allocator, kernels)
+    sync()
     t0 = time.perf_counter()
     tokens = 0
     for d in data[1:]:
         ours.eta = None
         ours.version = 0
         tokens += ours.train_step(d)["tokens"]
+    sync()
     ours_s = time.perf_counter() - t0
 
     bare = Trainer(cfg, model_cfg)  # same model, its own optimizer; the loop below is all it runs
@@ -70,7 +94,8 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
     tensors = []
     for d in data:
         samples, _ = build_samples(d, cfg.advantage, vocab, 0)
-        tensors.append([collate(mb, bare.tokenizer.pad_id) for mb in micro_batches(samples, cfg.micro_batch_tokens)])
+        tensors.append([collate(mb, bare.tokenizer.pad_id, device)
+                        for mb in micro_batches(samples, cfg.micro_batch_tokens)])
 
     def bare_step(mbs) -> None:
         opt.zero_grad(set_to_none=True)
@@ -84,18 +109,25 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
         opt.step()
 
     bare_step(tensors[0])
+    sync()
     t0 = time.perf_counter()
     bare_tokens = 0
     for mbs in tensors[1:]:
         bare_step(mbs)
         bare_tokens += sum(tb.num_tokens for tb in mbs)
+    sync()
     bare_s = time.perf_counter() - t0
     params = sum(p.numel() for p in ours.model.parameters())
+    seq = prompt_len + output_len
+    flops_per_step = groups * group_size * seq * (6 * params + 12 * layers * hidden * seq)
+    top = peak_tflops(device, peak)
     return {"params": params, "hidden": hidden, "layers": layers, "groups": groups, "group_size": group_size,
-            "prompt_len": prompt_len, "output_len": output_len, "steps": steps,
+            "prompt_len": prompt_len, "output_len": output_len, "steps": steps, "device": device,
             "train_tokens_per_s": round(tokens / ours_s, 1), "bare_tokens_per_s": round(bare_tokens / bare_s, 1),
             "ratio": round((tokens / ours_s) / (bare_tokens / bare_s), 3),
-            "step_seconds": round(ours_s / steps, 4)}
+            "step_seconds": round(ours_s / steps, 4),
+            "model_tflops_per_s": round(flops_per_step * steps / ours_s / 1e12, 4),
+            "mfu": round(flops_per_step * steps / ours_s / (top * 1e12), 4) if top else None}
 
 
 # ----- weights -----------------------------------------------------------------------------------------

@@ -254,13 +254,16 @@ def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: i
 @click.option("--prompt-len", default=256, show_default=True, help="prompt tokens per sample")
 @click.option("--output-len", default=32, show_default=True, help="sampled tokens per sample")
 @click.option("--steps", default=5, show_default=True, help="timed steps")
+@click.option("--device", default="cpu", show_default=True, help="cpu | cuda | cuda:N")
+@click.option("--peak-tflops", default=0.0, help="device peak for MFU (default: looked up for known GPUs)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def bench_learner(hidden: int, layers: int, groups: int, group_size: int, prompt_len: int, output_len: int,
-                  steps: int, as_json: bool) -> None:
-    """Learner train tokens/s vs a bare forward+backward+step of the same model and tensors."""
+                  steps: int, device: str, peak_tflops: float, as_json: bool) -> None:
+    """Learner train tokens/s vs a bare forward+backward+step of the same model and tensors (and MFU on GPUs)."""
     from launch.bench_learner import run_learner_bench
 
-    _emit(run_learner_bench(hidden, layers, groups, group_size, prompt_len, output_len, steps), as_json)
+    _emit(run_learner_bench(hidden, layers, groups, group_size, prompt_len, output_len, steps, device,
+                            peak_tflops), as_json)
 
 
 @bench.command("weights")
