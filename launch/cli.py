@@ -93,7 +93,7 @@ def learner(config: str | None, run_dir: str | None, resume: bool, overrides: tu
     """Run the learner: batches from the broker, training steps, weights to the actors, checkpoints.
 
     Several ranks (FSDP2): start every rank with torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
-    from learner.distributed import JobChannel, follow, from_environment
+    from learner.distributed import JobChannel, from_environment
     from learner.trainer import Learner, Trainer
 
     cfg = _load(config, overrides)
@@ -110,7 +110,7 @@ def learner(config: str | None, run_dir: str | None, resume: bool, overrides: tu
         # first and needs this rank for it; this rank leaves when rank 0 says stop or its connection drops.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
             signal.signal(sig, lambda *_: log.info("signal_left_to_rank0"))
-        follow(Trainer(cfg.learner, cfg.model, temperature, cfg.run.seed, dist), JobChannel(dist), log)
+        JobChannel(dist, Trainer(cfg.learner, cfg.model, temperature, cfg.run.seed, dist)).follow(log)
 
 
 @main.command()

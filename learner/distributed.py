@@ -143,16 +143,58 @@ class Job:
 
 
 class JobChannel:
-    """Rank 0 -> every other rank: one job at a time, a msgpack header plus the message's own frames.
+    """The learner ranks' steps, in one order: rank 0 ``run``s each job (announcing it to the other ranks,
+    then running it itself); the other ranks ``follow``, running each job as it arrives. On one rank
+    ``run`` just runs the job. Every job maps to one Trainer call, in ``_apply``, for all ranks alike.
 
     Wire: an int64 length, then a uint8 tensor ``[header length u32][header][frame 0][frame 1]...`` where
     the header is msgpack ``[kind, meta, [frame lengths]]``, both broadcast from rank 0 over the gloo group.
     """
 
-    def __init__(self, ctx: DistContext):
-        self.ctx = ctx
+    def __init__(self, ctx: DistContext, trainer: Any):
+        self.ctx, self.trainer = ctx, trainer
 
-    def send(self, kind: str, meta: dict | None = None, message: P.Message | None = None) -> None:
+    def run(self, kind: str, meta: dict | None = None, message: P.Message | None = None,
+            extra: dict | None = None) -> Any:
+        """Rank 0: the job on every rank; returns this rank's result. ``extra`` rides along to a "save" on
+        this rank only (the others do not write)."""
+        self._send(kind, meta, message)
+        return self._apply(Job(kind, meta or {}, message), extra)
+
+    def stop(self) -> None:
+        self._send("stop")
+
+    def follow(self, log: Any) -> None:
+        """Ranks 1..N-1: run whatever rank 0 runs, until it says stop."""
+        while True:
+            job = self._receive()
+            if job.kind == "stop":
+                log.info("learner_rank_stopping", rank=self.ctx.rank)
+                return
+            self._apply(job, None)
+
+    def _apply(self, job: Job, extra: dict | None) -> Any:
+        t, meta = self.trainer, job.meta
+        if job.kind == "rl":
+            assert isinstance(job.message, P.Batch)
+            t.eta = meta.get("eta")
+            return t.train_step(job.message.groups)
+        if job.kind == "sft":
+            assert isinstance(job.message, P.SuccessBatch)
+            return t.sft_step([s.trajectory for s in job.message.samples], float(meta["lr"]))
+        if job.kind == "advance":
+            return t.advance_without_update()
+        if job.kind == "gather":
+            return t.gather_weights()
+        if job.kind == "save":
+            return t.save(meta["root"], extra)  # collective; only rank 0 writes
+        if job.kind == "load":
+            return t.load(meta["path"])
+        if job.kind == "reset_reference":
+            return t.reset_reference()
+        raise ValueError(f"unknown learner job {job.kind!r}")
+
+    def _send(self, kind: str, meta: dict | None = None, message: P.Message | None = None) -> None:
         if kind not in JOBS:
             raise ValueError(f"unknown learner job {kind!r}")
         if not self.ctx.enabled:
@@ -165,7 +207,7 @@ class JobChannel:
         torch.distributed.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8), src=0,
                                     group=self.ctx.job_group)
 
-    def receive(self) -> Job:
+    def _receive(self) -> Job:
         size = torch.zeros(1, dtype=torch.int64)
         torch.distributed.broadcast(size, src=0, group=self.ctx.job_group)
         buf = torch.empty(int(size.item()), dtype=torch.uint8)
@@ -180,35 +222,9 @@ class JobChannel:
         return Job(kind, meta, P.decode(frames, max_bytes=None) if frames else None)  # from rank 0: trusted
 
 
-def padding_samples(count: int, pad_id: int) -> list[Any]:
-    """Samples with no loss token: a rank short of micro-batches runs these so collectives line up."""
+def padding_micro_batch(pad_id: int) -> list[Any]:
+    """One sample with no loss token: a rank short of micro-batches runs these so collectives line up."""
     from learner.batch import Sample
 
     return [Sample(np.full(2, pad_id, np.int64), 1, np.zeros(1, np.float32), np.zeros(1, np.int64),
-                   np.zeros(1, np.float32), 0.0, "", "", 0) for _ in range(count)]
-
-
-def follow(trainer: Any, channel: JobChannel, log: Any) -> None:
-    """Ranks 1..N-1: run whatever rank 0 runs, until it says stop."""
-    while True:
-        job = channel.receive()
-        if job.kind == "stop":
-            log.info("learner_rank_stopping", rank=channel.ctx.rank)
-            return
-        if job.kind == "rl":
-            assert isinstance(job.message, P.Batch)
-            trainer.eta = job.meta.get("eta")
-            trainer.train_step(job.message.groups)
-        elif job.kind == "sft":
-            assert isinstance(job.message, P.SuccessBatch)
-            trainer.sft_step([s.trajectory for s in job.message.samples], float(job.meta["lr"]))
-        elif job.kind == "advance":
-            trainer.advance_without_update()
-        elif job.kind == "gather":
-            trainer.gather_weights()
-        elif job.kind == "save":
-            trainer.save(None)  # collective; only rank 0 writes
-        elif job.kind == "load":
-            trainer.load(job.meta["path"])
-        elif job.kind == "reset_reference":
-            trainer.reset_reference()
+                   np.zeros(1, np.float32), 0.0, "", "", 0)]

@@ -30,7 +30,7 @@ from learner import checkpoint as CK
 from learner.batch import (BadBatch, Sample, build_samples, collate, loglinear_prox, micro_batches, token_entropy,
                            turn_samples)
 from learner.config import LearnerConfig
-from learner.distributed import DistContext, full_state, load_full_state, padding_samples, shard_model
+from learner.distributed import DistContext, full_state, load_full_state, padding_micro_batch, shard_model
 from learner.entropulse import Entropulse
 from learner.losses import LossConfig, LossInputs, get_loss
 
@@ -47,7 +47,7 @@ class Trainer:
     """Model, optimizer and one training step; no sockets (the ``Learner`` below adds those).
 
     With more than one learner rank (``dist``), the model is sharded with FSDP2 and every rank calls the
-    same methods in the same order (rank 0 drives, ``learner.distributed.follow`` mirrors it); each rank
+    same methods in the same order (rank 0 ``run``s each job on a ``learner.distributed.JobChannel``, the others ``follow``); each rank
     trains on its share of a step's samples.
     """
 
@@ -137,7 +137,7 @@ class Trainer:
             samples = sorted(samples, key=lambda s: len(s.ids))[dist.rank::dist.world_size]
         groups = micro_batches(samples, cfg.micro_batch_tokens)
         n = dist.max_int(len(groups))  # every rank runs as many forward/backward passes as the busiest
-        groups += [padding_samples(1, pad) for _ in range(n - len(groups))]
+        groups += [padding_micro_batch(pad) for _ in range(n - len(groups))]
         mbs = [collate(mb, pad, self.device) for mb in groups]
         k = min(updates, n)
         chunks = [mbs[i::k] for i in range(k)]
@@ -175,13 +175,9 @@ class Trainer:
                         ref = _logprobs_of(self.ref_model, tb, self.temperature)[0]
                 inp = LossInputs(lp, lp_prox, tb.behav_logprobs, tb.advantages, tb.mask, float(chunk_tokens), ref)
                 res = loss_fn(inp, loss_cfg)
-                if not torch.isfinite(res.loss):
-                    if not dist.enabled:
-                        self._count("steps_skipped_nonfinite")
-                        self.optimizer.zero_grad(set_to_none=True)
-                        return None
-                    bad = True  # the other ranks are mid-step: finish the collectives, then all skip together
-                (res.loss * loss_scale if dist.enabled else res.loss).backward()
+                # Skipped after the chunk, by every rank together (the others are mid-step in collectives).
+                bad = bad or not bool(torch.isfinite(res.loss))
+                (res.loss * loss_scale).backward()
                 ent = token_entropy(logits)
                 entropy_sum += float((ent * tb.mask).sum())
                 for key, v in res.metrics.items():
@@ -207,28 +203,25 @@ class Trainer:
         metrics = {key: v / max(total_tokens, 1) for key, v in zip(keys, values)}
         metrics.update(entropy=entropy_sum / max(total_tokens, 1), grad_norm=grad_norm, tokens=total_tokens,
                        lr=self.optimizer.param_groups[0]["lr"], version=self.version, micro_batches=len(mbs))
-        if dist.enabled and cfg.broadcast_weights:
-            self._gather_weights()
+        if cfg.broadcast_weights:
+            self.gather_weights()
         return metrics
 
-    def _gather_weights(self) -> None:
-        """Collective: rank 0 keeps the full weights the actors get (on the learner's device, as NCCL needs)."""
-        weights, _ = full_state(self.model)
-        if self.dist.is_main:
-            self._gathered = [(n, weights[n].to(self.device)) for n, _ in self.model.named_parameters()]
+    def gather_weights(self) -> None:
+        """Collective with several ranks: rank 0 keeps the full weights the actors get (on the learner's
+        device, as NCCL needs). One rank broadcasts its parameters as they are: nothing to gather."""
+        if self.dist.enabled:
+            weights, _ = full_state(self.model)
+            if self.dist.is_main:
+                self._gathered = [(n, weights[n].to(self.device)) for n, _ in self.model.named_parameters()]
 
     def weights_for_broadcast(self) -> list[tuple[str, torch.Tensor]]:
         """The current weights as (name, full tensor) in parameter order."""
         if not self.dist.enabled:
             return list(self.model.named_parameters())
-        if not self._gathered:  # no update yet (the first round): gather now (rank 0 sent a job first)
-            raise RuntimeError("no gathered weights yet: call gather_weights on every rank first")
+        if not self._gathered:
+            raise RuntimeError("no gathered weights yet: every rank must run gather_weights first")
         return self._gathered
-
-    def gather_weights(self) -> None:
-        """Collective on every rank (one rank: nothing to do)."""
-        if self.dist.enabled:
-            self._gather_weights()
 
     # ----- SFT step ------------------------------------------------------------------------------
 
@@ -263,9 +256,8 @@ class Trainer:
         weights, optim = full_state(self.model, self.optimizer)
         if not self.dist.is_main:
             return None
-        model_cfg = {**dataclasses.asdict(self.model_cfg), "path": ""}  # what eval needs to rebuild the policy
         state = {"entropulse": self.entropulse.state_dict(), "counters": self.counters,
-                 "content_version": self.content_version, "model_config": model_cfg, **(extra or {})}
+                 "content_version": self.content_version, "model_config": self._model_record(), **(extra or {})}
         return CK.save(Path(root), self.version, self.model, weights, optim, self.scheduler, state,
                        self.cfg.keep_checkpoints)
 
@@ -274,9 +266,12 @@ class Trainer:
         weights, _ = full_state(self.model)
         if not self.dist.is_main:
             return None
-        model_cfg = {**dataclasses.asdict(self.model_cfg), "path": ""}
         return CK.export_policy(Path(out), self.model, weights,
-                                {"version": self.version, "model_config": model_cfg, **(extra or {})})
+                                {"version": self.version, "model_config": self._model_record(), **(extra or {})})
+
+    def _model_record(self) -> dict:
+        """What eval needs to rebuild the policy from a checkpoint (the weights are next to it)."""
+        return {**dataclasses.asdict(self.model_cfg), "path": ""}
 
     def load(self, path: Any) -> dict:
         """Every rank reads the checkpoint (a path all ranks see) and keeps its shard."""
@@ -296,8 +291,8 @@ class Trainer:
 class Learner:
     """The learner process: a Trainer plus the broker link, weight rounds, metrics and checkpoints.
 
-    With several learner ranks this is rank 0; every step it takes is announced on ``self.jobs`` first
-    so that the other ranks (``learner.distributed.follow``) run the same step on their shards.
+    With several learner ranks this is rank 0: every trainer call goes through ``self.jobs``, which
+    announces it to the other ranks (``JobChannel.follow``) so they run the same step on their shards.
     """
 
     def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, weights: Any, net: Any, run_dir: RunDir,
@@ -309,7 +304,7 @@ class Learner:
 
         self.cfg, self.run_dir, self.log = cfg, run_dir, log
         self.trainer = Trainer(cfg, model_cfg, temperature, seed, dist)
-        self.jobs = JobChannel(self.trainer.dist)
+        self.jobs = JobChannel(self.trainer.dist, self.trainer)
         self.client = LearnerBrokerClient(net, run_dir.keys, log)
         self.sender = WeightSender(weights, log) if (weights is not None and cfg.broadcast_weights) else None
         self.metrics = MetricsWriter(run_dir.metrics / "learner.jsonl")
@@ -320,8 +315,7 @@ class Learner:
             if path is None:
                 log.warning("resume_without_checkpoint", dir=str(run_dir.checkpoints))
             else:
-                self.jobs.send("load", {"path": str(path)})
-                state = self.trainer.load(path)
+                state = self.jobs.run("load", {"path": str(path)})
                 self.client.load_state(state.get("broker_client", {}))
                 log.info("resumed", checkpoint=str(path), version=self.trainer.version,
                          phase=self.trainer.entropulse.phase)
@@ -331,8 +325,8 @@ class Learner:
         self._stop.set()
 
     def checkpoint(self) -> None:
-        self.jobs.send("save")
-        path = self.trainer.save(self.run_dir.checkpoints, {"broker_client": self.client.state()})
+        path = self.jobs.run("save", {"root": str(self.run_dir.checkpoints)},
+                             extra={"broker_client": self.client.state()})
         self.log.info("checkpoint_written", path=str(path), version=self.trainer.version)
 
     def publish(self, paused: bool = False, stop: bool = False, new_weights: bool = True) -> Any:
@@ -390,9 +384,8 @@ class Learner:
         worker = cf.ThreadPoolExecutor(1, thread_name_prefix="train")
         job: cf.Future | None = None
         job_kind = ""
-        if self.sender is not None and t.dist.enabled:  # the first round needs full weights on rank 0
-            self.jobs.send("gather")
-            t.gather_weights()
+        if self.sender is not None:  # the first round needs full weights on rank 0
+            self.jobs.run("gather")
         if self.publish(paused=t.entropulse.phase == "sft") is not None:
             job, job_kind = self._start_broadcast(), "broadcast"
         c.grant(self.cfg.prefetch)
@@ -429,7 +422,8 @@ class Learner:
                         self.log.warning("sft_phase_skipped", reason="the success store is empty")
                         self.publish()
                         continue
-                    job, job_kind = worker.submit(self._sft_step, successes), "sft"
+                    job, job_kind = worker.submit(self.jobs.run, "sft", {"lr": self.cfg.entropulse.sft_lr},
+                                                  successes), "sft"
         finally:
             if job is not None and job_kind != "broadcast":
                 job.result()  # a training step ends on its own; a round stuck on a dead peer is not waited for
@@ -439,20 +433,14 @@ class Learner:
             if finished:
                 self.publish(stop=True)
                 c.poll(1.0)
-            self.jobs.send("stop")
+            self.jobs.stop()
             self.close()
 
     def _rl_step(self, batch: P.Batch) -> dict | None:
-        self.jobs.send("rl", {"eta": self.trainer.eta}, batch)
-        m = self.trainer.train_step(batch.groups)
+        m = self.jobs.run("rl", {"eta": self.trainer.eta}, batch)
         if m is not None and "rejected" not in m:
             m.update(broker_max_lag=batch.max_lag, dropped_stale=batch.dropped_stale)
         return m
-
-    def _sft_step(self, successes: P.SuccessBatch) -> dict | None:
-        lr = self.cfg.entropulse.sft_lr
-        self.jobs.send("sft", {"lr": lr}, successes)
-        return self.trainer.sft_step([s.trajectory for s in successes.samples], lr)
 
     def _after_step(self, kind: str, m: dict | None) -> bool:
         """Main thread, after a step: metrics, phase logic, Control; True when weights should go out."""
@@ -460,8 +448,7 @@ class Learner:
         if m is None or "rejected" in m:
             if m is not None:
                 self.log.warning("batch_rejected", reason=m["rejected"])
-            self.jobs.send("advance")
-            t.advance_without_update()
+            self.jobs.run("advance")
             self._log_step(kind, {"empty": True, "version": t.version})
             self.publish(paused=t.entropulse.phase == "sft", new_weights=False)
             self._maybe_checkpoint()
@@ -473,8 +460,7 @@ class Learner:
         else:
             if t.entropulse.observe_sft() == "rl":
                 if self.cfg.entropulse.reset_reference:
-                    self.jobs.send("reset_reference")
-                    t.reset_reference()
+                    self.jobs.run("reset_reference")
                 self.log.info("phase_change", to="rl", version=t.version)
         self._log_step(kind, m)
         self._maybe_checkpoint()

@@ -24,31 +24,18 @@ pytestmark = pytest.mark.slow
 CFG = LearnerConfig(lr=1e-3, micro_batch_tokens=60, keep_checkpoints=5)
 
 
-def _script(trainer: Trainer, groups: list, successes: P.SuccessBatch, drive=None) -> list[dict]:
-    """The steps every run takes; ``drive(kind, meta, message)`` announces each one to the other ranks."""
-    drive = drive or (lambda *a: None)
-    out = []
-    drive("rl", {"eta": None}, P.Batch("b1", 0, groups[:3]))
-    out.append(trainer.train_step(groups[:3]))
-    drive("sft", {"lr": 5e-4}, successes)
-    out.append(trainer.sft_step([s.trajectory for s in successes.samples], 5e-4))
-    drive("advance", {}, None)
-    trainer.advance_without_update()
-    drive("rl", {"eta": None}, P.Batch("b2", 0, groups[3:]))
-    out.append(trainer.train_step(groups[3:]))
+def _script(jobs, groups: list, successes: P.SuccessBatch) -> list[dict]:
+    """The steps every run takes, through the job channel (one rank: it just runs them)."""
+    out = [jobs.run("rl", {"eta": None}, P.Batch("b1", 0, groups[:3])),
+           jobs.run("sft", {"lr": 5e-4}, successes)]
+    jobs.run("advance")
+    out.append(jobs.run("rl", {"eta": None}, P.Batch("b2", 0, groups[3:])))
     return out
-
-
-def _full_weights(trainer: Trainer) -> dict:
-    from learner.distributed import full_state
-
-    weights, _ = full_state(trainer.model)
-    return {k: v.clone() for k, v in weights.items()}
 
 
 def _rank_main(rank: int, port: int, workdir: str) -> None:
     from common import log as L
-    from learner.distributed import JobChannel, follow, from_environment
+    from learner.distributed import JobChannel, from_environment
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -57,26 +44,22 @@ def _rank_main(rank: int, port: int, workdir: str) -> None:
         groups, successes = pickle.load(f)
     dist = from_environment("cpu", 60)
     trainer = Trainer(CFG, TINY, dist=dist)
-    jobs = JobChannel(dist)
+    jobs = JobChannel(dist, trainer)
     if rank == 1:
-        follow(trainer, jobs, L.get())  # everything below happens here too, announced by rank 0
-        follow(trainer, jobs, L.get())  # second phase: load and one more step
+        jobs.follow(L.get())  # everything below happens here too, announced by rank 0
+        jobs.follow(L.get())  # second phase: load and one more step
         torch.distributed.destroy_process_group()
         return
-    metrics = _script(trainer, groups, successes, drive=jobs.send)
-    jobs.send("gather")
-    trainer.gather_weights()
+    metrics = _script(jobs, groups, successes)
+    jobs.run("gather")
     broadcast = {n: t.clone() for n, t in trainer.weights_for_broadcast()}
-    jobs.send("save")
-    path = trainer.save(os.path.join(workdir, "ck"))
-    jobs.send("stop")
+    path = jobs.run("save", {"root": os.path.join(workdir, "ck")})
+    jobs.stop()
     # Resume from that checkpoint on both ranks and take one more step.
-    jobs.send("load", {"path": str(path)})
-    trainer.load(path)
+    jobs.run("load", {"path": str(path)})
     nxt = groups_from(Trainer(CFG, TINY), n_groups=2, g=3, seed=9, version=trainer.version)
-    jobs.send("rl", {"eta": None}, P.Batch("b3", trainer.version, nxt))
-    after = trainer.train_step(nxt)
-    jobs.send("stop")
+    after = jobs.run("rl", {"eta": None}, P.Batch("b3", trainer.version, nxt))
+    jobs.stop()
     with open(os.path.join(workdir, "rank0.pkl"), "wb") as f:
         pickle.dump({"metrics": metrics, "broadcast": broadcast, "path": str(path), "next": after, "nxt": nxt,
                      "version": trainer.version}, f)
@@ -100,7 +83,9 @@ def test_two_fsdp_ranks_train_like_one(tmp_path):
     with open(tmp_path / "rank0.pkl", "rb") as f:
         got = pickle.load(f)
 
-    want = _script(ref, groups, successes)
+    from learner.distributed import DistContext, JobChannel
+
+    want = _script(JobChannel(DistContext(), ref), groups, successes)
     for m_ref, m_two in zip(want, got["metrics"]):
         assert m_two["tokens"] == m_ref["tokens"]
         assert _close(m_two["loss"], m_ref["loss"]) and _close(m_two["entropy"], m_ref["entropy"])
