@@ -116,7 +116,6 @@ class Actor:
             host, _, port = addr.rpartition(":")
             clients.append(EnvClient(net, host, int(port), keys, log, peer_id=f"{self.broker.actor_id}-env{len(clients)}"))
         self.env = EnvLinks(clients, cfg.env_timeout_s)
-        self.weights_cfg = weights
         self.receiver = WeightReceiver(weights, log) if weights is not None else None
         self.max_groups_total = max_groups_total  # stop after this many groups (0 = until told to stop)
         self.gen_queue: list[tuple[list[int], asyncio.Future]] = []
@@ -272,12 +271,7 @@ class Actor:
 
         def receive() -> None:
             try:
-                if hasattr(self.engine, "receive_round"):  # vLLM: its GPU workers join the round themselves
-                    version = self.engine.receive_round(r, epoch, dataclasses.asdict(self.weights_cfg))
-                else:
-                    reuse = not self.engine.has_staged()  # the last weights were copied in: reuse buffers
-                    version, tensors = self.receiver.receive(r, epoch, self.engine.named_parameters(), reuse=reuse)
-                    self.engine.load_weights(tensors, version)
+                version = self.engine.receive_round(r, epoch, self.receiver)
                 self.stats["weight_updates"] += 1
                 self.log.info("weights_received", round=r, version=version)
             except RoundFailed as exc:

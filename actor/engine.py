@@ -61,6 +61,11 @@ class Engine(Protocol):
 
     def has_staged(self) -> bool: ...
 
+    def receive_round(self, round_no: int, epoch: int, receiver: Any) -> int:
+        """Join weight round ``round_no`` of ``epoch`` (``receiver``: this actor's WeightReceiver) and
+        take its weights in; returns their version."""
+        ...
+
     def relabel(self, version: int) -> None: ...
 
     def named_parameters(self) -> list[tuple[str, Any]]: ...
@@ -129,6 +134,12 @@ class HFEngine:
         """Whether staged weights still wait for a token boundary (their buffers must not be reused yet)."""
         with self._lock:
             return self._staged is not None
+
+    def receive_round(self, round_no: int, epoch: int, receiver: Any) -> int:
+        reuse = not self.has_staged()  # the last weights were copied in: their buffers can take the next ones
+        version, tensors = receiver.receive(round_no, epoch, self.named_parameters(), reuse=reuse)
+        self.load_weights(tensors, version)
+        return version
 
     def _swap_if_staged(self) -> bool:
         with self._lock:

@@ -21,6 +21,7 @@ How it works:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -191,8 +192,11 @@ class VLLMEngine:
         """The layout a weight round must carry (HF names; tensors on the meta device)."""
         return hf_layout(self.model_cfg, self.tokenizer.vocab_size)
 
-    def receive_round(self, round_no: int, epoch: int, weights_cfg: dict) -> int:
-        """Join a weight round inside every vLLM worker; with ``interrupt``, pause in-flight requests first."""
+    def receive_round(self, round_no: int, epoch: int, receiver: Any) -> int:
+        """Join a weight round inside every vLLM worker (they receive on the GPU themselves, with the
+        receiver's settings); with ``interrupt``, pause in-flight requests first."""
+        weights_cfg = dataclasses.asdict(receiver.cfg)
+
         async def swap() -> int:
             if self.cfg.interrupt:
                 self._gate.clear()
