@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -96,9 +97,8 @@ def learner(config: str | None, run_dir: str | None, resume: bool, overrides: tu
     from learner.distributed import JobChannel, from_environment
     from learner.trainer import Learner, Trainer
 
-    cfg = _load(config, overrides)
+    cfg, rd, log = _start_role("learner", config, run_dir, overrides, int(os.environ.get("RANK", "0")))
     dist = from_environment(cfg.learner.device, cfg.learner.dist_timeout_s)
-    cfg, rd, log = _start_role("learner", config, run_dir, overrides, dist.rank)
     temperature = cfg.actor.sampling.temperature
     if dist.is_main:
         Learner(cfg.learner, cfg.model, cfg.weights, cfg.net, rd, log, temperature=temperature, seed=cfg.run.seed,
@@ -120,21 +120,14 @@ def learner(config: str | None, run_dir: str | None, resume: bool, overrides: tu
 @click.option("--resume", is_flag=True, help="continue the run in --run-dir from its latest checkpoint")
 def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bool) -> None:
     """Run every role on this machine, supervised, with a live view (e.g. configs/local.yaml learner.lr=3e-4)."""
-    from launch.local import Supervisor
+    from launch.local import Supervisor, fit_to_local_run
 
     cfg = _load(config, overrides)
     if resume and not run_dir:
         raise click.UsageError("--resume needs the --run-dir of the run to continue")
     rd = resolve_run_dir(cfg, run_dir)
-    if cfg.learner.expected_actors == 0:
-        # Every actor of this run is known: a weight round closes as soon as they all joined.
-        cfg.learner.expected_actors = cfg.local.actors
-    # Every episode in flight holds a desktop: a smaller pool makes actors queue for desktops.
-    in_flight = cfg.local.actors * cfg.actor.max_groups * cfg.broker.group_size
-    if cfg.env_server.pool_size < in_flight:
-        click.echo(f"env_server.pool_size {cfg.env_server.pool_size} -> {in_flight} (local.actors x "
-                   f"actor.max_groups x broker.group_size episodes run at once)")
-        cfg.env_server.pool_size = in_flight
+    for note in fit_to_local_run(cfg):
+        click.echo(note)
     C.dump(cfg, rd.config)
     sys.exit(Supervisor(cfg, rd.config, rd, resume).run())
 

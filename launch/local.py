@@ -60,6 +60,22 @@ class LocalConfig:
             raise ValueError("local.actors and local.learner_ranks must be >= 1")
 
 
+def fit_to_local_run(cfg: Any) -> list[str]:
+    """Settings a local run derives from its own shape (every role on this machine, their number known);
+    returns a note for each value it changed."""
+    notes = []
+    if cfg.learner.expected_actors == 0:
+        # Every actor of this run is known: a weight round closes as soon as they all joined.
+        cfg.learner.expected_actors = cfg.local.actors
+    # Every episode in flight holds a desktop: a smaller pool makes actors queue for desktops.
+    in_flight = cfg.local.actors * cfg.actor.max_groups * cfg.broker.group_size
+    if cfg.env_server.pool_size < in_flight:
+        notes.append(f"env_server.pool_size {cfg.env_server.pool_size} -> {in_flight} (local.actors x "
+                     f"actor.max_groups x broker.group_size episodes run at once)")
+        cfg.env_server.pool_size = in_flight
+    return notes
+
+
 def _die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

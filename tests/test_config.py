@@ -117,3 +117,14 @@ def test_relative_model_path_is_found_next_to_the_config_and_made_absolute(tmp_p
     assert load_run_config("../cfgs/c.yaml", ["model.path=../cfgs/policy"]).model.path == str(
         (tmp_path / "cfgs" / "policy").resolve()), "an override is taken from the working directory"
     assert load_run_config(REPO_CONFIG).model.path.endswith("configs/base-policy")
+
+
+def test_a_local_run_sizes_the_desktop_pool_and_weight_rounds_to_its_actors():
+    from launch.local import fit_to_local_run
+
+    cfg = load_run_config(REPO_CONFIG, ["env_server.pool_size=4", "local.actors=3", "actor.max_groups=2",
+                                        "broker.group_size=8", "learner.expected_actors=0"])
+    notes = fit_to_local_run(cfg)
+    assert cfg.env_server.pool_size == 48 and cfg.learner.expected_actors == 3 and "48" in notes[0]
+    big = load_run_config(REPO_CONFIG, ["env_server.pool_size=64", "learner.expected_actors=1"])
+    assert fit_to_local_run(big) == [] and big.env_server.pool_size == 64 and big.learner.expected_actors == 1

@@ -34,6 +34,13 @@ def _run(run_dir: Path, *overrides: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
+def _wait_until(p: subprocess.Popen, cond, deadline: float, what: str) -> None:
+    """Poll ``cond`` while the run is alive; fail with ``what`` past ``deadline`` (monotonic)."""
+    while not cond():
+        assert time.monotonic() < deadline and p.poll() is None, what
+        time.sleep(0.2)
+
+
 def _children_of_run(run_dir: Path) -> list[int]:
     pids = []
     for proc in Path("/proc").iterdir():
@@ -83,14 +90,10 @@ def test_a_killed_actor_is_restarted_and_sigint_stops_cleanly(tmp_path):
     try:
         log = run_dir / "logs" / "actor-0.jsonl"
         deadline = time.monotonic() + 120
-        while not (log.exists() and '"actor_ready"' in log.read_text()):
-            assert time.monotonic() < deadline and p.poll() is None
-            time.sleep(0.2)
+        _wait_until(p, lambda: log.exists() and '"actor_ready"' in log.read_text(), deadline, "no actor came up")
         pid = json.loads(log.read_text().splitlines()[0])["pid"]
         os.kill(pid, signal.SIGKILL)
-        while log.read_text().count('"actor_ready"') < 2:
-            assert time.monotonic() < deadline and p.poll() is None, "the actor was not restarted"
-            time.sleep(0.2)
+        _wait_until(p, lambda: log.read_text().count('"actor_ready"') >= 2, deadline, "the actor was not restarted")
         p.send_signal(signal.SIGINT)
         out, _ = p.communicate(timeout=120)
     finally:
@@ -111,19 +114,19 @@ def test_two_learner_ranks_train_checkpoint_and_stop_on_sigint(tmp_path):
              "local.eval_episodes=0")
     try:
         metrics = run_dir / "metrics" / "learner.jsonl"
-        deadline = time.monotonic() + 240
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            assert time.monotonic() < deadline and p.poll() is None, "no training steps"
-            time.sleep(0.5)
+
+        def trained() -> list[dict]:
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            return [r for r in map(json.loads, lines) if not r.get("empty")]
+        _wait_until(p, lambda: len(trained()) >= 3, time.monotonic() + 240, "no training steps")
         p.send_signal(signal.SIGINT)
         out, _ = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
             p.kill()
     assert p.returncode == 0, out[-3000:]
-    recs = [json.loads(x) for x in metrics.read_text().splitlines()]
-    trained = [r for r in recs if not r.get("empty")]
-    assert len(trained) >= 3 and all(r["tokens"] > 0 for r in trained)
+    steps = trained()
+    assert len(steps) >= 3 and all(r["tokens"] > 0 for r in steps)
     rounds = [json.loads(x) for x in (run_dir / "logs" / "learner-0.jsonl").read_text().splitlines()
               if '"weights_broadcast"' in x]
     assert any(r["version"] >= 2 and r["receivers"] == 1 for r in rounds), "gathered weights reached the actor"
