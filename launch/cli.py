@@ -148,8 +148,12 @@ def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, con
 
     from launch.evaluate import evaluate, load_policy, suite_tasks
 
+    try:
+        tasks = suite_tasks(suite, episodes)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     engine, prompt_cfg, sampling, max_steps = load_policy(checkpoint, _load(config, ()) if config else None)
-    result = evaluate(engine, suite_tasks(suite, episodes), prompt_cfg,
+    result = evaluate(engine, tasks, prompt_cfg,
                       dataclasses.replace(sampling, temperature=temperature), max_steps)
     result.update(checkpoint=str(checkpoint), suite=suite)
     _emit(result, as_json)

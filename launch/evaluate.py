@@ -19,14 +19,8 @@ from env_server.sim import tasks as T
 
 def suite_tasks(suite: str, episodes: int) -> list[str]:
     """``sim:<split>[:fam,...]`` -> task ids, ``episodes`` per family (seeds 0..episodes-1)."""
-    parts = suite.split(":")
-    if parts[0] != "sim" or len(parts) not in (2, 3) or parts[1] not in T.SPLITS:
-        raise ValueError(f"suite {suite!r}: expected sim:<train|heldout>[:family,...]")
-    fams = parts[2].split(",") if len(parts) == 3 else list(T.FAMILY_NAMES)
-    unknown = [f for f in fams if f not in T.FAMILIES]
-    if unknown:
-        raise ValueError(f"unknown family {unknown[0]!r}")
-    return [f"sim:{parts[1]}:{fam}/{seed}" for fam in fams for seed in range(episodes)]
+    split, fams = T.parse_suite(suite)
+    return [f"sim:{split}:{fam}/{seed}" for fam in fams for seed in range(episodes)]
 
 
 def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sampling: SamplingParams,

@@ -3,9 +3,10 @@
 Demonstrations are recorded on in-process sim desktops (``env_server.backend.demonstrate``) with the
 run's own prompt settings, so the model learns from exactly the token layout the actors will build:
 every (prompt ids, action ids + end token) of every demo step is one SFT sample. Demonstrations can be
-imperfect (``demo.detour_prob``, ``demo.wrong_choice_prob``) so that cloning alone is not the ceiling.
-The result is a normal checkpoint directory (HF-format safetensors + config) that ``model.path`` can
-point at; the same command with the same config and seed remakes it.
+imperfect (``pretrain.detour_prob``, ``pretrain.wrong_choice_prob``) so that cloning alone is not the
+ceiling. The result is a policy directory (HF-format safetensors + config + state.json with the prompt
+layout) that ``model.path`` and ``computerrl eval`` take; the same command with the same config and seed
+remakes it.
 """
 
 from __future__ import annotations

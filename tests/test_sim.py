@@ -137,9 +137,14 @@ def test_tasks_are_deterministic_and_split():
     assert T.make_task("sim:train/5").params != T.make_task("sim:heldout/5").params
     fams = [T.make_task(f"sim:train/{s}").family for s in range(len(T.FAMILY_NAMES))]
     assert sorted(fams) == sorted(T.FAMILY_NAMES), "seeds cycle through every family"
-    for bad in ("sim:train", "sim:test/1", "osworld:train/1", "sim:train:nope/1", "sim:train/-1"):
+    for bad in ("sim:train", "sim:test/1", "osworld:train/1", "sim:train:nope/1", "sim:train/-1", "/3"):
         with pytest.raises(ActionError):
             T.make_task(bad)
+    assert T.parse_suite("sim:heldout:files_delete,sheet_sum") == ("heldout", ("files_delete", "sheet_sum"))
+    assert T.parse_suite("sim:train") == ("train", T.FAMILY_NAMES)
+    for bad in ("sim", "sim:test", "sim:train:nope", "osworld:train"):
+        with pytest.raises(ActionError, match="bad suite"):
+            T.parse_suite(bad)
 
 
 def test_imperfect_demonstrations():

@@ -616,23 +616,31 @@ def _instruction(fam: Family, template: str, p: dict) -> str:
     return string.Formatter().vformat(template, (), {**p, **extra})
 
 
-def parse_task_id(task_id: str) -> tuple[str, tuple[str, ...], int]:
-    """``sim:<split>[:fam1,fam2]/<seed>`` -> (split, families, seed)."""
-    try:
-        suite, seed_s = task_id.rsplit("/", 1)
-        seed = int(seed_s)
-        parts = suite.split(":")
-        if parts[0] != "sim" or len(parts) not in (2, 3) or seed < 0:
-            raise ValueError
-        split = parts[1]
-        fams = tuple(parts[2].split(",")) if len(parts) == 3 else FAMILY_NAMES
-    except ValueError:
-        raise ActionError(f"bad task id {task_id!r}: expected sim:<train|heldout>[:family,...]/<seed>") from None
+def parse_suite(suite: str, what: str = "suite") -> tuple[str, tuple[str, ...]]:
+    """``sim:<split>[:fam1,fam2]`` -> (split, families); all families when none are named."""
+    parts = suite.split(":")
+    if parts[0] != "sim" or len(parts) not in (2, 3):
+        raise ActionError(f"bad {what} {suite!r}: expected sim:<train|heldout>[:family,...]")
+    split = parts[1]
+    fams = tuple(parts[2].split(",")) if len(parts) == 3 else FAMILY_NAMES
     if split not in SPLITS:
-        raise ActionError(f"bad task id {task_id!r}: split must be one of {', '.join(SPLITS)}")
+        raise ActionError(f"bad {what} {suite!r}: split must be one of {', '.join(SPLITS)}")
     unknown = [f for f in fams if f not in FAMILIES]
     if unknown:
-        raise ActionError(f"bad task id {task_id!r}: unknown family {unknown[0]!r}")
+        raise ActionError(f"bad {what} {suite!r}: unknown family {unknown[0]!r}")
+    return split, fams
+
+
+def parse_task_id(task_id: str) -> tuple[str, tuple[str, ...], int]:
+    """``sim:<split>[:fam1,fam2]/<seed>`` -> (split, families, seed)."""
+    suite, _, seed_s = task_id.rpartition("/")
+    try:
+        seed = int(seed_s)
+        if not suite or seed < 0:
+            raise ValueError
+    except ValueError:
+        raise ActionError(f"bad task id {task_id!r}: expected sim:<train|heldout>[:family,...]/<seed>") from None
+    split, fams = parse_suite(suite, f"task id {task_id!r}: suite")
     return split, fams, seed
 
 
