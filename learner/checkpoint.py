@@ -28,28 +28,36 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save(root: Path, version: int, model: Any, weights: dict, optimizer_state: dict, scheduler: Any, state: dict,
-         keep: int = 3) -> Path:
-    """Write one checkpoint from full (unsharded) state dicts; ``model`` supplies the HF config.
-
-    The optimizer state is keyed by parameter name, so a checkpoint resumes on any number of learner ranks.
-    """
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{version:08d}"
-    tmp = root / f".tmp-step-{version:08d}-{os.getpid()}"
+def _write_dir(final: Path, model: Any, weights: dict, state: dict, trainer: dict | None) -> Path:
+    """HF config + safetensors + state.json (+ trainer.pt) written into a temporary sibling, synced, then
+    renamed over ``final``: a kill at any moment leaves either the old directory or the new one."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-    torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}},
-               tmp / TRAINER_FILE)
-    (tmp / STATE_FILE).write_text(json.dumps({"version": version, **state}))
+    if trainer is not None:
+        torch.save(trainer, tmp / TRAINER_FILE)
+    (tmp / STATE_FILE).write_text(json.dumps(state))
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def save(root: Path, version: int, model: Any, weights: dict, optimizer_state: dict, scheduler: Any, state: dict,
+         keep: int = 3) -> Path:
+    """Write one checkpoint from full (unsharded) state dicts; ``model`` supplies the HF config.
+
+    The optimizer state is keyed by parameter name, so a checkpoint resumes on any number of learner ranks.
+    """
+    trainer = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+               "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
+    final = _write_dir(root / f"step-{version:08d}", model, weights, {"version": version, **state}, trainer)
     latest_tmp = root / ".latest.tmp"
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, root / "latest")
@@ -63,21 +71,7 @@ def save(root: Path, version: int, model: Any, weights: dict, optimizer_state: d
 def export_policy(out: Path, model: Any, weights: dict, state: dict) -> Path:
     """A weights-only policy directory (HF config + safetensors + state.json) for ``model.path`` and
     ``computerrl eval``: no optimizer state, so small enough to ship; replaced atomically."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-    (tmp / STATE_FILE).write_text(json.dumps(state))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    _fsync_dir(out.parent)
-    return out
+    return _write_dir(Path(out), model, weights, state, None)
 
 
 def latest(root: Path) -> Path | None:
