@@ -3,6 +3,8 @@
 All tensors are ``[N, T]``: one row per sample (a model turn), one column per predicted token; ``mask`` is 1
 on the tokens to train on (the sampled ones) and 0 on padding and prompt. Token-mean aggregation: sums
 are divided by the number of loss tokens in the whole step (``num_tokens``), so micro-batches add up.
+Metrics are means over the micro-batch's own loss tokens; the trainer weights them by those tokens, which
+makes them the step's means however the step was split.
 
 Decoupled GRPO (DESIGN.md), per token t::
 
@@ -64,6 +66,11 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
+def _token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of ``x`` over this micro-batch's loss tokens (a metric, detached)."""
+    return float((x.detach() * mask).sum() / mask.sum().clamp(min=1))
+
+
 def _common_metrics(inp: LossInputs, w: torch.Tensor, kept: torch.Tensor) -> dict[str, float]:
     n = inp.mask.sum().clamp(min=1)
     return {"is_weight_mean": float((w * inp.mask).sum() / n), "is_weight_max": float((w * inp.mask).max()),
@@ -79,14 +86,14 @@ def _clipped_surrogate(inp: LossInputs, cfg: LossConfig, eps_low: float, eps_hig
     pg = per_token.sum() / inp.num_tokens
     metrics = _common_metrics(inp, w, kept)
     clip_frac = ((clipped < unclipped).float() * inp.mask).sum() / inp.mask.sum().clamp(min=1)
-    metrics.update(pg_loss=float(pg.detach()), clip_frac=float(clip_frac))
+    metrics.update(pg_loss=_token_mean(per_token, inp.mask), clip_frac=float(clip_frac))
     loss = pg
     if cfg.kl_beta > 0:
         if inp.ref_logprobs is None:
             raise ValueError("kl_beta > 0 needs reference log-probs")
-        kl = (k3_kl(inp.logprobs, inp.ref_logprobs) * inp.mask).sum() / inp.num_tokens
-        loss = loss + cfg.kl_beta * kl
-        metrics["kl"] = float(kl.detach())
+        kl_tok = k3_kl(inp.logprobs, inp.ref_logprobs)
+        loss = loss + cfg.kl_beta * (kl_tok * inp.mask).sum() / inp.num_tokens
+        metrics["kl"] = _token_mean(kl_tok, inp.mask)
     return LossOutputs(loss, metrics)
 
 
@@ -104,20 +111,21 @@ def reinforce_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     """Off-policy REINFORCE: -w * u * A (no clip); pair it with the RLOO advantage."""
     w, kept = behaviour_weights(inp, cfg)
     u = torch.exp(inp.logprobs - inp.prox_logprobs.detach())
-    loss = (-w * u * inp.advantages).sum() / inp.num_tokens
+    per_token = -w * u * inp.advantages
+    loss = per_token.sum() / inp.num_tokens
     metrics = _common_metrics(inp, w, kept)
-    metrics["pg_loss"] = float(loss.detach())
+    metrics["pg_loss"] = _token_mean(per_token, inp.mask)
     if cfg.kl_beta > 0 and inp.ref_logprobs is not None:
-        kl = (k3_kl(inp.logprobs, inp.ref_logprobs) * inp.mask).sum() / inp.num_tokens
-        loss = loss + cfg.kl_beta * kl
-        metrics["kl"] = float(kl.detach())
+        kl_tok = k3_kl(inp.logprobs, inp.ref_logprobs)
+        loss = loss + cfg.kl_beta * (kl_tok * inp.mask).sum() / inp.num_tokens
+        metrics["kl"] = _token_mean(kl_tok, inp.mask)
     return LossOutputs(loss, metrics)
 
 
 def sft_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     """Cross-entropy on model tokens (Entropulse SFT phases, behaviour cloning)."""
     nll = -(inp.logprobs * inp.mask).sum() / inp.num_tokens
-    return LossOutputs(nll, {"nll": float(nll.detach())})
+    return LossOutputs(nll, {"nll": _token_mean(-inp.logprobs, inp.mask)})
 
 
 LOSSES: dict[str, LossFn] = {"grpo": grpo_loss, "ppo": ppo_loss, "reinforce": reinforce_loss, "sft": sft_loss}

@@ -135,6 +135,25 @@ def test_kl_term_and_reference_reset():
     assert m2["kl"] == pytest.approx(0.0, abs=1e-6)
 
 
+def test_step_metrics_do_not_depend_on_the_micro_batch_split():
+    """The same step in one pass and in many: loss, its terms and the weights after it agree."""
+    cfg = dataclasses.replace(LearnerConfig(lr=3e-3), loss=LossConfig(kl_beta=0.1))
+    results = []
+    for mb_tokens in (1 << 14, 40):
+        t = Trainer(dataclasses.replace(cfg, micro_batch_tokens=mb_tokens), TINY, seed=0)
+        t.train_step(groups_from(t, seed=0))  # moves the policy off its reference, so the KL is not 0
+        m = t.train_step(groups_from(t, seed=1, version=t.version))
+        results.append((m, [p.detach().clone() for p in t.model.parameters()]))
+    (one, w_one), (many, w_many) = results
+    assert one["micro_batches"] == 1 and many["micro_batches"] > 2
+    assert one["kl"] > 0
+    for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "is_weight_mean"):
+        assert many[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
+    assert one["loss"] == pytest.approx(one["pg_loss"] + 0.1 * one["kl"], rel=1e-4, abs=1e-7)
+    for a, b in zip(w_one, w_many):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_entropulse_schedule_and_adaptive_transitions():
     e = Entropulse(EntropulseConfig(mode="schedule", rl_steps=3, sft_steps=2))
     phases = []
