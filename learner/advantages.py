@@ -9,7 +9,9 @@ giving ``adv[g][i][t]`` for turn t of trajectory i of group g, selected by name 
   normalised over all the group's turns (ComputerRL's step-level GRPO).
 - ``rloo``: ``A_i = r_i - mean_{j != i} r_j`` (leave-one-out baseline), per trajectory.
 - ``batch``: ``(r - mean) / (std + 1e-6)`` over the whole batch (PPO-style, no groups).
-Then optionally ``per_task`` z-scores advantages among samples of the same task (AgentRL).
+Then optionally ``per_task`` z-scores advantages among samples of the same task (AgentRL). With
+``weighting: trajectory`` the batch builder rescales each trajectory's advantages by mean length / its length
+in loss tokens, so a long failure weighs no more than a short success in the token-mean loss.
 """
 
 from __future__ import annotations
@@ -35,10 +37,14 @@ class AdvantageConfig:
     """z-score advantages among the samples of each task in the batch"""
     drop_zero_variance: bool = True
     """leave groups whose rewards are all equal out of the loss (their advantages are all 0)"""
+    weighting: str = "token"
+    """token (every loss token counts alike: long trajectories weigh more) | trajectory (each weighs the same)"""
 
     def validate(self) -> None:
         if self.level not in ("trajectory", "step"):
             raise ValueError("advantage level must be trajectory or step")
+        if self.weighting not in ("token", "trajectory"):
+            raise ValueError("advantage weighting must be token or trajectory")
 
 
 @dataclass

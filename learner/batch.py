@@ -60,11 +60,27 @@ def build_samples(groups: list[P.TrajectoryGroup], adv_cfg: AdvantageConfig, voc
     if not keep:
         return [], stats
     adv = compute([rewards[i] for i in keep], adv_cfg)
-    samples = []
-    for gi, a in zip(keep, adv):
-        for traj, a_traj in zip(groups[gi].trajectories, a):
-            samples += turn_samples(traj, groups[gi].task_id, a_traj)
-    return samples, stats
+    per_traj = [turn_samples(traj, groups[gi].task_id, a_traj)
+                for gi, a in zip(keep, adv) for traj, a_traj in zip(groups[gi].trajectories, a)]
+    if adv_cfg.weighting == "trajectory":
+        weigh_trajectories_equally(per_traj)
+    return [s for traj in per_traj for s in traj], stats
+
+
+def weigh_trajectories_equally(per_traj: list[list[Sample]]) -> None:
+    """Scale advantages so that every trajectory carries the mean trajectory's token weight in the step's
+    token-mean. Failed episodes tend to be longer (more turns, longer outputs); counted per token, their
+    negative advantages outweigh the positive ones on tokens every trajectory shares (the call syntax),
+    which then gets pushed down. Scaling by a positive factor commutes with the PPO clip, so this is
+    exactly a per-trajectory loss weight."""
+    tokens = [sum(float(s.loss_mask.sum()) for s in traj) for traj in per_traj]
+    counted = [n for n in tokens if n > 0]
+    if not counted:
+        return
+    mean = sum(counted) / len(counted)
+    for traj, n in zip(per_traj, tokens):
+        for s in traj:
+            s.advantage *= mean / n
 
 
 def turn_samples(traj: P.Trajectory, task_id: str, advantages: list[float] | None = None) -> list[Sample]:

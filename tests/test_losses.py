@@ -138,3 +138,38 @@ def test_rloo_batch_and_per_task():
     pt = ADV.compute([g1, g2, g2], ADV.AdvantageConfig(std=False, per_task=True))
     vals = [x for traj in pt[1] + pt[2] for x in traj]
     assert sum(vals) == pytest.approx(0, abs=1e-9) and np.std(vals) == pytest.approx(1, rel=1e-3)
+
+
+def test_trajectory_weighting_gives_every_trajectory_the_same_weight():
+    import time
+    import uuid
+
+    from common import protocol as P
+    from learner.batch import build_samples
+    from tests.conftest import make_traj
+
+    # A short success (1 turn of 5 tokens) against a long failure (4 turns of 9 tokens) and a mid one.
+    trajs = [make_traj(reward=1.0, turns=1, out_len=5, seed=1), make_traj(reward=0.0, turns=4, out_len=9, seed=2),
+             make_traj(reward=0.0, turns=2, out_len=7, seed=3)]
+    group = P.TrajectoryGroup(group_id=uuid.uuid4().hex, ticket_id="t", task_id="sim:train/0", actor_id="a",
+                              trajectories=trajs, behavior_version_min=0, behavior_version_max=0,
+                              created_at=time.monotonic(), complete=True)
+
+    def weight_per_traj(weighting):
+        samples, _ = build_samples([group], ADV.AdvantageConfig(weighting=weighting), 256, 0)
+        out: dict[str, float] = {}
+        for s in samples:
+            out[s.traj_id] = out.get(s.traj_id, 0.0) + s.advantage * float(s.loss_mask.sum())
+        return [out[t.traj_id] for t in trajs]
+
+    per_token = weight_per_traj("token")
+    # Counted per token, the long failure outweighs the success that the group's advantages balance it against.
+    assert abs(per_token[1]) > 3 * abs(per_token[0]) and sum(per_token) < -20
+    per_traj = weight_per_traj("trajectory")
+    base = ADV.compute([ADV.GroupRewards("t", [1.0, 0.0, 0.0], [[1.0], [0.0] * 4, [0.0] * 2])],
+                       ADV.AdvantageConfig())[0]
+    mean_tokens = (5 + 36 + 14) / 3
+    assert per_traj == pytest.approx([base[0][0] * mean_tokens, base[1][0] * mean_tokens, base[2][0] * mean_tokens])
+    assert sum(per_traj) == pytest.approx(0, abs=1e-6), "the group's advantages cancel on shared tokens again"
+    with pytest.raises(ValueError, match="weighting"):
+        ADV.AdvantageConfig(weighting="sample").validate()
