@@ -66,7 +66,8 @@ def load_policy(checkpoint: str | Path, config: Any | None) -> tuple[HFEngine, P
     ck = Path(checkpoint)
     if (ck / "latest").exists():  # a checkpoints directory: its newest
         ck = ck / (ck / "latest").read_text().strip()
-    state = json.loads((ck / "state.json").read_text())
+    # Checkpoints and pretrain exports record their model and prompt; a plain HF directory does not.
+    state = json.loads((ck / "state.json").read_text()) if (ck / "state.json").exists() else {}
     if config is None:
         run_cfg_path = ck.parent.parent / "config.yaml"
         config = load_run_config(run_cfg_path if run_cfg_path.exists() else None)

@@ -50,6 +50,8 @@ class LocalConfig:
     """held-out episodes per family evaluated on each new checkpoint (0 = no periodic evaluation)"""
     eval_suite: str = "sim:heldout"
     """suite of the periodic evaluation"""
+    eval_start: bool = True
+    """with eval_episodes > 0, also evaluate the starting policy (model.path) as step 0 of a new run"""
     learner_ranks: int = 1
     """learner processes; above 1 the model is sharded over them with FSDP2 (gloo on CPU, NCCL on GPUs)"""
     learner_dist_port: int = 25560
@@ -151,6 +153,9 @@ class Supervisor:
         self.config_path = config_path
         self.eval_proc: subprocess.Popen | None = None
         self.eval_step = -1  # checkpoint version being (or last) evaluated
+        # The curve starts from the policy RL starts from (a fresh model from config has nothing to show).
+        start = Path(cfg.model.path) if cfg.model.path else None
+        self.start_policy = start if (self.local.eval_start and not resume and start and start.is_dir()) else None
         self.stopping = False
         self.outcome = ""
         self.t0 = time.monotonic()
@@ -326,15 +331,20 @@ class Supervisor:
                 self._event(f"held-out eval at step {self.eval_step} failed (see {out})")
             self.eval_proc = None
         pointer = self.run_dir.checkpoints / "latest"
-        if (self.stopping and not final) or not pointer.exists():
+        if self.stopping and not final:
             return
-        ckpt = self.run_dir.checkpoints / pointer.read_text().strip()
-        try:
-            step = int(ckpt.name.split("-")[-1])
-        except ValueError:
+        if self.start_policy is not None and self.eval_step < 0:
+            ckpt, step = self.start_policy, 0
+        elif not pointer.exists():
             return
-        if step <= self.eval_step:
-            return
+        else:
+            ckpt = self.run_dir.checkpoints / pointer.read_text().strip()
+            try:
+                step = int(ckpt.name.split("-")[-1])
+            except ValueError:
+                return
+            if step <= self.eval_step:
+                return
         self.eval_step = step
         args = [sys.executable, "-m", "launch.cli", "eval", "--checkpoint", str(ckpt), "--suite",
                 self.local.eval_suite, "--episodes", str(self.local.eval_episodes), "--config",

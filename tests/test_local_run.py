@@ -73,6 +73,7 @@ def test_run_trains_checkpoints_and_leaves_no_process(tmp_path):
     assert not _children_of_run(run_dir), "no role outlived the run"
     evals = [json.loads(x) for x in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
     assert evals and evals[-1]["step"] == 4 and evals[-1]["per_family"].keys() == {"files_delete"}
+    assert evals[0]["step"] == 0 and evals[0]["checkpoint"].endswith("base-policy"), "the curve starts at the base"
     assert (run_dir / "learning_curve.png").stat().st_size > 1000
     ev = subprocess.run([sys.executable, "-m", "launch.cli", "eval", "--checkpoint", str(run_dir / "checkpoints"),
                          "--suite", "sim:heldout:files_rename,sheet_sum", "--episodes", "2", "--json"],
