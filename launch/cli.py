@@ -135,7 +135,7 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
 @main.command("eval")
 @click.option("--checkpoint", required=True, type=click.Path(exists=True, file_okay=False),
               help="a checkpoint directory (step-N) or a run's checkpoints/ directory (its latest)")
-@click.option("--suite", default="sim:heldout", show_default=True, help="sim:<train|heldout>[:family,...]")
+@click.option("--suite", default="sim:heldout", show_default=True, help="sim:<train|heldout|paraphrase>[:family,...]")
 @click.option("--episodes", default=20, show_default=True, help="episodes per family")
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy")
 @click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False),
@@ -280,16 +280,20 @@ def bench_weights(params: int, receivers: int, repeats: int, bucket_mb: float, a
 @click.option("--config", "-c", default="configs/local.yaml", show_default=True, type=click.Path(exists=True))
 @click.option("--steps", default=10, show_default=True, help="learner steps in each run")
 @click.option("--eta", "async_eta", default=2, show_default=True, help="staleness bound of the asynchronous run")
-@click.option("--latency", "latency_s", default=0.05, show_default=True, help="mean injected env step delay (s)")
+@click.option("--latency", "latency_s", default=1.0, show_default=True,
+              help="mean injected env step delay (s); real desktops take 0.2-2 s a step")
 @click.option("--spread", default=0.7, show_default=True, help="lognormal sigma of per-desktop speed factors")
+@click.option("--max-groups", default=4, show_default=True, help="groups each actor keeps in flight (both runs)")
+@click.option("--eval-episodes", default=25, show_default=True, help="held-out episodes per family after each run")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.argument("overrides", nargs=-1)
-def bench_async(config: str, steps: int, async_eta: int, latency_s: float, spread: float, as_json: bool,
-                overrides: tuple[str, ...]) -> None:
+def bench_async(config: str, steps: int, async_eta: int, latency_s: float, spread: float, max_groups: int,
+                eval_episodes: int, as_json: bool, overrides: tuple[str, ...]) -> None:
     """The same learner steps synchronously (eta = 0) and asynchronously, with slow uneven desktops."""
-    from launch.bench_async import run_bench
+    from launch.bench_async import AsyncBenchSetup, run_bench
 
-    _emit(run_bench(config, steps, async_eta, latency_s, spread, list(overrides)), as_json)
+    setup = AsyncBenchSetup(steps, async_eta, latency_s, spread, max_groups, eval_episodes)
+    _emit(run_bench(config, setup, list(overrides)), as_json)
 
 
 def _emit(result: dict, as_json: bool) -> None:
