@@ -25,7 +25,7 @@ def run_actions(task: T.Task, actions) -> bool:
 @pytest.mark.parametrize("route", ["gui", "api"])
 @pytest.mark.parametrize("family", T.FAMILY_NAMES)
 def test_oracle_solves_every_seed(family, route):
-    for split in ("train", "heldout"):
+    for split in T.SPLITS:
         for seed in range(SEEDS if split == "train" else 20):
             task = T.make_task(f"sim:{split}:{family}/{seed}")
             desk = T.setup_desktop(task)
@@ -132,9 +132,12 @@ def test_tasks_are_deterministic_and_split():
     assert len({T.make_task(f"sim:train/{s}").instruction for s in range(60)}) > 50
     for fam in T.FAMILY_NAMES:
         train_templates = {T.make_task(f"sim:train:{fam}/{s}").template for s in range(40)}
-        held = {T.make_task(f"sim:heldout:{fam}/{s}").template for s in range(10)}
-        assert held == {len(T.FAMILIES[fam].templates) - 1} and held.isdisjoint(train_templates)
+        unseen = {T.make_task(f"sim:paraphrase:{fam}/{s}").template for s in range(10)}
+        assert unseen == {len(T.FAMILIES[fam].templates) - 1} and unseen.isdisjoint(train_templates)
+        held = {T.make_task(f"sim:heldout:{fam}/{s}").template for s in range(40)}
+        assert held <= train_templates and len(held) > 1
     assert T.make_task("sim:train/5").params != T.make_task("sim:heldout/5").params
+    assert T.make_task("sim:heldout/5").params == T.make_task("sim:paraphrase/5").params, "same instances"
     fams = [T.make_task(f"sim:train/{s}").family for s in range(len(T.FAMILY_NAMES))]
     assert sorted(fams) == sorted(T.FAMILY_NAMES), "seeds cycle through every family"
     for bad in ("sim:train", "sim:test/1", "osworld:train/1", "sim:train:nope/1", "sim:train/-1", "/3"):

@@ -1,9 +1,10 @@
 """Procedurally generated tasks on the sim desktop: instruction, setup, verifier and oracle per family.
 
 A task id is ``sim:<split>[:<family>,...]/<seed>``: the seed picks the family (round robin over the
-suite's families) and the instance. ``train`` and ``heldout`` differ by seed range (held-out instances
-come from a disjoint generator stream) and by instruction template (the last template of every family is
-held out). Verifiers read the final state of files and apps, never the agent's ``done()``; only the
+suite's families) and the instance. ``heldout`` instances come from a generator stream disjoint from
+``train``'s, worded with the training instruction templates; ``paraphrase`` is the same held-out instances
+worded with each family's last template, which no training split uses (generalisation to an unseen
+phrasing). Verifiers read the final state of files and apps, never the agent's ``done()``; only the
 infeasible family asks for ``fail()``, which is its right answer.
 
 Oracles are scripted policies: generators that yield one action string at a time and may look at the live
@@ -21,7 +22,7 @@ from typing import Any, Callable, Iterator
 from env_server.actions import ActionError
 from env_server.sim.desktop import CHOICES, COLS, HOME, ROWS, Desktop, format_sheet
 
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "heldout", "paraphrase")
 HELDOUT_SEED_OFFSET = 1_000_000_007  # held-out instances come from a disjoint generator stream
 
 WORDS = ("alpha", "budget", "draft", "summary", "invoice", "plan", "notes", "memo", "review", "agenda", "report",
@@ -393,15 +394,16 @@ def _verify_sort(desk, p):
     return all(_num_eq(h, w) for h, w in zip(have, want)) and got.get(f"B{len(want) + 1}", "") == ""
 
 
-def _solve_sort_dir(flip: bool):
+def _solve_sort(column: str):
+    """Sorts ``column`` in the asked order: "B" is right; the imperfect demonstrator sometimes takes "A"."""
     def solve(desk, p, route):
-        asc = p["ascending"] != flip
+        asc = p["ascending"]
         if route == "api":
             yield f"Sheet.open({'Documents/' + p['sheet']!r})"
-            yield f"Sheet.sort_column('B', ascending={asc})"
+            yield f"Sheet.sort_column({column!r}, ascending={asc})"
             return
         yield from _open_doc(desk, f"{HOME}/Documents/{p['sheet']}")
-        yield 'click("B1")'
+        yield f'click("{column}1")'
         yield f"click({'Sort Ascending' if asc else 'Sort Descending'!r})"
     return solve
 
@@ -565,7 +567,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
                           "Please sort the B column of Documents/{sheet}, {order}.",
                           "Documents/{sheet}: sort column B {order}.",
                           "Order the values of column B in Documents/{sheet} {order}."),
-           _gen_sort, _setup_sheet, _verify_sort, _solve_sort_dir(False), ambiguous=True, wrong=_solve_sort_dir(True),
+           _gen_sort, _setup_sheet, _verify_sort, _solve_sort("B"), ambiguous=True, wrong=_solve_sort("A"),
            tags=("sheet",)),
     Family("settings_display", ("{dark_word} dark mode and set the font size to {size}.",
                                 "In Settings, {dark_verb} dark mode and choose font size {size}.",
@@ -620,7 +622,7 @@ def parse_suite(suite: str, what: str = "suite") -> tuple[str, tuple[str, ...]]:
     """``sim:<split>[:fam1,fam2]`` -> (split, families); all families when none are named."""
     parts = suite.split(":")
     if parts[0] != "sim" or len(parts) not in (2, 3):
-        raise ActionError(f"bad {what} {suite!r}: expected sim:<train|heldout>[:family,...]")
+        raise ActionError(f"bad {what} {suite!r}: expected sim:<train|heldout|paraphrase>[:family,...]")
     split = parts[1]
     fams = tuple(parts[2].split(",")) if len(parts) == 3 else FAMILY_NAMES
     if split not in SPLITS:
@@ -639,7 +641,8 @@ def parse_task_id(task_id: str) -> tuple[str, tuple[str, ...], int]:
         if not suite or seed < 0:
             raise ValueError
     except ValueError:
-        raise ActionError(f"bad task id {task_id!r}: expected sim:<train|heldout>[:family,...]/<seed>") from None
+        raise ActionError(f"bad task id {task_id!r}: "
+                          "expected sim:<train|heldout|paraphrase>[:family,...]/<seed>") from None
     split, fams = parse_suite(suite, f"task id {task_id!r}: suite")
     return split, fams, seed
 
@@ -647,11 +650,13 @@ def parse_task_id(task_id: str) -> tuple[str, tuple[str, ...], int]:
 def make_task(task_id: str) -> Task:
     split, fams, seed = parse_task_id(task_id)
     fam = FAMILIES[fams[seed % len(fams)]]
-    instance = seed // len(fams) + (HELDOUT_SEED_OFFSET if split == "heldout" else 0)
+    instance = seed // len(fams) + (0 if split == "train" else HELDOUT_SEED_OFFSET)
     rng = random.Random(f"{fam.name}/{instance}")
     params = fam.generate(rng)
     n_train = len(fam.templates) - 1  # the last template is held out
-    template = n_train if split == "heldout" else rng.randrange(n_train)
+    template = rng.randrange(n_train)
+    if split == "paraphrase":
+        template = n_train
     return Task(task_id, fam.name, split, template, _instruction(fam, fam.templates[template], params), params,
                 fam.feasible, fam.max_steps)
 
