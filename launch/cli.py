@@ -103,6 +103,7 @@ def learner(config: str | None, run_dir: str | None, resume: bool, overrides: tu
     if dist.is_main:
         Learner(cfg.learner, cfg.model, cfg.weights, cfg.net, rd, log, temperature=temperature, seed=cfg.run.seed,
                 resume=resume, dist=dist).run()
+        dist.close()  # after a normal end only: a barrier with a crashed peer would just wait out the timeout
     else:
         import signal
 
@@ -111,6 +112,7 @@ def learner(config: str | None, run_dir: str | None, resume: bool, overrides: tu
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
             signal.signal(sig, lambda *_: log.info("signal_left_to_rank0"))
         JobChannel(dist, Trainer(cfg.learner, cfg.model, temperature, cfg.run.seed, dist)).follow(log)
+        dist.close()
 
 
 @main.command()

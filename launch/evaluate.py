@@ -20,7 +20,7 @@ from env_server.sim import tasks as T
 def suite_tasks(suite: str, episodes: int) -> list[str]:
     """``sim:<split>[:fam,...]`` -> task ids, ``episodes`` per family (seeds 0..episodes-1)."""
     split, fams = T.parse_suite(suite)
-    return [f"sim:{split}:{fam}/{seed}" for fam in fams for seed in range(episodes)]
+    return [f"sim:{split}:{fam}/{seed}" for fam in dict.fromkeys(fams) for seed in range(episodes)]
 
 
 def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sampling: SamplingParams,

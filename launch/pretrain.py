@@ -111,7 +111,10 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
 
     cfg.validate()
     if cfg.init == "scratch":
-        model_cfg = dataclasses.replace(model_cfg, path="", tokenizer_path=model_cfg.tokenizer_path or model_cfg.path)
+        # A scratch model still needs an hf tokenizer's files; a byte tokenizer needs none, so no host path is
+        # recorded in the checkpoint (the shipped base policy must not name the machine that made it).
+        tok_path = (model_cfg.tokenizer_path or model_cfg.path) if model_cfg.tokenizer != "byte" else ""
+        model_cfg = dataclasses.replace(model_cfg, path="", tokenizer_path=tok_path)
     trainer = Trainer(LearnerConfig(lr=cfg.lr, keep_checkpoints=1), model_cfg, seed=cfg.seed)
     t0 = time.monotonic()
     trajs = demo_trajectories(cfg, prompt_cfg, trainer.tokenizer, log)

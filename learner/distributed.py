@@ -74,6 +74,14 @@ class DistContext:
     def any(self, flag: bool) -> bool:
         return bool(self.max_int(int(flag)))
 
+    def close(self) -> None:
+        """Leave the groups together: a rank that tears its gloo pairs down while a peer is still between
+        collectives can make that peer's transport thread abort the process, so all meet at a barrier first."""
+        if not self.enabled or not torch.distributed.is_initialized():
+            return
+        torch.distributed.barrier(group=self.job_group)
+        torch.distributed.destroy_process_group()
+
 
 def from_environment(device: str, timeout_s: float) -> DistContext:
     """The learner ranks from torch.distributed's environment variables; one rank when they are absent."""

@@ -48,7 +48,7 @@ def _rank_main(rank: int, port: int, workdir: str) -> None:
     if rank == 1:
         jobs.follow(L.get())  # everything below happens here too, announced by rank 0
         jobs.follow(L.get())  # second phase: load and one more step
-        torch.distributed.destroy_process_group()
+        dist.close()
         return
     metrics = _script(jobs, groups, successes)
     jobs.run("gather")
@@ -63,7 +63,7 @@ def _rank_main(rank: int, port: int, workdir: str) -> None:
     with open(os.path.join(workdir, "rank0.pkl"), "wb") as f:
         pickle.dump({"metrics": metrics, "broadcast": broadcast, "path": str(path), "next": after, "nxt": nxt,
                      "version": trainer.version}, f)
-    torch.distributed.destroy_process_group()
+    dist.close()
 
 
 def _close(a: float, b: float) -> bool:

@@ -38,9 +38,15 @@ def test_pretrain_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
     cfg = PretrainConfig(families=["settings_display"], seeds=40, steps=25, batch_samples=16, lr=6e-3, warmup_steps=2)
     pc = PromptConfig(style="minimal", max_prompt_tokens=768)
     losses = []
-    out = pretrain(cfg, TINY, pc, tmp_path / "base", log, lambda s, n, loss: losses.append(loss))
+    # model.path names the run's starting checkpoint; a scratch pretrain ignores it and must not record it.
+    from_run = ModelConfig(**{**TINY.__dict__, "path": str(tmp_path / "some-base")})
+    out = pretrain(cfg, from_run, pc, tmp_path / "base", log, lambda s, n, loss: losses.append(loss))
     assert out["checkpoint"] == str(tmp_path / "base") and (tmp_path / "base" / "config.json").exists()
     assert not (tmp_path / "base" / "trainer.pt").exists(), "a policy directory: weights only"
+    import json
+
+    state = json.loads((tmp_path / "base" / "state.json").read_text())
+    assert state["model_config"]["tokenizer_path"] == "", "a byte-tokenizer base names no host path"
     assert losses[-1] < losses[0] * 0.7, losses
     from actor.engine import EngineConfig, HFEngine
     from actor.engine import SamplingParams
@@ -49,6 +55,9 @@ def test_pretrain_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
     res = evaluate(eng, suite_tasks("sim:heldout:settings_display", 2), pc, SamplingParams(temperature=0.0,
                                                                                           max_new_tokens=40), 4)
     assert res["episodes"] == 2 and "settings_display" in res["per_family"]
+    assert suite_tasks("sim:heldout:sheet_sort*3,editor_replace", 2) == [
+        "sim:heldout:sheet_sort/0", "sim:heldout:sheet_sort/1", "sim:heldout:editor_replace/0",
+        "sim:heldout:editor_replace/1"], "a training weight does not change what eval plays"
     from launch.evaluate import load_policy
 
     assert load_policy(out["checkpoint"], None)[1] == pc, "eval rebuilds the prompts the policy was cloned on"

@@ -145,9 +145,22 @@ def test_tasks_are_deterministic_and_split():
             T.make_task(bad)
     assert T.parse_suite("sim:heldout:files_delete,sheet_sum") == ("heldout", ("files_delete", "sheet_sum"))
     assert T.parse_suite("sim:train") == ("train", T.FAMILY_NAMES)
-    for bad in ("sim", "sim:test", "sim:train:nope", "osworld:train"):
+    for bad in ("sim", "sim:test", "sim:train:nope", "osworld:train", "sim:train:sheet_sort*0",
+                "sim:train:sheet_sort*x", "sim:train:sheet_sort*"):
         with pytest.raises(ActionError, match="bad suite"):
             T.parse_suite(bad)
+
+
+def test_weighted_suite_mixes_families_without_repeating_instances():
+    suite = "sim:train:sheet_sort*3,settings_display"
+    assert T.parse_suite(suite) == ("train", ("sheet_sort",) * 3 + ("settings_display",))
+    tasks = [T.make_task(f"{suite}/{s}") for s in range(400)]
+    sorts = [t for t in tasks if t.family == "sheet_sort"]
+    assert len(sorts) == 300, "three of every four seeds are the weighted family's"
+    # Its instances are numbered across its three slots: the 300 tasks are those of an unweighted suite.
+    assert [t.params for t in sorts] == [T.make_task(f"sim:train:sheet_sort/{s}").params for s in range(300)]
+    settings = [t.params for t in tasks if t.family == "settings_display"]
+    assert settings == [T.make_task(f"sim:train:settings_display/{s}").params for s in range(100)]
 
 
 def test_imperfect_demonstrations():

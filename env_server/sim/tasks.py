@@ -619,18 +619,28 @@ def _instruction(fam: Family, template: str, p: dict) -> str:
 
 
 def parse_suite(suite: str, what: str = "suite") -> tuple[str, tuple[str, ...]]:
-    """``sim:<split>[:fam1,fam2]`` -> (split, families); all families when none are named."""
+    """``sim:<split>[:fam1,fam2*3]`` -> (split, families); all families when none are named.
+
+    ``fam*N`` weights a family: it appears N times in the returned cycle, so N of every len(cycle) seeds
+    are its tasks (a training mix that spends more rollouts where there is more to learn)."""
     parts = suite.split(":")
     if parts[0] != "sim" or len(parts) not in (2, 3):
-        raise ActionError(f"bad {what} {suite!r}: expected sim:<train|heldout|paraphrase>[:family,...]")
+        raise ActionError(f"bad {what} {suite!r}: expected sim:<train|heldout|paraphrase>[:family[*weight],...]")
     split = parts[1]
-    fams = tuple(parts[2].split(",")) if len(parts) == 3 else FAMILY_NAMES
     if split not in SPLITS:
         raise ActionError(f"bad {what} {suite!r}: split must be one of {', '.join(SPLITS)}")
-    unknown = [f for f in fams if f not in FAMILIES]
-    if unknown:
-        raise ActionError(f"bad {what} {suite!r}: unknown family {unknown[0]!r}")
-    return split, fams
+    if len(parts) == 2:
+        return split, FAMILY_NAMES
+    fams: list[str] = []
+    for item in parts[2].split(","):
+        name, star, weight_s = item.partition("*")
+        if name not in FAMILIES:
+            raise ActionError(f"bad {what} {suite!r}: unknown family {name!r}")
+        weight = int(weight_s) if star and weight_s.isdigit() else (1 if not star else 0)
+        if not 1 <= weight <= 100:
+            raise ActionError(f"bad {what} {suite!r}: weight of {name!r} must be an integer in 1..100")
+        fams += [name] * weight
+    return split, tuple(fams)
 
 
 def parse_task_id(task_id: str) -> tuple[str, tuple[str, ...], int]:
@@ -649,8 +659,12 @@ def parse_task_id(task_id: str) -> tuple[str, tuple[str, ...], int]:
 
 def make_task(task_id: str) -> Task:
     split, fams, seed = parse_task_id(task_id)
-    fam = FAMILIES[fams[seed % len(fams)]]
-    instance = seed // len(fams) + (0 if split == "train" else HELDOUT_SEED_OFFSET)
+    slot = seed % len(fams)
+    fam = FAMILIES[fams[slot]]
+    # A family weighted N times owns N slots of the cycle; number its instances across them so none repeats.
+    copies = fams.count(fam.name)
+    instance = (seed // len(fams)) * copies + fams[:slot].count(fam.name)
+    instance += 0 if split == "train" else HELDOUT_SEED_OFFSET
     rng = random.Random(f"{fam.name}/{instance}")
     params = fam.generate(rng)
     n_train = len(fam.templates) - 1  # the last template is held out
