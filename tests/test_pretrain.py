@@ -32,6 +32,12 @@ def test_demo_samples_are_what_an_actor_would_have_prompted():
     assert EpisodePrompt(tok, pc, "x").head[0] == tok.special("<|user|>"), "minimal style: no system block"
 
 
+def test_eval_plays_each_family_of_a_weighted_suite_once():
+    assert suite_tasks("sim:heldout:sheet_sort*3,editor_replace", 2) == [
+        "sim:heldout:sheet_sort/0", "sim:heldout:sheet_sort/1", "sim:heldout:editor_replace/0",
+        "sim:heldout:editor_replace/1"], "a training weight does not change what eval plays"
+
+
 @pytest.mark.slow
 def test_pretrain_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
     log = L.setup("test", "test", 0, None, "warning", quiet=True)
@@ -55,9 +61,6 @@ def test_pretrain_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
     res = evaluate(eng, suite_tasks("sim:heldout:settings_display", 2), pc, SamplingParams(temperature=0.0,
                                                                                           max_new_tokens=40), 4)
     assert res["episodes"] == 2 and "settings_display" in res["per_family"]
-    assert suite_tasks("sim:heldout:sheet_sort*3,editor_replace", 2) == [
-        "sim:heldout:sheet_sort/0", "sim:heldout:sheet_sort/1", "sim:heldout:editor_replace/0",
-        "sim:heldout:editor_replace/1"], "a training weight does not change what eval plays"
     from launch.evaluate import load_policy
 
     assert load_policy(out["checkpoint"], None)[1] == pc, "eval rebuilds the prompts the policy was cloned on"

@@ -636,7 +636,7 @@ def parse_suite(suite: str, what: str = "suite") -> tuple[str, tuple[str, ...]]:
         name, star, weight_s = item.partition("*")
         if name not in FAMILIES:
             raise ActionError(f"bad {what} {suite!r}: unknown family {name!r}")
-        weight = int(weight_s) if star and weight_s.isdigit() else (1 if not star else 0)
+        weight = 1 if not star else int(weight_s) if weight_s.isdigit() else 0
         if not 1 <= weight <= 100:
             raise ActionError(f"bad {what} {suite!r}: weight of {name!r} must be an integer in 1..100")
         fams += [name] * weight
