@@ -2,7 +2,7 @@
 
 A backend owns one desktop. The server calls ``reset(task_id)`` at the start of an episode, ``step(text)``
 with the model's raw output each turn, ``evaluate()`` at the end, ``healthy()`` between episodes, and
-``close()`` when the desktop is retired. Real desktops (xvfb, apptainer) implement the same five methods;
+``close()`` when the desktop is retired. Real desktops (xvfb, apptainer: env_server/desktop/) implement the same five methods;
 ``blocking`` tells the server to run their calls on worker threads with a step timeout.
 """
 
@@ -93,6 +93,23 @@ class Backend:
     def close(self) -> None:
         pass
 
+    def _apply_text(self, text: str, act) -> tuple[bool, bool]:
+        """Parse the model's output and run it with ``act(action) -> result text``: counts the step, keeps the
+        result (or the error, for the next observation) in ``last_result``; returns (format_error, action_error)."""
+        self.steps += 1
+        try:
+            action = parse_action(text)
+        except ActionError as exc:
+            self.format_errors += 1
+            self.last_result = f"ERROR (format): {exc}"
+            return True, False
+        try:
+            self.last_result = act(action)
+        except ActionError as exc:
+            self.last_result = f"ERROR: {exc}"
+            return False, True
+        return False, False
+
 
 class LatencyModel:
     """Per-step delay drawn from a configured distribution, scaled per desktop for heterogeneity."""
@@ -146,20 +163,7 @@ class SimBackend(Backend):
         delay = self.latency.sample()
         if delay:
             time.sleep(delay)
-        self.steps += 1
-        format_error = action_error = False
-        try:
-            action = parse_action(text)
-        except ActionError as exc:
-            format_error = True
-            self.format_errors += 1
-            self.last_result = f"ERROR (format): {exc}"
-        else:
-            try:
-                self.last_result = self.desk.apply(action)
-            except ActionError as exc:
-                action_error = True
-                self.last_result = f"ERROR: {exc}"
+        format_error, action_error = self._apply_text(text, self.desk.apply)
         done = self.desk.outcome is not None or self.steps >= self.max_steps
         return StepResult(self.observation(), done, format_error, action_error,
                           {"outcome": self.desk.outcome, "truncated": self.desk.outcome is None and done})
@@ -269,11 +273,15 @@ def render_screenshot(desk: Desktop, fmt: str = "png") -> bytes:
 
 
 BACKENDS = {"sim": SimBackend}
+REAL_BACKENDS = ("xvfb", "apptainer")
 
 
-def make_backend(name: str, sim: SimConfig | None = None, seed: int = 0) -> Backend:
-    """A backend by name; real desktop backends register themselves in BACKENDS."""
+def make_backend(name: str, sim: SimConfig | None = None, seed: int = 0, desktop=None) -> Backend:
+    """A backend by name: ``sim`` with ``sim`` settings, ``xvfb``/``apptainer`` with ``desktop`` settings."""
+    if name in REAL_BACKENDS:
+        from env_server.desktop.backend import ApptainerBackend, XvfbBackend  # real desktops load on demand
+        return (XvfbBackend if name == "xvfb" else ApptainerBackend)(desktop, seed)
     cls = BACKENDS.get(name)
     if cls is None:
-        raise ValueError(f"unknown desktop backend {name!r}; available: {', '.join(sorted(BACKENDS))}")
+        raise ValueError(f"unknown desktop backend {name!r}; available: {', '.join(sorted(BACKENDS) + list(REAL_BACKENDS))}")
     return cls(sim, seed)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from env_server.backend import SimConfig
+from env_server.backend import BACKENDS, REAL_BACKENDS, SimConfig
+from env_server.desktop.backend import DesktopConfig
 
 
 @dataclass
@@ -16,7 +17,7 @@ class EnvServerConfig:
     port: int = 25558
     """ROUTER port for actor sessions"""
     backend: str = "sim"
-    """desktop backend of the pool: sim (real desktops, xvfb and apptainer, arrive with issue 7)"""
+    """desktop backend of the pool: sim | xvfb (bubblewrap sandboxes here) | apptainer (instances of desktop.image)"""
     pool_size: int = 16
     """most desktops (and so sessions) this server runs at once"""
     prestart: int = 0
@@ -33,8 +34,14 @@ class EnvServerConfig:
     """most requests handled per loop turn before timers run"""
     sim: SimConfig = field(default_factory=SimConfig)
     """the simulated desktop (backend: sim)"""
+    desktop: DesktopConfig = field(default_factory=DesktopConfig)
+    """real desktops (backends: xvfb, apptainer)"""
 
     def validate(self) -> None:
+        if self.backend not in (*BACKENDS, *REAL_BACKENDS):  # BACKENDS: sim and any registered extension
+            raise ValueError(f"env_server.backend must be one of {', '.join([*BACKENDS, *REAL_BACKENDS])}, "
+                             f"not {self.backend!r}")
+        self.desktop.validate()
         if self.pool_size < 1 or not 0 <= self.prestart <= self.pool_size:
             raise ValueError("need pool_size >= 1 and 0 <= prestart <= pool_size")
         if self.step_timeout_s <= 0 or self.session_idle_s <= 0:

@@ -153,7 +153,7 @@ def through_server(sessions: int, clients: int, seconds: float, screenshot: str)
 
 def run_bench(backend: str, sessions: int, clients: int, seconds: float, screenshot: str) -> dict:
     if backend != "sim":
-        raise ValueError("only the sim backend is benchmarked here (xvfb: see issue 7)")
+        raise ValueError("this bench measures the sim backend; real desktops: launch/bench_desktop.py")
     local = in_process(seconds, screenshot)
     remote = through_server(sessions, clients, seconds, screenshot)
     return {

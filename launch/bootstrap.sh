@@ -19,6 +19,14 @@ case "${1:-}" in
     shift
     marker=()
     if [ "${1:-}" = "--quick" ]; then shift; marker=(-m "not slow"); fi
+    # Real-desktop tests need Debian packages (Xvfb, bubblewrap, LibreOffice, ...): install them where we can.
+    if ! "$VENV/bin/python" -c "from env_server.desktop.sandbox import missing_packages as m; raise SystemExit(bool(m()))"; then
+      if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+        bash launch/desktop-packages.sh
+      else
+        echo "[bootstrap] real-desktop packages missing and not root: those tests will skip (sudo bash launch/desktop-packages.sh)" >&2
+      fi
+    fi
     set +e
     "$VENV/bin/python" -m pytest "${marker[@]}" "$@"
     rc=$?

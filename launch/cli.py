@@ -137,7 +137,8 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
 @main.command("eval")
 @click.option("--checkpoint", required=True, type=click.Path(exists=True, file_okay=False),
               help="a checkpoint directory (step-N) or a run's checkpoints/ directory (its latest)")
-@click.option("--suite", default="sim:heldout", show_default=True, help="sim:<train|heldout|paraphrase>[:family,...]")
+@click.option("--suite", default="sim:heldout", show_default=True,
+              help="sim:<train|heldout|paraphrase>[:family,...], or desk[:family,...] for real xvfb desktops")
 @click.option("--episodes", default=20, show_default=True, help="episodes per family")
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy")
 @click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False),
@@ -154,9 +155,10 @@ def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, con
         tasks = suite_tasks(suite, episodes)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    engine, prompt_cfg, sampling, max_steps = load_policy(checkpoint, _load(config, ()) if config else None)
-    result = evaluate(engine, tasks, prompt_cfg,
-                      dataclasses.replace(sampling, temperature=temperature), max_steps)
+    run_cfg = _load(config, ()) if config else None
+    engine, prompt_cfg, sampling, max_steps = load_policy(checkpoint, run_cfg)
+    result = evaluate(engine, tasks, prompt_cfg, dataclasses.replace(sampling, temperature=temperature), max_steps,
+                      desktop=run_cfg.env_server.desktop if run_cfg is not None else None)
     result.update(checkpoint=str(checkpoint), suite=suite)
     _emit(result, as_json)
 
@@ -215,17 +217,23 @@ def bench_broker(payload_bytes: int, persist: str, num_actors: int, groups: int,
 
 
 @bench.command("env")
-@click.option("--backend", default="sim", show_default=True, type=click.Choice(["sim"]))
+@click.option("--backend", default="sim", show_default=True, type=click.Choice(["sim", "xvfb"]))
 @click.option("--sessions", default=8, show_default=True, help="N concurrent client sessions through the server")
+@click.option("--desktops", default=16, show_default=True, help="xvfb: real desktops running at once")
+@click.option("--steps", default=1000, show_default=True, help="xvfb: solver steps over all desktops")
 @click.option("--clients", default=1, show_default=True, help="client processes sharing those sessions (an actor is one)")
 @click.option("--seconds", default=3.0, show_default=True, help="measuring time per figure")
 @click.option("--screenshot", type=click.Choice(["none", "png", "jpeg"]), default="none", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def bench_env(backend: str, sessions: int, clients: int, seconds: float, screenshot: str, as_json: bool) -> None:
-    """Desktop steps/s and resets/s in-process, then through the env_server with N concurrent sessions."""
-    from launch.bench_env import run_bench
-
-    result = run_bench(backend, sessions, clients, seconds, screenshot)
+def bench_env(backend: str, sessions: int, desktops: int, steps: int, clients: int, seconds: float, screenshot: str,
+              as_json: bool) -> None:
+    """sim: steps/s in-process vs through the env_server. xvfb: step latency, resets, concurrent desktops, memory."""
+    if backend == "xvfb":
+        from launch.bench_desktop import run_bench as run_desktop_bench
+        result = run_desktop_bench(desktops, steps)
+    else:
+        from launch.bench_env import run_bench
+        result = run_bench(backend, sessions, clients, seconds, screenshot)
     _emit(result, as_json)
 
 

@@ -1,7 +1,8 @@
 """``computerrl eval``: success rate of a checkpoint on a task suite, per family, in one process.
 
-Episodes run on in-process sim desktops (no broker, no server); all episodes of a chunk advance together
-so their generations are batched. Decoding is greedy unless a temperature is given. The prompt settings
+Episodes run on in-process desktops (no broker, no server): sim desktops for ``sim:`` suites, real xvfb
+desktops for ``desk`` suites (a few at a time, reused across chunks); all episodes of a chunk advance
+together so their generations are batched. Decoding is greedy unless a temperature is given. The prompt settings
 are the run's (its config.yaml next to the checkpoints), so a policy is judged on the prompts it saw.
 """
 
@@ -18,43 +19,66 @@ from env_server.sim import tasks as T
 
 
 def suite_tasks(suite: str, episodes: int) -> list[str]:
-    """``sim:<split>[:fam,...]`` -> task ids, ``episodes`` per family (seeds 0..episodes-1)."""
+    """``sim:<split>[:fam,...]`` or ``desk[:fam,...]`` -> task ids, ``episodes`` per family (seeds 0..N-1)."""
+    if suite.split(":")[0] == "desk":
+        from env_server.desktop import tasks as DT
+        return [f"desk:{fam}/{seed}" for fam in DT.parse_suite(suite) for seed in range(episodes)]
     split, fams = T.parse_suite(suite)
     return [f"sim:{split}:{fam}/{seed}" for fam in dict.fromkeys(fams) for seed in range(episodes)]
 
 
 def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sampling: SamplingParams,
-             max_steps: int = 0, chunk: int = 64) -> dict:
+             max_steps: int = 0, chunk: int = 64, desktop: Any = None) -> dict:
+    """Greedy (or sampled) episodes of ``task_ids``; ``desktop`` (a DesktopConfig) runs ``desk`` tasks on it."""
     per_family: dict[str, list[int]] = {}
     steps = format_errors = 0
-    for i in range(0, len(task_ids), chunk):
-        ids = task_ids[i:i + chunk]
-        envs = [SimBackend(SimConfig()) for _ in ids]
-        obs = [e.reset(t) for e, t in zip(envs, ids)]
-        prompts = [EpisodePrompt(engine.tokenizer, prompt_cfg, o["instruction"]) for o in obs]
-        active = list(range(len(ids)))
-        turn = 0
-        while active and (not max_steps or turn < max_steps):
-            gens = engine.generate([prompts[k].build(obs[k]) for k in active], sampling)
-            still = []
-            for k, g in zip(active, gens):
-                r = envs[k].step(g.text)
-                steps += 1
-                format_errors += int(r.format_error)
-                prompts[k].record(g.token_ids, str(r.obs.get("last_result", "")))
-                obs[k] = r.obs
-                if not r.done:
-                    still.append(k)
-            active = still
-            turn += 1
-        for e in envs:
-            ev = e.evaluate()
-            per_family.setdefault(ev["family"], []).append(int(ev["success"]))
+    real = bool(task_ids) and task_ids[0].startswith("desk")
+    if real:
+        from env_server.desktop.backend import DesktopConfig, XvfbBackend
+        chunk = min(chunk, 4)  # real desktops cost hundreds of MB each: a few, reused
+        pool = [XvfbBackend(desktop or DesktopConfig()) for _ in range(min(chunk, len(task_ids)))]
+    try:
+        for i in range(0, len(task_ids), chunk):
+            ids = task_ids[i:i + chunk]
+            envs = pool[:len(ids)] if real else [SimBackend(SimConfig()) for _ in ids]
+            chunk_steps, chunk_errors = _play_chunk(engine, envs, ids, prompt_cfg, sampling, max_steps, per_family)
+            steps += chunk_steps
+            format_errors += chunk_errors
+    finally:
+        for env in pool if real else ():
+            env.close()
     total = sum(sum(v) for v in per_family.values())
     n = sum(len(v) for v in per_family.values())
     return {"success_rate": round(total / max(n, 1), 4), "episodes": n,
             "per_family": {f: round(sum(v) / len(v), 4) for f, v in sorted(per_family.items())},
             "format_error_rate": round(format_errors / max(steps, 1), 4), "mean_steps": round(steps / max(n, 1), 2)}
+
+
+def _play_chunk(engine: HFEngine, envs: list, ids: list[str], prompt_cfg: PromptConfig, sampling: SamplingParams,
+                max_steps: int, per_family: dict[str, list[int]]) -> tuple[int, int]:
+    """Play one chunk of episodes in lock step (batched generation); returns (steps, format errors)."""
+    steps = format_errors = 0
+    obs = [e.reset(t) for e, t in zip(envs, ids)]
+    prompts = [EpisodePrompt(engine.tokenizer, prompt_cfg, o["instruction"]) for o in obs]
+    active = list(range(len(ids)))
+    turn = 0
+    while active and (not max_steps or turn < max_steps):
+        gens = engine.generate([prompts[k].build(obs[k]) for k in active], sampling)
+        still = []
+        for k, g in zip(active, gens):
+            r = envs[k].step(g.text)
+            steps += 1
+            format_errors += int(r.format_error)
+            prompts[k].record(g.token_ids, str(r.obs.get("last_result", "")))
+            obs[k] = r.obs
+            if not r.done:
+                still.append(k)
+        active = still
+        turn += 1
+    for e in envs:
+        ev = e.evaluate()
+        per_family.setdefault(ev["family"], []).append(int(ev["success"]))
+    return steps, format_errors
 
 
 def load_policy(checkpoint: str | Path, config: Any | None) -> tuple[HFEngine, PromptConfig, SamplingParams, int]:

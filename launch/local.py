@@ -243,6 +243,11 @@ class Supervisor:
                 self.stop(f"{role.label} exited with code {rc}; the run is resumable with --resume\n"
                           f"{self._stderr_tail(role)}")
                 return False
+            if role.name == "broker" and rc == 0:
+                # Told to stop on Control by a learner that finished: it can leave before the learner does;
+                # the learner's own exit (next passes) decides the outcome.
+                role.done = True
+                continue
             if role.name == "broker":
                 self.stop(f"the broker exited with code {rc}; the run is resumable with --resume\n"
                           f"{self._stderr_tail(role)}")

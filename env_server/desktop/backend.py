@@ -1,0 +1,434 @@
+"""Real desktop backends, ``xvfb`` (bubblewrap sandbox) and ``apptainer``: the Backend interface over the agent.
+
+One backend object owns one desktop: a host folder (the desktop's home and the agent's socket), a sandbox
+started on the first reset, and the connection to the in-desktop agent. A reset closes the task's apps,
+gives the desktop a fresh home (the task's files written into it) and opens the task's windows; LibreOffice
+keeps running between episodes, so a reset costs a document load, not an office start. Steps parse the
+model's action with the shared API-GUI parser, resolve element targets against the tree the model last saw,
+and send input or API calls to the agent. The verifier reads the files in the home the desktop saved to.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from env_server.actions import Action, ActionError
+from env_server.backend import Backend, BackendError, StepResult
+from env_server.desktop import apis
+from env_server.desktop import tasks as T
+from env_server.desktop.sandbox import (AgentActionError, AgentClient, ApptainerSandbox, BwrapSandbox, SandboxSpec,
+                                        require_packages)
+
+TREE_FIELDS = ("id", "role", "name", "bounds", "states", "value")
+APP_OF_CLASS = {"libreoffice-calc": "Calc", "libreoffice-writer": "Writer", "mousepad": "Editor",
+                "pcmanfm": "Files"}
+APP_ALIASES = {"calc": "Calc", "libreoffice calc": "Calc", "spreadsheet": "Calc", "sheet": "Calc",
+               "writer": "Writer", "libreoffice writer": "Writer", "editor": "Editor", "text editor": "Editor",
+               "mousepad": "Editor", "files": "Files", "file manager": "Files", "pcmanfm": "Files"}
+MAX_WAIT_S = 5.0
+
+
+@dataclass
+class DesktopConfig:
+    """Real desktops (backends xvfb and apptainer)."""
+
+    width: int = 1280
+    """screen width in pixels"""
+    height: int = 720
+    """screen height in pixels"""
+    screenshot: str = "jpeg"
+    """screenshot in each observation: none | jpeg | png"""
+    jpeg_quality: int = 75
+    """JPEG quality of screenshots"""
+    tree_cap: int = 300
+    """most accessibility-tree elements in an observation"""
+    child_cap: int = 60
+    """most children read per element (spreadsheets expose millions of cells)"""
+    settle_s: float = 0.03
+    """pause after an input action before observing, so apps can redraw"""
+    stable_max_s: float = 2.0
+    """after a reset, open_app or switch_window: wait up to this long for the screen to stop changing"""
+    stable_quiet_s: float = 0.3
+    """the screen counts as drawn once unchanged for this long"""
+    verify_settle_s: float = 0.5
+    """pause before the verifier reads the files: a save started by the last keypress finishes in the app"""
+    office: bool = True
+    """start LibreOffice with each desktop (a reset then only loads documents)"""
+    start_timeout_s: float = 60.0
+    """seconds for a desktop (and LibreOffice) to come up"""
+    call_timeout_s: float = 90.0
+    """seconds for one agent request (more than office_call_timeout_s)"""
+    office_call_timeout_s: float = 60.0
+    """seconds for one UNO call before LibreOffice counts as hung (first loads of 16 desktops at once take > 20 s)"""
+    home_template: str = ""
+    """host folder copied into every fresh home before the task's files (dotfiles, app settings); empty: none"""
+    work_dir: str = ""
+    """host folder for the desktops' homes and sockets (default: the system temp folder)"""
+    bwrap: str = "bwrap"
+    """bubblewrap command (xvfb backend)"""
+    apptainer: str = "apptainer"
+    """apptainer command (apptainer backend)"""
+    image: str = "desktop.sif"
+    """desktop image built from configs/desktop.def (apptainer backend)"""
+    default_max_steps: int = 0
+    """step limit per episode; 0 = the task family's own limit"""
+
+    def validate(self) -> None:
+        if self.screenshot not in ("none", "jpeg", "png"):
+            raise ValueError("desktop.screenshot must be none, jpeg or png")
+        if self.home_template and not Path(self.home_template).is_dir():
+            raise ValueError(f"desktop.home_template {self.home_template!r} is not a folder")
+        if not (320 <= self.width <= 7680 and 240 <= self.height <= 4320):
+            raise ValueError("desktop width/height out of range")
+        if self.tree_cap < 1 or self.child_cap < 1 or self.settle_s < 0:
+            raise ValueError("desktop tree_cap and child_cap must be >= 1, settle_s >= 0")
+
+
+_packages_checked = threading.Lock()
+_packages_ok: set[str] = set()
+
+
+class RealDesktopBackend(Backend):
+    """One real desktop; subclasses say which sandbox runs it."""
+
+    blocking = True
+
+    def __init__(self, cfg: DesktopConfig | None = None, seed: int = 0):
+        self.cfg = cfg or DesktopConfig()
+        self.cfg.validate()
+        self._check_packages()
+        base = self.cfg.work_dir or None
+        if base:
+            Path(base).mkdir(parents=True, exist_ok=True)
+        self.root = Path(tempfile.mkdtemp(prefix="desktop-", dir=base))
+        self.spec = SandboxSpec(self.root, self.cfg.width, self.cfg.height, self.cfg.office, self.cfg.start_timeout_s,
+                                self.cfg.office_call_timeout_s)
+        self.spec.home.mkdir()
+        self.spec.run_dir.mkdir()
+        self.sandbox = self._make_sandbox()
+        self.agent = AgentClient(self.spec.socket, self.cfg.call_timeout_s)
+        self.task: T.DesktopTask | None = None
+        self.steps = self.max_steps = self.format_errors = 0
+        self.outcome: str | None = None
+        self.last_result = ""
+        self.rows: list[list] = []
+        self.windows: list[dict] = []
+        self.app_info = ""
+        self._window_changed = False
+        self.restarts = 0  # sandboxes rebuilt by a reset because the desktop had failed
+
+    # -- subclass hooks
+    def _make_sandbox(self):
+        raise NotImplementedError
+
+    def _check_packages(self) -> None:
+        with _packages_checked:
+            if self.name not in _packages_ok:
+                require_packages(self.name)
+                _packages_ok.add(self.name)
+
+    # -- lifecycle
+    def _ensure_started(self) -> None:
+        if self.sandbox.alive() and self.agent.sock is not None:
+            return
+        self.agent.close()
+        self.sandbox.stop()
+        if self.spec.socket.exists():
+            self.spec.socket.unlink()
+        self.sandbox.start()
+        self.agent.connect(time.monotonic() + self.cfg.start_timeout_s, self.sandbox.alive)
+        self.agent.call("ping", timeout_s=self.cfg.start_timeout_s)
+
+    def _call(self, op: str, **args):
+        try:
+            return self.agent.call(op, **args)
+        except AgentActionError as exc:
+            raise ActionError(str(exc)) from None
+
+    def reset(self, task_id: str) -> dict:
+        task = T.make_task(task_id)  # a bad id is the caller's error: raise before touching the desktop
+        self._ensure_started()
+        try:
+            self.agent.call("close_apps")
+        except BackendError:  # e.g. LibreOffice hung in the last episode: a reset may rebuild the desktop
+            self.restarts += 1
+            self.agent.close()
+            self.sandbox.stop()
+            self._ensure_started()
+            self.agent.call("close_apps")
+        for child in self.spec.home.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+        if self.cfg.home_template:
+            shutil.copytree(self.cfg.home_template, self.spec.home, symlinks=True, dirs_exist_ok=True)
+        opens = T.prepare_home(self.spec.home, task)
+        self.sandbox.own(self.spec.home)
+        for app, path in opens:
+            try:
+                self.agent.call("launch", timeout_s=self.cfg.start_timeout_s + 5, app=app, path=path,
+                                timeout=self.cfg.start_timeout_s)
+            except AgentActionError as exc:
+                raise BackendError(f"task setup could not open {app} on {path}: {exc}") from None
+        self.task = task
+        self.steps = self.format_errors = 0
+        self.outcome, self.last_result = None, ""
+        self.max_steps = self.cfg.default_max_steps or task.max_steps
+        return self.observation(settle=False, stable=True)
+
+    def step(self, text: str) -> StepResult:
+        if self.task is None:
+            raise ActionError("reset the session with a task first")
+        self._window_changed = False
+        format_error, action_error = self._apply_text(text, self._act)
+        done = self.outcome is not None or self.steps >= self.max_steps
+        return StepResult(self.observation(stable=self._window_changed), done, format_error, action_error,
+                          {"outcome": self.outcome, "truncated": self.outcome is None and done})
+
+    def evaluate(self) -> dict:
+        if self.task is None:
+            raise ActionError("no episode to evaluate")
+        time.sleep(self.cfg.verify_settle_s)
+        success = T.verify(self.spec.home, self.task)
+        return {"reward": 1.0 if success else 0.0, "success": success, "family": self.task.family,
+                "steps": self.steps, "format_errors": self.format_errors, "outcome": self.outcome}
+
+    def healthy(self) -> bool:
+        if not self.sandbox.alive() or self.agent.sock is None:
+            return self.task is None and not self.sandbox.alive()  # never started is healthy; died is not
+        try:
+            h = self.agent.call("health", timeout_s=5.0)
+        except BackendError:
+            return False
+        office_ok = h.get("office") is not False if self.cfg.office else True
+        return bool(h.get("xvfb") and h.get("wm") and office_ok and all(h.get("apps", [])))
+
+    def close(self) -> None:
+        try:
+            if self.agent.sock is not None:
+                self.agent.call("shutdown", timeout_s=5.0)
+        except BackendError:
+            pass
+        self.agent.close()
+        self.sandbox.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- observation
+    def observation(self, settle: bool = True, stable: bool = False) -> dict:
+        shot = self.cfg.screenshot
+        reply = self.agent.call("observe", screenshot=shot, quality=self.cfg.jpeg_quality, cap=self.cfg.tree_cap,
+                                child_cap=self.cfg.child_cap, settle=self.cfg.settle_s if settle else 0.0,
+                                stable_max=self.cfg.stable_max_s if stable else 0.0, quiet=self.cfg.stable_quiet_s)
+        result, blob = reply if isinstance(reply, tuple) else (reply, None)
+        self.windows = result["windows"]
+        self.rows = result["tree"]["rows"]
+        self.app_info = result.get("app_info", "")
+        focused = next((w for w in self.windows if w["focused"]), None)
+        focused_app = self._app_of(focused) if focused else ""
+        api_apps = [a for a in (focused_app, "Files") if a in apis.APPS]
+        obs = {
+            "step": self.steps,
+            "instruction": self.task.instruction if self.task else "",
+            "windows": [{"id": i + 1, "app": self._app_of(w), "title": w["title"], "focused": w["focused"]}
+                        for i, w in enumerate(self.windows)],
+            "focused_app": focused_app,
+            "tree_fields": TREE_FIELDS,
+            "tree": self.rows,
+            "tree_truncated": result["tree"]["truncated"],
+            "app_info": self.app_info,
+            "text": self.render_text(),
+            "apis": [s["name"] for a in dict.fromkeys(api_apps) for s in apis.schemas_for(a)],
+            "last_result": self.last_result,
+        }
+        if blob is not None:
+            obs["screenshot"] = blob
+        return obs
+
+    @staticmethod
+    def _app_of(win: dict) -> str:
+        return APP_OF_CLASS.get(win.get("class", "").lower(), win.get("class", ""))
+
+    def render_text(self) -> str:
+        wins = " | ".join(f"[{i + 1}] {w['title']}{' (focused)' if w['focused'] else ''}"
+                          for i, w in enumerate(self.windows))
+        lines = [f"Windows: {wins or 'none'}"]
+        for row in self.rows:
+            rid, role, name, _, states, value = row
+            s = f"[{rid}] {role} \"{name}\""
+            if value is not None:
+                s += f" = {value if len(value) <= 120 else value[:117] + '...'!r}"
+            if states:
+                s += " (" + ", ".join(states) + ")"
+            lines.append(s)
+        if self.app_info:
+            lines.append(self.app_info)
+        if self.last_result:
+            lines.append(f"Last result: {self.last_result}")
+        return "\n".join(lines)
+
+    # -- actions
+    def _act(self, action: Action) -> str:
+        if action.is_api:
+            try:
+                bound = apis.bind(action.app, action.name, action.args, action.kwargs)
+            except apis.ApiArgumentError as exc:
+                raise ActionError(str(exc)) from None
+            return _short(self._call("api", app=action.app, method=action.name, args=bound))
+        name = action.name
+        if name in ("click", "double_click", "right_click"):
+            x, y = self._point(action, 0, "target")
+            button = {"left": 1, "middle": 2, "right": 3}.get(action.kwargs.get("button", "left"))
+            if button is None:
+                raise ActionError("button must be left, middle or right")
+            self._call("click", x=x, y=y, button=3 if name == "right_click" else button,
+                       count=2 if name == "double_click" else 1)
+            return f"{name} at ({x}, {y})"
+        if name == "type":
+            text = action.arg(0, "text")
+            if not isinstance(text, str):
+                raise ActionError("type needs text as a string")
+            if action.arg(1, "target") is not None:
+                x, y = self._point(action, 1, "target")
+                self._call("click", x=x, y=y)
+            if action.kwargs.get("overwrite"):
+                self._call("hotkey", keys="ctrl+a")
+            self._call("type", text=text)
+            if action.kwargs.get("enter"):
+                self._call("hotkey", keys="Return")
+            return f"typed {len(text)} character(s)"
+        if name == "hotkey":
+            keys = action.arg(0, "keys")
+            if not isinstance(keys, str) or not keys:
+                raise ActionError("hotkey needs keys such as 'ctrl+s'")
+            self._call("hotkey", keys=keys)
+            return f"pressed {keys}"
+        if name == "scroll":
+            x, y = self._point(action, 0, "target")
+            direction = action.arg(1, "direction")
+            amount = action.kwargs.get("amount", 3)
+            if not isinstance(amount, int) or isinstance(amount, bool):
+                raise ActionError("amount must be an integer")
+            self._call("scroll", x=x, y=y, direction=direction, amount=amount)
+            return f"scrolled {direction}"
+        if name == "drag":
+            x1, y1 = self._resolve(action.arg(0, "source"))
+            x2, y2 = self._resolve(action.arg(1, "destination"))
+            self._call("drag", x1=x1, y1=y1, x2=x2, y2=y2)
+            return "dragged"
+        if name in ("open_app", "switch_window"):
+            self._window_changed = True  # the next screenshot waits for the new window to be drawn
+            if name == "open_app":
+                return self._open_app(action.arg(0, "name"))
+            return self._switch_window(action.arg(0, "window"))
+        if name == "wait":
+            seconds = action.kwargs.get("seconds", action.args[0] if action.args else 1.0)
+            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
+                raise ActionError("seconds must be a number >= 0")
+            time.sleep(min(float(seconds), MAX_WAIT_S))
+            return "waited"
+        if name in ("done", "fail"):
+            self.outcome = name
+            return "episode ended"
+        raise ActionError(f"{name} is not supported on this desktop")
+
+    def _point(self, action: Action, index: int, key: str) -> tuple[int, int]:
+        if "x" in action.kwargs or "y" in action.kwargs:
+            x, y, grid = action.kwargs.get("x"), action.kwargs.get("y"), action.kwargs.get("grid")
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (x, y)):
+                raise ActionError("x and y must be numbers")
+            if grid is not None:
+                if grid != 1000:
+                    raise ActionError("grid must be 1000 (coordinates on a 0-1000 grid)")
+                x, y = x * self.cfg.width / 1000, y * self.cfg.height / 1000
+            if not (0 <= x < self.cfg.width and 0 <= y < self.cfg.height):
+                raise ActionError(f"({x}, {y}) is off the {self.cfg.width}x{self.cfg.height} screen")
+            return int(x), int(y)
+        return self._resolve(action.arg(index, key))
+
+    def _resolve(self, target) -> tuple[int, int]:
+        """The centre of an element given by id or accessible name, from the tree the model last saw."""
+        if isinstance(target, bool) or target is None:
+            raise ActionError("give an element id, an accessible name, or x= and y=")
+        if isinstance(target, int):
+            row = next((r for r in self.rows if r[0] == target), None)
+            if row is None:
+                raise ActionError(f"no element {target} in the current tree")
+        elif isinstance(target, str):
+            low = target.strip().lower()
+            candidates = [r for r in self.rows if r[2] == target] or \
+                [r for r in self.rows if r[2].lower() == low] or \
+                [r for r in self.rows if low and low in r[2].lower()]
+            candidates = [r for r in candidates if r[3][2] > 0 and r[3][3] > 0]
+            if not candidates:
+                raise ActionError(f"no visible element named {target!r}")
+            row = candidates[0]
+        else:
+            raise ActionError("targets are element ids (int) or accessible names (str)")
+        x, y, w, h = row[3]
+        cx, cy = x + w // 2, y + h // 2
+        if w <= 0 or h <= 0 or not (0 <= cx < self.cfg.width and 0 <= cy < self.cfg.height):
+            raise ActionError(f"element {row[0]} ({row[1]} {row[2]!r}) is not on screen")
+        return cx, cy
+
+    def _open_app(self, name) -> str:
+        if not isinstance(name, str):
+            raise ActionError("open_app needs an app name")
+        app = APP_ALIASES.get(name.strip().lower())
+        if app is None:
+            raise ActionError(f"unknown app {name!r}: Calc, Writer, Editor or Files")
+        for w in self.windows:
+            if self._app_of(w) == app:
+                self._call("focus", window=w["id"])
+                return f"focused {app}"
+        try:
+            self.agent.call("launch", timeout_s=self.cfg.start_timeout_s + 5, app=app, timeout=self.cfg.start_timeout_s)
+        except AgentActionError as exc:
+            raise ActionError(str(exc)) from None
+        return f"opened {app}"
+
+    def _switch_window(self, window) -> str:
+        if isinstance(window, int) and not isinstance(window, bool):
+            if not 1 <= window <= len(self.windows):
+                raise ActionError(f"no window {window}; windows are 1..{len(self.windows)}")
+            win = self.windows[window - 1]
+        elif isinstance(window, str):
+            low = window.lower()
+            win = next((w for w in self.windows if low in w["title"].lower() or low == self._app_of(w).lower()), None)
+            if win is None:
+                raise ActionError(f"no window titled {window!r}")
+        else:
+            raise ActionError("switch_window needs a window id or title")
+        self._call("focus", window=win["id"])
+        return f"switched to {win['title']}"
+
+
+def _short(out, limit: int = 2000) -> str:
+    s = out if isinstance(out, str) else repr(out)
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+class XvfbBackend(RealDesktopBackend):
+    """Real desktops in bubblewrap sandboxes on this host."""
+
+    name = "xvfb"
+
+    def _make_sandbox(self):
+        return BwrapSandbox(self.spec, self.cfg.bwrap)
+
+
+class ApptainerBackend(RealDesktopBackend):
+    """Real desktops in Apptainer instances (HPC nodes)."""
+
+    name = "apptainer"
+
+    def _check_packages(self) -> None:
+        pass  # the apps live in the image; the sandbox checks for the apptainer command and the image
+
+    def _make_sandbox(self):
+        return ApptainerSandbox(self.spec, self.cfg.image, self.cfg.apptainer)

@@ -1,0 +1,304 @@
+"""Real desktops: the API schemas, office files, tasks, the Apptainer commands, and — where the Debian packages
+are installed (``bash launch/bootstrap.sh test`` installs them as root) — the xvfb backend itself: every task's
+solver passes and doing nothing fails, the sandbox confines writes and has no network, and a crashed X server
+is detected and its desktop rebuilt while the env_server keeps serving."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from common.net import free_port
+from common.rundir import RunDir
+from env_server.actions import ActionError
+from env_server.backend import BackendError
+from env_server.client import EnvClient, EnvError
+from env_server.config import EnvServerConfig
+from env_server.desktop import apis
+from env_server.desktop import docfiles as D
+from env_server.desktop import tasks as T
+from env_server.desktop.sandbox import (ApptainerSandbox, BwrapSandbox, SandboxSpec, desktop_packages,
+                                        missing_packages, require_packages)
+from env_server.server import EnvServer
+from tests.conftest import REPO, make_net
+
+MISSING = missing_packages()
+needs_desktop = pytest.mark.skipif(bool(MISSING), reason=f"Debian packages missing: {' '.join(MISSING)} "
+                                                          "(as root: bash launch/desktop-packages.sh)")
+
+
+# ----- no packages needed -------------------------------------------------------------------------------------
+
+
+def test_api_calls_bind_by_position_and_keyword_and_reject_what_does_not_fit():
+    assert apis.bind("Calc", "set_cell_value", ("B2",), {"value": 3}) == {"cell": "B2", "value": 3}
+    assert apis.bind("Calc", "sort_range", ("A1:B4", "B"), {"ascending": False}) == \
+        {"range": "A1:B4", "column": "B", "ascending": False}
+    for args, kwargs, msg in [((), {}, "needs cell"), (("B2", 1, 2), {}, "at most"), (("B2",), {"colour": 1}, "no parameter"),
+                              ((5, 1), {}, "cell must be string"), (("B2", True), {}, "value must be")]:
+        with pytest.raises(apis.ApiArgumentError, match=msg):
+            apis.bind("Calc", "set_cell_value", args, kwargs)
+    with pytest.raises(apis.ApiArgumentError, match="has no function"):
+        apis.bind("Writer", "explode", (), {})
+    with pytest.raises(apis.ApiArgumentError, match="no app API"):
+        apis.bind("Chrome", "open", (), {})
+    assert {"Calc", "Writer", "Files"} <= set(apis.APPS)
+
+
+def test_office_files_written_for_setup_read_back_by_the_verifier_readers(tmp_path):
+    D.write_ods(tmp_path / "t.ods", [["name", "amount"], ["kim", 3], ["a & b", 2.5]])
+    assert D.sheet_cells(tmp_path / "t.ods") == {"A1": "name", "B1": "amount", "A2": "kim", "B2": 3.0,
+                                                 "A3": "a & b", "B3": 2.5}
+    D.write_odt(tmp_path / "t.odt", ["First <line>.", "Second."])
+    assert D.doc_paragraphs(tmp_path / "t.odt") == ["First <line>.", "Second."]
+    (tmp_path / "bad.ods").write_text("not a zip")
+    with pytest.raises(D.DocError):
+        D.sheet_cells(tmp_path / "bad.ods")
+    assert D.col_name(0) == "A" and D.col_name(25) == "Z" and D.col_name(26) == "AA"
+    assert D.same_number("1,234", 1234) and not D.same_number("x", 1)
+
+
+def test_the_real_suite_has_twenty_task_families_across_apps_with_deterministic_instances():
+    assert len(T.FAMILIES) >= 20
+    multi = [f for f in T.FAMILIES.values() if len(f.apps) > 1]
+    assert len(multi) >= 3
+    assert {"Calc", "Writer", "Editor", "Files"} <= {a for f in T.FAMILIES.values() for a in f.apps}
+    a, b = T.make_task("desk/7"), T.make_task("desk/7")
+    assert a.instruction == b.instruction and a.params == b.params
+    assert T.make_task("desk:calc_sort,files_move/1").family == "files_move"
+    for bad in ("desk", "desk/x", "sim:train/1", "desk:nope/1"):
+        with pytest.raises(ActionError):
+            T.make_task(bad)
+
+
+def test_a_missing_file_fails_the_verifier_instead_of_raising(tmp_path):
+    task = T.make_task("desk:calc_sum/0")
+    assert T.verify(tmp_path, task) is False
+
+
+def test_missing_packages_are_named_in_one_clear_error(tmp_path):
+    listing = tmp_path / "packages.txt"
+    listing.write_text("# comment\nxvfb   cmd:sh\nfakepkg   cmd:definitely-not-a-command-here\n"
+                       "otherpkg  file:/no/such/file\nthirdpkg py:no_such_module_xyz\n")
+    pkgs = desktop_packages(listing)
+    assert missing_packages(pkgs) == ["fakepkg", "otherpkg", "thirdpkg"]
+    with pytest.raises(BackendError, match="fakepkg otherpkg thirdpkg.*apt-get install"):
+        require_packages("xvfb", pkgs)
+
+
+def test_the_apptainer_image_installs_exactly_what_the_xvfb_backend_needs():
+    text = (REPO / "configs" / "desktop.def").read_text()
+    line = re.search(r"apt-get install -y --no-install-recommends (.+)", text).group(1)
+    assert line.split() == [pkg for _, pkg in desktop_packages()]
+    assert "Bootstrap: docker" in text and "From: debian:bookworm" in text
+
+
+def test_apptainer_commands_isolate_the_desktop_and_fail_clearly(tmp_path):
+    spec = SandboxSpec(tmp_path, 1280, 720, office=True, start_timeout_s=30)
+    box = ApptainerSandbox(spec, str(tmp_path / "desktop.sif"), apptainer="apptainer")
+    start = box.start_argv()
+    assert start[:3] == ["apptainer", "instance", "start"]
+    for flag in ("--containall", "--cleanenv", "--writable-tmpfs", "--no-home"):
+        assert flag in start
+    assert start[start.index("--network") + 1] == "none" and "--net" in start
+    assert f"{tmp_path / 'home'}:/home/user" in start and f"{tmp_path / 'run'}:/run/computerrl" in start
+    assert start[-2:] == [str(tmp_path / "desktop.sif"), box.name]
+    run = box.exec_argv()
+    assert run[:4] == ["apptainer", "exec", "--pwd", "/home/user"] and run[4] == f"instance://{box.name}"
+    assert "dbus-run-session" in run and "--office" in run
+    assert box.stop_argv() == ["apptainer", "instance", "stop", "--force", box.name]
+    with pytest.raises(BackendError, match="needs the '/nonexistent/apptainer' command"):
+        ApptainerSandbox(spec, "x.sif", apptainer="/nonexistent/apptainer").start()
+    with pytest.raises(BackendError, match="no desktop image .*apptainer build"):
+        ApptainerSandbox(spec, str(tmp_path / "missing.sif"), apptainer=shutil.which("true")).start()
+    assert not box.alive()
+    box.stop()  # never started: nothing to stop, no error
+
+
+def test_env_server_config_takes_the_real_backends():
+    EnvServerConfig(backend="xvfb").validate()
+    EnvServerConfig(backend="apptainer").validate()
+    with pytest.raises(ValueError, match="one of sim.*xvfb, apptainer"):
+        EnvServerConfig(backend="vnc").validate()
+
+
+# ----- real desktops --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def work_dir():
+    """Desktops' host folders: under /tmp, not pytest's tmp_path (0700), so a sandbox that drops root to
+    nobody can reach them."""
+    path = Path(tempfile.mkdtemp(prefix="computerrl-test-desktops-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def desktop(work_dir):
+    from env_server.desktop.backend import DesktopConfig, XvfbBackend
+    made = []
+
+    def make(**kw):
+        b = XvfbBackend(DesktopConfig(work_dir=str(work_dir), **kw))
+        made.append(b)
+        return b
+    yield make
+    for b in made:
+        b.close()
+    assert not list(work_dir.glob("desktop-*")), "a closed desktop left its folder behind"
+
+
+@pytest.mark.slow
+@needs_desktop
+def test_every_task_is_solved_by_its_solver_and_failed_by_doing_nothing(desktop):
+    backend = desktop(screenshot="jpeg")
+    results = {}
+    for i, fam in enumerate(T.FAMILIES):
+        task_id = f"desk:{fam}/{i}"
+        obs = backend.reset(task_id)
+        assert obs["instruction"] and obs["windows"], fam
+        errors = []
+        for action in T.solver(backend.task):
+            r = backend.step(action)
+            if r.action_error or r.format_error:
+                errors.append((action, r.obs["last_result"]))
+            if r.done:
+                break
+        solved = backend.evaluate()["success"]
+        backend.reset(task_id)
+        backend.step("done()")
+        idle = backend.evaluate()["success"]
+        results[fam] = (solved, idle, errors)
+    failed = {f: r for f, r in results.items() if not r[0] or r[1]}
+    assert not failed, failed
+    shot = backend.observation()["screenshot"]
+    assert shot[:2] == b"\xff\xd8"  # a JPEG
+
+
+@pytest.mark.slow
+@needs_desktop
+def test_gui_actions_drive_the_editor_and_bad_actions_are_observations(desktop, tmp_path):
+    template = tmp_path / "template"
+    (template / ".config").mkdir(parents=True)
+    (template / ".config" / "marker").write_text("from the template")
+    backend = desktop(office=False, screenshot="none", home_template=str(template))
+    (backend.spec.home / "left-over.txt").write_text("from an earlier episode")
+    obs = backend.reset("desk:editor_append/0")
+    assert (backend.spec.home / ".config" / "marker").read_text() == "from the template"
+    assert not (backend.spec.home / "left-over.txt").exists()  # a fresh home each reset
+    assert obs["focused_app"] == "Editor"
+    text_rows = [r for r in obs["tree"] if r[1] == "text" and "editable" in r[4]]
+    assert text_rows and text_rows[0][5].startswith("buy ")
+    r = backend.step(f"click({text_rows[0][0]})")
+    assert not r.action_error, r.obs["last_result"]
+    for bad, kind in [("click(9999)", "action"), ("click('No Such Button')", "action"), ("Calc.frobnicate()", "action"),
+                      ("click(x=5000, y=5)", "action"), ("import os", "format"), ("open_app('Chrome')", "action")]:
+        r = backend.step(bad)
+        assert (r.action_error if kind == "action" else r.format_error), bad
+        assert r.obs["last_result"].startswith("ERROR")
+    r = backend.step("type('Ünïcode ✓ line', enter=True)")
+    r = backend.step("hotkey('ctrl+s')")
+    time.sleep(0.5)
+    assert "Ünïcode ✓ line" in (backend.spec.home / "todo.txt").read_text()
+
+
+@pytest.mark.slow
+@needs_desktop
+def test_the_sandbox_confines_writes_to_its_home_and_has_no_network(desktop, tmp_path):
+    backend = desktop(office=False, screenshot="none")
+    backend.reset("desk:files_create_folder/0")
+    outside = tmp_path / "outside.txt"
+    for path in ("/etc/computerrl-escape", str(outside), "/usr/escape.txt"):
+        r = backend.step(f"Files.write_text({path!r}, 'escaped')")
+        assert r.action_error, (path, r.obs["last_result"])
+        assert not Path(path).exists()
+    r = backend.step("Files.write_text('/home/user/inside.txt', 'fine')")
+    assert not r.action_error and (backend.spec.home / "inside.txt").read_text() == "fine"
+    r = backend.step("Files.read_text('/etc/shadow')")
+    assert r.action_error  # the host's secrets are not readable inside
+
+    # The same sandbox command line, running a probe instead of the agent: no route out, not even to this host.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    probe = ("import socket\nfor host in ('127.0.0.1', '1.1.1.1', '8.8.8.8'):\n"
+             "    s = socket.socket(); s.settimeout(2)\n"
+             "    try:\n        s.connect((host, %d if host == '127.0.0.1' else 53)); print('CONNECTED', host)\n"
+             "    except OSError as e:\n        print('blocked', host, e.errno)\n"
+             "import os; print('HOST_REPO_VISIBLE', os.path.exists(%r))\n") % (port, str(REPO))
+    box = BwrapSandbox(backend.spec)
+    out = subprocess.run(box.argv(["python3", "-c", probe]), capture_output=True, text=True, timeout=30)
+    listener.close()
+    assert "CONNECTED" not in out.stdout, out.stdout
+    assert out.stdout.count("blocked") == 3, out.stdout + out.stderr
+    assert "HOST_REPO_VISIBLE False" in out.stdout
+
+
+@pytest.mark.slow
+@needs_desktop
+def test_a_crashed_x_server_is_detected_the_desktop_rebuilt_and_other_sessions_keep_working(tmp_path, work_dir,
+                                                                                            quiet_log):
+    net = make_net()
+    cfg = EnvServerConfig(port=free_port(), backend="xvfb", pool_size=2, metrics_interval_s=0.2,
+                          health_interval_s=0.5)
+    cfg.desktop.office = False
+    cfg.desktop.screenshot = "none"
+    cfg.desktop.work_dir = str(work_dir)
+    server = EnvServer(cfg, net, RunDir.create(tmp_path / "run"), quiet_log)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    client = EnvClient(net, "127.0.0.1", cfg.port, None, quiet_log)
+    client.connect(10)
+    try:
+        victim, bystander = client.open(), client.open()
+        client.reset(victim, "desk:editor_append/0")
+        client.reset(bystander, "desk:editor_replace/1")
+        backend = server.sessions[victim].backend
+        backend.agent.call("debug_kill", target="xvfb")
+        assert not backend.healthy()
+        with pytest.raises(EnvError, match="backend_error"):
+            client.step(victim, "type('x')")
+        r = client.step(bystander, "hotkey('ctrl+End')")  # the other desktop is untouched
+        assert "ERROR" not in r.obs["last_result"]
+        obs = client.reset(victim, "desk:editor_append/2")  # a fresh desktop for the next episode
+        assert obs["focused_app"] == "Editor"
+        assert server.counters["desktops_retired_error"] >= 1
+        assert server.counters["desktops_started"] == 3
+    finally:
+        client.close()
+        server.request_stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    deadline = time.monotonic() + 10
+    while list(work_dir.glob("desktop-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)  # retired desktops close on worker threads
+    assert not list(work_dir.glob("desktop-*"))
+
+
+@pytest.mark.slow
+@needs_desktop
+def test_eval_plays_a_policy_on_a_real_desktop_suite(work_dir):
+    import dataclasses
+
+    from env_server.desktop.backend import DesktopConfig
+    from launch.evaluate import evaluate, load_policy, suite_tasks
+
+    tasks = suite_tasks("desk:files_create_folder,editor_append", 1)
+    assert tasks == ["desk:files_create_folder/0", "desk:editor_append/0"]
+    engine, prompt_cfg, sampling, _ = load_policy(REPO / "configs" / "base-policy", None)
+    result = evaluate(engine, tasks, prompt_cfg, dataclasses.replace(sampling, temperature=0.0), max_steps=2,
+                      desktop=DesktopConfig(office=False, screenshot="none", work_dir=str(work_dir)))
+    assert result["episodes"] == 2 and set(result["per_family"]) == {"files_create_folder", "editor_append"}
+    assert 0.0 <= result["success_rate"] <= 1.0 and result["mean_steps"] <= 2
+    assert not list(work_dir.glob("desktop-*"))  # the desktops were closed
