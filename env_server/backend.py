@@ -2,8 +2,8 @@
 
 A backend owns one desktop. The server calls ``reset(task_id)`` at the start of an episode, ``step(text)``
 with the model's raw output each turn, ``evaluate()`` at the end, ``healthy()`` between episodes, and
-``close()`` when the desktop is retired. Real desktops (xvfb, apptainer: env_server/desktop/) implement the same five methods;
-``blocking`` tells the server to run their calls on worker threads with a step timeout.
+``close()`` when the desktop is retired. Real desktops (xvfb, apptainer: env_server/desktop/) implement the same
+five methods; ``blocking`` tells the server to run their calls on worker threads with a step timeout.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from env_server.actions import ActionError, gui_action_help, parse_action
 from env_server.sim import tasks as T
@@ -272,16 +273,24 @@ def render_screenshot(desk: Desktop, fmt: str = "png") -> bytes:
     return buf.getvalue()
 
 
-BACKENDS = {"sim": SimBackend}
-REAL_BACKENDS = ("xvfb", "apptainer")
+def _real_desktop(class_name: str):
+    def make(cfg, seed: int) -> Backend:
+        from env_server.desktop import backend as real  # loaded on demand: sim-only runs never import it
+        return getattr(real, class_name)(cfg.desktop, seed)
+    return make
 
 
-def make_backend(name: str, sim: SimConfig | None = None, seed: int = 0, desktop=None) -> Backend:
-    """A backend by name: ``sim`` with ``sim`` settings, ``xvfb``/``apptainer`` with ``desktop`` settings."""
-    if name in REAL_BACKENDS:
-        from env_server.desktop.backend import ApptainerBackend, XvfbBackend  # real desktops load on demand
-        return (XvfbBackend if name == "xvfb" else ApptainerBackend)(desktop, seed)
-    cls = BACKENDS.get(name)
-    if cls is None:
-        raise ValueError(f"unknown desktop backend {name!r}; available: {', '.join(sorted(BACKENDS) + list(REAL_BACKENDS))}")
-    return cls(sim, seed)
+# name -> factory(env_server config, desktop seed); an extension registers its own factory here.
+BACKENDS: dict[str, Callable[[Any, int], Backend]] = {
+    "sim": lambda cfg, seed: SimBackend(cfg.sim, seed),
+    "xvfb": _real_desktop("XvfbBackend"),
+    "apptainer": _real_desktop("ApptainerBackend"),
+}
+
+
+def make_backend(name: str, cfg, seed: int = 0) -> Backend:
+    """A backend by name, built from the env_server config's section for it (``sim`` or ``desktop``)."""
+    factory = BACKENDS.get(name)
+    if factory is None:
+        raise ValueError(f"unknown desktop backend {name!r}; available: {', '.join(sorted(BACKENDS))}")
+    return factory(cfg, seed)

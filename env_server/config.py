@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from env_server.backend import BACKENDS, REAL_BACKENDS, SimConfig
+from env_server.backend import BACKENDS, SimConfig
 from env_server.desktop.backend import DesktopConfig
 
 
@@ -38,9 +38,8 @@ class EnvServerConfig:
     """real desktops (backends: xvfb, apptainer)"""
 
     def validate(self) -> None:
-        if self.backend not in (*BACKENDS, *REAL_BACKENDS):  # BACKENDS: sim and any registered extension
-            raise ValueError(f"env_server.backend must be one of {', '.join([*BACKENDS, *REAL_BACKENDS])}, "
-                             f"not {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"env_server.backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
         self.desktop.validate()
         if self.pool_size < 1 or not 0 <= self.prestart <= self.pool_size:
             raise ValueError("need pool_size >= 1 and 0 <= prestart <= pool_size")

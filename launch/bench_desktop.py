@@ -16,7 +16,6 @@ import os
 import statistics
 import threading
 import time
-from pathlib import Path
 
 from env_server.desktop import tasks as T
 from env_server.desktop.backend import DesktopConfig, XvfbBackend
@@ -163,5 +162,4 @@ def run_bench(desktops: int, steps: int, latency_steps: int = 60, resets: int = 
     out.update(office_resets(resets))
     out.update(concurrent(desktops, steps))
     out["host_cpus"] = os.cpu_count()
-    out["work_dir"] = str(Path(os.environ.get("TMPDIR", "/tmp")))
     return out

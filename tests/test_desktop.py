@@ -66,6 +66,32 @@ def test_office_files_written_for_setup_read_back_by_the_verifier_readers(tmp_pa
     assert D.same_number("1,234", 1234) and not D.same_number("x", 1)
 
 
+def test_odt_fonts_resolve_span_over_paragraph_over_parents_over_defaults(tmp_path):
+    import zipfile
+    ns = ('xmlns:office="urn:oasis:names:tc:opendocument:xmlns:office:1.0" '
+          'xmlns:style="urn:oasis:names:tc:opendocument:xmlns:style:1.0" '
+          'xmlns:text="urn:oasis:names:tc:opendocument:xmlns:text:1.0" '
+          'xmlns:fo="urn:oasis:names:tc:opendocument:xmlns:xsl-fo-compatible:1.0"')
+    styles = (f'<office:document-styles {ns}><office:styles>'
+              '<style:default-style style:family="paragraph"><style:text-properties style:font-name="Sans" '
+              'fo:font-size="12pt"/></style:default-style>'
+              '<style:style style:name="Body" style:family="paragraph"><style:text-properties '
+              'style:font-name="Serif"/></style:style></office:styles></office:document-styles>')
+    content = (f'<office:document-content {ns}><office:automatic-styles>'
+               '<style:style style:name="P1" style:family="paragraph" style:parent-style-name="Body">'
+               '<style:text-properties fo:font-size="14pt"/></style:style>'
+               '<style:style style:name="T1" style:family="text"><style:text-properties fo:font-weight="bold"/>'
+               '</style:style></office:automatic-styles><office:body><office:text>'
+               '<text:p text:style-name="P1">plain <text:span text:style-name="T1">bold</text:span> tail</text:p>'
+               '<text:p>unstyled</text:p></office:text></office:body></office:document-content>')
+    with zipfile.ZipFile(tmp_path / "f.odt", "w") as z:
+        z.writestr("mimetype", "application/vnd.oasis.opendocument.text")
+        z.writestr("content.xml", content)
+        z.writestr("styles.xml", styles)
+    assert D.odt_text_fonts(tmp_path / "f.odt") == [
+        ("plain ", "Serif", 14.0), ("bold", "Serif", 14.0), (" tail", "Serif", 14.0), ("unstyled", "Sans", 12.0)]
+
+
 def test_the_real_suite_has_twenty_task_families_across_apps_with_deterministic_instances():
     assert len(T.FAMILIES) >= 20
     multi = [f for f in T.FAMILIES.values() if len(f.apps) > 1]
@@ -102,7 +128,7 @@ def test_the_apptainer_image_installs_exactly_what_the_xvfb_backend_needs():
 
 
 def test_apptainer_commands_isolate_the_desktop_and_fail_clearly(tmp_path):
-    spec = SandboxSpec(tmp_path, 1280, 720, office=True, start_timeout_s=30)
+    spec = SandboxSpec(tmp_path, 1280, 720, office=True, start_timeout_s=30, office_call_timeout_s=60)
     box = ApptainerSandbox(spec, str(tmp_path / "desktop.sif"), apptainer="apptainer")
     start = box.start_argv()
     assert start[:3] == ["apptainer", "instance", "start"]

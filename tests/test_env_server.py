@@ -38,7 +38,7 @@ class ExplodingBackend(B.SimBackend):
 
 @pytest.fixture
 def env_server(tmp_path, quiet_log, monkeypatch):
-    monkeypatch.setitem(B.BACKENDS, "exploding", ExplodingBackend)
+    monkeypatch.setitem(B.BACKENDS, "exploding", lambda cfg, seed: ExplodingBackend(cfg.sim, seed))
     started = []
 
     def _start(**kw):

@@ -36,9 +36,10 @@ from docfiles import col_name  # noqa: E402
 
 OFFICE_PIPE = "computerrl-office"
 OFFICE_PROFILE = "file:///tmp/office-profile"  # outside the home, so a reset's fresh home keeps it warm
-FILTERS = {"ods": "calc8", "xlsx": "Calc MS Excel 2007 XML", "csv": "Text - txt - csv (StarCalc)",
-           "odt": "writer8", "docx": "MS Word 2007 XML", "txt": "Text", "pdf": None}
-PDF_FILTER = {"Calc": "calc_pdf_Export", "Writer": "writer_pdf_Export"}
+# app -> file extension -> LibreOffice export filter; an app saves in exactly these formats.
+FILTERS = {"Calc": {"ods": "calc8", "xlsx": "Calc MS Excel 2007 XML", "csv": "Text - txt - csv (StarCalc)",
+                    "pdf": "calc_pdf_Export"},
+           "Writer": {"odt": "writer8", "docx": "MS Word 2007 XML", "txt": "Text", "pdf": "writer_pdf_Export"}}
 KEY_NAMES = {"ctrl": "Control_L", "control": "Control_L", "shift": "Shift_L", "alt": "Alt_L", "super": "Super_L",
              "win": "Super_L", "meta": "Super_L", "enter": "Return", "return": "Return", "esc": "Escape",
              "escape": "Escape", "tab": "Tab", "backspace": "BackSpace", "delete": "Delete", "del": "Delete",
@@ -88,7 +89,7 @@ class Display:
         self.root = self.d.screen().root
         self.atoms = {n: self.d.intern_atom(n) for n in (
             "_NET_CLIENT_LIST", "_NET_ACTIVE_WINDOW", "_NET_WM_NAME", "_NET_WM_PID", "UTF8_STRING",
-            "_NET_SUPPORTING_WM_CHECK", "_NET_CLOSE_WINDOW")}
+            "_NET_SUPPORTING_WM_CHECK")}
         self.wm = subprocess.Popen([wm], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if wm else None
         deadline = time.monotonic() + 10
         while wm and self.root.get_full_property(self.atoms["_NET_SUPPORTING_WM_CHECK"], X.AnyPropertyType) is None:
@@ -377,21 +378,24 @@ def _range_index(rng: str) -> tuple[int, int, int, int]:
     return c0, r0, c1, r1
 
 
-def _inside_home(path: str) -> str:
-    full = os.path.normpath(os.path.join(apis.HOME, os.path.expanduser(path.replace("~", apis.HOME, 1))))
-    return full
+def _desktop_path(path: str) -> str:
+    """A path as the model wrote it (absolute, ``~/...`` or relative to the home), made absolute. Nothing here
+    confines it: the sandbox does."""
+    if path == "~" or path.startswith("~/"):
+        path = apis.HOME + path[1:]
+    return os.path.normpath(os.path.join(apis.HOME, path))
 
 
 # A fresh profile would greet the first document with modal dialogs (tip of the day, what's new) that block
 # the UNO call loading it, and would prompt "keep the current format?" on every save to xlsx/docx.
 OFFICE_SETTINGS = (
-    ("/org.openoffice.Office.Common/Misc", "ShowTipOfTheDay", "boolean", "false"),
-    ("/org.openoffice.Office.Common/Misc", "FirstRun", "boolean", "false"),
-    ("/org.openoffice.Office.Common/Save/Document", "WarnAlienFormat", "boolean", "false"),
-    ("/org.openoffice.Office.Recovery/AutoSave", "Enabled", "boolean", "false"),
-    ("/org.openoffice.Office.Recovery/RecoveryInfo", "Enabled", "boolean", "false"),
-    ("/org.openoffice.Setup/Product", "ooSetupLastVersion", "string", "99.0"),
-    ("/org.openoffice.Office.Common/Misc", "UseSystemFileDialog", "boolean", "false"),
+    ("/org.openoffice.Office.Common/Misc", "ShowTipOfTheDay", "false"),
+    ("/org.openoffice.Office.Common/Misc", "FirstRun", "false"),
+    ("/org.openoffice.Office.Common/Save/Document", "WarnAlienFormat", "false"),
+    ("/org.openoffice.Office.Recovery/AutoSave", "Enabled", "false"),
+    ("/org.openoffice.Office.Recovery/RecoveryInfo", "Enabled", "false"),
+    ("/org.openoffice.Setup/Product", "ooSetupLastVersion", "99.0"),
+    ("/org.openoffice.Office.Common/Misc", "UseSystemFileDialog", "false"),
 )
 
 
@@ -399,7 +403,7 @@ def seed_office_profile(profile_url: str) -> None:
     user = os.path.join(profile_url[len("file://"):], "user")
     os.makedirs(user, exist_ok=True)
     items = "".join(f'<item oor:path="{path}"><prop oor:name="{name}" oor:op="fuse"><value>{value}</value></prop>'
-                    "</item>" for path, name, _, value in OFFICE_SETTINGS)
+                    "</item>" for path, name, value in OFFICE_SETTINGS)
     with open(os.path.join(user, "registrymodifications.xcu"), "w") as f:
         f.write('<?xml version="1.0" encoding="UTF-8"?><oor:items xmlns:oor="http://openoffice.org/2001/registry" '
                 'xmlns:xs="http://www.w3.org/2001/XMLSchema" xmlns:xsi="http://www.w3.org/2001/XMLSchema-instance">'
@@ -494,9 +498,9 @@ class Office:
         return tuple(out)
 
     def open(self, kind: str, path: str | None) -> None:
-        url = self.uno.systemPathToFileUrl(_inside_home(path)) if path else \
+        url = self.uno.systemPathToFileUrl(_desktop_path(path)) if path else \
             {"Calc": "private:factory/scalc", "Writer": "private:factory/swriter"}[kind]
-        if path and not os.path.exists(_inside_home(path)):
+        if path and not os.path.exists(_desktop_path(path)):
             raise ActionFailure(f"no file {path}")
         doc = self.desktop.loadComponentFromURL(url, "_blank", 0, self._props(Hidden=False))
         if doc is None:
@@ -663,17 +667,16 @@ class Office:
         return "saved"
 
     def _save_as(self, doc, app, path, fmt):
-        full = _inside_home(path)
+        full = _desktop_path(path)
         ext = (fmt or os.path.splitext(full)[1].lstrip(".")).lower()
-        allowed = ("ods", "xlsx", "csv", "pdf") if app == "Calc" else ("odt", "docx", "txt", "pdf")
-        if ext not in allowed:
-            raise ActionFailure(f"{app} saves as {', '.join(allowed)}, not {ext or 'a path without extension'}")
+        filt = FILTERS[app].get(ext)
+        if filt is None:
+            raise ActionFailure(f"{app} saves as {', '.join(FILTERS[app])}, not {ext or 'a path without extension'}")
         if not os.path.isdir(os.path.dirname(full)):
             raise ActionFailure(f"no folder {os.path.dirname(full)}")
-        filt = PDF_FILTER[app] if ext == "pdf" else FILTERS[ext]
         url = self.uno.systemPathToFileUrl(full)
         try:
-            if ext == "pdf":
+            if ext == "pdf":  # an export: the document keeps its own file
                 doc.storeToURL(url, self._props(FilterName=filt))
             else:
                 doc.storeAsURL(url, self._props(FilterName=filt, Overwrite=True))
@@ -700,10 +703,10 @@ class Office:
 def files_call(method: str, a: dict):
     """The Files API on the sandbox's own file system: the sandbox, not this code, confines it."""
     def path(key: str) -> str:
-        return _inside_home(a[key])
+        return _desktop_path(a[key])
     try:
         if method == "list_dir":
-            p = _inside_home(a.get("path", apis.HOME))
+            p = _desktop_path(a.get("path", apis.HOME))
             return sorted(n + ("/" if os.path.isdir(os.path.join(p, n)) else "") for n in os.listdir(p))
         if method == "create_folder":
             os.makedirs(path("path"), exist_ok=True)
@@ -756,6 +759,7 @@ class Agent:
         self.a11y.tree(1, 1, 0)
         self.office: Office | None = None
         self.apps: list[subprocess.Popen] = []  # launched apps other than LibreOffice
+        self.shutting_down = False
         if opts.office:
             self.office = Office(opts.office_timeout, opts.office_call_timeout)
 
@@ -838,9 +842,9 @@ class Agent:
             raise ActionFailure(f"unknown app {app!r}: Calc, Writer, Editor or Files")
         if app == "Files" and not path:
             path = apis.HOME  # the file manager always opens a folder: the home by default
-        if path and not os.path.exists(_inside_home(path)):
+        if path and not os.path.exists(_desktop_path(path)):
             raise ActionFailure(f"no file or folder {path}")
-        cmd = (EDITOR_CMD if app == "Editor" else FILES_CMD) + ([_inside_home(path)] if path else [])
+        cmd = (EDITOR_CMD if app == "Editor" else FILES_CMD) + ([_desktop_path(path)] if path else [])
         while True:
             # The app's messages go to the agent's stderr: the desktop's log on the host.
             proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr, cwd=apis.HOME)
@@ -889,7 +893,7 @@ class Agent:
             raise ActionFailure(str(exc)) from None
         if app == "Files":
             return files_call(method, bound)
-        if self.office is None or not self.office.alive():
+        if self.office is None:
             raise ActionFailure(f"no {app} document is open: open one first")
         try:
             return self.office.run(self.office.call, app, method, bound)
@@ -952,11 +956,11 @@ class Agent:
                     reply, blob = self.handle(line)
                     data = json.dumps(reply, default=str).encode() + b"\n"
                     conn.sendall(data + blob if blob else data)
-                    if reply.get("result") == "bye":
+                    if self.shutting_down:
                         return
 
     def op_shutdown(self):
-        return "bye"
+        self.shutting_down = True  # answered first, then the loop ends
 
     def close(self) -> None:
         try:
@@ -966,24 +970,6 @@ class Agent:
         if self.office is not None:
             self.office.close()
         self.display.close()
-
-
-def dump_screen(folder: str) -> None:
-    """``kill -USR2``: window titles to the log and the screen to stuck.png, on a separate X connection."""
-    try:
-        from Xlib import X, display
-        d = display.Display()
-        root = d.screen().root
-        geom = root.get_geometry()
-        img = root.get_image(0, 0, geom.width, geom.height, X.ZPixmap, 0xFFFFFFFF)
-        from PIL import Image
-        Image.frombuffer("RGB", (geom.width, geom.height), img.data, "raw", "BGRX", 0, 1).save(
-            os.path.join(folder, "stuck.png"))
-        names = [c.get_wm_name() for c in root.query_tree().children]
-        log("windows:", [n for n in names if n])
-        d.close()
-    except Exception as exc:
-        log(f"screen dump failed: {exc!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -998,7 +984,6 @@ def main(argv: list[str] | None = None) -> int:
     opts = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints where a stuck agent is, into desktop.log
-    signal.signal(signal.SIGUSR2, lambda *_: dump_screen(os.path.dirname(opts.socket)))
     os.environ.setdefault("GTK_A11Y", "atspi")
     agent = Agent(opts)
     try:

@@ -89,7 +89,7 @@ class DesktopConfig:
             raise ValueError("desktop tree_cap and child_cap must be >= 1, settle_s >= 0")
 
 
-_packages_checked = threading.Lock()
+_packages_lock = threading.Lock()
 _packages_ok: set[str] = set()
 
 
@@ -127,15 +127,18 @@ class RealDesktopBackend(Backend):
         raise NotImplementedError
 
     def _check_packages(self) -> None:
-        with _packages_checked:
+        with _packages_lock:
             if self.name not in _packages_ok:
                 require_packages(self.name)
                 _packages_ok.add(self.name)
 
     # -- lifecycle
     def _ensure_started(self) -> None:
-        if self.sandbox.alive() and self.agent.sock is not None:
-            return
+        if not (self.sandbox.alive() and self.agent.sock is not None):
+            self._start_fresh()
+
+    def _start_fresh(self) -> None:
+        """Stop whatever runs of this desktop, start its sandbox again and wait for the agent."""
         self.agent.close()
         self.sandbox.stop()
         if self.spec.socket.exists():
@@ -157,9 +160,7 @@ class RealDesktopBackend(Backend):
             self.agent.call("close_apps")
         except BackendError:  # e.g. LibreOffice hung in the last episode: a reset may rebuild the desktop
             self.restarts += 1
-            self.agent.close()
-            self.sandbox.stop()
-            self._ensure_started()
+            self._start_fresh()
             self.agent.call("close_apps")
         for child in self.spec.home.iterdir():
             if child.is_dir() and not child.is_symlink():

@@ -155,9 +155,7 @@ def xlsx_cells(path: Path) -> dict[str, object]:
             value = shared[int(v.text)]
         elif kind in ("str", "e"):
             value = v.text
-        elif kind == "b":
-            value = float(v.text)
-        else:
+        else:  # n (number) or b (boolean 0/1)
             value = float(v.text)
         if value != "":
             cells[c.get("r")] = value
@@ -253,13 +251,14 @@ def odt_text_fonts(path: Path) -> list[tuple[str, str | None, float | None]]:
         if ds.get(_q("style:family")) == "paragraph":
             default = _text_props(ds)
 
-    def props(name: str | None) -> dict:
+    def own_props(name: str | None) -> dict:
+        """A style's properties over its parents' (not the document defaults: a span inherits its paragraph's)."""
         chain, seen = [], set()
         while name and name in table and name not in seen:
             seen.add(name)
             chain.append(_text_props(table[name]))
             name = table[name].get(_q("style:parent-style-name"))
-        out = dict(default)
+        out: dict = {}
         for p in reversed(chain):
             out.update(p)
         return out
@@ -268,8 +267,8 @@ def odt_text_fonts(path: Path) -> list[tuple[str, str | None, float | None]]:
     body = content.find(f".//{_q('office:text')}")
 
     def walk(el: ET.Element, inherited: dict) -> None:
-        own = {**inherited, **{k: v for k, v in props(el.get(_q("text:style-name"))).items()
-                               if el.get(_q("text:style-name"))}}
+        style = el.get(_q("text:style-name"))
+        own = {**inherited, **own_props(style)} if style else inherited
         if el.text and el.text.strip():
             runs.append((el.text, own.get("font"), own.get("size")))
         for child in el:
@@ -279,7 +278,7 @@ def odt_text_fonts(path: Path) -> list[tuple[str, str | None, float | None]]:
 
     for p in body.iter():
         if p.tag in (_q("text:p"), _q("text:h")):
-            walk(p, props(p.get(_q("text:style-name"))))
+            walk(p, default)
     return runs
 
 

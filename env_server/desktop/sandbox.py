@@ -66,7 +66,7 @@ def missing_packages(packages=None) -> list[str]:
 
 def require_packages(backend: str, packages=None) -> None:
     """One clear error naming every missing Debian package (and how to install them)."""
-    missing = missing_packages(packages or DESKTOP_PACKAGES)
+    missing = missing_packages(packages)
     if missing:
         raise BackendError(f"the {backend} desktop backend needs Debian packages that are not installed: "
                            f"{' '.join(missing)} (as root: apt-get install -y --no-install-recommends "
@@ -115,7 +115,7 @@ class AgentClient:
             self.sock.sendall(json.dumps({"id": self.ids, "op": op, "args": args}).encode() + b"\n")
             line = self.reader.readline()
             if not line:
-                raise BackendError(f"the desktop agent closed the connection during {op}")
+                raise ConnectionResetError("the agent closed the connection")
             reply = json.loads(line)
             blob = self.reader.read(reply["blob"]) if "blob" in reply else None
         except (OSError, ValueError) as exc:  # socket.timeout is an OSError
@@ -153,7 +153,7 @@ class SandboxSpec:
     office: bool
     """start LibreOffice with the desktop, so resets only open documents"""
     start_timeout_s: float
-    office_call_timeout_s: float = 60.0
+    office_call_timeout_s: float
     """seconds one UNO call may take before LibreOffice is declared hung"""
 
     @property
@@ -198,13 +198,13 @@ def _stop_group(proc: subprocess.Popen | None) -> None:
 class Sandbox:
     """What both sandbox kinds share: the process running the agent (in its own session) and its log."""
 
-    def own(self, path: Path) -> None:
-        """Make a host folder writable by the sandbox's user (nothing to do unless the sandbox drops root)."""
-
     def __init__(self, spec: SandboxSpec):
         self.spec = spec
         self.proc: subprocess.Popen | None = None
         self.log_path = spec.root / "desktop.log"
+
+    def own(self, path: Path) -> None:
+        """Make a host folder writable by the sandbox's user: it already is, unless the sandbox drops root."""
 
     def _spawn(self, argv: list[str], log) -> None:
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)

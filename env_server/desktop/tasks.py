@@ -27,7 +27,7 @@ SWAPS = (("cat", "dog"), ("bank", "office"), ("friday", "monday"), ("team", "gro
          ("train", "bus"), ("garden", "lawn"), ("printer", "scanner"))
 FONTS = ("DejaVu Serif", "DejaVu Sans Mono", "DejaVu Sans")
 FOLDERS = ("Documents", "Downloads", "Desktop")
-HOME_DIRS = FOLDERS
+"""the folders every fresh home has"""
 
 
 @dataclass
@@ -58,8 +58,9 @@ FAMILIES: dict[str, Family] = {}
 
 
 def family(name: str, apps: tuple[str, ...], max_steps: int = 12):
+    """Register a class of plain functions (generate, instruction, setup, verify, solve) as a task family."""
     def register(cls):
-        FAMILIES[name] = Family(name, apps, cls.generate, cls.instruction, cls.setup, cls.verify, cls.solve,
+        FAMILIES[name] = Family(name, apps, cls.generate, cls.instruction, cls.setup, _safe(cls.verify), cls.solve,
                                 max_steps)
         return cls
     return register
@@ -194,9 +195,10 @@ class CalcExportXlsx:
 
     def verify(home, p):
         cells = D.sheet_cells(home / p["folder"] / f"{p['name']}.xlsx")
-        return all(cells.get(f"A{i + 1}") == r[0] and (i == 0 and cells.get(f"B1") == r[1] or
-                                                         i > 0 and D.same_number(cells.get(f"B{i + 1}"), r[1]))
-                   for i, r in enumerate(p["rows"]))
+        header, *rows = p["rows"]
+        return [cells.get("A1"), cells.get("B1")] == header and \
+            all(cells.get(f"A{i}") == name and D.same_number(cells.get(f"B{i}"), amount)
+                for i, (name, amount) in enumerate(rows, start=2))
 
     def solve(p):
         yield f"Calc.save_as('/home/user/{p['folder']}/{p['name']}.xlsx')"
@@ -417,13 +419,6 @@ class EditorNewFile:
 # ----- files -----------------------------------------------------------------------------------------------------
 
 
-def _scatter(home: Path, rng: random.Random, folder: str, n: int) -> list[str]:
-    names = [f"{w}-{rng.randint(1, 99)}.txt" for w in rng.sample(WORDS, n)]
-    for name in names:
-        (home / folder / name).write_text(f"{name}\n")
-    return names
-
-
 @family("files_create_folder", ("Files",))
 class FilesCreateFolder:
     def generate(rng):
@@ -588,7 +583,7 @@ class DocToText:
         yield f"Files.write_text('/home/user/Documents/first.txt', {p['paras'][0]!r})"
 
 
-@family("sheet_to_csv_total", ("Calc", "Files"), max_steps=14)
+@family("sheet_total_to_text", ("Calc", "Files"), max_steps=14)
 class SheetTotalToText:
     def generate(rng):
         return {"rows": _table(rng, rng.randint(3, 6))}
@@ -609,9 +604,6 @@ class SheetTotalToText:
         yield f"Calc.get_range_values('B2:B{len(p['rows'])}')"
         yield f"Files.write_text('/home/user/Documents/total.txt', '{total}')"
 
-
-for _fam in FAMILIES.values():
-    _fam.verify = _safe(_fam.verify)
 
 FAMILY_NAMES = tuple(FAMILIES)
 
@@ -645,7 +637,7 @@ def make_task(task_id: str) -> DesktopTask:
 
 def prepare_home(home: Path, task: DesktopTask) -> list[tuple[str, str | None]]:
     """Fill a fresh, empty home for the task; returns the app windows to open."""
-    for name in HOME_DIRS:
+    for name in FOLDERS:
         (home / name).mkdir(exist_ok=True)
     return FAMILIES[task.family].setup(home, task.params)
 
