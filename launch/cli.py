@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -100,9 +102,10 @@ def learner(config: str | None, run_dir: str | None, resume: bool, overrides: tu
     cfg, rd, log = _start_role("learner", config, run_dir, overrides, int(os.environ.get("RANK", "0")))
     dist = from_environment(cfg.learner.device, cfg.learner.dist_timeout_s)
     temperature = cfg.actor.sampling.temperature
+    anchor_demos = _anchor_demos(cfg, log)
     if dist.is_main:
         Learner(cfg.learner, cfg.model, cfg.weights, cfg.net, rd, log, temperature=temperature, seed=cfg.run.seed,
-                resume=resume, dist=dist).run()
+                resume=resume, dist=dist, anchor_demos=anchor_demos).run()
         dist.close()  # after a normal end only: a barrier with a crashed peer would just wait out the timeout
     else:
         import signal
@@ -111,8 +114,24 @@ def learner(config: str | None, run_dir: str | None, resume: bool, overrides: tu
         # first and needs this rank for it; this rank leaves when rank 0 says stop or its connection drops.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
             signal.signal(sig, lambda *_: log.info("signal_left_to_rank0"))
-        JobChannel(dist, Trainer(cfg.learner, cfg.model, temperature, cfg.run.seed, dist)).follow(log)
+        JobChannel(dist, Trainer(cfg.learner, cfg.model, temperature, cfg.run.seed, dist, anchor_demos)).follow(log)
         dist.close()
+
+
+def _anchor_demos(cfg: Any, log: Any) -> list | None:
+    """The oracle demonstrations ``learner.anchor`` replays (every rank records the same ones), or None."""
+    anchor = cfg.learner.anchor
+    if not anchor.enabled:
+        return None
+    from actor.demos import record_demos
+    from common.model import build_tokenizer
+
+    t0 = time.monotonic()
+    demos = record_demos(anchor.suite, anchor.demos, cfg.actor.prompt, build_tokenizer(cfg.model), anchor.route,
+                         seed=anchor.seed)
+    log.info("anchor_demos_recorded", suite=anchor.suite, demos=len(demos), turns=sum(d.num_turns for d in demos),
+             seconds=round(time.monotonic() - t0, 2))
+    return demos
 
 
 @main.command()

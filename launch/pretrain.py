@@ -12,14 +12,13 @@ remakes it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from common import protocol as P
 
@@ -68,32 +67,12 @@ class PretrainConfig:
 
 def demo_trajectories(cfg: PretrainConfig, prompt_cfg: Any, tokenizer: Any, log: Any = None) -> list[P.Trajectory]:
     """Record demonstrations as token-in/token-out trajectories (one turn per demo step)."""
-    from actor.prompt import EpisodePrompt
-    from env_server.backend import SimBackend, demonstrate
+    from actor.demos import record_demos
     from env_server.sim import tasks as T
 
-    fams = cfg.families or list(T.FAMILY_NAMES)
-    demo = T.DemoConfig(cfg.detour_prob, cfg.wrong_choice_prob)
-    rng = random.Random(cfg.seed)
-    backend = SimBackend()
-    out = []
-    end = tokenizer.special("<|end|>")
-    for seed in range(cfg.seeds):
-        task_id = f"sim:train:{','.join(fams)}/{seed}"
-        route = cfg.route if cfg.route != "mixed" else rng.choice(("api", "gui"))
-        d = demonstrate(backend, task_id, route, demo, seed=cfg.seed)
-        prompt = EpisodePrompt(tokenizer, prompt_cfg, d.steps[0][0]["instruction"] if d.steps else "")
-        turns = []
-        for k, (obs, action) in enumerate(d.steps):
-            ids = prompt.build(obs)
-            target = [*tokenizer.encode(action), end]
-            n = len(target)
-            turns.append(P.TurnView(np.asarray(ids, np.int32), np.asarray(target, np.int32), np.zeros(n, np.float32),
-                                    np.zeros(n, np.int32), np.ones(n, np.uint8), 1.0, False, "", action))
-            result = d.steps[k + 1][0].get("last_result", "") if k + 1 < len(d.steps) else ""
-            prompt.record(target, str(result))
-        if turns:
-            out.append(P.Trajectory.from_turns(f"demo-{seed}", float(d.success), d.success, turns))
+    suite = f"sim:train:{','.join(cfg.families or T.FAMILY_NAMES)}"
+    out = record_demos(suite, cfg.seeds, prompt_cfg, tokenizer, cfg.route, cfg.detour_prob, cfg.wrong_choice_prob,
+                       cfg.seed)
     if log is not None:
         log.info("demos_recorded", trajectories=len(out), steps=sum(t.num_turns for t in out))
     return out
@@ -115,6 +94,10 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
         # recorded in the checkpoint (the shipped base policy must not name the machine that made it).
         tok_path = (model_cfg.tokenizer_path or model_cfg.path) if model_cfg.tokenizer != "byte" else ""
         model_cfg = dataclasses.replace(model_cfg, path="", tokenizer_path=tok_path)
+    # Continuing from an earlier pretrain output: its record goes into ours, so the checkpoint says every stage.
+    started_from = None
+    if cfg.init == "model" and (Path(model_cfg.path) / "state.json").exists():
+        started_from = json.loads((Path(model_cfg.path) / "state.json").read_text()).get("pretrain")
     trainer = Trainer(LearnerConfig(lr=cfg.lr, keep_checkpoints=1), model_cfg, seed=cfg.seed)
     t0 = time.monotonic()
     trajs = demo_trajectories(cfg, prompt_cfg, trainer.tokenizer, log)
@@ -137,7 +120,7 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
     result: dict[str, Any] = {"demos": len(trajs), "samples": len(pieces), "steps": cfg.steps,
                               "final_loss": round(sum(losses[-10:]) / max(1, len(losses[-10:])), 4),
                               "seconds": round(time.monotonic() - t0, 1)}
-    path = trainer.export(out_dir, {"pretrain": {**dataclasses.asdict(cfg), **result},
+    path = trainer.export(out_dir, {"pretrain": {**dataclasses.asdict(cfg), **result, "started_from": started_from},
                                     "prompt": dataclasses.asdict(prompt_cfg)})  # eval rebuilds the same prompts
     result["checkpoint"] = str(path)
     if cfg.eval_episodes:

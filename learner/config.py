@@ -37,6 +37,42 @@ class LossConfig:
 
 
 @dataclass
+class AnchorConfig:
+    """Against forgetting: every RL step also fits oracle demonstrations of tasks RL is not training on.
+
+    RL on a few families moves weights every family shares; skills the base policy holds only narrowly (a
+    value copied from the instruction) flip first. The anchor adds ``coef`` x a replay loss on ``samples``
+    demo turns drawn each step (InstructGPT's PPO-ptx idea, on demonstrations instead of pre-training text).
+    The kl kind holds the policy to the KL reference (the starting policy; reset after an Entropulse SFT phase
+    when ``entropulse.reset_reference``, and to the resumed policy on resume); sft keeps cloning the demos."""
+
+    suite: str = ""
+    """sim suite whose oracle demos anchor the policy, e.g. sim:train:settings_display,editor_replace ("" = off)"""
+    demos: int = 1000
+    """demonstrations recorded at start (task seeds 0..demos-1 of the suite)"""
+    route: str = "api"
+    """oracle route the demos take: api | gui | mixed"""
+    kind: str = "kl"
+    """kl (KL(pi_ref || pi_theta) of the whole next-token distribution on demo turns) | sft (demo cross-entropy)"""
+    coef: float = 1.0
+    """weight of the anchor's token-mean loss against the RL loss"""
+    samples: int = 32
+    """demo turns replayed per RL step"""
+    seed: int = 0
+    """seed of the demo recording and of the per-step draw"""
+
+    def validate(self) -> None:
+        if self.kind not in ("kl", "sft") or self.route not in ("api", "gui", "mixed"):
+            raise ValueError("learner.anchor.kind must be kl or sft, and route api, gui or mixed")
+        if self.suite and (self.demos < 1 or self.samples < 1 or self.coef <= 0):
+            raise ValueError("learner.anchor needs demos >= 1, samples >= 1 and coef > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.suite)
+
+
+@dataclass
 class LearnerConfig:
     """The training loop (algorithm-blind: the algorithm is loss + advantage)."""
 
@@ -70,6 +106,8 @@ class LearnerConfig:
     """how rewards become advantages"""
     entropulse: EntropulseConfig = field(default_factory=EntropulseConfig)
     """RL/SFT phase switching"""
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
+    """demonstration replay during RL against forgetting (off by default)"""
     checkpoint_every: int = 50
     """write a checkpoint every this many steps (and on SIGTERM/SIGUSR2 and at the end); 0 = only then"""
     keep_checkpoints: int = 3
@@ -88,3 +126,4 @@ class LearnerConfig:
             raise ValueError("need updates_per_batch >= 1, prefetch >= 1, micro_batch_tokens >= 16")
         if self.dist_timeout_s <= 0:
             raise ValueError("learner.dist_timeout_s must be > 0")
+        self.anchor.validate()

@@ -128,6 +128,23 @@ def sft_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     return LossOutputs(nll, {"nll": _token_mean(-inp.logprobs, inp.mask)})
 
 
+def anchor_loss(kind: str, logits: torch.Tensor, logprobs: torch.Tensor, ref_logits: torch.Tensor | None,
+                mask: torch.Tensor, num_tokens: float) -> torch.Tensor:
+    """The anchor's replay loss on demo turns (``learner.anchor``), token-mean over ``num_tokens``.
+
+    kl: KL(pi_ref || pi_theta) of each position's whole next-token distribution (``logits`` [N, T, V]), which
+    holds the policy to what the reference does there, the probabilities of runner-up tokens included;
+    sft: the demo tokens' negative log-likelihood (``logprobs`` [N, T])."""
+    if kind == "sft":
+        per_token = -logprobs
+    else:
+        if ref_logits is None:
+            raise ValueError("a kl anchor needs the reference policy's logits")
+        ref_logp = torch.log_softmax(ref_logits.float(), dim=-1)
+        per_token = (ref_logp.exp() * (ref_logp - torch.log_softmax(logits.float(), dim=-1))).sum(-1)
+    return (per_token * mask).sum() / num_tokens
+
+
 LOSSES: dict[str, LossFn] = {"grpo": grpo_loss, "ppo": ppo_loss, "reinforce": reinforce_loss, "sft": sft_loss}
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import random
 import signal
 import threading
 import time
@@ -32,7 +33,7 @@ from learner.batch import (BadBatch, Sample, build_samples, collate, loglinear_p
 from learner.config import LearnerConfig
 from learner.distributed import DistContext, full_state, load_full_state, padding_micro_batch, shard_model
 from learner.entropulse import Entropulse
-from learner.losses import LossConfig, LossInputs, get_loss
+from learner.losses import LossConfig, LossInputs, anchor_loss, get_loss
 
 
 def _logprobs_of(model: Any, tb: Any, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +53,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, temperature: float = 1.0, seed: int = 0,
-                 dist: DistContext | None = None):
+                 dist: DistContext | None = None, anchor_demos: list[P.Trajectory] | None = None):
         cfg.validate()
         cfg.loss.validate()
         cfg.advantage.validate()
@@ -63,7 +64,14 @@ class Trainer:
         torch.manual_seed(seed)  # the same on every rank: all shards come from one initialisation
         self.tokenizer = build_tokenizer(model_cfg)
         self.model = build_model(model_cfg, self.tokenizer.vocab_size, self.device).train()
-        self.ref_model = self._frozen_copy() if cfg.loss.kl_beta > 0 else None
+        # learner.anchor: demo turns replayed beside every RL step (the same draw on every rank)
+        if cfg.anchor.enabled and not anchor_demos:
+            raise ValueError("learner.anchor.suite is set but no demonstrations were given to the trainer")
+        self.anchor_samples = ([s for tr in anchor_demos or () for s in turn_samples(tr, "anchor")]
+                               if cfg.anchor.enabled else [])
+        self._anchor_rng = random.Random(cfg.anchor.seed)
+        needs_ref = cfg.loss.kl_beta > 0 or (bool(self.anchor_samples) and cfg.anchor.kind == "kl")
+        self.ref_model = self._frozen_copy() if needs_ref else None
         if self.dist.enabled:
             shard_model(self.model, self.dist)
             if self.ref_model is not None:
@@ -118,7 +126,9 @@ class Trainer:
             self._count("batches_empty")
             return None
         version_before = self.version  # lags are measured against the policy that starts this step
-        out = self._update(samples, self.loss_fn, self.cfg.loss, self.cfg.updates_per_batch)
+        anchor = (self._anchor_rng.sample(self.anchor_samples, min(self.cfg.anchor.samples, len(self.anchor_samples)))
+                  if self.anchor_samples else [])
+        out = self._update(samples, self.loss_fn, self.cfg.loss, self.cfg.updates_per_batch, anchor)
         if out is None:
             return None
         rewards = [float(t.reward) for g in groups for t in g.trajectories]
@@ -130,19 +140,31 @@ class Trainer:
                    tokens_per_s=out["tokens"] / (time.perf_counter() - t0))
         return out
 
-    def _update(self, samples: list[Sample], loss_fn: Any, loss_cfg: LossConfig, updates: int) -> dict | None:
-        cfg, dist = self.cfg, self.dist
-        pad = self.tokenizer.pad_id
-        if dist.enabled:  # this rank's share, balanced by length
+    def _rank_micro_batches(self, samples: list[Sample]) -> list[Any]:
+        """This rank's share of ``samples`` (balanced by length) as collated micro-batches, padded to as many
+        as the busiest rank has: every rank runs the same number of forward/backward passes."""
+        pad, dist = self.tokenizer.pad_id, self.dist
+        if dist.enabled:
             samples = sorted(samples, key=lambda s: len(s.ids))[dist.rank::dist.world_size]
-        groups = micro_batches(samples, cfg.micro_batch_tokens)
-        n = dist.max_int(len(groups))  # every rank runs as many forward/backward passes as the busiest
+        groups = micro_batches(samples, self.cfg.micro_batch_tokens)
+        n = dist.max_int(len(groups))
         groups += [padding_micro_batch(pad) for _ in range(n - len(groups))]
-        mbs = [collate(mb, pad, self.device) for mb in groups]
+        return [collate(mb, pad, self.device) for mb in groups]
+
+    def _update(self, samples: list[Sample], loss_fn: Any, loss_cfg: LossConfig, updates: int,
+                anchor: list[Sample] = ()) -> dict | None:
+        cfg, dist = self.cfg, self.dist
+        mbs = self._rank_micro_batches(samples)
+        n = len(mbs)
         k = min(updates, n)
         chunks = [mbs[i::k] for i in range(k)]
         # Token-mean over the whole step: every rank divides by the tokens of all ranks.
         chunk_tokens_all = [int(v) for v in dist.sum([sum(tb.num_tokens for tb in c) for c in chunks])]
+        # The anchor's demo turns ride along, split over the same k updates, with their own token-mean.
+        anchor_mbs = self._rank_micro_batches(list(anchor)) if anchor else []  # the same draw on every rank
+        anchor_chunks = [anchor_mbs[i::k] for i in range(k)]
+        anchor_tokens_all = [int(v) for v in dist.sum([sum(tb.num_tokens for tb in c) for c in anchor_chunks])]
+        anchor_sum = 0.0
         # FSDP2 averages gradients over ranks; scaling the loss by the world size makes that average a sum.
         loss_scale = float(dist.world_size)
         prox: dict[int, torch.Tensor] = {}
@@ -184,6 +206,11 @@ class Trainer:
                     sums[key] = sums.get(key, 0.0) + v * tb.num_tokens
                 sums["loss"] = sums.get("loss", 0.0) + float(res.loss.detach()) * chunk_tokens
                 total_tokens += tb.num_tokens
+            for tb in anchor_chunks[j]:
+                a_loss = self._anchor_loss(tb, max(anchor_tokens_all[j], 1))
+                bad = bad or not bool(torch.isfinite(a_loss))
+                (cfg.anchor.coef * a_loss * loss_scale).backward()
+                anchor_sum += float(a_loss.detach()) * anchor_tokens_all[j]
             params = [p for p in self.model.parameters() if p.grad is not None]
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
             if isinstance(norm, DTensor):  # sharded parameters: the norm is already global
@@ -198,14 +225,26 @@ class Trainer:
             self.version += 1
             self.content_version = self.version
         keys = sorted(k for k in sums if k != "is_weight_max")
-        entropy_sum, total, *values = dist.sum([entropy_sum, total_tokens, *(sums[k] for k in keys)])
+        entropy_sum, total, anchor_sum, *values = dist.sum([entropy_sum, total_tokens, anchor_sum,
+                                                            *(sums[k] for k in keys)])
         total_tokens = int(total)
         metrics = {key: v / max(total_tokens, 1) for key, v in zip(keys, values)}
+        if anchor_mbs:
+            metrics["anchor_loss"] = anchor_sum / max(sum(anchor_tokens_all), 1)
         metrics.update(entropy=entropy_sum / max(total_tokens, 1), grad_norm=grad_norm, tokens=total_tokens,
                        lr=self.optimizer.param_groups[0]["lr"], version=self.version, micro_batches=len(mbs))
         if cfg.broadcast_weights:
             self.gather_weights()
         return metrics
+
+    def _anchor_loss(self, tb: Any, num_tokens: int) -> torch.Tensor:
+        """The anchor's loss on one micro-batch of demo turns (gradient through the policy only)."""
+        lp, logits = _logprobs_of(self.model, tb, self.temperature)
+        ref_logits = None
+        if self.cfg.anchor.kind == "kl":
+            with torch.no_grad():
+                ref_logits = _logprobs_of(self.ref_model, tb, self.temperature)[1]
+        return anchor_loss(self.cfg.anchor.kind, logits, lp, ref_logits, tb.mask, float(num_tokens))
 
     def gather_weights(self) -> None:
         """Collective with several ranks: rank 0 keeps the full weights the actors get (on the learner's
@@ -297,13 +336,13 @@ class Learner:
 
     def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, weights: Any, net: Any, run_dir: RunDir,
                  log: Any, temperature: float = 1.0, seed: int = 0, resume: bool = False,
-                 dist: DistContext | None = None):
+                 dist: DistContext | None = None, anchor_demos: list[P.Trajectory] | None = None):
         from broker.client import LearnerBrokerClient
         from common.weightsync import WeightSender
         from learner.distributed import JobChannel
 
         self.cfg, self.run_dir, self.log = cfg, run_dir, log
-        self.trainer = Trainer(cfg, model_cfg, temperature, seed, dist)
+        self.trainer = Trainer(cfg, model_cfg, temperature, seed, dist, anchor_demos)
         self.jobs = JobChannel(self.trainer.dist, self.trainer)
         self.client = LearnerBrokerClient(net, run_dir.keys, log)
         self.sender = WeightSender(weights, log) if (weights is not None and cfg.broadcast_weights) else None

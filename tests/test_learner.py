@@ -18,7 +18,7 @@ from common import protocol as P  # noqa: E402
 from common.model import ModelConfig, sequence_logprobs  # noqa: E402
 from common.net import free_port  # noqa: E402
 from common.weightsync import WeightSyncConfig  # noqa: E402
-from learner.config import LearnerConfig  # noqa: E402
+from learner.config import AnchorConfig, LearnerConfig  # noqa: E402
 from learner.entropulse import Entropulse, EntropulseConfig  # noqa: E402
 from learner.losses import LossConfig  # noqa: E402
 from learner.trainer import Learner, Trainer  # noqa: E402
@@ -135,23 +135,73 @@ def test_kl_term_and_reference_reset():
     assert m2["kl"] == pytest.approx(0.0, abs=1e-6)
 
 
+def anchor_demos(n=6, answer=b"fail()") -> list:
+    """Demonstration trajectories on their own prompts (bytes 100..119), all answering ``answer``."""
+    out = []
+    for k in range(n):
+        prompt = np.arange(100, 120, dtype=np.int32)
+        prompt[k] = 33  # distinct prompts
+        ids = np.frombuffer(answer, np.uint8).astype(np.int32)
+        turn = P.TurnView(prompt, ids, np.zeros(len(ids), np.float32), np.zeros(len(ids), np.int32),
+                          np.ones(len(ids), np.uint8), 1.0, False, "", answer.decode())
+        out.append(P.Trajectory.from_turns(f"demo-{k}", 1.0, True, [turn]))
+    return out
+
+
 def test_step_metrics_do_not_depend_on_the_micro_batch_split():
-    """The same step in one pass and in many: loss, its terms and the weights after it agree."""
-    cfg = dataclasses.replace(LearnerConfig(lr=3e-3), loss=LossConfig(kl_beta=0.1))
+    """The same step in one pass and in many: loss, its terms (the anchor's too) and the weights after it agree."""
+    cfg = dataclasses.replace(LearnerConfig(lr=3e-3), loss=LossConfig(kl_beta=0.1),
+                              anchor=AnchorConfig(suite="sim:train:settings_display", samples=6))
     results = []
     for mb_tokens in (1 << 14, 40):
-        t = Trainer(dataclasses.replace(cfg, micro_batch_tokens=mb_tokens), TINY, seed=0)
+        t = Trainer(dataclasses.replace(cfg, micro_batch_tokens=mb_tokens), TINY, seed=0,
+                    anchor_demos=anchor_demos())
         t.train_step(groups_from(t, seed=0))  # moves the policy off its reference, so the KL is not 0
         m = t.train_step(groups_from(t, seed=1, version=t.version))
         results.append((m, [p.detach().clone() for p in t.model.parameters()]))
     (one, w_one), (many, w_many) = results
     assert one["micro_batches"] == 1 and many["micro_batches"] > 2
     assert one["kl"] > 0
-    for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "is_weight_mean"):
+    assert one["anchor_loss"] > 0
+    for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "is_weight_mean", "anchor_loss"):
         assert many[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
     assert one["loss"] == pytest.approx(one["pg_loss"] + 0.1 * one["kl"], rel=1e-4, abs=1e-7)
     for a, b in zip(w_one, w_many):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def demo_answer_logprob(trainer: Trainer, answer=b"fail()") -> float:
+    ids = list(range(100, 120)) + list(answer)
+    with torch.no_grad():
+        return float(sequence_logprobs(trainer.model, torch.tensor([ids]))[0, 19:].sum())
+
+
+def test_anchor_holds_the_policy_on_demonstrations_while_rl_moves_it_elsewhere():
+    """A base policy cloned on the demos answers 'fail()' to their prompts; RL then pushes 'fail()' down on
+    random prompts, which generalises to the demos' prompts unless an anchor replays them."""
+    moved = {}
+    for kind in ("none", "kl", "sft"):
+        anchor = AnchorConfig(suite="sim:train:settings_display", kind=kind, samples=4) if kind != "none" else AnchorConfig()
+        t = Trainer(LearnerConfig(lr=3e-3, anchor=anchor), TINY, seed=0, anchor_demos=anchor_demos())
+        for _ in range(60):  # behaviour cloning makes the base policy (and the KL reference) know the demos
+            t.sft_step(anchor_demos(), 3e-3)
+        t.reset_reference()
+        before = demo_answer_logprob(t)
+        assert before > -2.0
+        for step in range(15):
+            m = t.train_step(groups_from(t, seed=step, version=t.version))
+        moved[kind] = demo_answer_logprob(t) - before
+        assert ("anchor_loss" in m) == (kind != "none")
+    assert moved["none"] < -10.0, moved  # unanchored, the demo answer is dragged down with 'fail()'
+    assert abs(moved["kl"]) < 0.1 * abs(moved["none"]), moved
+    assert abs(moved["sft"]) < 0.1 * abs(moved["none"]), moved
+
+
+def test_anchor_configuration_errors():
+    with pytest.raises(ValueError, match="no demonstrations"):
+        Trainer(LearnerConfig(anchor=AnchorConfig(suite="sim:train:settings_display")), TINY)
+    with pytest.raises(ValueError, match="kind must be kl or sft"):
+        LearnerConfig(anchor=AnchorConfig(suite="sim:train", kind="ptx")).validate()
 
 
 def test_entropulse_schedule_and_adaptive_transitions():

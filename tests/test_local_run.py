@@ -62,6 +62,7 @@ def test_run_trains_checkpoints_and_leaves_no_process(tmp_path):
     assert "outcome: finished" in out
     recs = [json.loads(x) for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3, 4], "versions advance one per step"
+    assert all(r["anchor_loss"] >= 0 for r in recs), "the recipe's anchor replays demos in every RL step"
     broker = [json.loads(x) for x in (run_dir / "metrics" / "broker.jsonl").read_text().splitlines()]
     assert max(b.get("groups_accepted", 0) for b in broker) >= 4, "groups flowed from the actors"
     hist = broker[-1]["lag_hist"]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from actor.demos import record_demos  # noqa: E402
 from actor.prompt import EpisodePrompt, PromptConfig  # noqa: E402
 from common import log as L  # noqa: E402
 from common.model import ModelConfig  # noqa: E402
@@ -30,6 +33,19 @@ def test_demo_samples_are_what_an_actor_would_have_prompted():
     ids = first.output_ids.tolist()
     assert any(second[i:i + len(ids)] == ids for i in range(len(second)))
     assert EpisodePrompt(tok, pc, "x").head[0] == tok.special("<|user|>"), "minimal style: no system block"
+
+
+def test_recorded_demos_follow_the_suite_and_reject_bad_arguments():
+    tok, pc = ByteTokenizer(), PromptConfig(style="minimal")
+    demos = record_demos("sim:train:settings_display,editor_replace", 4, pc, tok)
+    actions = [d.turn(0).action for d in demos]
+    assert len(demos) == 4 and all(d.success for d in demos)
+    assert [a.split(".")[0] for a in actions] == ["Settings", "Editor", "Settings", "Editor"], actions
+    assert record_demos("sim:train:settings_display,editor_replace", 4, pc, tok)[3].turn(0).action == actions[3]
+    with pytest.raises(Exception, match="unknown family"):
+        record_demos("sim:train:no_such_family", 1, pc, tok)
+    with pytest.raises(ValueError, match="route"):
+        record_demos("sim:train", 1, pc, tok, route="teleport")
 
 
 def test_eval_plays_each_family_of_a_weighted_suite_once():
@@ -64,3 +80,11 @@ def test_pretrain_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
     from launch.evaluate import load_policy
 
     assert load_policy(out["checkpoint"], None)[1] == pc, "eval rebuilds the prompts the policy was cloned on"
+    # A second stage continues from the first (init: model) and records it.
+    more = []
+    stage2 = dataclasses.replace(cfg, init="model", steps=5, seed=1)
+    pretrain(stage2, ModelConfig(**{**TINY.__dict__, "path": out["checkpoint"]}), pc, tmp_path / "base2", log,
+             lambda s, n, loss: more.append(loss))
+    assert more[0] < losses[0] * 0.7, "stage 2 starts from stage 1's weights, not from scratch"
+    record = json.loads((tmp_path / "base2" / "state.json").read_text())["pretrain"]
+    assert record["init"] == "model" and record["started_from"]["steps"] == 25 and record["started_from"]["init"] == "scratch"
