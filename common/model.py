@@ -8,6 +8,7 @@ from a small architecture config with random weights. torch and transformers are
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ class ModelConfig:
     """MLP width of a config-built model"""
     max_positions: int = 8192
     """longest sequence (prompt + output) the model accepts"""
+    vocab_size: int = 0
+    """embedding rows of a config-built model (0 = the tokenizer's; larger = a real model's shape, e.g. 151936)"""
     dtype: str = "auto"
     """float32 | bfloat16 | auto (bfloat16 on GPU, float32 on CPU)"""
     init_seed: int = 0
@@ -51,6 +54,8 @@ class ModelConfig:
             raise ValueError("dtype must be auto, float32 or bfloat16")
         if self.num_heads % self.num_kv_heads or self.hidden_size % self.num_heads:
             raise ValueError("num_heads must divide hidden_size and be a multiple of num_kv_heads")
+        if self.vocab_size < 0:
+            raise ValueError("model.vocab_size must be >= 0 (0 = the tokenizer's)")
 
 
 def torch_dtype(cfg: ModelConfig, device: str) -> Any:
@@ -67,18 +72,39 @@ def build_tokenizer(cfg: ModelConfig):
     return load_tokenizer(cfg.tokenizer, cfg.tokenizer_path or cfg.path)
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu") -> Any:
-    """A causal LM: loaded from ``cfg.path``, or built from the architecture fields with seeded weights."""
+def attention_implementation(device: str, dtype: Any) -> str:
+    """flash_attention_2 where the ``gpu`` extra's flash-attn loads, else PyTorch's SDPA.
+
+    ``find_spec`` is not enough: a flash-attn wheel built for another torch ABI is found, then fails with an
+    undefined symbol when its CUDA extension loads, i.e. at model build. Importing it here catches that."""
+    import torch
+
+    if not device.startswith("cuda") or dtype == torch.float32 or importlib.util.find_spec("flash_attn") is None:
+        return "sdpa"
+    try:
+        import flash_attn  # noqa: F401  (loads flash_attn_2_cuda, the compiled part)
+    except Exception as exc:  # ImportError/OSError from a mismatched build: fall back, say why once
+        warnings.warn(f"flash-attn is installed but does not load ({type(exc).__name__}: {exc}); using SDPA. "
+                      "Reinstall it for this torch: pip install flash-attn --no-build-isolation", stacklevel=2)
+        return "sdpa"
+    return "flash_attention_2"
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu", dtype: Any = None) -> Any:
+    """A causal LM: loaded from ``cfg.path``, or built from the architecture fields with seeded weights.
+
+    ``dtype`` overrides the configured one (the learner keeps float32 master weights and computes in
+    ``torch_dtype(cfg, device)``); attention is chosen for the compute dtype either way.
+    """
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # role logs are JSON lines; a progress bar on stderr is noise there
     cfg.validate()
-    dtype = torch_dtype(cfg, device)
-    extra = {}
-    if device.startswith("cuda") and dtype != torch.float32 and importlib.util.find_spec("flash_attn") is not None:
-        extra["attn_implementation"] = "flash_attention_2"  # the gpu extra; SDPA otherwise
+    compute = torch_dtype(cfg, device)
+    dtype = dtype or compute
+    extra = {"attn_implementation": attention_implementation(device, compute)}
     if cfg.path:
         if not (Path(cfg.path) / "config.json").exists():
             raise FileNotFoundError(f"model.path {cfg.path!r}: no checkpoint there (a directory with config.json and "
@@ -87,11 +113,13 @@ def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu") -> Any:
         if model.get_input_embeddings().num_embeddings < vocab_size:
             model.resize_token_embeddings(vocab_size)  # role tokens added to the tokenizer
     else:
+        if cfg.vocab_size and cfg.vocab_size < vocab_size:
+            raise ValueError(f"model.vocab_size {cfg.vocab_size} is smaller than the tokenizer's {vocab_size}")
         arch_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[cfg.arch]
-        hf_cfg = arch_cls(vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                          num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                          num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_positions,
-                          tie_word_embeddings=True)
+        hf_cfg = arch_cls(vocab_size=cfg.vocab_size or vocab_size, hidden_size=cfg.hidden_size,
+                          intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                          num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                          max_position_embeddings=cfg.max_positions, tie_word_embeddings=True)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.init_seed)
             model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, **extra)

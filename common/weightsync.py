@@ -10,17 +10,28 @@ Every update is a *round* on the current epoch, announced to actors on Control w
    fixed ``e<epoch>/world`` it is too late: it files a join request and waits for the next epoch;
 3. the learner opens a new epoch when there is no group yet, a round failed, or join requests are pending;
    it then waits for joiners until everyone expected joined or ``join_window_s`` passed;
-4. a round broadcasts a header (version, layout hash, bucket count, round) then the parameters in buckets.
+4. a round broadcasts a header (version, layout hash, bucket count, round, wire dtype) then the parameters
+   in buckets. The layout hash covers names and shapes; the wire dtype is the sender's (bf16 from a GPU
+   learner), and each engine casts into its own dtype as it swaps the weights in.
 
-Every collective runs under ``timeout_s``: a member that dies costs the others at most one timeout, the
-epoch is abandoned (receivers keep their old weights) and the next round forms a new one with whoever is
-alive. A stable epoch pays no rendezvous or group construction per round.
+The backend is agreed when an epoch forms, not guessed on each side: every joiner files where its tensors
+live (``cpu`` or ``cuda:<GPU uuid>``), and the learner picks NCCL only when every member, itself included,
+is on a GPU of its own (NCCL refuses two ranks on one device), gloo otherwise (``auto``); an explicit
+``nccl`` that cannot work is refused with the reason. Receivers read the choice from the store.
+
+Every collective runs under ``timeout_s`` with a CPU-blocking wait (an NCCL ``wait()`` without a timeout
+only orders streams and would never see a dead peer), on groups built with NCCL's asynchronous error
+handling off, so a peer that dies mid-round raises here instead of the watchdog taking the learner down.
+The epoch is then abandoned (its communicator aborted, receivers keep their old weights) and the next round
+forms a new one with whoever is alive. A stable epoch pays no rendezvous or group construction per round.
 torch is imported lazily: ``common/`` is also imported by roles that run without it.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -36,7 +47,7 @@ class WeightSyncConfig:
     port: int = 25559
     """port of the rendezvous store"""
     backend: str = "auto"
-    """gloo | nccl | auto (nccl when the tensors are on a GPU)"""
+    """gloo | nccl | auto (nccl when every member's weights are on a GPU of its own, else gloo)"""
     bucket_mb: float = 512.0
     """parameters travel in flat buckets of about this size"""
     join_window_s: float = 5.0
@@ -55,20 +66,25 @@ class RoundFailed(RuntimeError):
     """A round could not complete (a peer died, a timeout, a layout mismatch); weights are unchanged."""
 
 
+# Wire dtypes by code (the header carries the code; both sides must know the table).
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def layout_hash(named: Sequence[tuple[str, Any]]) -> int:
-    """Both sides must agree on names, shapes and dtypes, in order."""
-    text = ";".join(f"{n}:{tuple(t.shape)}:{str(t.dtype)}" for n, t in named)
+    """Both sides must agree on names and shapes, in order (dtypes may differ: the header names the wire's)."""
+    text = ";".join(f"{n}:{tuple(t.shape)}" for n, t in named)
     return zlib.crc32(text.encode())
 
 
-def buckets(named: Sequence[tuple[str, Any]], bucket_bytes: int) -> list[list[int]]:
-    """Indices of parameters grouped into buckets of one dtype and about ``bucket_bytes``."""
+def buckets(named: Sequence[tuple[str, Any]], bucket_bytes: int, element_size: int = 0) -> list[list[int]]:
+    """Indices of parameters grouped into buckets of one dtype and about ``bucket_bytes``; ``element_size``
+    sizes every tensor as the wire dtype's (a receiver plans with its own tensors' shapes)."""
     out: list[list[int]] = []
     cur: list[int] = []
     size, dtype = 0, None
     for i, (_, t) in enumerate(named):
-        nbytes = t.numel() * t.element_size()
-        if cur and (t.dtype != dtype or size + nbytes > bucket_bytes):
+        nbytes = t.numel() * (element_size or t.element_size())
+        if cur and ((not element_size and t.dtype != dtype) or size + nbytes > bucket_bytes):
             out.append(cur)
             cur, size = [], 0
         cur.append(i)
@@ -83,6 +99,14 @@ def _timeout(cfg: WeightSyncConfig) -> datetime.timedelta:
     return datetime.timedelta(seconds=cfg.timeout_s)
 
 
+def _wait(work: Any, cfg: WeightSyncConfig) -> None:
+    """Block this thread until the collective finished or ``timeout_s`` passed (then it raises)."""
+    work.wait(_timeout(cfg))
+
+
+_ENV_LOCK = threading.Lock()
+
+
 def _group(store: Any, prefix: str, rank: int, world: int, backend: str, cfg: WeightSyncConfig) -> Any:
     import torch.distributed as dist
 
@@ -90,14 +114,55 @@ def _group(store: Any, prefix: str, rank: int, world: int, backend: str, cfg: We
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = _timeout(cfg)
-        return dist.ProcessGroupNCCL(pstore, rank, world, opts)
+        # Read once, in the constructor: with the default (3, tear down) the NCCL watchdog ends the whole
+        # process when a peer dies mid-round. Off for this group only: _wait's timeout handles the failure.
+        with _ENV_LOCK:
+            saved = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+            try:
+                return dist.ProcessGroupNCCL(pstore, rank, world, opts)
+            finally:
+                if saved is None:
+                    del os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+                else:
+                    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = saved
     return dist.ProcessGroupGloo(pstore, rank, world, _timeout(cfg))
 
 
-def _backend_for(cfg: WeightSyncConfig, device: Any) -> str:
-    if cfg.backend != "auto":
-        return cfg.backend
-    return "nccl" if str(device).startswith("cuda") else "gloo"
+def _release(pg: Any, failed: bool) -> None:
+    """Free a dropped epoch's communicator: abort after a failure (peers may be gone), else shut down."""
+    if pg is None:
+        return
+    try:
+        pg.abort() if failed else pg.shutdown()
+    except Exception:  # best effort: the group is being dropped either way
+        pass
+
+
+def placement(device: Any) -> str:
+    """Where a member's tensors live, as filed at join: ``cpu`` or ``cuda:<GPU uuid>``."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    return f"cuda:{torch.cuda.get_device_properties(device).uuid}"
+
+
+def choose_backend(configured: str, places: Sequence[str]) -> str:
+    """The epoch's backend from every member's placement (the learner's first); raises ``ValueError``
+    with the reason when ``nccl`` is asked for and cannot work."""
+    all_gpu = all(p.startswith("cuda:") for p in places)
+    distinct = len(set(places)) == len(places)
+    if configured == "gloo" or (configured == "auto" and not (all_gpu and distinct)):
+        return "gloo"
+    if not all_gpu:
+        raise ValueError("weights.backend=nccl but some members hold their weights on the CPU "
+                         f"({', '.join(sorted(set(p for p in places if p == 'cpu')))}); use auto or gloo")
+    if not distinct:
+        raise ValueError("weights.backend=nccl but two members share one GPU (NCCL refuses two ranks on a "
+                         "device); use auto or gloo, or give every engine its own GPU")
+    return "nccl"
 
 
 class WeightSender:
@@ -113,6 +178,7 @@ class WeightSender:
         self.round = int(self.store.add("round", 0))
         self.epoch = int(self.store.add("epoch", 0))
         self.members = 0
+        self.backend = ""
         self._pg: Any = None
         self._forming = False  # the open round starts a new epoch
         self._requests_seen = int(self.store.add("join_requests", 0))
@@ -125,6 +191,7 @@ class WeightSender:
         if self._pg is None or requests > self._requests_seen:
             self._requests_seen = requests
             self.epoch = int(self.store.add("epoch", 1))
+            _release(self._pg, failed=False)
             self._pg, self.members, self._forming = None, 0, True
         return self.round, self.epoch
 
@@ -138,11 +205,19 @@ class WeightSender:
         # Ranks are 1..joined; a later add gets a rank >= world and files a join request instead.
         self.store.set(f"e{e}/world", str(joined + 1))
         self._forming, self.members = False, joined
-        if joined:
-            self._pg = _group(self.store, f"e{e}/pg/", 0, joined + 1, _backend_for(cfg, device), cfg)
+        if not joined:
+            return
+        places = [placement(device)] + [self.store.get(f"e{e}/place/{r}").decode() for r in range(1, joined + 1)]
+        try:
+            self.backend = choose_backend(cfg.backend, places)
+        except ValueError as exc:
+            self.store.set(f"e{e}/backend", f"refused: {exc}")
+            raise
+        self.store.set(f"e{e}/backend", self.backend)
+        self._pg = _group(self.store, f"e{e}/pg/", 0, joined + 1, self.backend, cfg)
 
     def broadcast(self, named: Sequence[tuple[str, Any]], version: int, expected: int = 0) -> int:
-        """Send ``named`` to the epoch's members in the open round; returns how many received it."""
+        """Send ``named`` (one dtype) to the epoch's members in the open round; returns how many received it."""
         import torch
 
         device = named[0][1].device if named else "cpu"
@@ -152,26 +227,32 @@ class WeightSender:
                 self._form(expected, device)
             if self._pg is None:
                 return 0
+            dtypes = {str(t.dtype).removeprefix("torch.") for _, t in named}
+            if len(dtypes) != 1 or next(iter(dtypes)) not in WIRE_DTYPES:
+                raise ValueError(f"a round carries tensors of one wire dtype {WIRE_DTYPES}, not {sorted(dtypes)}")
+            wire = WIRE_DTYPES.index(dtypes.pop())
             plan = buckets(named, int(self.cfg.bucket_mb * (1 << 20)))
-            header = torch.tensor([version, layout_hash(named), len(plan), len(named), self.round],
+            header = torch.tensor([version, layout_hash(named), len(plan), len(named), self.round, wire],
                                   dtype=torch.int64, device=device)
-            self._pg.broadcast(header, 0).wait()
+            _wait(self._pg.broadcast(header, 0), self.cfg)
             for idx in plan:
                 parts = [named[i][1].detach().reshape(-1) for i in idx]
                 # A bucket of one contiguous tensor goes as is; only small tensors are packed (one copy).
                 flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-                self._pg.broadcast(flat, 0).wait()
+                _wait(self._pg.broadcast(flat, 0), self.cfg)
         except Exception as exc:
             self.failed_rounds += 1
+            _release(self._pg, failed=True)
             self._pg = None  # the next round forms a new epoch with whoever is alive
             self.log.warning("weights_round_failed", round=self.round, epoch=self.epoch, version=version,
                              members=self.members, error=str(exc)[:300])
             raise RoundFailed(str(exc)) from exc
         self.log.info("weights_broadcast", round=self.round, epoch=self.epoch, version=version,
-                      receivers=self.members, seconds=round(time.monotonic() - t0, 3))
+                      receivers=self.members, backend=self.backend, seconds=round(time.monotonic() - t0, 3))
         return self.members
 
     def close(self) -> None:
+        _release(self._pg, failed=False)
         self._pg = None
         self.store = None
 
@@ -194,8 +275,9 @@ class WeightReceiver:
             self._store = dist.TCPStore(self.cfg.host, self.cfg.port, is_master=False, timeout=_timeout(self.cfg))
         return self._store
 
-    def _lost(self, why: str) -> RoundFailed:
+    def _lost(self, why: str, failed: bool = True) -> RoundFailed:
         """Leave the epoch and ask to be in the next one."""
+        _release(self._pg, failed)
         self._pg = None
         try:
             if self._store is not None:
@@ -208,18 +290,24 @@ class WeightReceiver:
         try:
             store = self._connect()
             rank = int(store.add(f"e{epoch}/joined", 1))
+            store.set(f"e{epoch}/place/{rank}", placement(device))
             world = int(store.get(f"e{epoch}/world"))
+            backend = store.get(f"e{epoch}/backend").decode() if rank < world else ""
         except Exception as exc:  # the learner is gone or the store is unreachable
             self._store = None
             raise RoundFailed(f"rendezvous of epoch {epoch}: {exc}") from exc
         if rank >= world:
-            raise self._lost(f"joined epoch {epoch} after it closed")
-        self._pg = _group(store, f"e{epoch}/pg/", rank, world, _backend_for(self.cfg, device), self.cfg)
+            raise self._lost(f"joined epoch {epoch} after it closed", failed=False)
+        if backend.startswith("refused"):
+            raise RoundFailed(f"the learner refused epoch {epoch}'s backend: {backend.removeprefix('refused: ')}")
+        _release(self._pg, failed=False)
+        self._pg = _group(store, f"e{epoch}/pg/", rank, world, backend, self.cfg)
         self._epoch = epoch
 
     def receive(self, r: int, epoch: int, like: Sequence[tuple[str, Any]],
                 reuse: bool = False) -> tuple[int, dict[str, Any]]:
-        """Take part in round ``r`` of ``epoch``; returns (version, {name: tensor}) shaped ``like``.
+        """Take part in round ``r`` of ``epoch``; returns (version, {name: tensor}) shaped ``like``, in the
+        learner's wire dtype (the caller casts as it copies them in).
 
         Raises ``RoundFailed`` (weights unchanged). With ``reuse``, the tensors are views into buffers the
         next ``receive`` overwrites: pass it only once the previous result has been copied into the model.
@@ -230,23 +318,25 @@ class WeightReceiver:
         if self._pg is None or epoch != self._epoch:
             self._join(epoch, device)
         try:
-            header = torch.zeros(5, dtype=torch.int64, device=device)
-            self._pg.broadcast(header, 0).wait()
-            version, lhash, n_buckets, n_params, round_no = (int(x) for x in header.tolist())
+            header = torch.zeros(6, dtype=torch.int64, device=device)
+            _wait(self._pg.broadcast(header, 0), self.cfg)
+            version, lhash, n_buckets, n_params, round_no, wire = (int(x) for x in header.tolist())
             if round_no != r:
                 raise self._lost(f"expected round {r}, the learner sent round {round_no}")
             if lhash != layout_hash(like) or n_params != len(like):
                 # A configuration error (different models): this round fails for everyone, loudly.
                 raise self._lost("the learner's parameter layout differs from this engine's model")
-            plan = buckets(like, int(self.cfg.bucket_mb * (1 << 20)))
+            dtype = getattr(torch, WIRE_DTYPES[wire])
+            plan = buckets(like, int(self.cfg.bucket_mb * (1 << 20)), torch.empty(0, dtype=dtype).element_size())
             if len(plan) != n_buckets:
                 raise self._lost("bucket plans differ (weights.bucket_mb must match)")
             out: dict[str, Any] = {}
-            if not reuse or len(self._buffers) != len(plan):
-                self._buffers = [torch.empty(sum(like[i][1].numel() for i in idx), dtype=like[idx[0]][1].dtype,
-                                             device=device) for idx in plan]
+            if not reuse or [(b.numel(), b.dtype) for b in self._buffers] != \
+                    [(sum(like[i][1].numel() for i in idx), dtype) for idx in plan]:
+                self._buffers = [torch.empty(sum(like[i][1].numel() for i in idx), dtype=dtype, device=device)
+                                 for idx in plan]
             for idx, flat in zip(plan, self._buffers):
-                self._pg.broadcast(flat, 0).wait()
+                _wait(self._pg.broadcast(flat, 0), self.cfg)
                 pos = 0
                 for i in idx:
                     name, t = like[i]

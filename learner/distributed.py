@@ -104,16 +104,22 @@ def from_environment(device: str, timeout_s: float) -> DistContext:
     return DistContext(rank, world, local_rank, torch.distributed.group.WORLD, job_group)
 
 
-def shard_model(model: Any, ctx: DistContext, reshard_after_forward: bool = True) -> Any:
-    """FSDP2: every decoder layer is its own unit (all-gathered just before use), then the root."""
-    from torch.distributed.fsdp import fully_shard
+def shard_model(model: Any, ctx: DistContext, compute_dtype: Any = None, reshard_after_forward: bool = True) -> Any:
+    """FSDP2: every decoder layer is its own unit (all-gathered just before use), then the root.
+
+    The shards keep the model's dtype (float32 masters for the optimizer); with a lower ``compute_dtype``
+    each unit's parameters are cast as they are gathered and gradients are reduced in float32."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError("FSDP2 sharding expects a Hugging Face decoder (model.model.layers)")
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) \
+        if compute_dtype is not None and compute_dtype != torch.float32 else MixedPrecisionPolicy()
     for layer in layers:
-        fully_shard(layer, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     return model
 
 

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from common import protocol as P
 from common.metrics import MetricsWriter
-from common.model import ModelConfig, build_model, build_tokenizer
+from common.model import ModelConfig, build_model, build_tokenizer, torch_dtype
 from common.rundir import RunDir
 from learner import checkpoint as CK
 from learner.batch import (BadBatch, Sample, build_samples, collate, loglinear_prox, micro_batches, token_entropy,
@@ -33,6 +33,7 @@ from learner.batch import (BadBatch, Sample, build_samples, collate, loglinear_p
 from learner.config import LearnerConfig
 from learner.distributed import DistContext, full_state, load_full_state, padding_micro_batch, shard_model
 from learner.entropulse import Entropulse
+from learner.precision import LowPrecisionTwin
 from learner.losses import LossConfig, LossInputs, anchor_loss, get_loss
 
 
@@ -63,19 +64,23 @@ class Trainer:
         self.device = self.dist.device(cfg.device)
         torch.manual_seed(seed)  # the same on every rank: all shards come from one initialisation
         self.tokenizer = build_tokenizer(model_cfg)
-        self.model = build_model(model_cfg, self.tokenizer.vocab_size, self.device).train()
-        # learner.anchor: demo turns replayed beside every RL step (the same draw on every rank)
+        # Master weights (what AdamW steps and checkpoints hold) are float32 whatever the compute dtype: at
+        # fine-tuning learning rates (~1e-6) most bf16 updates would round away. ``net`` runs the passes.
+        self.compute_dtype = torch_dtype(model_cfg, self.device)
+        self.model = build_model(model_cfg, self.tokenizer.vocab_size, self.device, dtype=torch.float32).train()
+        # learner.anchor: demo turns replayed beside every RL step
         if cfg.anchor.enabled and not anchor_demos:
             raise ValueError("learner.anchor.suite is set but no demonstrations were given to the trainer")
         self.anchor_samples = ([s for tr in anchor_demos or () for s in turn_samples(tr, "anchor")]
                                if cfg.anchor.enabled else [])
-        self._anchor_rng = random.Random(cfg.anchor.seed)
         needs_ref = cfg.loss.kl_beta > 0 or (bool(self.anchor_samples) and cfg.anchor.kind == "kl")
         self.ref_model = self._frozen_copy() if needs_ref else None
-        if self.dist.enabled:
-            shard_model(self.model, self.dist)
+        if self.dist.enabled:  # FSDP2 casts each unit's gathered parameters to the compute dtype
+            shard_model(self.model, self.dist, compute_dtype=self.compute_dtype)
             if self.ref_model is not None:
-                shard_model(self.ref_model, self.dist)
+                shard_model(self.ref_model, self.dist, compute_dtype=self.compute_dtype)
+        self.net = self.model if self.compute_dtype == torch.float32 or self.dist.enabled else \
+            LowPrecisionTwin(self.model, self.compute_dtype)
         self._gathered: list[tuple[str, torch.Tensor]] = []  # rank 0's full weights after the last update
         self.loss_fn = get_loss(cfg.loss.name)
         self.sft_fn = get_loss("sft")
@@ -90,6 +95,8 @@ class Trainer:
 
     def _frozen_copy(self) -> Any:
         ref = copy.deepcopy(self.model).eval()
+        if not self.dist.enabled:  # sharded: the FSDP2 policy casts it
+            ref.to(self.compute_dtype)
         for p in ref.parameters():
             p.requires_grad_(False)
         return ref
@@ -126,8 +133,9 @@ class Trainer:
             self._count("batches_empty")
             return None
         version_before = self.version  # lags are measured against the policy that starts this step
-        anchor = (self._anchor_rng.sample(self.anchor_samples, min(self.cfg.anchor.samples, len(self.anchor_samples)))
-                  if self.anchor_samples else [])
+        # The draw is a function of the version: the same on every rank, and the same again after a resume.
+        draw = random.Random(f"{self.cfg.anchor.seed}/{self.version}")
+        anchor = draw.sample(self.anchor_samples, min(self.cfg.anchor.samples, len(self.anchor_samples)))
         out = self._update(samples, self.loss_fn, self.cfg.loss, self.cfg.updates_per_batch, anchor)
         if out is None:
             return None
@@ -171,7 +179,7 @@ class Trainer:
         if k > 1 and cfg.prox == "recompute":  # pi_prox: the policy at the start of this step
             with torch.no_grad():
                 for tb in mbs:
-                    prox[id(tb)] = _logprobs_of(self.model, tb, self.temperature)[0]
+                    prox[id(tb)] = _logprobs_of(self.net, tb, self.temperature)[0]
         sums: dict[str, float] = {}
         total_tokens = 0
         entropy_sum = 0.0
@@ -183,7 +191,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             bad = False
             for tb in chunk:
-                lp, logits = _logprobs_of(self.model, tb, self.temperature)
+                lp, logits = _logprobs_of(self.net, tb, self.temperature)
                 if k == 1:
                     lp_prox = lp.detach()  # one update per batch: pi_prox is pi_theta before this update
                 elif cfg.prox == "recompute":
@@ -211,6 +219,8 @@ class Trainer:
                 bad = bad or not bool(torch.isfinite(a_loss))
                 (cfg.anchor.coef * a_loss * loss_scale).backward()
                 anchor_sum += float(a_loss.detach()) * anchor_tokens_all[j]
+            if self.net is not self.model:
+                self.net.grads_to_master()
             params = [p for p in self.model.parameters() if p.grad is not None]
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
             if isinstance(norm, DTensor):  # sharded parameters: the norm is already global
@@ -221,6 +231,8 @@ class Trainer:
                 return None
             grad_norm = float(norm)
             self.optimizer.step()
+            if self.net is not self.model:
+                self.net.master_to_compute()
             self.scheduler.step()
             self.version += 1
             self.content_version = self.version
@@ -239,7 +251,7 @@ class Trainer:
 
     def _anchor_loss(self, tb: Any, num_tokens: int) -> torch.Tensor:
         """The anchor's loss on one micro-batch of demo turns (gradient through the policy only)."""
-        lp, logits = _logprobs_of(self.model, tb, self.temperature)
+        lp, logits = _logprobs_of(self.net, tb, self.temperature)
         ref_logits = None
         if self.cfg.anchor.kind == "kl":
             with torch.no_grad():
@@ -252,12 +264,14 @@ class Trainer:
         if self.dist.enabled:
             weights, _ = full_state(self.model)
             if self.dist.is_main:
-                self._gathered = [(n, weights[n].to(self.device)) for n, _ in self.model.named_parameters()]
+                self._gathered = [(n, weights[n].to(self.device, self.compute_dtype))
+                                  for n, _ in self.model.named_parameters()]
 
     def weights_for_broadcast(self) -> list[tuple[str, torch.Tensor]]:
-        """The current weights as (name, full tensor) in parameter order."""
+        """The current weights as (name, full tensor) in parameter order, in the compute dtype (what the
+        engines run: bf16 on GPUs, half the bytes of the float32 masters)."""
         if not self.dist.enabled:
-            return list(self.model.named_parameters())
+            return list(self.net.named_parameters())
         if not self._gathered:
             raise RuntimeError("no gathered weights yet: every rank must run gather_weights first")
         return self._gathered
@@ -286,7 +300,7 @@ class Trainer:
 
     def reset_reference(self) -> None:
         if self.ref_model is not None:
-            self.ref_model.load_state_dict(self.model.state_dict())
+            self.ref_model.load_state_dict(self.model.state_dict())  # load_state_dict casts to its dtype
 
     # ----- checkpoints ---------------------------------------------------------------------------
 
@@ -320,6 +334,8 @@ class Trainer:
         CK.restore_rng(blob)
         self.version = int(state["version"])
         self.content_version = int(state.get("content_version", self.version))
+        if self.net is not self.model:
+            self.net.master_to_compute()
         self.entropulse.load_state_dict(state["entropulse"])
         self.counters = dict(state.get("counters", {}))
         if self.ref_model is not None:

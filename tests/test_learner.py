@@ -236,18 +236,21 @@ def test_entropulse_schedule_and_adaptive_transitions():
 
 
 def test_checkpoint_resume_gives_the_identical_next_step(tmp_path):
-    cfg = LearnerConfig(lr=1e-3)
-    t = Trainer(cfg, TINY)
+    # with an sft anchor: its per-step draw of demo turns must also come out the same after the resume
+    cfg = LearnerConfig(lr=1e-3, anchor=AnchorConfig(suite="sim:train:settings_display", kind="sft", samples=2))
+    t = Trainer(cfg, TINY, anchor_demos=anchor_demos())
     t.train_step(groups_from(t, seed=0))
     t.train_step(groups_from(t, seed=1, version=t.version))
     path = t.save(tmp_path / "ck", {"note": "x"})
     nxt = groups_from(t, seed=2, version=t.version)
     m_a = t.train_step(nxt)
-    r = Trainer(cfg, ModelConfig(**{**TINY.__dict__, "init_seed": 123}))  # different init: the checkpoint wins
+    r = Trainer(cfg, ModelConfig(**{**TINY.__dict__, "init_seed": 123}),  # different init: the checkpoint wins
+                anchor_demos=anchor_demos())
     state = r.load(path)
     assert state["note"] == "x" and r.version == 2
     m_b = r.train_step(nxt)
     assert m_b["loss"] == pytest.approx(m_a["loss"], rel=1e-6, abs=1e-9) and r.version == t.version == 3
+    assert m_b["anchor_loss"] == pytest.approx(m_a["anchor_loss"], rel=1e-6)
     for (n, p), (_, q) in zip(t.model.named_parameters(), r.model.named_parameters()):
         assert torch.allclose(p, q, atol=1e-7), n
     assert (tmp_path / "ck" / "latest").read_text() == path.name
@@ -320,3 +323,33 @@ def test_untrainable_batches_still_advance_the_version_without_new_weights(start
     assert learner.trainer.version == 4 and learner.trainer.content_version == 0
     assert learner.trainer.counters["empty_steps"] == 4
     assert tb.broker.control.info.get("content_version") == 0
+
+
+def test_bf16_compute_keeps_float32_master_weights_so_small_updates_are_not_rounded_away(tmp_path):
+    # At lr 1e-6 a bf16 weight (8 mantissa bits) cannot move: 1e-6 is far below half its spacing. The
+    # masters are float32 and take the update; the bf16 copy the passes run on follows them.
+    cfg = LearnerConfig(lr=1e-6, grad_clip=0.0)
+    t = Trainer(cfg, ModelConfig(**{**TINY.__dict__, "dtype": "bfloat16"}))
+    assert t.compute_dtype == torch.bfloat16 and t.net is not t.model
+    assert all(p.dtype == torch.float32 for p in t.model.parameters())
+    assert all(p.dtype == torch.bfloat16 for _, p in t.net.named_parameters())
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    pure = {n: p.detach().to(torch.bfloat16) for n, p in t.model.named_parameters()}
+    m = t.train_step(groups_from(t))
+    assert m is not None and m["grad_norm"] > 0
+    moved = {n: float((p.detach() - before[n]).abs().max()) for n, p in t.model.named_parameters()}
+    assert all(v > 0 for v in moved.values()), "every master tensor took the update"
+    # what a bf16-only optimizer would hold: the same update applied in bf16 leaves most weights where they were
+    w = pure["model.layers.0.mlp.up_proj.weight"]
+    assert float((w + torch.full_like(w, 1e-6) == w).float().mean()) > 0.9
+    for (n, low), (_, master) in zip(t.net.named_parameters(), t.model.named_parameters()):
+        assert torch.equal(low.detach(), master.detach().to(torch.bfloat16)), n
+    # the weights actors get are the compute copy (half the bytes); checkpoints hold the float32 masters
+    assert all(p.dtype == torch.bfloat16 for _, p in t.weights_for_broadcast())
+    path = t.save(tmp_path / "ck")
+    r = Trainer(cfg, ModelConfig(**{**TINY.__dict__, "dtype": "bfloat16", "init_seed": 5}))
+    r.load(path)
+    for (n, p), (_, q) in zip(t.model.named_parameters(), r.model.named_parameters()):
+        assert torch.equal(p, q), n
+    for (n, p), (_, q) in zip(t.net.named_parameters(), r.net.named_parameters()):
+        assert torch.equal(p, q), n

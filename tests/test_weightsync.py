@@ -16,13 +16,18 @@ from common.weightsync import RoundFailed, WeightReceiver, WeightSender, WeightS
 def params(seed: float):
     g = torch.Generator().manual_seed(int(seed))
     return [("a.weight", torch.randn(7, 5, generator=g)), ("a.bias", torch.randn(5, generator=g)),
-            ("b.weight", torch.randn(300, generator=g)), ("steps", torch.arange(3, dtype=torch.int64))]
+            ("b.weight", torch.randn(300, generator=g)), ("c.bias", torch.randn(3, generator=g))]
 
 
 def test_buckets_split_by_size_and_dtype():
     plan = buckets(params(0), 200)
-    assert plan == [[0, 1], [2], [3]]  # 140 + 20 bytes fit in 200; 1200 do not; int64 goes alone
-    assert buckets(params(0), 1 << 20) == [[0, 1, 2], [3]]
+    assert plan == [[0, 1], [2], [3]]  # 140 + 20 bytes fit in 200; 1200 do not
+    assert buckets(params(0), 1 << 20) == [[0, 1, 2, 3]]
+    mixed = params(0)[:2] + [("steps", torch.arange(3, dtype=torch.int64))]
+    assert buckets(mixed, 1 << 20) == [[0, 1], [2]]  # a bucket holds one dtype
+    # a receiver plans with its own shapes at the wire's element size: bf16 halves the bytes
+    assert buckets(params(0), 200, element_size=2) == [[0, 1], [2], [3]]
+    assert buckets(params(0), 700, element_size=2) == [[0, 1, 2, 3]]
 
 
 def test_epochs_deliver_rounds_survive_a_dead_member_and_admit_late_joiners(quiet_log):
@@ -115,3 +120,57 @@ def test_receive_buffers_are_reused_only_when_asked(quiet_log):
     assert a["a.weight"].data_ptr() == b["a.weight"].data_ptr(), "reuse writes into the same buffers"
     assert c["a.weight"].data_ptr() != b["a.weight"].data_ptr()
     assert torch.equal(b["a.weight"], params(11)[0][1]) and torch.equal(c["a.weight"], params(12)[0][1])
+
+
+def test_the_wire_carries_the_senders_dtype_and_the_receiver_takes_it_whatever_its_own(quiet_log):
+    # A GPU learner sends bf16; an engine holding float32 weights (a CPU actor) still fits the layout.
+    cfg = WeightSyncConfig(port=free_port(), join_window_s=3.0, timeout_s=5.0)
+    sender = WeightSender(cfg, quiet_log)
+    rx = WeightReceiver(cfg, quiet_log)
+    sent = [(n, t.to(torch.bfloat16)) for n, t in params(3)]
+    got = {}
+    r, e = sender.open_round()
+    t = threading.Thread(target=lambda: got.update(res=rx.receive(r, e, params(0))))
+    t.start()
+    assert sender.broadcast(sent, version=4, expected=1) == 1
+    t.join(10)
+    version, tensors = got["res"]
+    assert version == 4 and sender.backend == "gloo"
+    for n, want in sent:
+        assert tensors[n].dtype == torch.bfloat16 and torch.equal(tensors[n], want)
+    with pytest.raises(RoundFailed, match="one wire dtype"):
+        sender.open_round()
+        sender.broadcast([("a", torch.ones(2)), ("b", torch.ones(2, dtype=torch.bfloat16))], version=5)
+
+
+def test_backend_is_agreed_from_every_members_placement():
+    from common.weightsync import choose_backend
+
+    gpus = ["cuda:GPU-a", "cuda:GPU-b", "cuda:GPU-c"]
+    assert choose_backend("auto", gpus) == "nccl"
+    assert choose_backend("auto", gpus[:2] + ["cpu"]) == "gloo", "a CPU engine: gloo for everyone"
+    assert choose_backend("auto", ["cuda:GPU-a", "cuda:GPU-a"]) == "gloo", "learner and engine share a GPU"
+    assert choose_backend("gloo", gpus) == "gloo"
+    with pytest.raises(ValueError, match="on the CPU"):
+        choose_backend("nccl", ["cuda:GPU-a", "cpu"])
+    with pytest.raises(ValueError, match="share one GPU"):
+        choose_backend("nccl", ["cuda:GPU-a", "cuda:GPU-b", "cuda:GPU-a"])
+
+
+def test_an_impossible_nccl_epoch_is_refused_on_both_sides_with_the_reason(quiet_log):
+    cfg = WeightSyncConfig(port=free_port(), join_window_s=3.0, timeout_s=3.0, backend="nccl")
+    sender = WeightSender(cfg, quiet_log)
+    r, e = sender.open_round()
+    got = {}
+
+    def receive():
+        try:
+            WeightReceiver(cfg, quiet_log).receive(r, e, params(0))
+        except RoundFailed as exc:
+            got["err"] = str(exc)
+    t = threading.Thread(target=receive)
+    t.start()
+    with pytest.raises(RoundFailed, match="on the CPU"):
+        sender.broadcast(params(1), version=1, expected=1)
+    t.join(10)
+    assert not t.is_alive() and "refused" in got["err"] and "on the CPU" in got["err"]
