@@ -222,7 +222,8 @@ class HFEngine:
         tails = [""] * n
         with torch.no_grad():
             res = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-            cache, logits = res.past_key_values, res.logits[:, -1]
+            vocab = self.tokenizer.vocab_size  # padding rows of the embedding are never sampled (nor scored)
+            cache, logits = res.past_key_values, res.logits[:, -1, :vocab]
             last_pos = positions[:, -1]
             for _ in range(params.max_new_tokens):
                 tokens, logps = self._sample(logits, params)
@@ -251,7 +252,7 @@ class HFEngine:
                 last_pos = last_pos + 1
                 res = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=last_pos[:, None],
                                  past_key_values=cache, use_cache=True)
-                cache, logits = res.past_key_values, res.logits[:, -1]
+                cache, logits = res.past_key_values, res.logits[:, -1, :vocab]
         for g in gens:
             g.text = self.tokenizer.decode([t for t in g.token_ids if t != eos])
         st = self.stats

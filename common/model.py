@@ -126,10 +126,14 @@ def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu", dtype: A
     return model.to(device)
 
 
-def sequence_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, temperature: float = 1.0) -> Any:
-    """Teacher-forced log-probs of each token given its prefix: ``out[:, t]`` scores ``input_ids[:, t + 1]``.
+def token_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, temperature: float = 1.0,
+                   vocab: int = 0) -> tuple[Any, Any]:
+    """Teacher-forced log-probs of each token given its prefix, and the (float, tempered) logits they came
+    from: ``lp[:, t]`` scores ``input_ids[:, t + 1]``.
 
-    ``temperature`` must be the sampling temperature: behaviour log-probs are recorded under it.
+    ``temperature`` must be the sampling temperature: behaviour log-probs are recorded under it. ``vocab``
+    (the tokenizer's size) drops embedding rows no token maps to (real checkpoints pad their vocabulary:
+    Qwen2.5 has 151,936 rows for 151,665 tokens); engines sample over the same ``vocab`` columns.
     """
     import torch
 
@@ -137,5 +141,12 @@ def sequence_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, te
     if attention_mask is not None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, :-1].float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    logits = logits[:, :-1, :vocab or None].float() / temperature
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return lp, logits
+
+
+def sequence_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, temperature: float = 1.0,
+                      vocab: int = 0) -> Any:
+    """``token_logprobs`` without the logits."""
+    return token_logprobs(model, input_ids, attention_mask, temperature, vocab)[0]

@@ -4,7 +4,8 @@ A broker and an env_server run as their own processes; a learner stand-in pulls 
 version so admission keeps flowing. The actor plays ``--groups`` task groups. Every batch the actor's
 engine generated is recorded (prompts, sampling parameters), then replayed through the same engine with no
 env and no transport: ``engine_only_tokens_per_s`` is that baseline, and ``ratio`` is the actor's
-generated tokens/s over it — how much of the engine's speed survives the agent loop.
+generated tokens/s over it — how much of the engine's speed survives the agent loop. The engine itself is
+compared with transformers' ``generate`` on the same batches (``engine_vs_hf_generate``).
 """
 
 from __future__ import annotations
@@ -57,7 +58,34 @@ def _learner_stand_in(net, log, stop: threading.Event) -> None:
     c.close()
 
 
-def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int, hidden: int) -> dict:
+def _hf_generate(engine: Any, recorded: list, device: str) -> tuple[int, float]:
+    """The same batches through transformers' own ``generate`` (sampling, scores kept for log-probs, as RL
+    needs them), left-padded as the engine pads: what a user gets without our engine."""
+    import torch
+
+    tok, model = engine.tokenizer, engine.model
+    total, t0 = 0, time.perf_counter()
+    for prompts, params in recorded:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), tok.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        with torch.no_grad():
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
+                                 temperature=params.temperature, top_p=params.top_p, top_k=0,
+                                 max_new_tokens=params.max_new_tokens, pad_token_id=tok.pad_id,
+                                 eos_token_id=tok.eos_id, output_scores=True, return_dict_in_generate=True)
+        new = out.sequences[:, width:]
+        total += int((new != tok.pad_id).sum())
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return total, time.perf_counter() - t0
+
+
+def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int, hidden: int,
+              device: str = "cpu") -> dict:
     from actor.agent import Actor
     from actor.config import ActorConfig
     from actor.engine import EngineConfig, HFEngine, SamplingParams
@@ -72,7 +100,7 @@ def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int
     ctx = mp.get_context("spawn")
     model = ModelConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_layers=2, num_heads=4, num_kv_heads=2)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
-    engine = HFEngine(model, EngineConfig(seed=0))
+    engine = HFEngine(model, EngineConfig(seed=0, device=device))
     recorded: list[tuple[list, Any]] = []
     real_generate = engine.generate
 
@@ -117,13 +145,20 @@ def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int
     base_tokens, t0 = 0, time.perf_counter()
     for prompts, params in recorded:
         base_tokens += sum(len(g.token_ids) for g in real_generate(prompts, params))
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
     base_wall = time.perf_counter() - t0
-    return {
+    hf_tokens, hf_wall = _hf_generate(engine, recorded, device)
+    return {"device": device,
         "groups": groups, "group_size": group_size, "max_groups": max_groups, "hidden_size": hidden,
         "episodes": episodes, "episodes_per_s": round(episodes / wall, 3),
         "generated_tokens": tokens, "tokens_per_s": round(tokens / wall, 1),
         "engine_only_tokens_per_s": round(base_tokens / base_wall, 1),
         "ratio": round((tokens / wall) / (base_tokens / base_wall), 3),
+        "hf_generate_tokens_per_s": round(hf_tokens / hf_wall, 1),
+        "engine_vs_hf_generate": round((base_tokens / base_wall) / (hf_tokens / hf_wall), 3),
         "engine_batches": len(recorded), "mean_batch": round(sum(len(p) for p, _ in recorded) / len(recorded), 2),
         "format_error_rate": round(stats.get("format_errors", 0) / max(stats.get("turns", 1), 1), 3),
         "seconds": round(wall, 2),

@@ -2,7 +2,8 @@
 
 learner: train tokens/s of ``Trainer.train_step`` on synthetic trajectory groups, against the bare loop a
 user would write for the same model and the same padded tensors (forward, log-softmax gather, token-mean
-loss, backward, clip, AdamW step). ``ratio`` = ours / bare. On a GPU (``--device cuda``) it also reports
+loss, backward, clip, AdamW step; on GPUs in pure bf16, the fastest such loop). ``ratio`` = ours / bare.
+``--shape qwen2.5-0.5b|qwen2.5-1.5b`` builds those published shapes (vocabulary 151,936) with random weights. On a GPU (``--device cuda``) it also reports
 MFU: model FLOPs (6 x parameters + 12 x layers x width x sequence length, per processed token: prompt and
 output, forward and backward) per second over the device's dense bf16 peak (looked up by name, or
 ``--peak-tflops``).
@@ -46,6 +47,14 @@ def _groups(n_groups: int, group_size: int, prompt_len: int, output_len: int, vo
 # Dense bf16 peaks (TFLOP/s) by device-name fragment; anything else needs --peak-tflops.
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
+# Real model shapes (random weights): the published configs' widths, depths, heads and vocabularies.
+SHAPES = {
+    "qwen2.5-0.5b": dict(arch="qwen2", hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                         intermediate_size=4864, vocab_size=151936),
+    "qwen2.5-1.5b": dict(arch="qwen2", hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
+                         intermediate_size=8960, vocab_size=151936),
+}
+
 
 def peak_tflops(device: str, given: float) -> float | None:
     if given > 0:
@@ -58,11 +67,32 @@ def peak_tflops(device: str, given: float) -> float | None:
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
+def model_config(shape: str, hidden: int, layers: int) -> "object":
+    from common.model import ModelConfig
+
+    if shape:
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r}: one of {', '.join(SHAPES)}")
+        return ModelConfig(**SHAPES[shape])
+    heads = max(1, hidden // 16)
+    return ModelConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers, num_heads=heads,
+                       num_kv_heads=heads)
+
+
 def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, prompt_len: int, output_len: int,
-                      steps: int, device: str = "cpu", peak: float = 0.0) -> dict:
+                      steps: int, device: str = "cpu", peak: float = 0.0, shape: str = "",
+                      micro_batch_tokens: int = 16384) -> dict:
+    """Ours, then the bare loop, each alone on the device (the other's memory freed first).
+
+    The bare loop is the fastest one a user writes by hand for the same model and tensors: parameters and
+    AdamW state in the compute dtype (bf16 on GPUs, which at fine-tuning learning rates rounds most updates
+    away: ours keeps float32 masters, and pays for it here), one forward/backward per micro-batch, clip, step.
+    """
+    import gc
+
     import torch
 
-    from common.model import ModelConfig
+    from common.model import build_model, torch_dtype
     from learner.batch import build_samples, collate, micro_batches
     from learner.config import LearnerConfig
     from learner.trainer import Trainer
@@ -71,15 +101,22 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    heads = max(1, hidden // 16)
-    model_cfg = ModelConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers, num_heads=heads,
-                            num_kv_heads=heads)
-    cfg = LearnerConfig(lr=1e-5, device=device)
+    def peak_gb() -> float | None:
+        if not device.startswith("cuda"):
+            return None
+        gb = torch.cuda.max_memory_allocated(torch.device(device)) / 2**30
+        torch.cuda.reset_peak_memory_stats(torch.device(device))
+        return round(gb, 2)
+
+    model_cfg = model_config(shape, hidden, layers)
+    cfg = LearnerConfig(lr=1e-5, device=device, micro_batch_tokens=micro_batch_tokens, broadcast_weights=False)
     ours = Trainer(cfg, model_cfg)
-    vocab = ours.tokenizer.vocab_size
+    vocab, pad = ours.tokenizer.vocab_size, ours.tokenizer.pad_id
+    params = sum(p.numel() for p in ours.model.parameters())
     data = [_groups(groups, group_size, prompt_len, output_len, 256, s) for s in range(steps + 1)]
     ours.train_step(data[0])  # warm-up (allocator, kernels)
     sync()
+    peak_gb()
     t0 = time.perf_counter()
     tokens = 0
     for d in data[1:]:
@@ -88,14 +125,18 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
         tokens += ours.train_step(d)["tokens"]
     sync()
     ours_s = time.perf_counter() - t0
+    ours_gb = peak_gb()
+    del ours
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
-    bare = Trainer(cfg, model_cfg)  # same model, its own optimizer; the loop below is all it runs
-    model, opt = bare.model, torch.optim.AdamW(bare.model.parameters(), lr=1e-5)
+    model = build_model(model_cfg, vocab, device).train()  # compute dtype throughout, as a bare loop has it
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     tensors = []
     for d in data:
         samples, _ = build_samples(d, cfg.advantage, vocab, 0)
-        tensors.append([collate(mb, bare.tokenizer.pad_id, device)
-                        for mb in micro_batches(samples, cfg.micro_batch_tokens)])
+        tensors.append([collate(mb, pad, device) for mb in micro_batches(samples, cfg.micro_batch_tokens)])
 
     def bare_step(mbs) -> None:
         opt.zero_grad(set_to_none=True)
@@ -110,6 +151,7 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
 
     bare_step(tensors[0])
     sync()
+    peak_gb()
     t0 = time.perf_counter()
     bare_tokens = 0
     for mbs in tensors[1:]:
@@ -117,17 +159,23 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
         bare_tokens += sum(tb.num_tokens for tb in mbs)
     sync()
     bare_s = time.perf_counter() - t0
-    params = sum(p.numel() for p in ours.model.parameters())
+    bare_gb = peak_gb()
     seq = prompt_len + output_len
-    flops_per_step = groups * group_size * seq * (6 * params + 12 * layers * hidden * seq)
+    L, width = model_cfg.num_layers, model_cfg.hidden_size
+    flops_per_step = groups * group_size * seq * (6 * params + 12 * L * width * seq)
     top = peak_tflops(device, peak)
-    return {"params": params, "hidden": hidden, "layers": layers, "groups": groups, "group_size": group_size,
-            "prompt_len": prompt_len, "output_len": output_len, "steps": steps, "device": device,
+    return {"shape": shape or "custom", "params": params, "hidden": width, "layers": L,
+            "vocab": model_cfg.vocab_size or vocab, "dtype": str(torch_dtype(model_cfg, device)).removeprefix("torch."),
+            "groups": groups, "group_size": group_size, "prompt_len": prompt_len, "output_len": output_len,
+            "micro_batch_tokens": micro_batch_tokens, "steps": steps, "device": device,
+            "device_name": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu",
             "train_tokens_per_s": round(tokens / ours_s, 1), "bare_tokens_per_s": round(bare_tokens / bare_s, 1),
             "ratio": round((tokens / ours_s) / (bare_tokens / bare_s), 3),
-            "step_seconds": round(ours_s / steps, 4),
+            "step_seconds": round(ours_s / steps, 4), "bare_step_seconds": round(bare_s / steps, 4),
+            "peak_memory_gb": ours_gb, "bare_peak_memory_gb": bare_gb,
             "model_tflops_per_s": round(flops_per_step * steps / ours_s / 1e12, 4),
-            "mfu": round(flops_per_step * steps / ours_s / (top * 1e12), 4) if top else None}
+            "mfu": round(flops_per_step * steps / ours_s / (top * 1e12), 4) if top else None,
+            "bare_mfu": round(flops_per_step * steps / bare_s / (top * 1e12), 4) if top else None}
 
 
 # ----- weights -----------------------------------------------------------------------------------------

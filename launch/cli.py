@@ -262,13 +262,14 @@ def bench_env(backend: str, sessions: int, desktops: int, steps: int, clients: i
 @click.option("--max-groups", default=2, show_default=True, help="groups in flight at once")
 @click.option("--max-new-tokens", default=48, show_default=True, help="tokens per turn")
 @click.option("--hidden", default=64, show_default=True, help="width of the tiny model")
+@click.option("--device", default="cpu", show_default=True, help="engine device: cpu | cuda | cuda:N")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: int, hidden: int,
+def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: int, hidden: int, device: str,
                 as_json: bool) -> None:
     """A whole actor against the sim desktop vs its engine alone on the same prompts."""
     from launch.bench_actor import run_bench
 
-    result = run_bench(groups, group_size, max_groups, max_new_tokens, hidden)
+    result = run_bench(groups, group_size, max_groups, max_new_tokens, hidden, device)
     _emit(result, as_json)
 
 
@@ -281,15 +282,18 @@ def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: i
 @click.option("--output-len", default=32, show_default=True, help="sampled tokens per sample")
 @click.option("--steps", default=5, show_default=True, help="timed steps")
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda | cuda:N")
+@click.option("--shape", default="", help="a real model's shape instead of --hidden/--layers: qwen2.5-0.5b | qwen2.5-1.5b")
+@click.option("--micro-batch-tokens", default=16384, show_default=True, help="padded tokens per forward/backward")
 @click.option("--peak-tflops", default=0.0, help="device peak for MFU (default: looked up for known GPUs)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def bench_learner(hidden: int, layers: int, groups: int, group_size: int, prompt_len: int, output_len: int,
-                  steps: int, device: str, peak_tflops: float, as_json: bool) -> None:
+                  steps: int, device: str, shape: str, micro_batch_tokens: int, peak_tflops: float,
+                  as_json: bool) -> None:
     """Learner train tokens/s vs a bare forward+backward+step of the same model and tensors (and MFU on GPUs)."""
     from launch.bench_learner import run_learner_bench
 
     _emit(run_learner_bench(hidden, layers, groups, group_size, prompt_len, output_len, steps, device,
-                            peak_tflops), as_json)
+                            peak_tflops, shape, micro_batch_tokens), as_json)
 
 
 @bench.command("weights")

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from common import protocol as P
 from common.metrics import MetricsWriter
-from common.model import ModelConfig, build_model, build_tokenizer, torch_dtype
+from common.model import ModelConfig, build_model, build_tokenizer, token_logprobs, torch_dtype
 from common.rundir import RunDir
 from learner import checkpoint as CK
 from learner.batch import (BadBatch, Sample, build_samples, collate, loglinear_prox, micro_batches, token_entropy,
@@ -33,16 +33,8 @@ from learner.batch import (BadBatch, Sample, build_samples, collate, loglinear_p
 from learner.config import LearnerConfig
 from learner.distributed import DistContext, full_state, load_full_state, padding_micro_batch, shard_model
 from learner.entropulse import Entropulse
-from learner.precision import LowPrecisionTwin
 from learner.losses import LossConfig, LossInputs, anchor_loss, get_loss
-
-
-def _logprobs_of(model: Any, tb: Any, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    positions = (tb.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=tb.input_ids, attention_mask=tb.attention_mask, position_ids=positions).logits[:, :-1]
-    logits = logits.float() / temperature
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, tb.input_ids[:, 1:, None]).squeeze(-1)
-    return lp, logits
+from learner.precision import LowPrecisionTwin
 
 
 class Trainer:
@@ -92,6 +84,9 @@ class Trainer:
         self.content_version = 0  # the version at which the weights last changed (empty steps keep it)
         self.eta: int | None = None  # the broker's staleness bound, re-checked here before training
         self.counters: dict[str, int] = {}
+
+    def _logprobs(self, model: Any, tb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logprobs(model, tb.input_ids, tb.attention_mask, self.temperature, self.tokenizer.vocab_size)
 
     def _frozen_copy(self) -> Any:
         ref = copy.deepcopy(self.model).eval()
@@ -179,7 +174,7 @@ class Trainer:
         if k > 1 and cfg.prox == "recompute":  # pi_prox: the policy at the start of this step
             with torch.no_grad():
                 for tb in mbs:
-                    prox[id(tb)] = _logprobs_of(self.net, tb, self.temperature)[0]
+                    prox[id(tb)] = self._logprobs(self.net, tb)[0]
         sums: dict[str, float] = {}
         total_tokens = 0
         entropy_sum = 0.0
@@ -191,7 +186,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             bad = False
             for tb in chunk:
-                lp, logits = _logprobs_of(self.net, tb, self.temperature)
+                lp, logits = self._logprobs(self.net, tb)
                 if k == 1:
                     lp_prox = lp.detach()  # one update per batch: pi_prox is pi_theta before this update
                 elif cfg.prox == "recompute":
@@ -202,7 +197,7 @@ class Trainer:
                 ref = None
                 if self.ref_model is not None:
                     with torch.no_grad():
-                        ref = _logprobs_of(self.ref_model, tb, self.temperature)[0]
+                        ref = self._logprobs(self.ref_model, tb)[0]
                 inp = LossInputs(lp, lp_prox, tb.behav_logprobs, tb.advantages, tb.mask, float(chunk_tokens), ref)
                 res = loss_fn(inp, loss_cfg)
                 # Skipped after the chunk, by every rank together (the others are mid-step in collectives).
@@ -251,11 +246,11 @@ class Trainer:
 
     def _anchor_loss(self, tb: Any, num_tokens: int) -> torch.Tensor:
         """The anchor's loss on one micro-batch of demo turns (gradient through the policy only)."""
-        lp, logits = _logprobs_of(self.net, tb, self.temperature)
+        lp, logits = self._logprobs(self.net, tb)
         ref_logits = None
         if self.cfg.anchor.kind == "kl":
             with torch.no_grad():
-                ref_logits = _logprobs_of(self.ref_model, tb, self.temperature)[1]
+                ref_logits = self._logprobs(self.ref_model, tb)[1]
         return anchor_loss(self.cfg.anchor.kind, logits, lp, ref_logits, tb.mask, float(num_tokens))
 
     def gather_weights(self) -> None:

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The GPU checks (docs/gpu.md records their figures): CUDA tests, learner benches on real model shapes,
+# the actor bench on CUDA, and a whole run with the learner and two actors sharing one GPU.
+#   bash launch/gpu-checks.sh tests|bench|run OUT_DIR
+# Uses the current python (torch + transformers with CUDA); pyzmq/structlog/... must be importable.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what="$1"; out="$2"; mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py="${PYTHON:-python3}"
+crl() { "$py" -m launch.cli "$@"; }
+case "$what" in
+  tests)
+    nvidia-smi -L | tee "$out/gpu.txt"
+    "$py" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
+    "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_learner.py tests/test_actor.py \
+      tests/test_weightsync.py tests/test_losses.py 2>&1 | tee "$out/tests.txt" | tail -15
+    ;;
+  bench)
+    for args in "--shape qwen2.5-0.5b --groups 2 --group-size 8 --prompt-len 1536 --output-len 512" \
+                "--shape qwen2.5-0.5b --groups 2 --group-size 8 --prompt-len 3584 --output-len 512" \
+                "--shape qwen2.5-1.5b --groups 2 --group-size 8 --prompt-len 3584 --output-len 512" \
+                "--shape qwen2.5-1.5b --groups 1 --group-size 8 --prompt-len 7680 --output-len 512"; do
+      echo "== bench learner $args"
+      crl bench learner --device cuda --steps 4 --micro-batch-tokens 16384 $args --json 2>"$out/bench-err.txt" \
+        | tee -a "$out/bench-learner.jsonl" || tail -5 "$out/bench-err.txt"
+    done
+    for hidden in 64 1024; do
+      echo "== bench actor --hidden $hidden"
+      crl bench actor --device cuda --groups 8 --hidden $hidden --json 2>>"$out/bench-err.txt" \
+        | tee -a "$out/bench-actor.jsonl" || tail -5 "$out/bench-err.txt"
+    done
+    ;;
+  run)
+    # Qwen2.5-0.5B's shape (about 1 GB of bf16 weights per round), random weights, byte tokenizer.
+    rd=/tmp/gpu-run; rm -rf "$rd"
+    timeout 480 "$py" -m launch.cli run configs/local.yaml --run-dir "$rd" model.path= model.arch=qwen2 \
+      model.hidden_size=896 model.num_layers=24 model.num_heads=14 model.num_kv_heads=2 \
+      model.intermediate_size=4864 model.vocab_size=151936 learner.device=cuda actor.engine.device=cuda \
+      learner.anchor.suite= learner.total_steps=12 learner.checkpoint_every=0 local.eval_episodes=0 \
+      local.torch_threads=4 learner.advantage.drop_zero_variance=false weights.timeout_s=120 weights.join_window_s=30 > "$out/run-stdout.txt" 2>&1
+    echo "run exit: $?"
+    tail -5 "$out/run-stdout.txt"
+    "$py" - "$rd" "$out" <<'PY'
+import json, sys, pathlib, statistics
+rd, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+def lines(p):
+    for l in p.read_text().splitlines():
+        try: yield json.loads(l)
+        except ValueError: pass
+steps = [r for r in lines(rd / "metrics/learner.jsonl") if r.get("phase") in ("rl", "sft") and not r.get("empty")]
+rounds = [r for f in (rd / "logs").glob("*") for r in lines(f) if r.get("event") == "weights_broadcast"]
+actors = [r for f in (rd / "metrics").glob("actor*") for r in lines(f)]
+rep = {"steps": len(steps)}
+if steps:
+    busy = sum(r["tokens"] / r["tokens_per_s"] for r in steps)
+    wall = steps[-1]["time"] - steps[0]["time"] + steps[0]["tokens"] / steps[0]["tokens_per_s"]
+    rep["learner_wall_s"] = round(wall, 1)
+    rep["learner_idle_ratio"] = round(1 - busy / wall, 3)
+    rep["steps_per_s"] = round(len(steps) / wall, 4)
+    rep["step_seconds_mean"] = round(busy / len(steps), 3)
+    rep["train_tokens_per_step"] = round(statistics.mean(r["tokens"] for r in steps))
+    rep["learner_busy_s"] = round(busy, 1)
+if rounds:
+    secs = [r["seconds"] for r in rounds]
+    rep.update(weight_rounds=len(secs), weight_round_s_median=statistics.median(secs),
+               weight_round_s_first=secs[0], weight_round_s_max=max(secs),
+               weight_backend=rounds[-1].get("backend"), receivers=rounds[-1].get("receivers"))
+if actors:
+    last = {}
+    for r in actors: last[r.get("rank")] = r
+    rep["actor_engine_idle_ratio"] = {k: v.get("engine_idle_ratio") for k, v in last.items()}
+    rep["actor_gen_tokens_per_s"] = {k: v.get("gen_tokens_per_s") for k, v in last.items()}
+    rep["actor_wall_s"] = {k: v.get("wall_s") for k, v in last.items()}
+print(json.dumps(rep, indent=1))
+(out / "run-report.json").write_text(json.dumps(rep, indent=1))
+PY
+    cp "$rd/metrics/learner.jsonl" "$out/" 2>/dev/null
+    for f in "$rd"/logs/*; do tail -c 2000000 "$f" > "$out/log-$(basename "$f")"; done 2>/dev/null
+    ls "$rd/logs" "$rd/metrics"
+    ;;
+esac

@@ -1,0 +1,74 @@
+"""The GPU paths on a real GPU (skipped without one): bf16 compute on float32 masters, the HF engine's
+log-probs against the learner's scoring, a padded vocabulary, and a weight round between two processes that
+share one GPU (the backend agreement must pick gloo: NCCL refuses two ranks on a device)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no GPU visible", allow_module_level=True)
+
+from actor.engine import EngineConfig, HFEngine, SamplingParams  # noqa: E402
+from common.model import ModelConfig, sequence_logprobs  # noqa: E402
+from common.net import free_port  # noqa: E402
+from common.weightsync import WeightReceiver, WeightSender, WeightSyncConfig, placement  # noqa: E402
+from learner.config import LearnerConfig  # noqa: E402
+from learner.trainer import Trainer  # noqa: E402
+from tests.test_learner import groups_from  # noqa: E402
+
+# vocab_size 512 > the byte tokenizer's: padding rows that must never be sampled or scored
+SMALL = ModelConfig(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512)
+
+
+def test_learner_on_cuda_trains_bf16_on_float32_masters():
+    t = Trainer(LearnerConfig(device="cuda", lr=1e-4), SMALL)
+    assert t.compute_dtype == torch.bfloat16 and next(t.model.parameters()).dtype == torch.float32
+    assert t.model.get_input_embeddings().num_embeddings == 512 > t.tokenizer.vocab_size
+    for i in range(3):
+        m = t.train_step(groups_from(t, seed=i, version=t.version))
+        assert m is not None and np.isfinite(m["loss"]) and m["grad_norm"] > 0
+    named = t.weights_for_broadcast()
+    assert all(p.is_cuda and p.dtype == torch.bfloat16 for _, p in named)
+
+
+def test_engine_on_cuda_samples_only_real_tokens_with_the_learners_logprobs():
+    eng = HFEngine(SMALL, EngineConfig(device="cuda", seed=1))
+    prompt = list(b"click the button ")
+    gens = eng.generate([prompt] * 8, SamplingParams(temperature=1.0, max_new_tokens=24))
+    vocab = eng.tokenizer.vocab_size
+    for g in gens:
+        assert all(0 <= t < vocab for t in g.token_ids), "a padding row of the embedding was sampled"
+        seq = torch.tensor([prompt + g.token_ids], device="cuda")
+        with torch.no_grad():
+            ref = sequence_logprobs(eng.model, seq, vocab=vocab)[0, len(prompt) - 1:].float().cpu().numpy()
+        # bf16 decode with a KV cache vs one teacher-forced pass: equal up to bf16 rounding
+        assert np.allclose(np.array(g.logprobs), ref, atol=0.15), (g.logprobs[:5], ref[:5])
+
+
+def _receive(port: int, q) -> None:
+    cfg = WeightSyncConfig(port=port, join_window_s=20.0, timeout_s=60.0)
+    like = [("w", torch.empty(1000, 1000, device="cuda")), ("b", torch.empty(1000, device="cuda"))]
+    version, tensors = WeightReceiver(cfg, None).receive(1, 1, like)
+    q.put((version, float(tensors["w"].float().sum()), str(tensors["w"].dtype), placement("cuda")))
+
+
+def test_a_round_between_two_processes_on_one_gpu_agrees_on_gloo(quiet_log):
+    port = free_port()
+    sender = WeightSender(WeightSyncConfig(port=port, join_window_s=20.0, timeout_s=60.0), quiet_log)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_receive, args=(port, q), daemon=True)
+    p.start()
+    r, e = sender.open_round()
+    assert (r, e) == (1, 1)
+    w = torch.ones(1000, 1000, device="cuda", dtype=torch.bfloat16)
+    assert sender.broadcast([("w", w), ("b", torch.zeros(1000, device="cuda", dtype=torch.bfloat16))], 3, 1) == 1
+    version, total, dtype, place = q.get(timeout=120)
+    p.join(30)
+    assert sender.backend == "gloo" and place == placement("cuda")
+    assert version == 3 and total == 1e6 and dtype == "torch.bfloat16"
