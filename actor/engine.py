@@ -227,7 +227,9 @@ class HFEngine:
             last_pos = positions[:, -1]
             for _ in range(params.max_new_tokens):
                 tokens, logps = self._sample(logits, params)
-                tok_list, lp_list = tokens.tolist(), logps.tolist()
+                # one device-to-host copy per step (token ids < 2**24 are exact in float32)
+                tok_f, lp_list = torch.stack([tokens.to(logps.dtype), logps]).tolist()
+                tok_list = [int(x) for x in tok_f]
                 for r in range(n):
                     if done[r]:
                         continue

@@ -141,7 +141,9 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, tempe
     if attention_mask is not None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, :-1, :vocab or None].float() / temperature
+    logits = logits[:, :-1, :vocab or None].float()
+    if temperature != 1.0:  # one full-vocabulary copy fewer in the common case
+        logits = logits / temperature
     lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     return lp, logits
 

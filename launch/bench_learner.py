@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import statistics
+import tempfile
 import time
 import uuid
 
@@ -67,13 +68,33 @@ def peak_tflops(device: str, given: float) -> float | None:
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
-def model_config(shape: str, hidden: int, layers: int) -> "object":
+def wide_tokenizer(out_dir: str, size: int) -> str:
+    """A word-level tokenizer of ``size`` tokens (role tokens included), saved for ``tokenizer: hf``: a real
+    vocabulary's width, so log-softmax, entropy and their memory cost what they cost with a real model."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from common.tokenizer import ROLE_TOKENS
+
+    words = {f"w{i}": i for i in range(size - len(ROLE_TOKENS) - 1)}
+    words["<pad>"] = len(words)
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="w0")),
+                                   pad_token="<pad>")
+    fast.add_special_tokens({"additional_special_tokens": list(ROLE_TOKENS)})
+    fast.save_pretrained(out_dir)
+    return out_dir
+
+
+def model_config(shape: str, hidden: int, layers: int, tokenizer_dir: str = "") -> "object":
     from common.model import ModelConfig
 
     if shape:
         if shape not in SHAPES:
             raise ValueError(f"unknown shape {shape!r}: one of {', '.join(SHAPES)}")
-        return ModelConfig(**SHAPES[shape])
+        spec = SHAPES[shape]
+        # Qwen2.5's tokenizer has 151,665 tokens in 151,936 embedding rows
+        path = wide_tokenizer(tokenizer_dir, spec["vocab_size"] - 271) if tokenizer_dir else ""
+        return ModelConfig(**spec, tokenizer="hf" if path else "byte", tokenizer_path=path)
     heads = max(1, hidden // 16)
     return ModelConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers, num_heads=heads,
                        num_kv_heads=heads)
@@ -81,7 +102,7 @@ def model_config(shape: str, hidden: int, layers: int) -> "object":
 
 def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, prompt_len: int, output_len: int,
                       steps: int, device: str = "cpu", peak: float = 0.0, shape: str = "",
-                      micro_batch_tokens: int = 16384) -> dict:
+                      micro_batch_tokens: int = 16384, activation_checkpointing: bool = False) -> dict:
     """Ours, then the bare loop, each alone on the device (the other's memory freed first).
 
     The bare loop is the fastest one a user writes by hand for the same model and tensors: parameters and
@@ -108,8 +129,9 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
         torch.cuda.reset_peak_memory_stats(torch.device(device))
         return round(gb, 2)
 
-    model_cfg = model_config(shape, hidden, layers)
-    cfg = LearnerConfig(lr=1e-5, device=device, micro_batch_tokens=micro_batch_tokens, broadcast_weights=False)
+    model_cfg = model_config(shape, hidden, layers, tempfile.mkdtemp(prefix="bench-tokenizer-") if shape else "")
+    cfg = LearnerConfig(lr=1e-5, device=device, micro_batch_tokens=micro_batch_tokens, broadcast_weights=False,
+                        activation_checkpointing=activation_checkpointing)
     ours = Trainer(cfg, model_cfg)
     vocab, pad = ours.tokenizer.vocab_size, ours.tokenizer.pad_id
     params = sum(p.numel() for p in ours.model.parameters())
@@ -132,6 +154,8 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
         torch.cuda.empty_cache()
 
     model = build_model(model_cfg, vocab, device).train()  # compute dtype throughout, as a bare loop has it
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     tensors = []
     for d in data:
@@ -144,7 +168,7 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
         for tb in mbs:
             pos = (tb.attention_mask.cumsum(-1) - 1).clamp(min=0)
             logits = model(input_ids=tb.input_ids, attention_mask=tb.attention_mask, position_ids=pos).logits[:, :-1]
-            lp = torch.log_softmax(logits.float(), -1).gather(-1, tb.input_ids[:, 1:, None]).squeeze(-1)
+            lp = torch.log_softmax(logits[..., :vocab].float(), -1).gather(-1, tb.input_ids[:, 1:, None]).squeeze(-1)
             (-(lp * tb.advantages * tb.mask).sum() / n).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -167,7 +191,8 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
     return {"shape": shape or "custom", "params": params, "hidden": width, "layers": L,
             "vocab": model_cfg.vocab_size or vocab, "dtype": str(torch_dtype(model_cfg, device)).removeprefix("torch."),
             "groups": groups, "group_size": group_size, "prompt_len": prompt_len, "output_len": output_len,
-            "micro_batch_tokens": micro_batch_tokens, "steps": steps, "device": device,
+            "micro_batch_tokens": micro_batch_tokens, "activation_checkpointing": activation_checkpointing,
+            "steps": steps, "device": device,
             "device_name": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu",
             "train_tokens_per_s": round(tokens / ours_s, 1), "bare_tokens_per_s": round(bare_tokens / bare_s, 1),
             "ratio": round((tokens / ours_s) / (bare_tokens / bare_s), 3),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks (docs/gpu.md records their figures): CUDA tests, learner benches on real model shapes,
 # the actor bench on CUDA, and a whole run with the learner and two actors sharing one GPU.
-#   bash launch/gpu-checks.sh tests|bench|run OUT_DIR
+#   bash launch/gpu-checks.sh tests|bench-learner|bench-actor|run OUT_DIR
 # Uses the current python (torch + transformers with CUDA); pyzmq/structlog/... must be importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,28 +16,29 @@ case "$what" in
     "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_learner.py tests/test_actor.py \
       tests/test_weightsync.py tests/test_losses.py 2>&1 | tee "$out/tests.txt" | tail -15
     ;;
-  bench)
-    for args in "--shape qwen2.5-0.5b --groups 2 --group-size 8 --prompt-len 1536 --output-len 512" \
-                "--shape qwen2.5-0.5b --groups 2 --group-size 8 --prompt-len 3584 --output-len 512" \
-                "--shape qwen2.5-1.5b --groups 2 --group-size 8 --prompt-len 3584 --output-len 512" \
-                "--shape qwen2.5-1.5b --groups 1 --group-size 8 --prompt-len 7680 --output-len 512"; do
+  bench-learner)
+    for args in "--shape qwen2.5-0.5b --groups 2 --group-size 8 --prompt-len 3584 --output-len 512" \
+                "--shape qwen2.5-1.5b --groups 2 --group-size 8 --prompt-len 3584 --output-len 512 --micro-batch-tokens 8192" \
+                "--shape qwen2.5-1.5b --groups 1 --group-size 8 --prompt-len 7680 --output-len 512 --micro-batch-tokens 8192 --activation-checkpointing"; do
       echo "== bench learner $args"
-      crl bench learner --device cuda --steps 4 --micro-batch-tokens 16384 $args --json 2>"$out/bench-err.txt" \
-        | tee -a "$out/bench-learner.jsonl" || tail -5 "$out/bench-err.txt"
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True crl bench learner --device cuda --steps 3 $args --json \
+        2>>"$out/bench-err.txt" | tee -a "$out/bench-learner.jsonl" || tail -3 "$out/bench-err.txt"
     done
+    ;;
+  bench-actor)
     for hidden in 64 1024; do
       echo "== bench actor --hidden $hidden"
-      crl bench actor --device cuda --groups 8 --hidden $hidden --json 2>>"$out/bench-err.txt" \
+      crl bench actor --device cuda --groups 4 --hidden $hidden --json 2>>"$out/bench-err.txt" \
         | tee -a "$out/bench-actor.jsonl" || tail -5 "$out/bench-err.txt"
     done
     ;;
   run)
     # Qwen2.5-0.5B's shape (about 1 GB of bf16 weights per round), random weights, byte tokenizer.
     rd=/tmp/gpu-run; rm -rf "$rd"
-    timeout 480 "$py" -m launch.cli run configs/local.yaml --run-dir "$rd" model.path= model.arch=qwen2 \
+    timeout 360 "$py" -m launch.cli run configs/local.yaml --run-dir "$rd" model.path= model.arch=qwen2 \
       model.hidden_size=896 model.num_layers=24 model.num_heads=14 model.num_kv_heads=2 \
       model.intermediate_size=4864 model.vocab_size=151936 learner.device=cuda actor.engine.device=cuda \
-      learner.anchor.suite= learner.total_steps=12 learner.checkpoint_every=0 local.eval_episodes=0 \
+      learner.anchor.suite= learner.total_steps=8 learner.checkpoint_every=0 local.eval_episodes=0 \
       local.torch_threads=4 learner.advantage.drop_zero_variance=false weights.timeout_s=120 weights.join_window_s=30 > "$out/run-stdout.txt" 2>&1
     echo "run exit: $?"
     tail -5 "$out/run-stdout.txt"

@@ -161,7 +161,11 @@ def token_entropy(logits: "object") -> "object":
     """Entropy of each position's next-token distribution (no gradient)."""
     import torch
 
-    with torch.no_grad():
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        return -(logp.exp() * logp).sum(-1)
+    with torch.no_grad():  # in slices of positions: three full-vocabulary float copies of a 16k-token
+        flat = logits.reshape(-1, logits.shape[-1])  # micro-batch would be 30 GB at a 152k vocabulary
+        out = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+        for i in range(0, flat.shape[0], 2048):
+            logp = torch.log_softmax(flat[i:i + 2048].float(), dim=-1)
+            out[i:i + 2048] = -(logp.exp() * logp).sum(-1)
+        return out.view(logits.shape[:-1])
 

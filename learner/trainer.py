@@ -60,6 +60,8 @@ class Trainer:
         # fine-tuning learning rates (~1e-6) most bf16 updates would round away. ``net`` runs the passes.
         self.compute_dtype = torch_dtype(model_cfg, self.device)
         self.model = build_model(model_cfg, self.tokenizer.vocab_size, self.device, dtype=torch.float32).train()
+        if cfg.activation_checkpointing:  # before any copy (twin, reference): they share the setting
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # learner.anchor: demo turns replayed beside every RL step
         if cfg.anchor.enabled and not anchor_demos:
             raise ValueError("learner.anchor.suite is set but no demonstrations were given to the trainer")

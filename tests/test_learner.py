@@ -39,8 +39,9 @@ def groups_from(trainer: Trainer, n_groups=2, g=4, seed=0, version=0, good=b"don
             prompt = rng.integers(0, 256, 20).astype(np.int32)
             answer = np.frombuffer(good if success else bad, np.uint8).astype(np.int32)
             with torch.no_grad():
-                lp = sequence_logprobs(trainer.model, torch.tensor([np.concatenate([prompt, answer]).tolist()]))
-            lp = lp[0, len(prompt) - 1:].numpy().astype(np.float32)
+                ids = torch.tensor([np.concatenate([prompt, answer]).tolist()], device=trainer.device)
+                lp = sequence_logprobs(trainer.model, ids)
+            lp = lp[0, len(prompt) - 1:].float().cpu().numpy()
             turn = P.TurnView(prompt, answer, lp, np.full(len(answer), version, np.int32),
                               np.ones(len(answer), np.uint8), float(success), False, "obs", "act")
             trajs.append(P.Trajectory.from_turns(uuid.uuid4().hex[:8], float(success), success, [turn]))
