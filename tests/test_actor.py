@@ -264,3 +264,26 @@ def test_engine_relabels_unchanged_weights_and_never_over_staged_ones():
     assert eng.version == 3, "staged weights pending: no relabel"
     eng.generate([eng.tokenizer.encode("x")], SamplingParams(max_new_tokens=1))
     assert eng.version == eng.content_version == 5
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice')", "sdpa"),
+    ("", "flash_attention_2"),
+])
+def test_flash_attn_is_used_only_when_it_loads(tmp_path, monkeypatch, body, expected):
+    # A wheel built for another torch ABI is found by find_spec and fails only when its extension loads.
+    import sys
+    import warnings
+
+    from common.model import attention_implementation
+
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text(body + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert attention_implementation("cuda", torch.bfloat16) == expected
+    assert any("undefined symbol" in str(w.message) for w in caught) == (expected == "sdpa")
+    assert attention_implementation("cpu", torch.float32) == "sdpa"
+    assert attention_implementation("cuda", torch.float32) == "sdpa", "flash-attn needs half precision"
