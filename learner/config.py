@@ -95,8 +95,7 @@ class LearnerConfig:
     micro_batch_tokens: int = 16384
     """padded tokens per forward/backward pass (rows x longest row)"""
     activation_checkpointing: bool = False
-    """recompute each decoder layer's activations in backward (about a third more compute, a fraction of the
-    memory: long sequences on big models)"""
+    """recompute decoder layers in backward: a third more compute, far less memory (long sequences)"""
     updates_per_batch: int = 1
     """optimizer steps per batch (mini-batches); above 1, pi_prox is recomputed or approximated"""
     prox: str = "recompute"
