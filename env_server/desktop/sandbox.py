@@ -10,12 +10,15 @@ is private to the desktop.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,6 +27,19 @@ from pathlib import Path
 from env_server.backend import BackendError
 
 AGENT_DIR = Path(__file__).resolve().parent  # agent.py and apis.py, bound read-only into the sandbox
+
+
+@functools.lru_cache(maxsize=1)
+def readable_agent_dir() -> Path:
+    """A copy of the agent's files that ``nobody`` can read: a checkout under a mode-700 folder (a root
+    user's home, ``mktemp -d``) is closed to the sandbox user, so root's sandboxes bind this copy instead."""
+    copy = Path(tempfile.mkdtemp(prefix="computerrl-agent-"))
+    for src in AGENT_DIR.glob("*.py"):
+        shutil.copy(src, copy / src.name)
+        os.chmod(copy / src.name, 0o644)
+    os.chmod(copy, 0o755)
+    atexit.register(shutil.rmtree, copy, True)
+    return copy
 SANDBOX_AGENT_DIR = "/opt/computerrl-desktop"
 SANDBOX_HOME = "/home/user"
 SANDBOX_RUN = "/run/computerrl"
@@ -258,7 +274,8 @@ class BwrapSandbox(Sandbox):
                  "--dir", "/tmp/.X11-unix", "--chmod", "1777", "/tmp/.X11-unix",
                  "--dir", SANDBOX_ENV["XDG_RUNTIME_DIR"], "--chmod", "0700", SANDBOX_ENV["XDG_RUNTIME_DIR"],
                  "--bind", str(s.home), SANDBOX_HOME, "--bind", str(s.run_dir), SANDBOX_RUN,
-                 "--ro-bind", str(AGENT_DIR), SANDBOX_AGENT_DIR, "--chdir", SANDBOX_HOME]
+                 "--ro-bind", str(readable_agent_dir() if self.drop_root else AGENT_DIR), SANDBOX_AGENT_DIR,
+                 "--chdir", SANDBOX_HOME]
         for key, value in SANDBOX_ENV.items():
             argv += ["--setenv", key, value]
         return argv + ["--"] + (command or s.agent_argv())
