@@ -99,6 +99,21 @@ class EngineConfig:
             raise ValueError("max_batch must be >= 1")
 
 
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Any, Any]:
+    """A batch of prompts as (ids, attention mask), padded on the left so every row ends at the last column."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    if width == 0:
+        raise ValueError("empty prompt")
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[r, width - len(p):] = 1
+    return ids, mask
+
+
 class HFEngine:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig | None = None):
         import torch
@@ -206,14 +221,7 @@ class HFEngine:
         self._swap_if_staged()
         t0 = time.perf_counter()
         n = len(prompts)
-        width = max(len(p) for p in prompts)
-        if width == 0:
-            raise ValueError("empty prompt")
-        ids = torch.full((n, width), self.tokenizer.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[r, width - len(p):] = 1
+        ids, mask = left_pad(prompts, self.tokenizer.pad_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         gens = [Generation([], [], [], "length") for _ in range(n)]

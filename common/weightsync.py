@@ -76,23 +76,30 @@ def layout_hash(named: Sequence[tuple[str, Any]]) -> int:
     return zlib.crc32(text.encode())
 
 
-def buckets(named: Sequence[tuple[str, Any]], bucket_bytes: int, element_size: int = 0) -> list[list[int]]:
-    """Indices of parameters grouped into buckets of one dtype and about ``bucket_bytes``; ``element_size``
-    sizes every tensor as the wire dtype's (a receiver plans with its own tensors' shapes)."""
+def buckets(named: Sequence[tuple[str, Any]], bucket_bytes: int, element_size: int) -> list[list[int]]:
+    """Indices of parameters grouped into buckets of about ``bucket_bytes``, each tensor sized at the wire
+    dtype's ``element_size`` (a round carries one dtype, so sender and receiver plan alike from shapes)."""
     out: list[list[int]] = []
     cur: list[int] = []
-    size, dtype = 0, None
+    size = 0
     for i, (_, t) in enumerate(named):
-        nbytes = t.numel() * (element_size or t.element_size())
-        if cur and ((not element_size and t.dtype != dtype) or size + nbytes > bucket_bytes):
+        nbytes = t.numel() * element_size
+        if cur and size + nbytes > bucket_bytes:
             out.append(cur)
             cur, size = [], 0
         cur.append(i)
         size += nbytes
-        dtype = t.dtype
     if cur:
         out.append(cur)
     return out
+
+
+def wire_dtype(named: Sequence[tuple[str, Any]]) -> int:
+    """The code of the one dtype a round's tensors share; ``ValueError`` if they do not share one."""
+    dtypes = {str(t.dtype).removeprefix("torch.") for _, t in named}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in WIRE_DTYPES:
+        raise ValueError(f"a round carries tensors of one wire dtype {WIRE_DTYPES}, not {sorted(dtypes)}")
+    return WIRE_DTYPES.index(dtypes.pop())
 
 
 def _timeout(cfg: WeightSyncConfig) -> datetime.timedelta:
@@ -223,15 +230,12 @@ class WeightSender:
         device = named[0][1].device if named else "cpu"
         t0 = time.monotonic()
         try:
+            wire = wire_dtype(named)  # before anyone joins a broadcast the learner cannot send
             if self._forming:
                 self._form(expected, device)
             if self._pg is None:
                 return 0
-            dtypes = {str(t.dtype).removeprefix("torch.") for _, t in named}
-            if len(dtypes) != 1 or next(iter(dtypes)) not in WIRE_DTYPES:
-                raise ValueError(f"a round carries tensors of one wire dtype {WIRE_DTYPES}, not {sorted(dtypes)}")
-            wire = WIRE_DTYPES.index(dtypes.pop())
-            plan = buckets(named, int(self.cfg.bucket_mb * (1 << 20)))
+            plan = buckets(named, int(self.cfg.bucket_mb * (1 << 20)), named[0][1].element_size())
             header = torch.tensor([version, layout_hash(named), len(plan), len(named), self.round, wire],
                                   dtype=torch.int64, device=device)
             _wait(self._pg.broadcast(header, 0), self.cfg)

@@ -63,15 +63,13 @@ def _hf_generate(engine: Any, recorded: list, device: str) -> tuple[int, float]:
     needs them), left-padded as the engine pads: what a user gets without our engine."""
     import torch
 
+    from actor.engine import left_pad
+
     tok, model = engine.tokenizer, engine.model
     total, t0 = 0, time.perf_counter()
     for prompts, params in recorded:
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), tok.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
+        ids, mask = left_pad(prompts, tok.pad_id)
+        width = ids.shape[1]
         with torch.no_grad():
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
                                  temperature=params.temperature, top_p=params.top_p, top_k=0,

@@ -3,10 +3,10 @@
 learner: train tokens/s of ``Trainer.train_step`` on synthetic trajectory groups, against the bare loop a
 user would write for the same model and the same padded tensors (forward, log-softmax gather, token-mean
 loss, backward, clip, AdamW step; on GPUs in pure bf16, the fastest such loop). ``ratio`` = ours / bare.
-``--shape qwen2.5-0.5b|qwen2.5-1.5b`` builds those published shapes (vocabulary 151,936) with random weights. On a GPU (``--device cuda``) it also reports
-MFU: model FLOPs (6 x parameters + 12 x layers x width x sequence length, per processed token: prompt and
-output, forward and backward) per second over the device's dense bf16 peak (looked up by name, or
-``--peak-tflops``).
+``--shape qwen2.5-0.5b|qwen2.5-1.5b`` builds those published shapes (vocabulary 151,936, scored over a
+151,665-token tokenizer) with random weights. On a GPU (``--device cuda``) it also reports MFU: model
+FLOPs (6 x parameters + 12 x layers x width x sequence length, per processed token: prompt and output,
+forward and backward) per second over the device's dense bf16 peak (looked up by name, or ``--peak-tflops``).
 
 weights: seconds per weight round to K receiver processes (header + buckets on the epoch's group; the first
 round, which forms the epoch, is reported apart), against a raw ``torch.distributed`` broadcast of the same
@@ -129,10 +129,11 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
         torch.cuda.reset_peak_memory_stats(torch.device(device))
         return round(gb, 2)
 
-    model_cfg = model_config(shape, hidden, layers, tempfile.mkdtemp(prefix="bench-tokenizer-") if shape else "")
     cfg = LearnerConfig(lr=1e-5, device=device, micro_batch_tokens=micro_batch_tokens, broadcast_weights=False,
                         activation_checkpointing=activation_checkpointing)
-    ours = Trainer(cfg, model_cfg)
+    with tempfile.TemporaryDirectory(prefix="bench-tokenizer-") as tokenizer_dir:  # read once, by the Trainer
+        model_cfg = model_config(shape, hidden, layers, tokenizer_dir if shape else "")
+        ours = Trainer(cfg, model_cfg)
     vocab, pad = ours.tokenizer.vocab_size, ours.tokenizer.pad_id
     params = sum(p.numel() for p in ours.model.parameters())
     data = [_groups(groups, group_size, prompt_len, output_len, 256, s) for s in range(steps + 1)]

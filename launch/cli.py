@@ -282,7 +282,7 @@ def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: i
 @click.option("--output-len", default=32, show_default=True, help="sampled tokens per sample")
 @click.option("--steps", default=5, show_default=True, help="timed steps")
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda | cuda:N")
-@click.option("--shape", default="", help="a real model's shape instead of --hidden/--layers: qwen2.5-0.5b | qwen2.5-1.5b")
+@click.option("--shape", default="", help="a real model's shape, not --hidden/--layers: qwen2.5-0.5b | qwen2.5-1.5b")
 @click.option("--micro-batch-tokens", default=16384, show_default=True, help="padded tokens per forward/backward")
 @click.option("--activation-checkpointing", is_flag=True, help="recompute layer activations in backward (both loops)")
 @click.option("--peak-tflops", default=0.0, help="device peak for MFU (default: looked up for known GPUs)")

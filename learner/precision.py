@@ -8,6 +8,8 @@ keeps float32 masters for the optimizer and runs forward/backward on a bf16 copy
 The twin is a second module whose parameters are the masters cast to the compute dtype. After backward its
 gradients move into the masters' ``.grad`` (as float32); after the optimizer step the masters are cast back.
 Both copies cost a pass over the parameters, small next to a step's forward and backward.
+
+``compute_model`` picks what the passes run on; the trainer calls the same two hooks either way.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ class LowPrecisionTwin:
     """A compute-dtype copy of ``master`` that forward/backward run on; the optimizer keeps ``master``."""
 
     def __init__(self, master: torch.nn.Module, dtype: torch.dtype):
-        self.dtype = dtype
         self.module = copy.deepcopy(master).to(dtype)
         self._pairs = list(zip(self.module.parameters(), master.parameters()))
 
@@ -50,3 +51,29 @@ class LowPrecisionTwin:
         """Cast the masters' current values into the compute copy (after an optimizer step or a load)."""
         for low, master in self._pairs:
             low.copy_(master)
+
+
+class SameModel:
+    """The passes run on the masters themselves (float32 compute, or FSDP2 casting per unit): no copies."""
+
+    def __init__(self, master: torch.nn.Module):
+        self.module = master
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.module.named_parameters())
+
+    def grads_to_master(self) -> None:
+        """Nothing to move: the masters already hold the gradients."""
+
+    def master_to_compute(self) -> None:
+        """Nothing to cast: the passes read the masters."""
+
+
+def compute_model(master: torch.nn.Module, dtype: torch.dtype, sharded: bool) -> LowPrecisionTwin | SameModel:
+    """What forward/backward run on: a low-precision twin on one rank, the masters otherwise."""
+    if dtype == torch.float32 or sharded:
+        return SameModel(master)
+    return LowPrecisionTwin(master, dtype)

@@ -34,7 +34,7 @@ from learner.config import LearnerConfig
 from learner.distributed import DistContext, full_state, load_full_state, padding_micro_batch, shard_model
 from learner.entropulse import Entropulse
 from learner.losses import LossConfig, LossInputs, anchor_loss, get_loss
-from learner.precision import LowPrecisionTwin
+from learner.precision import compute_model
 
 
 class Trainer:
@@ -73,8 +73,7 @@ class Trainer:
             shard_model(self.model, self.dist, compute_dtype=self.compute_dtype)
             if self.ref_model is not None:
                 shard_model(self.ref_model, self.dist, compute_dtype=self.compute_dtype)
-        self.net = self.model if self.compute_dtype == torch.float32 or self.dist.enabled else \
-            LowPrecisionTwin(self.model, self.compute_dtype)
+        self.net = compute_model(self.model, self.compute_dtype, sharded=self.dist.enabled)
         self._gathered: list[tuple[str, torch.Tensor]] = []  # rank 0's full weights after the last update
         self.loss_fn = get_loss(cfg.loss.name)
         self.sft_fn = get_loss("sft")
@@ -216,8 +215,7 @@ class Trainer:
                 bad = bad or not bool(torch.isfinite(a_loss))
                 (cfg.anchor.coef * a_loss * loss_scale).backward()
                 anchor_sum += float(a_loss.detach()) * anchor_tokens_all[j]
-            if self.net is not self.model:
-                self.net.grads_to_master()
+            self.net.grads_to_master()
             params = [p for p in self.model.parameters() if p.grad is not None]
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
             if isinstance(norm, DTensor):  # sharded parameters: the norm is already global
@@ -228,8 +226,7 @@ class Trainer:
                 return None
             grad_norm = float(norm)
             self.optimizer.step()
-            if self.net is not self.model:
-                self.net.master_to_compute()
+            self.net.master_to_compute()
             self.scheduler.step()
             self.version += 1
             self.content_version = self.version
@@ -331,8 +328,7 @@ class Trainer:
         CK.restore_rng(blob)
         self.version = int(state["version"])
         self.content_version = int(state.get("content_version", self.version))
-        if self.net is not self.model:
-            self.net.master_to_compute()
+        self.net.master_to_compute()
         self.entropulse.load_state_dict(state["entropulse"])
         self.counters = dict(state.get("counters", {}))
         if self.ref_model is not None:

@@ -331,7 +331,7 @@ def test_bf16_compute_keeps_float32_master_weights_so_small_updates_are_not_roun
     # masters are float32 and take the update; the bf16 copy the passes run on follows them.
     cfg = LearnerConfig(lr=1e-6, grad_clip=0.0)
     t = Trainer(cfg, ModelConfig(**{**TINY.__dict__, "dtype": "bfloat16"}))
-    assert t.compute_dtype == torch.bfloat16 and t.net is not t.model
+    assert t.compute_dtype == torch.bfloat16 and t.net.module is not t.model
     assert all(p.dtype == torch.float32 for p in t.model.parameters())
     assert all(p.dtype == torch.bfloat16 for _, p in t.net.named_parameters())
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}

@@ -10,7 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from common.net import free_port  # noqa: E402
-from common.weightsync import RoundFailed, WeightReceiver, WeightSender, WeightSyncConfig, buckets  # noqa: E402
+from common.weightsync import (RoundFailed, WeightReceiver, WeightSender, WeightSyncConfig, buckets,  # noqa: E402
+                               wire_dtype)
 
 
 def params(seed: float):
@@ -19,15 +20,14 @@ def params(seed: float):
             ("b.weight", torch.randn(300, generator=g)), ("c.bias", torch.randn(3, generator=g))]
 
 
-def test_buckets_split_by_size_and_dtype():
-    plan = buckets(params(0), 200)
+def test_buckets_split_by_size_at_the_wire_element_size():
+    plan = buckets(params(0), 200, element_size=4)
     assert plan == [[0, 1], [2], [3]]  # 140 + 20 bytes fit in 200; 1200 do not
-    assert buckets(params(0), 1 << 20) == [[0, 1, 2, 3]]
-    mixed = params(0)[:2] + [("steps", torch.arange(3, dtype=torch.int64))]
-    assert buckets(mixed, 1 << 20) == [[0, 1], [2]]  # a bucket holds one dtype
+    assert buckets(params(0), 1 << 20, element_size=4) == [[0, 1, 2, 3]]
     # a receiver plans with its own shapes at the wire's element size: bf16 halves the bytes
     assert buckets(params(0), 200, element_size=2) == [[0, 1], [2], [3]]
     assert buckets(params(0), 700, element_size=2) == [[0, 1, 2, 3]]
+    assert buckets(params(0), 700, element_size=4) == [[0, 1], [2], [3]]
 
 
 def test_epochs_deliver_rounds_survive_a_dead_member_and_admit_late_joiners(quiet_log):
@@ -138,6 +138,11 @@ def test_the_wire_carries_the_senders_dtype_and_the_receiver_takes_it_whatever_i
     assert version == 4 and sender.backend == "gloo"
     for n, want in sent:
         assert tensors[n].dtype == torch.bfloat16 and torch.equal(tensors[n], want)
+    assert wire_dtype(sent) == 1 and wire_dtype(params(0)) == 0
+    with pytest.raises(ValueError, match="one wire dtype"):
+        wire_dtype([("a", torch.ones(2)), ("b", torch.ones(2, dtype=torch.bfloat16))])
+    with pytest.raises(ValueError, match="one wire dtype"):
+        wire_dtype([("steps", torch.arange(3))])
     with pytest.raises(RoundFailed, match="one wire dtype"):
         sender.open_round()
         sender.broadcast([("a", torch.ones(2)), ("b", torch.ones(2, dtype=torch.bfloat16))], version=5)

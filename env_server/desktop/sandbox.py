@@ -26,20 +26,7 @@ from pathlib import Path
 
 from env_server.backend import BackendError
 
-AGENT_DIR = Path(__file__).resolve().parent  # agent.py and apis.py, bound read-only into the sandbox
-
-
-@functools.lru_cache(maxsize=1)
-def readable_agent_dir() -> Path:
-    """A copy of the agent's files that ``nobody`` can read: a checkout under a mode-700 folder (a root
-    user's home, ``mktemp -d``) is closed to the sandbox user, so root's sandboxes bind this copy instead."""
-    copy = Path(tempfile.mkdtemp(prefix="computerrl-agent-"))
-    for src in AGENT_DIR.glob("*.py"):
-        shutil.copy(src, copy / src.name)
-        os.chmod(copy / src.name, 0o644)
-    os.chmod(copy, 0o755)
-    atexit.register(shutil.rmtree, copy, True)
-    return copy
+AGENT_DIR = Path(__file__).resolve().parent  # agent.py and its sibling modules, bound read-only into the sandbox
 SANDBOX_AGENT_DIR = "/opt/computerrl-desktop"
 SANDBOX_HOME = "/home/user"
 SANDBOX_RUN = "/run/computerrl"
@@ -230,6 +217,20 @@ class Sandbox:
 
 
 NOBODY = 65534
+
+
+@functools.lru_cache(maxsize=1)
+def readable_agent_dir() -> Path:
+    """A copy of the agent's modules that ``nobody`` can read: a checkout under a mode-700 folder (a root
+    user's home, ``mktemp -d``) is closed to the sandbox user, so root's sandboxes bind this copy instead.
+    One copy per process, removed at exit."""
+    copy = Path(tempfile.mkdtemp(prefix="computerrl-agent-"))
+    for src in AGENT_DIR.glob("*.py"):
+        shutil.copy(src, copy / src.name)
+        os.chmod(copy / src.name, 0o644)
+    os.chmod(copy, 0o755)
+    atexit.register(shutil.rmtree, copy, True)
+    return copy
 
 
 class BwrapSandbox(Sandbox):
