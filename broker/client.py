@@ -2,8 +2,14 @@
 
 Both are poll-driven state machines over ``common.net.ServerLink``: nothing blocks longer than the
 caller's timeout, requests survive broker restarts (re-sent on a new epoch), and groups are retried
-until acked. The learner side de-duplicates delivered groups, so a batch re-sent after a broker crash
-(between delivery and the durable consumed record) is never trained twice.
+until acked.
+
+The learner side owns the exactly-once bookkeeping of delivered groups. A group is ``pending`` from
+receipt until the trainer settles it (trained, or dropped with a reason), then ``settled`` until a
+checkpoint covering it is durable, then ``seen`` (kept in the checkpoint, so a resumed learner still
+refuses it) and committed to the broker, which only then forgets it. Whatever the learner had not
+committed when it died is delivered again by the broker; a re-delivered group the learner still holds is
+dropped on receipt (and committed again if the broker asked after losing the first Commit).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import zmq
 
 from broker.server import CONTROL_TOPIC
 from common import protocol as P
-from common.net import NetConfig, ServerLink, security_for
+from common.net import NetConfig, ServerLink, limit_size, security_for
 
 
 class ControlSubscriber:
@@ -30,6 +36,7 @@ class ControlSubscriber:
     def __init__(self, ctx: zmq.Context, net: NetConfig, security, log: Any):
         self.sock = ctx.socket(zmq.SUB)
         self.sock.linger = 0
+        limit_size(self.sock, net)
         security.client(self.sock)
         self.sock.setsockopt(zmq.SUBSCRIBE, CONTROL_TOPIC)
         self.sock.connect(net.tcp(net.broker_control_port))
@@ -146,7 +153,7 @@ class ActorBrokerClient:
 
 
 class LearnerBrokerClient:
-    """The learner's link: batches by credit, receipt acks, Control updates, success-store samples."""
+    """The learner's link: batches by credit, commits after checkpoints, Control, success-store samples."""
 
     def __init__(self, net: NetConfig, keys_dir: str | Path | None, log: Any, learner_id: str | None = None,
                  dedupe_window: int = 200_000, ctx: zmq.Context | None = None):
@@ -162,9 +169,14 @@ class LearnerBrokerClient:
         self.batches: collections.deque[P.Batch] = collections.deque()
         self.successes: collections.deque[P.SuccessBatch] = collections.deque()
         self.controls: collections.deque[P.Control] = collections.deque()
+        self.pending: set[str] = set()
+        self.settled: dict[str, None] = {}
         self.seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.uncommitted: dict[str, None] = {}  # covered by a durable checkpoint, not yet confirmed by the broker
+        self.checkpoint_version = 0
         self.dedupe_window = dedupe_window
         self.duplicates_dropped = 0
+        self.commits_confirmed = 0
         self._seq = itertools.count()
 
     def connect(self, timeout_s: float = 30.0) -> P.Ready:
@@ -206,8 +218,11 @@ class LearnerBrokerClient:
         for msg in self.link.poll(timeout_s):
             if isinstance(msg, P.Batch):
                 self._on_batch(msg)
-            elif isinstance(msg, P.BatchAck):
-                self.link.complete(f"batchack:{','.join(msg.batch_ids)}")
+            elif isinstance(msg, P.Commit):
+                if self.link.complete(f"commit:{msg.commit_id}"):
+                    self.commits_confirmed += 1
+                    for gid in msg.group_ids:
+                        self.uncommitted.pop(gid, None)
             elif isinstance(msg, P.Control):
                 for key in [k for k in self.link.outstanding if k.startswith("control:")]:
                     self.link.complete(key)
@@ -220,17 +235,22 @@ class LearnerBrokerClient:
 
     def _on_batch(self, batch: P.Batch) -> None:
         self.credits_out = max(0, self.credits_out - 1)
-        # Confirm receipt first: from here the broker may forget the batch.
-        self.link.request(f"batchack:{batch.batch_id}", P.BatchAck(learner_id=self.learner_id,
-                                                                  batch_ids=[batch.batch_id]))
-        fresh = [g for g in batch.groups if g.group_id not in self.seen]
-        self.duplicates_dropped += len(batch.groups) - len(fresh)
-        for g in fresh:
-            self.seen[g.group_id] = None
-        while len(self.seen) > self.dedupe_window:
-            self.seen.popitem(last=False)
+        fresh, again = [], []
+        for g in batch.groups:
+            gid = g.group_id
+            if gid in self.pending or gid in self.settled:
+                continue
+            if gid in self.seen:
+                again.append(gid)  # the broker lost our Commit (it restarted before recording it)
+                continue
+            fresh.append(g)
+            self.pending.add(gid)
+        if again:
+            self._commit(again)
         if len(fresh) != len(batch.groups):
-            self.log.warning("batch_duplicates_dropped", batch=batch.batch_id, n=len(batch.groups) - len(fresh))
+            self.duplicates_dropped += len(batch.groups) - len(fresh)
+            self.log.warning("batch_duplicates_dropped", batch=batch.batch_id, n=len(batch.groups) - len(fresh),
+                             recommitted=len(again))
             batch.groups = fresh
         if batch.groups:
             self.batches.append(batch)
@@ -246,13 +266,46 @@ class LearnerBrokerClient:
             self.poll(min(left, 0.5))
         return self.batches.popleft()
 
-    def state(self) -> dict:
-        """What a learner checkpoint must keep so a resumed learner still refuses trained groups."""
-        return {"seen_group_ids": list(self.seen)}
+    # ----- exactly-once bookkeeping --------------------------------------------------------------
 
-    def load_state(self, state: dict) -> None:
+    def settle(self, group_ids: list[str]) -> None:
+        """The trainer is done with these groups (trained, or dropped with a reason)."""
+        for gid in group_ids:
+            self.pending.discard(gid)
+            self.settled[gid] = None
+
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint keeps: every group it covers (a resumed learner refuses them) and those the
+        broker has not confirmed forgetting (a resumed learner commits them again)."""
+        return {"seen_group_ids": [*self.seen, *self.settled], "commit_ids": [*self.uncommitted, *self.settled]}
+
+    def checkpoint_durable(self, version: int) -> None:
+        """A checkpoint at ``version`` (taken with ``checkpoint_state``) is on disk: commit what it covers."""
+        ids = list(self.settled)
+        self.settled = {}
+        for gid in ids:
+            self.seen[gid] = None
+            self.uncommitted[gid] = None
+        while len(self.seen) > self.dedupe_window:
+            self.seen.popitem(last=False)
+        self.checkpoint_version = version
+        if ids:
+            self._commit(ids)
+
+    def _commit(self, group_ids: list[str]) -> None:
+        commit_id = f"{self.learner_id}:{next(self._seq)}"
+        self.link.request(f"commit:{commit_id}", P.Commit(learner_id=self.learner_id, commit_id=commit_id,
+                                                         version=self.checkpoint_version, group_ids=group_ids))
+
+    def load_state(self, state: dict, version: int) -> None:
+        """Resume from a checkpoint at ``version``: refuse what it covers, commit again what was unconfirmed."""
         for gid in state.get("seen_group_ids", []):
             self.seen[gid] = None
+        self.checkpoint_version = version
+        again = [g for g in state.get("commit_ids", []) if g in self.seen]
+        self.uncommitted.update(dict.fromkeys(again))
+        if again:
+            self._commit(again)
 
     def close(self) -> None:
         self.link.close()

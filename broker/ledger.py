@@ -60,37 +60,56 @@ class GroupQueue:
 
     Admission counts a ticket against every ticket granted before it; serving in that order (not in
     arrival order, where a late slow rollout would sit behind newer ones) keeps a group's lag within η
-    unless its own rollout outlived η learner steps.
+    unless its own rollout outlived η learner steps. A group can leave from the middle (``discard``: the
+    learner settled a copy it had before a broker restart); its heap entry is skipped when it surfaces.
     """
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, int, QueuedGroup]] = []
+        self._heap: list[tuple[int, int, int, QueuedGroup]] = []
         self._seq = itertools.count()
+        self._live: dict[str, QueuedGroup] = {}
 
     def push(self, g: QueuedGroup, order: int | None = None) -> None:
-        heapq.heappush(self._heap, (g.behavior_version_min, next(self._seq) if order is None else order, g))
+        if g.group_id in self._live:
+            return
+        self._live[g.group_id] = g
+        n = next(self._seq)  # also the tie-break: entries never compare the groups themselves
+        heapq.heappush(self._heap, (g.behavior_version_min, n if order is None else order, n, g))
 
     def pop(self) -> tuple[QueuedGroup, int]:
-        _, order, g = heapq.heappop(self._heap)
-        return g, order
+        while True:
+            _, order, _, g = heapq.heappop(self._heap)
+            if self._live.get(g.group_id) is g:
+                del self._live[g.group_id]
+                return g, order
+
+    def discard(self, group_id: str) -> QueuedGroup | None:
+        return self._live.pop(group_id, None)
+
+    def __contains__(self, group_id: str) -> bool:
+        return group_id in self._live
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._live)
 
     def __iter__(self):
-        return (g for _, _, g in self._heap)
+        return iter(list(self._live.values()))
 
     def newest_first(self) -> list[QueuedGroup]:
-        return [g for _, _, g in sorted(self._heap, key=lambda e: (e[0], e[1]), reverse=True)]
+        return [g for _, _, _, g in sorted(self._heap, key=lambda e: e[:3], reverse=True)
+                if self._live.get(g.group_id) is g]
 
 
 @dataclass
 class DeliveredBatch:
+    """A batch handed to the learner; its groups stay the broker's until the learner commits them."""
+
     batch_id: str
     train_version: int
     groups: list[QueuedGroup]
     holder: bytes
     orders: list[int] = field(default_factory=list)
+    committed: set[str] = field(default_factory=set)
 
 
 class TaskSampler:
@@ -123,9 +142,9 @@ class Ledger:
     running: dict[str, TicketInfo] = field(default_factory=dict)
     queue: GroupQueue = field(default_factory=GroupQueue)
     delivered: dict[str, DeliveredBatch] = field(default_factory=dict)
+    delivered_group: dict[str, str] = field(default_factory=dict)
+    """group id -> id of the delivered batch that holds it, until committed or requeued"""
     last_train_version: int = -1
-    acked_train_version: int = -1
-    """highest train version of a batch the learner confirmed receiving"""
     committing: int = 0
     """groups received and being made durable: not yet queued, no longer running"""
     counters: collections.Counter = field(default_factory=collections.Counter)
@@ -212,30 +231,51 @@ class Ledger:
         batch = DeliveredBatch(f"b{train_version}-{next(self._ids)}", train_version, [g for g, _ in taken], holder,
                                [o for _, o in taken])
         self.delivered[batch.batch_id] = batch
+        for g in batch.groups:
+            self.delivered_group[g.group_id] = batch.batch_id
         self.last_train_version = train_version
         self.counters["batches_delivered"] += 1
         self.counters["groups_delivered"] += len(taken)
         return batch, dropped
 
-    def ack_batch(self, batch_id: str) -> DeliveredBatch | None:
-        batch = self.delivered.pop(batch_id, None)
-        if batch is not None:
-            self.counters["groups_consumed"] += len(batch.groups)
-            self.acked_train_version = max(self.acked_train_version, batch.train_version)
-        return batch
+    def commit(self, group_ids: Iterable[str]) -> tuple[list[QueuedGroup], int]:
+        """The learner's durable checkpoint settles these groups: they leave for good, from a delivered
+        batch or (re-queued by a broker restart) from the queue. Returns (groups found, ids unknown here —
+        already consumed before, a retried Commit)."""
+        found, unknown = [], 0
+        for gid in group_ids:
+            batch_id = self.delivered_group.pop(gid, None)
+            if batch_id is not None:
+                batch = self.delivered[batch_id]
+                batch.committed.add(gid)
+                found.append(next(g for g in batch.groups if g.group_id == gid))
+                if len(batch.committed) == len(batch.groups):
+                    del self.delivered[batch_id]
+                continue
+            g = self.queue.discard(gid)
+            if g is not None:
+                found.append(g)
+            else:
+                unknown += 1
+        self.counters["groups_committed"] += len(found)
+        return found, unknown
 
-    def requeue_unacked(self, holder: bytes | None = None) -> list[DeliveredBatch]:
-        """The learner died before confirming receipt: its batches go back to the head of the queue."""
-        lost = [b for b in self.delivered.values() if holder is None or b.holder == holder]
-        for b in lost:
+    def requeue_delivered(self, holder: bytes | None = None) -> list[QueuedGroup]:
+        """The learner restarted or died: whatever it had not committed (received, trained since its last
+        checkpoint, or lost on the wire) goes back to the queue and is delivered again."""
+        back: list[QueuedGroup] = []
+        for b in [b for b in self.delivered.values() if holder is None or b.holder == holder]:
             del self.delivered[b.batch_id]
             for g, order in zip(b.groups, b.orders):
-                self.queue.push(g, order)
-        if lost:
-            self.last_train_version = max([self.version - 1, self.acked_train_version]
-                                          + [b.train_version for b in self.delivered.values()])
-            self.counters["batches_requeued"] += len(lost)
-        return lost
+                if g.group_id not in b.committed:
+                    self.delivered_group.pop(g.group_id, None)
+                    self.queue.push(g, order)
+                    back.append(g)
+            self.counters["batches_requeued"] += 1
+        if back:
+            self.last_train_version = max([self.version - 1] + [b.train_version for b in self.delivered.values()])
+            self.counters["groups_requeued"] += len(back)
+        return back
 
     def queued_bytes(self) -> int:
         return sum(g.nbytes for g in self.queue)
@@ -247,7 +287,8 @@ class Ledger:
             "running": len(self.running),
             "accepted": self.accepted,
             "capacity": self.capacity(),
-            "batches_unacked": len(self.delivered),
+            "batches_uncommitted": len(self.delivered),
+            "groups_uncommitted": len(self.delivered_group),
             "next_train_version": self.next_train_version(),
         }
 

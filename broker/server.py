@@ -2,8 +2,13 @@
 
 - front (ROUTER, actors): Hello → Ready, Heartbeat, TicketRequest → Ticket (parked until admission
   allows), TrajectoryGroup → Ack (after the group is durable; a burst of groups shares one fsync).
-- back (ROUTER, learner): Hello → Ready, Heartbeat, BatchRequest (credits) → Batch, BatchAck,
-  Control (learner's version/phase) → echoed Control, SuccessRequest → SuccessBatch.
+- back (ROUTER, learner): Hello → Ready (and every batch it had not committed goes back to the queue),
+  Heartbeat, BatchRequest (credits) → Batch, Commit (its checkpoint is durable) → echoed Commit once the
+  consumed record is, Control (learner's version/phase) → echoed Control, SuccessRequest → SuccessBatch.
+
+Exactly-once: a delivered group stays the broker's (in the spill log, re-delivered after any restart of the
+learner) until the learner commits it, which it does only once a checkpoint covering the group's step is
+durable. Every group's lifecycle goes to the audit trail (``common.audit``).
 - control (PUB): Control on every change and once per heartbeat, so a late subscriber is never
   more than one heartbeat behind; a Hello makes the broker publish at once (readiness handshake).
 """
@@ -23,8 +28,10 @@ from broker.ledger import Ledger, QueuedGroup, TaskSampler, group_lag, zero_vari
 from broker.spill import CommitThread, SpillLog
 from broker.store import SuccessStore
 from common import protocol as P
+from common.audit import AuditLog
 from common.metrics import Histogram, MetricsWriter
-from common.net import NetConfig, PeerTable, ServerSocket, answer_heartbeat, security_for, serve
+from common.net import (AuthMonitor, NetConfig, PeerTable, ServerSocket, answer_heartbeat, limit_size,
+                        security_for, serve)
 from common.rundir import RunDir
 
 CONTROL_TOPIC = b"ctl"
@@ -44,7 +51,9 @@ class Broker:
                                  self.counters, log, "back")
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.linger = 0
+        limit_size(self.pub, net)  # a PUB reads subscriptions: those are capped too
         self.security.server(self.pub)
+        self.pub_auth = AuthMonitor(self.pub, self.security, self.counters, log, "control", "rejected_auth_control")
         self.pub.bind(net.tcp(net.broker_control_port, bind=True))
 
         self.ledger = Ledger(cfg.groups_per_batch, cfg.eta)
@@ -62,6 +71,7 @@ class Broker:
         self._stop = threading.Event()
         self._stop_at: float | None = None
 
+        self.audit = AuditLog(run_dir.audit / "broker.jsonl")
         self.spill = SpillLog(run_dir.spill, cfg.persist, cfg.segment_bytes, log)
         self._recover()
         self.wake = self.ctx.socket(zmq.PULL)
@@ -87,6 +97,9 @@ class Broker:
         rec = self.spill.recover() if self.cfg.persist else None
         if rec is not None:
             self.state.update(rec.state)
+            # Counters continue across restarts (the audit and the metrics count the whole run).
+            self.counters.update(self.state.pop("counters", {}))
+            self.ledger.counters.update(self.state.pop("ledger_counters", {}))
             for gid in rec.recent_ids[-self.cfg.dedupe_window:]:
                 self.recent[gid] = None
             for gid, loc in rec.groups:
@@ -102,14 +115,24 @@ class Broker:
                 self.log.info("spill_recovered", groups=len(rec.groups), recent_ids=len(self.recent),
                               truncated_bytes=rec.truncated_bytes, version=self.control.version)
         self.state["starts"] = int(self.state.get("starts", 0)) + 1
-        self.spill.open(list(self.recent), self.state)
+        recovered = [g.group_id for g in self.ledger.queue]
+        self.audit.write("start", starts=self.state["starts"], recovered=len(recovered), persist=self.cfg.persist)
+        if recovered:  # durable, so acked or about to be: their actors' retries will only find duplicates
+            self.audit.write("recovered", gs=recovered)
+        self.spill.open(list(self.recent), self._durable_state())
+
+    def _durable_state(self) -> dict[str, Any]:
+        """What the spill log's snapshot and consumed records carry (a copy: the commit thread packs it)."""
+        return {**self.state, "counters": dict(self.counters), "ledger_counters": dict(self.ledger.counters)}
 
     # ----- loop ------------------------------------------------------------------------------
 
     def request_stop(self) -> None:
         self._stop.set()
 
-    def run(self) -> None:
+    def run(self) -> bool:
+        """Serve until stopped; True when the learner's Control said stop (the run is over), False on a
+        signal (the run goes on without us: a restart recovers the spill log)."""
         poller = zmq.Poller()
         poller.register(self.front.sock, zmq.POLLIN)
         poller.register(self.back.sock, zmq.POLLIN)
@@ -119,6 +142,7 @@ class Broker:
                   done=lambda: self._stop_at is not None and time.monotonic() >= self._stop_at)
         finally:
             self.close()
+        return self._stop_at is not None
 
     def step(self, poller: zmq.Poller, timeout_s: float) -> None:
         events = dict(poller.poll(int(timeout_s * 1000)))
@@ -218,6 +242,7 @@ class Broker:
             reason = self._drop_reason(g)
             if reason:
                 self.counters[f"dropped_{reason}"] += 1
+                self.audit.write("dropped", g=g.group_id, task=g.task_id, r=reason, bv=g.behavior_version_min)
                 replies.append((ident, P.Ack(group_id=g.group_id, accepted=False, reason=reason)))
                 self._remember(g.group_id)
                 continue
@@ -227,6 +252,7 @@ class Broker:
         if self.commit is None:
             # No durability asked for: queue at once (the log is only where overflow waits).
             self._queue_committed(to_write, [None] * len(to_write), orders)
+            self._audit_acked(to_write)
             replies.extend((ident, P.Ack(group_id=g.group_id, accepted=True)) for ident, g, _ in to_write)
             self._send_acks(replies)
         elif to_write or self.commit.pending:
@@ -236,6 +262,10 @@ class Broker:
             self.commit.submit([(g.group_id, f) for _, g, f in to_write], ("groups", to_write, replies, orders))
         else:
             self._send_acks(replies)
+
+    def _audit_acked(self, items: list) -> None:
+        self.audit.write_many(("acked", {"g": g.group_id, "task": g.task_id, "actor": g.actor_id,
+                                         "bv": [g.behavior_version_min, g.behavior_version_max]}) for _, g, _ in items)
 
     def _send_acks(self, replies: list[tuple[bytes, P.Ack]]) -> None:
         for ident, ack in replies:
@@ -256,7 +286,7 @@ class Broker:
             except zmq.Again:
                 break
         for token, locations in self.commit.completed():
-            if token[0] == "batchack":
+            if token[0] == "commit":
                 if locations is not None:
                     self.back.send(token[1], token[2])
                 continue
@@ -271,8 +301,9 @@ class Broker:
                 self._send_acks([r for r in replies if not r[1].accepted or r[1].duplicate])
                 continue
             self._queue_committed(items, locations, orders)
+            self._audit_acked(items)
             self._send_acks(replies + [(ident, P.Ack(group_id=g.group_id, accepted=True)) for ident, g, _ in items])
-        self.spill.maybe_rotate(list(self.recent), self.state)
+        self.spill.maybe_rotate(list(self.recent), self._durable_state())
 
     def _drop_reason(self, g: P.TrajectoryGroup) -> str:
         if self.cfg.drop_incomplete and not g.complete:
@@ -321,19 +352,18 @@ class Broker:
                 self.credits[ident] += max(0, msg.credits)
                 if msg.version != self.ledger.version:
                     self._set_version(msg.version)
-            elif isinstance(msg, P.BatchAck):
-                self._on_batch_ack(ident, msg)
+            elif isinstance(msg, P.Commit):
+                self._on_commit(ident, msg)
             elif isinstance(msg, P.Control):
                 self._on_control(ident, msg)
             elif isinstance(msg, P.SuccessRequest):
                 samples = self.store.sample(msg.k_per_task, msg.max_tasks, msg.seed)
                 self.back.send(ident, P.SuccessBatch(samples=samples, tasks_in_store=len(self.store.tasks)))
             elif isinstance(msg, P.Hello):
-                # A (re)connecting learner has lost whatever was in flight on its old connection.
-                lost = self.ledger.requeue_unacked(holder=ident)
+                # A (re)connecting learner may have restarted from its last checkpoint: everything it had not
+                # committed is delivered again (a learner that merely reconnected drops what it still has).
+                self._requeue(ident, "learner_reconnected", msg.peer_id)
                 self.credits.pop(ident, None)
-                if lost:
-                    self.log.warning("learner_reconnected", learner=msg.peer_id, batches_requeued=len(lost))
                 self.back.send(ident, self._ready())
             else:
                 self._unexpected(self.back, ident, msg)
@@ -358,20 +388,26 @@ class Broker:
         self._publish()
         self.back.send(ident, self.control)
 
-    def _on_batch_ack(self, ident: bytes, msg: P.BatchAck) -> None:
-        groups = []
-        for batch_id in msg.batch_ids:
-            batch = self.ledger.ack_batch(batch_id)
-            if batch is not None:
-                groups.extend(batch.groups)
-        echo = P.BatchAck(learner_id="broker", batch_ids=msg.batch_ids)
+    def _on_commit(self, ident: bytes, msg: P.Commit) -> None:
+        groups, unknown = self.ledger.commit(msg.group_ids)
+        if unknown:
+            self.counters["commit_unknown_groups"] += unknown  # consumed before: a retried Commit
+        self.audit.write("consumed", gs=[g.group_id for g in groups], v=msg.version)
+        for g in groups:
+            self._forget(g)
         if self.commit is not None:
-            # Echo once the consumed record is durable: a confirmed batch is never delivered again.
-            self.commit.submit_consumed([g.group_id for g in groups], [g.location for g in groups], self.state,
-                                        token=("batchack", ident, echo))
+            # Echo once the consumed record is durable: a committed group is never delivered again.
+            self.commit.submit_consumed([g.group_id for g in groups], [g.location for g in groups],
+                                        self._durable_state(), token=("commit", ident, msg))
         else:
             self._consumed(groups)
-            self.back.send(ident, echo)
+            self.back.send(ident, msg)
+
+    def _requeue(self, ident: bytes, event: str, peer_id: str) -> None:
+        back = self.ledger.requeue_delivered(holder=ident)
+        if back:
+            self.audit.write("requeued", gs=[g.group_id for g in back])
+            self.log.warning(event, learner=peer_id, groups_requeued=len(back))
 
     def _deliver_batches(self) -> None:
         for ident in list(self.credits):
@@ -380,6 +416,8 @@ class Broker:
                 for g in dropped:
                     self._forget(g)
                 if dropped:
+                    self.audit.write_many(("dropped", {"g": g.group_id, "task": g.task_id, "r": "stale",
+                                                       "bv": g.behavior_version_min}) for g in dropped)
                     self._consumed(dropped)
                     # Drops found while too few groups waited for a batch ride on the next batch sent.
                     self.unreported_drops += len(dropped)
@@ -394,9 +432,9 @@ class Broker:
         """Record groups as gone for good (delivered and confirmed, or dropped)."""
         ids, locs = [g.group_id for g in groups], [g.location for g in groups]
         if self.commit is not None:
-            self.commit.submit_consumed(ids, locs, self.state)
+            self.commit.submit_consumed(ids, locs, self._durable_state())
         else:
-            self.spill.mark_consumed(ids, locs, self.state)
+            self.spill.mark_consumed(ids, locs, self._durable_state())
 
     def _forget(self, g: QueuedGroup) -> None:
         if g.frames is not None:
@@ -412,9 +450,11 @@ class Broker:
             lag = group_lag(batch.train_version, g.behavior_version_min)
             lags.append(lag)
             self.lag_hist.add(lag)
-            self._forget(g)
+            if g.location is not None:  # on disk: read again if the learner restarts before committing it
+                self._forget(g)
         msg = P.Batch(batch_id=batch.batch_id, train_version=batch.train_version, groups=[],
                       max_lag=max(lags), mean_lag=sum(lags) / len(lags), dropped_stale=dropped)
+        self.audit.write("delivered", b=batch.batch_id, v=batch.train_version, gs=[g.group_id for g in batch.groups])
         self.back.send_frames(ident, P.encode_with_embedded(msg, groups=raws))
 
     # ----- timers ----------------------------------------------------------------------------
@@ -443,17 +483,13 @@ class Broker:
         if expired:
             self.log.warning("tickets_lease_expired", n=len(expired))
         for peer in self.learners.expire(now):
-            lost = self.ledger.requeue_unacked(holder=peer.ident)
-            for b in lost:
-                for g in b.groups:
-                    if g.frames is None and g.location is None:
-                        self.counters["groups_lost_unpersisted"] += 1
+            self._requeue(peer.ident, "learner_dead", peer.peer_id)
             self.credits.pop(peer.ident, None)
-            self.log.warning("learner_dead", learner=peer.peer_id, batches_requeued=len(lost))
         if now >= self._next_publish:
             self._publish()
         self.front.drain_auth_failures()
         self.back.drain_auth_failures()
+        self.pub_auth.drain()
         if now >= self._next_metrics:
             self._next_metrics = now + self.cfg.metrics_interval_s
             self.write_metrics(now)
@@ -491,10 +527,12 @@ class Broker:
             self._commits_done()  # what became durable is acked before we go
         self.write_metrics(time.monotonic())
         self.spill.close()
+        self.audit.close()
         self.store.close()
         self.metrics.close()
         self.front.close()
         self.back.close()
+        self.pub_auth.close()
         self.pub.close(0)
         self.wake.close(0)
         self.security.close()

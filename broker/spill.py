@@ -37,6 +37,10 @@ KIND_GROUP, KIND_CONSUMED, KIND_SNAPSHOT = 1, 2, 3
 _IOV_MAX = 512
 
 
+def _segment_name(seg: int) -> str:
+    return f"seg-{seg:08d}.log"
+
+
 @dataclass(frozen=True)
 class Location:
     segment: int
@@ -75,7 +79,7 @@ class SpillLog:
     # ----- files -----------------------------------------------------------------------------
 
     def _path(self, seg: int) -> Path:
-        return self.dir / f"seg-{seg:08d}.log"
+        return self.dir / _segment_name(seg)
 
     def _existing(self) -> list[int]:
         return sorted(int(p.stem.split("-")[1]) for p in self.dir.glob("seg-*.log"))
@@ -253,15 +257,31 @@ class SpillLog:
         return group_id, frames
 
     def recover(self) -> Recovered:
-        """Replay every segment: unconsumed groups in arrival order, recent ids, last state."""
+        """Replay every segment: unconsumed groups in arrival order, recent ids, last state. A torn tail is
+        cut off, so later appends stay readable."""
+        out = self._replay(self.dir, self.log, truncate=True)
+        for _, loc in out.groups:
+            self.live[loc.segment] += 1
+        return out
+
+    @classmethod
+    def scan(cls, directory: str | Path) -> Recovered:
+        """What ``recover`` would find, read-only (``computerrl audit`` on a live or stopped run)."""
+        return cls._replay(Path(directory), None, truncate=False)
+
+    @classmethod
+    def _replay(cls, directory: Path, log: Any, truncate: bool) -> Recovered:
         out = Recovered()
         groups: collections.OrderedDict[str, Location] = collections.OrderedDict()
         consumed: set[str] = set()
         recent: collections.OrderedDict[str, None] = collections.OrderedDict()
-        existing = self._existing()
+        existing = sorted(int(p.stem.split("-")[1]) for p in directory.glob("seg-*.log"))
         for seg in existing:
-            path = self._path(seg)
-            data = path.read_bytes()
+            path = directory / _segment_name(seg)
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:  # scanning a live log: the broker deleted a consumed segment
+                continue
             pos = 0
             while pos < len(data):
                 if len(data) - pos < _HDR.size:
@@ -291,14 +311,12 @@ class SpillLog:
                 out.truncated_bytes += len(data) - pos
                 if seg != existing[-1]:
                     out.corrupt_segments.append(seg)
-                with open(path, "r+b") as f:
-                    f.truncate(pos)
-                    os.fsync(f.fileno())
-                self.log.warning("spill_tail_truncated", segment=seg, offset=pos, bytes=len(data) - pos)
-        for gid, loc in groups.items():
-            if gid not in consumed:
-                out.groups.append((gid, loc))
-                self.live[loc.segment] += 1
+                if truncate:
+                    with open(path, "r+b") as f:
+                        f.truncate(pos)
+                        os.fsync(f.fileno())
+                    log.warning("spill_tail_truncated", segment=seg, offset=pos, bytes=len(data) - pos)
+        out.groups = [(gid, loc) for gid, loc in groups.items() if gid not in consumed]
         out.recent_ids = list(recent)
         return out
 

@@ -124,18 +124,30 @@ class CurveKeys:
     authorized_dir: Path
 
 
+def _write_certificate(path: Path, public: bytes, secret: bytes | None) -> None:
+    """A ZeroMQ certificate file (the format ``zmq.auth.load_certificate`` reads), created 0600: a secret
+    key is never readable by anyone else, not even between creation and a chmod."""
+    lines = ["# computerrl run key (ZeroMQ CURVE certificate)", "metadata", "curve",
+             f'    public-key = "{public.decode()}"']
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode()}"')
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def ensure_keys(keys_dir: str | Path) -> CurveKeys:
     """Create the run's keypairs if absent (race-safe between roles), then load them."""
     keys_dir = Path(keys_dir)
     if not (keys_dir / "server.key_secret").exists():
         keys_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = keys_dir.parent / f".keys-{uuid.uuid4().hex}"
-        (tmp / "authorized").mkdir(parents=True)
-        zmq.auth.create_certificates(tmp, "server")
-        zmq.auth.create_certificates(tmp, "client")
-        os.replace(tmp / "client.key", tmp / "authorized" / "client.key")
-        for f in tmp.glob("*_secret"):
-            f.chmod(0o600)
+        tmp.mkdir(mode=0o700)
+        (tmp / "authorized").mkdir(mode=0o700)
+        for name in ("server", "client"):
+            public, secret = zmq.curve_keypair()
+            _write_certificate(tmp / f"{name}.key_secret", public, secret)
+            _write_certificate(tmp / ("authorized" if name == "client" else ".") / f"{name}.key", public, None)
         try:
             tmp.rename(keys_dir)
         except OSError:  # another role created them first; theirs win
@@ -205,8 +217,61 @@ def tune(sock: zmq.Socket, net: NetConfig) -> None:
     sock.linger = 0
     sock.sndhwm = net.hwm
     sock.rcvhwm = net.hwm
+    limit_size(sock, net)
     sock.reconnect_ivl = int(net.reconnect_min_s * 1000)
     sock.reconnect_ivl_max = int(net.reconnect_max_s * 1000)
+
+
+def limit_size(sock: zmq.Socket, net: NetConfig) -> None:
+    """ZMQ_MAXMSGSIZE: a peer announcing a larger frame is disconnected by ZeroMQ before the frame is
+    buffered (the cap on the whole multipart message is checked again on decode)."""
+    sock.setsockopt(zmq.MAXMSGSIZE, net.max_message_bytes)
+
+
+class AuthMonitor:
+    """Counts (and logs) CURVE handshakes a server socket refused, from its monitor events."""
+
+    def __init__(self, sock: zmq.Socket, security: "Security", counters: dict, log: Any, name: str,
+                 counter: str = "rejected_auth"):
+        self.monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES) if security.enabled else None
+        self.sock, self.counters, self.log, self.name, self.counter = sock, counters, log, name, counter
+
+    def drain(self) -> int:
+        if self.monitor is None:
+            return 0
+        n = 0
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            n += 1
+            if n <= 3:  # a scan of many refused handshakes is one count, not one log line each
+                self.log.warning("auth_rejected", socket=self.name, zmq_event=int(event["event"]),
+                                 endpoint=str(event.get("endpoint", b""))[:80])
+        if n:
+            self.counters[self.counter] = self.counters.get(self.counter, 0) + n
+        return n
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(0)
+
+
+class RateLimitedLog:
+    """Repeated identical warnings (same event and key) are logged once per ``interval_s`` with the number
+    suppressed in between; the caller's counters stay exact."""
+
+    def __init__(self, log: Any, interval_s: float = 10.0):
+        self.log, self.interval_s = log, interval_s
+        self._last: dict[tuple, tuple[float, int]] = {}
+
+    def warning(self, event: str, key: tuple, **fields: Any) -> None:
+        now = time.monotonic()
+        last, suppressed = self._last.get((event, key), (-1e18, 0))
+        if now - last < self.interval_s:
+            self._last[(event, key)] = (last, suppressed + 1)
+            return
+        self._last[(event, key)] = (now, 0)
+        self.log.warning(event, **fields, **({"suppressed_since_last": suppressed} if suppressed else {}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,10 +290,11 @@ class ServerSocket:
         # Clients keep their routing id across reconnects; the newest connection takes it over.
         self.sock.router_handover = True
         security.server(self.sock)
-        self.monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILURES) if security.enabled else None
+        self.auth = AuthMonitor(self.sock, security, counters, log, name)
         self.sock.bind(addr)
         self.addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.net, self.counters, self.log, self.name = net, counters, log, name
+        self.rejections = RateLimitedLog(log)
         self.bytes_in = 0
         self.bytes_out = 0
 
@@ -246,16 +312,16 @@ class ServerSocket:
         ident, frames = parts[0].bytes, parts[1:]
         try:
             return ident, P.decode(frames, self.net.max_message_bytes), frames
-        except P.ProtocolError as exc:
+        except P.ProtocolError as exc:  # decode raises nothing else, whatever the bytes
             kind = P.peek_type(frames[0].bytes) if frames[0].buffer.nbytes < 1 << 20 else "?"
             self._reject(exc.reason, ident, exc.detail, kind)
-            self.send(ident, P.Error(code=exc.reason, message=str(exc), ref_type=kind))
+            self.send(ident, P.Error(code=exc.reason, message=str(exc)[:500], ref_type=kind[:64]))
             return ident, None, []
 
     def _reject(self, reason: str, ident: bytes, detail: str, kind: str) -> None:
         self.counters[f"rejected_{reason}"] = self.counters.get(f"rejected_{reason}", 0) + 1
-        self.log.warning("message_rejected", socket=self.name, reason=reason, detail=detail[:300],
-                         peer=ident.hex()[:16], msg_type=kind)
+        self.rejections.warning("message_rejected", (reason, ident), socket=self.name, reason=reason,
+                                detail=detail[:300], peer=ident.hex()[:16], msg_type=kind[:64])
 
     def send(self, ident: bytes, msg: P.Message) -> None:
         self.send_frames(ident, P.encode(msg))
@@ -269,22 +335,10 @@ class ServerSocket:
 
     def drain_auth_failures(self) -> int:
         """Count (and log) CURVE handshakes refused since the last call."""
-        if self.monitor is None:
-            return 0
-        n = 0
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
-            n += 1
-            self.log.warning("auth_rejected", socket=self.name, zmq_event=int(event["event"]),
-                             endpoint=str(event.get("endpoint", b""))[:80])
-        if n:
-            self.counters["rejected_auth"] = self.counters.get("rejected_auth", 0) + n
-        return n
+        return self.auth.drain()
 
     def close(self) -> None:
-        if self.monitor is not None:
-            self.sock.disable_monitor()
-            self.monitor.close(0)
+        self.auth.close()
         self.sock.close(0)
 
 

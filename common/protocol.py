@@ -9,8 +9,11 @@ A message-typed field (a ``Batch`` carrying ``TrajectoryGroup``s) embeds the chi
 slice of the parent's frames, so the broker can forward stored groups without re-encoding their arrays.
 
 ``decode`` validates everything it is given: size cap, version, type, required fields and their types,
-dtype whitelist, shape against frame length, and that every frame is referenced exactly once.
-It raises ``ProtocolError`` with a reason; it never executes or unpickles anything.
+dtype whitelist, shape against frame length, and that every frame is referenced exactly once. Work is
+bounded before it is done: free-form values nest at most ``MAX_DEPTH`` containers, embedded messages at
+most ``MAX_EMBED_DEPTH`` levels, arrays have at most ``MAX_NDIM`` dimensions whose product is checked
+against the bytes present before anything is allocated. It raises ``ProtocolError`` with a reason for any
+input (``invalid`` where a check of ours let something odd through); it never executes or unpickles.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ import numpy as np
 PROTOCOL_VERSION = 1
 INLINE_ARRAY_BYTES = 64 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+MAX_DEPTH = 32
+MAX_EMBED_DEPTH = 2
+MAX_NDIM = 8
 
 # Fixed little-endian dtypes: a peer on any platform reads the same bytes.
 ALLOWED_DTYPES = {
@@ -311,7 +317,7 @@ class BatchRequest(Message):
 
 @dataclass
 class Batch(Message):
-    """B groups for one training step at ``train_version``; the learner answers ``BatchAck``."""
+    """B groups for one training step at ``train_version``; they stay the broker's until a ``Commit``."""
 
     batch_id: str
     train_version: int
@@ -322,11 +328,14 @@ class Batch(Message):
 
 
 @dataclass
-class BatchAck(Message):
-    """The learner has received these batches; the broker may forget them."""
+class Commit(Message):
+    """The learner's checkpoint at ``version`` is durable and settles these groups (trained, or dropped with
+    a counted reason): the broker may forget them for good. Echoed by the broker once its record is durable."""
 
     learner_id: str
-    batch_ids: list[str]
+    commit_id: str
+    version: int
+    group_ids: list[str]
 
 
 @dataclass
@@ -598,10 +607,11 @@ _CONTAINERS = (dict, list)
 
 
 class _Decoder:
-    def __init__(self, frames: Sequence[Any], path: str = ""):
+    def __init__(self, frames: Sequence[Any], embed_depth: int = 0):
         self.frames = frames
         self.used = [False] * len(frames)
         self.used[0] = True
+        self.embed_depth = embed_depth
 
     def take_frame(self, idx: Any, path: str) -> Any:
         if type(idx) is not int or not 1 <= idx < len(self.frames):
@@ -614,10 +624,12 @@ class _Decoder:
     def array(self, ref: dict, path: str) -> np.ndarray:
         dtype_name = ref.get("dtype")
         shape = ref.get("shape")
-        if dtype_name not in ALLOWED_DTYPES:
-            raise ProtocolError("bad_dtype", f"{path}: dtype {dtype_name!r} not allowed")
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise ProtocolError("bad_shape", f"{path}: shape {shape!r}")
+        if type(dtype_name) is not str or dtype_name not in ALLOWED_DTYPES:
+            raise ProtocolError("bad_dtype", f"{path}: dtype {str(dtype_name)[:40]!r} not allowed")
+        if type(shape) is not list or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
+            raise ProtocolError("bad_shape", f"{path}: shape {str(shape)[:80]} (at most {MAX_NDIM} dims >= 0)")
+        if any(d >= 1 << 40 for d in shape):  # no dimension of a real array is this long, even with a 0 beside
+            raise ProtocolError("bad_shape", f"{path}: shape {str(shape)[:80]} has an absurd dimension")
         dtype = ALLOWED_DTYPES[dtype_name]
         expected = math.prod(shape) * dtype.itemsize
         if "frame" in ref:
@@ -634,13 +646,15 @@ class _Decoder:
     def embedded(self, ref: Any, cls: type[Message], path: str) -> Message:
         if not isinstance(ref, dict) or "__msg__" not in ref:
             raise ProtocolError("bad_field", f"{path}: expected an embedded {cls.TYPE}")
+        if self.embed_depth >= MAX_EMBED_DEPTH:
+            raise ProtocolError("too_deep", f"{path}: messages embedded more than {MAX_EMBED_DEPTH} deep")
         start, count = ref.get("start"), ref.get("count")
         if type(start) is not int or type(count) is not int or count < 0 or start < 1 \
                 or start + count > len(self.frames):
             raise ProtocolError("bad_frame_ref", f"{path}: embedded frame range {start}+{count}")
         for i in range(start, start + count):
             self.take_frame(i, path)
-        child = decode([ref["__msg__"], *self.frames[start:start + count]], max_bytes=None)
+        child = _decode([ref["__msg__"], *self.frames[start:start + count]], None, self.embed_depth + 1)
         if not isinstance(child, cls):
             raise ProtocolError("bad_field", f"{path}: embedded {child.TYPE}, expected {cls.TYPE}")
         return child
@@ -648,18 +662,21 @@ class _Decoder:
     def value(self, raw: Any, tp: Any, path: str) -> Any:
         return _field_decoder(tp)(self, raw, path)
 
-    def plain(self, raw: Any, path: str) -> Any:
+    def plain(self, raw: Any, path: str, depth: int = 0) -> Any:
         """Free-form values (``info`` dicts, observations): arrays inside are still resolved and validated.
 
         Only containers are walked and paths are not built per leaf: observations hold hundreds of them.
         """
+        if depth > MAX_DEPTH:
+            raise ProtocolError("too_deep", f"{path[:120]}: values nested more than {MAX_DEPTH} deep")
         tp = type(raw)
+        d = depth + 1
         if tp is dict:
             if raw.get("__nd__") == 1:
                 return self.array(raw, path)
-            return {k: (self.plain(v, f"{path}.{k}") if type(v) in _CONTAINERS else v) for k, v in raw.items()}
+            return {k: (self.plain(v, f"{path}.{k}", d) if type(v) in _CONTAINERS else v) for k, v in raw.items()}
         if tp is list:
-            return [self.plain(v, f"{path}[]") if type(v) in _CONTAINERS else v for v in raw]
+            return [self.plain(v, f"{path}[]", d) if type(v) in _CONTAINERS else v for v in raw]
         return raw
 
     def record(self, raw: dict, cls: type[Record], path: str) -> Record:
@@ -774,7 +791,19 @@ def peek_type(header: bytes) -> str:
 
 
 def decode(frames: Sequence[Any], max_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
-    """Decode and validate multipart frames into a typed message. Raises ``ProtocolError``."""
+    """Decode and validate multipart frames into a typed message. Raises ``ProtocolError``, whatever the input."""
+    try:
+        return _decode(frames, max_bytes, 0)
+    except ProtocolError:
+        raise
+    except (RecursionError, MemoryError) as exc:
+        raise ProtocolError("too_deep" if isinstance(exc, RecursionError) else "too_large",
+                            type(exc).__name__) from None
+    except Exception as exc:  # a case our checks did not foresee is still a rejection, never a crash
+        raise ProtocolError("invalid", f"{type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def _decode(frames: Sequence[Any], max_bytes: int | None, embed_depth: int) -> Message:
     if not frames:
         raise ProtocolError("empty", "no frames")
     if max_bytes is not None:
@@ -793,7 +822,7 @@ def decode(frames: Sequence[Any], max_bytes: int | None = DEFAULT_MAX_MESSAGE_BY
     cls = MESSAGE_TYPES.get(body.get("type")) if isinstance(body.get("type"), str) else None
     if cls is None:
         raise ProtocolError("unknown_type", f"message type {body.get('type')!r}")
-    dec = _Decoder(frames)
+    dec = _Decoder(frames, embed_depth)
     msg = dec.record(body, cls, "")
     if not all(dec.used):
         unused = [i for i, u in enumerate(dec.used) if not u]

@@ -15,7 +15,7 @@ class RunDir:
     @classmethod
     def create(cls, root: str | Path) -> "RunDir":
         rd = cls(Path(root).resolve())
-        for sub in (rd.logs, rd.metrics, rd.checkpoints, rd.spill):
+        for sub in (rd.logs, rd.metrics, rd.checkpoints, rd.spill, rd.audit):
             sub.mkdir(parents=True, exist_ok=True)
         return rd
 
@@ -40,6 +40,11 @@ class RunDir:
     def spill(self) -> Path:
         """the broker's durable spill log"""
         return self.root / "spill"
+
+    @property
+    def audit(self) -> Path:
+        """group lifecycle events of the broker and the learner (``computerrl audit``)"""
+        return self.root / "audit"
 
     @property
     def keys(self) -> Path:

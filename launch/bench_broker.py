@@ -1,7 +1,8 @@
 """``computerrl bench broker``: our broker path against bare ZeroMQ moving the same payloads.
 
 Ours: K actor processes (ticket → group → ack, a window of tickets each) → broker process → one
-learner-like consumer (credits, BatchAck, a version bump per batch so admission keeps flowing).
+learner-like consumer (credits, a version bump and a Commit per batch, as a learner that checkpoints every
+step: admission keeps flowing and the broker forgets what it delivered).
 Raw: K PUSH processes → a ``zmq.proxy`` (PULL→PUSH, C loop) process → one PULL consumer, sending the
 same encoded multipart frames. Both are timed from a common barrier to the consumer's last receipt.
 Runs alternate raw/ours ``repeats`` times; medians are reported, so one noisy run does not decide.
@@ -206,6 +207,8 @@ def _consumer_proc(ports, total: int, num_actors: int, actors_done, wire_bytes: 
         dropped += batch.dropped_stale
         nbytes += len(batch.groups) * wire_bytes
         version += 1
+        client.settle([g.group_id for g in batch.groups])
+        client.checkpoint_durable(version)  # a checkpoint every step: the broker forgets the batch
         client.set_control(version)  # the learner's step: frees admission for the next tickets
         client.grant(1)
         t_last = time.monotonic()

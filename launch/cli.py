@@ -53,8 +53,11 @@ def broker(config: str | None, run_dir: str | None, overrides: tuple[str, ...]) 
     """Run the trajectory broker (OVERRIDES: dotted key=value, e.g. broker.eta=4)."""
     from broker.server import Broker
 
+    from launch.local import EXIT_RESUMABLE
+
     cfg, rd, log = _start_role("broker", config, run_dir, overrides)
-    Broker(cfg.broker, cfg.net, rd, log, seed=cfg.run.seed).run()
+    if not Broker(cfg.broker, cfg.net, rd, log, seed=cfg.run.seed).run():
+        sys.exit(EXIT_RESUMABLE)
 
 
 @main.command("env-server")
@@ -104,9 +107,13 @@ def learner(config: str | None, run_dir: str | None, resume: bool, overrides: tu
     temperature = cfg.actor.sampling.temperature
     anchor_demos = _anchor_demos(cfg, log)
     if dist.is_main:
-        Learner(cfg.learner, cfg.model, cfg.weights, cfg.net, rd, log, temperature=temperature, seed=cfg.run.seed,
-                resume=resume, dist=dist, anchor_demos=anchor_demos).run()
+        from launch.local import EXIT_RESUMABLE
+
+        finished = Learner(cfg.learner, cfg.model, cfg.weights, cfg.net, rd, log, temperature=temperature,
+                           seed=cfg.run.seed, resume=resume, dist=dist, anchor_demos=anchor_demos).run()
         dist.close()  # after a normal end only: a barrier with a crashed peer would just wait out the timeout
+        if not finished:
+            sys.exit(EXIT_RESUMABLE)
     else:
         import signal
 
@@ -151,6 +158,53 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
         click.echo(note)
     C.dump(cfg, rd.config)
     sys.exit(Supervisor(cfg, rd.config, rd, resume).run())
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def audit(run_dir: str, as_json: bool) -> None:
+    """Reconcile a run's group audit trail: every acked group trained once, dropped with a reason, or still
+    queued. Exits 1 if any group was lost or trained twice."""
+    from common.audit import reconcile
+
+    result = reconcile(run_dir)
+    click.echo(json.dumps(result.as_dict()) if as_json else result.table())
+    if not result.ok:
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--config", "-c", default="configs/local.yaml", show_default=True, type=click.Path(exists=True))
+@click.option("--run-dir", required=True, type=click.Path(file_okay=False), help="a new run directory")
+@click.option("--steps", default=16, show_default=True, help="learner steps of the run under fire")
+@click.option("--kills", default=8, show_default=True, help="signals sent (every role is hit before any twice)")
+@click.option("--seed", default=0, show_default=True, help="seed of the schedule")
+@click.option("--sigterm-share", default=0.25, show_default=True, help="share of SIGTERM among the signals (rest SIGKILL)")
+@click.option("--resume-steps", default=2, show_default=True, help="steps of the final --resume after the run")
+@click.option("--timeout", "timeout_s", default=1800.0, show_default=True, help="give up after this many seconds")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.argument("overrides", nargs=-1)
+def chaos(config: str, run_dir: str, steps: int, kills: int, seed: int, sigterm_share: float, resume_steps: int,
+          timeout_s: float, as_json: bool, overrides: tuple[str, ...]) -> None:
+    """Kill the roles of a real run on a seeded schedule; print recovery times and the audit (exit 1 if any
+    acked group was lost or trained twice)."""
+    from launch.chaos import run_chaos, schedule, summary
+
+    plan = schedule(seed, steps, kills, sigterm_share)
+    result = summary(run_chaos(config, Path(run_dir), steps, plan, list(overrides), resume_steps, timeout_s))
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        for k in result["kills"]:
+            click.echo(f"step {k['step']:>3}  {k['signal']:<7} {k['role']:<10}  role back {k['role_back_s']} s  "
+                       f"training back {k['training_back_s']} s")
+        for role, r in result["recovery_s_by_role"].items():
+            click.echo(f"recovery {role:<10} median {r['median']} s  max {r['max']} s  (n={r['n']})")
+        click.echo(f"supervisor resumes: {result['supervisor_resumes']}  wall: {result['wall_s']} s")
+        click.echo(json.dumps(result["audit"]))
+    if not result["audit"].get("ok"):
+        sys.exit(1)
 
 
 @main.command("eval")

@@ -2,9 +2,12 @@
 
 Start order follows readiness, not sleeps: the broker, once it answers a Hello; the env_server, once it
 does; then the learner and the actors, which wait for their peers themselves. While the run goes:
-- a crashed actor or env_server is restarted with exponential back-off (up to ``max_restarts`` each);
-- a crashed broker or learner ends the run cleanly with the reason and the tail of its stderr; the run
-  directory stays resumable (learner checkpoints, broker spill log): ``computerrl run ... --resume``;
+- any role that exits before the run is over is restarted with exponential back-off (up to
+  ``max_restarts`` each): an actor or env_server as it was, the broker from its spill log, the learner
+  (every rank of it) with ``--resume`` from its latest checkpoint; the broker re-delivers whatever the
+  learner had not committed, so no acked group is lost or trained twice (``computerrl audit`` checks);
+- a role that keeps crashing ends the run with the reason and the tail of its stderr; the run directory
+  stays resumable (learner checkpoints, broker spill log): ``computerrl run ... --resume``;
 - SIGINT/SIGTERM stop the learner first (it checkpoints), then actors, env_server and broker; whatever
   has not exited after ``stop_timeout_s`` is killed, and every child dies with the supervisor (PDEATHSIG).
 The terminal shows a progress view built from the roles' metrics files; their logs go to the run dir.
@@ -26,6 +29,8 @@ from typing import Any, Callable
 from common.rundir import RunDir
 
 PR_SET_PDEATHSIG = 1
+EXIT_RESUMABLE = 75
+"""exit code of a broker or learner stopped by a signal before the run was over (EX_TEMPFAIL): resumable"""
 
 
 @dataclass
@@ -236,32 +241,30 @@ class Supervisor:
             if role.name == "learner" and role.rank > 0 and rc == 0:
                 role.done = True  # rank 0 said stop; rank 0's own exit ends the run
                 continue
-            if role.name == "learner":
-                if rc == 0:
-                    self._finish()
-                    return False
-                self.stop(f"{role.label} exited with code {rc}; the run is resumable with --resume\n"
-                          f"{self._stderr_tail(role)}")
+            if role.name == "learner" and rc == 0:
+                self._finish()
                 return False
-            if role.name == "broker" and rc == 0:
-                # Told to stop on Control by a learner that finished: it can leave before the learner does;
-                # the learner's own exit (next passes) decides the outcome.
+            if rc == 0 and role.name in ("broker", "actor"):
+                # Told to stop on Control by a learner that finished: they can leave before the learner
+                # does; the learner's own exit (next passes) decides the outcome.
                 role.done = True
                 continue
-            if role.name == "broker":
-                self.stop(f"the broker exited with code {rc}; the run is resumable with --resume\n"
-                          f"{self._stderr_tail(role)}")
-                return False
-            if role.name == "actor" and rc == 0:
-                role.done = True  # told to stop on Control: it leaves before the learner does
-                continue
             if role.restarts >= self.local.max_restarts:
-                self.stop(f"{role.label} crashed {role.restarts + 1} times (last exit code {rc}); giving up\n"
-                          f"{self._stderr_tail(role)}")
+                self.stop(f"{role.label} exited {role.restarts + 1} times (last exit code {rc}); giving up; the "
+                          f"run is resumable with --resume\n{self._stderr_tail(role)}")
                 return False
             delay = min(30.0, self.local.restart_backoff_s * 2 ** role.restarts)
-            role.restarts += 1
-            role.proc, role.next_start = None, now + delay
+            # The learner's ranks live and die together: all restart from the latest checkpoint.
+            group = [r for r in self.roles if r.name == "learner"] if role.name == "learner" else [role]
+            for r in group:
+                if r is not role and r.proc is not None and r.proc.poll() is None:
+                    os.killpg(r.proc.pid, signal.SIGKILL)
+                    r.proc.wait(10)
+                if r.name == "learner" and "--resume" not in r.args:
+                    r.args = [*r.args, "--resume"]
+                r.restarts += 1
+                r.done = False
+                r.proc, r.next_start = None, now + delay
             self._event(f"{role.label} exited with code {rc}; restart {role.restarts} in {delay:.0f} s")
         return True
 

@@ -16,10 +16,6 @@ from common import protocol as P
 from learner.advantages import AdvantageConfig, GroupRewards, compute, zero_variance
 
 
-class BadBatch(ValueError):
-    """A batch that must not be trained on; the message says why."""
-
-
 @dataclass
 class Sample:
     ids: np.ndarray  # prompt + sampled ids
@@ -33,38 +29,58 @@ class Sample:
     turn: int
 
 
-def check_group(g: P.TrajectoryGroup, vocab_size: int, version: int) -> None:
+def group_defect(g: P.TrajectoryGroup, vocab_size: int) -> str:
+    """Why a group must not be trained on ("" when it may): a counted reason, never an exception."""
     for t in g.trajectories:
         if len(t.logprobs) and not np.isfinite(t.logprobs).all():
-            raise BadBatch(f"group {g.group_id}: non-finite behaviour log-probs")
+            return "nonfinite_logprobs"
         if len(t.logprobs) and t.logprobs.max() > 1e-4:
-            raise BadBatch(f"group {g.group_id}: log-probs above 0")
-        for arr, what in ((t.prompt_ids, "prompt"), (t.output_ids, "output")):
+            return "logprobs_above_zero"
+        for arr in (t.prompt_ids, t.output_ids):
             if len(arr) and (arr.min() < 0 or arr.max() >= vocab_size):
-                raise BadBatch(f"group {g.group_id}: {what} token id outside the vocabulary ({vocab_size})")
-        if len(t.versions) and t.versions.max() > version:
-            raise BadBatch(f"group {g.group_id}: tokens from version {int(t.versions.max())} > learner's {version}")
+                return "token_outside_vocabulary"
         if not np.isfinite(t.reward) or not np.isfinite(t.turn_rewards).all():
-            raise BadBatch(f"group {g.group_id}: non-finite reward")
+            return "nonfinite_reward"
+    return ""
 
 
 def build_samples(groups: list[P.TrajectoryGroup], adv_cfg: AdvantageConfig, vocab_size: int,
                   version: int) -> tuple[list[Sample], dict]:
-    """Samples with advantages; raises ``BadBatch``. Stats: groups kept, dropped for zero variance."""
+    """Samples with advantages, and what became of each group: ``stats["dropped"]`` maps a group id to the
+    reason it was left out (a defect, zero variance), ``stats["kept"]`` lists the others.
+
+    A group sampled by a policy newer than ``version`` (the learner rolled back to an older checkpoint and
+    the policy that sampled it is gone) is trained like any off-policy group: its recorded behaviour
+    log-probs carry the importance correction; its versions are taken as ``version`` (lag 0, not negative).
+    """
+    dropped: dict[str, str] = {}
+    usable = []
     for g in groups:
-        check_group(g, vocab_size, version)
+        defect = group_defect(g, vocab_size)
+        if defect:
+            dropped[g.group_id] = defect
+        else:
+            usable.append(g)
     rewards = [GroupRewards(g.task_id, [float(t.reward) for t in g.trajectories],
-                            [[float(r) for r in t.turn_rewards] for t in g.trajectories]) for g in groups]
+                            [[float(r) for r in t.turn_rewards] for t in g.trajectories]) for g in usable]
     keep = [i for i, r in enumerate(rewards) if not (adv_cfg.drop_zero_variance and zero_variance(r, adv_cfg))]
-    stats = {"groups": len(groups), "zero_variance_dropped": len(groups) - len(keep)}
+    for i in sorted(set(range(len(usable))) - set(keep)):
+        dropped[usable[i].group_id] = "zero_variance"
+    stats = {"groups": len(groups), "zero_variance_dropped": len(usable) - len(keep), "dropped": dropped,
+             "kept": [usable[i].group_id for i in keep],
+             "from_newer_policy": sum(1 for i in keep if usable[i].behavior_version_max > version)}
     if not keep:
         return [], stats
     adv = compute([rewards[i] for i in keep], adv_cfg)
-    per_traj = [turn_samples(traj, groups[gi].task_id, a_traj)
-                for gi, a in zip(keep, adv) for traj, a_traj in zip(groups[gi].trajectories, a)]
+    per_traj = [turn_samples(traj, usable[gi].task_id, a_traj)
+                for gi, a in zip(keep, adv) for traj, a_traj in zip(usable[gi].trajectories, a)]
     if adv_cfg.weighting == "trajectory":
         weigh_trajectories_equally(per_traj)
-    return [s for traj in per_traj for s in traj], stats
+    samples = [s for traj in per_traj for s in traj]
+    if stats["from_newer_policy"]:
+        for smp in samples:
+            smp.versions = np.minimum(smp.versions, version)
+    return samples, stats
 
 
 def weigh_trajectories_equally(per_traj: list[list[Sample]]) -> None:

@@ -24,11 +24,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from common import protocol as P
+from common.audit import AuditLog
 from common.metrics import MetricsWriter
 from common.model import ModelConfig, build_model, build_tokenizer, token_logprobs, torch_dtype
 from common.rundir import RunDir
 from learner import checkpoint as CK
-from learner.batch import (BadBatch, Sample, build_samples, collate, loglinear_prox, micro_batches, token_entropy,
+from learner.batch import (Sample, build_samples, collate, loglinear_prox, micro_batches, token_entropy,
                            turn_samples)
 from learner.config import LearnerConfig
 from learner.distributed import DistContext, full_state, load_full_state, padding_micro_batch, shard_model
@@ -111,36 +112,44 @@ class Trainer:
 
     # ----- RL step -------------------------------------------------------------------------------
 
-    def train_step(self, groups: list[P.TrajectoryGroup]) -> dict | None:
-        """One update from a batch of groups; None (counted) when the batch is rejected or skipped."""
+    def train_step(self, groups: list[P.TrajectoryGroup]) -> dict:
+        """One update from a batch of groups. ``outcomes`` says what became of every group: "trained" or the
+        counted reason it was dropped; ``empty`` is set when nothing was trained (the caller still advances)."""
         t0 = time.perf_counter()
-        if self.eta is not None:  # batches that waited (e.g. through an SFT phase) may have gone stale
-            fresh = [g for g in groups if self.version - g.behavior_version_min <= self.eta]
-            self._count("groups_dropped_stale", len(groups) - len(fresh))
-            groups = fresh
-        groups = [g for g in groups if g.complete]
-        try:
-            samples, stats = build_samples(groups, self.cfg.advantage, self.tokenizer.vocab_size, self.version)
-        except BadBatch as exc:
-            self._count("batches_rejected")
-            return {"rejected": str(exc)}
-        self._count("groups_zero_variance", stats["zero_variance_dropped"])
+        outcomes: dict[str, str] = {}
+        fresh = []
+        for g in groups:
+            if self.eta is not None and self.version - g.behavior_version_min > self.eta:
+                outcomes[g.group_id] = "stale"  # waited too long (e.g. through an SFT phase)
+            elif not g.complete:
+                outcomes[g.group_id] = "incomplete"
+            else:
+                fresh.append(g)
+        samples, stats = build_samples(fresh, self.cfg.advantage, self.tokenizer.vocab_size, self.version)
+        outcomes.update(stats["dropped"])
+        for reason in outcomes.values():
+            self._count(f"groups_dropped_{reason}")
+        self._count("groups_from_newer_policy", stats["from_newer_policy"])
         if not samples:
+            outcomes.update(dict.fromkeys(stats["kept"], "no_tokens"))
             self._count("batches_empty")
-            return None
+            return {"empty": "no samples", "outcomes": outcomes}
+        kept = [g for g in fresh if g.group_id in set(stats["kept"])]
         version_before = self.version  # lags are measured against the policy that starts this step
         # The draw is a function of the version: the same on every rank, and the same again after a resume.
         draw = random.Random(f"{self.cfg.anchor.seed}/{self.version}")
         anchor = draw.sample(self.anchor_samples, min(self.cfg.anchor.samples, len(self.anchor_samples)))
         out = self._update(samples, self.loss_fn, self.cfg.loss, self.cfg.updates_per_batch, anchor)
         if out is None:
-            return None
-        rewards = [float(t.reward) for g in groups for t in g.trajectories]
+            outcomes.update(dict.fromkeys(stats["kept"], "nonfinite_step"))
+            return {"empty": "non-finite step skipped", "outcomes": outcomes}
+        outcomes.update(dict.fromkeys(stats["kept"], "trained"))
+        rewards = [float(t.reward) for g in kept for t in g.trajectories]
         lags = [version_before - int(v) for s in samples for v in s.versions]
-        out.update(success_rate=sum(float(t.success) for g in groups for t in g.trajectories) / max(len(rewards), 1),
+        out.update(success_rate=sum(float(t.success) for g in kept for t in g.trajectories) / max(len(rewards), 1),
                    reward_mean=sum(rewards) / max(len(rewards), 1), max_lag=max(lags, default=0),
-                   mean_lag=sum(lags) / max(len(lags), 1), groups=len(groups), samples=len(samples),
-                   zero_variance_dropped=stats["zero_variance_dropped"],
+                   mean_lag=sum(lags) / max(len(lags), 1), groups=len(kept), samples=len(samples),
+                   zero_variance_dropped=stats["zero_variance_dropped"], outcomes=outcomes,
                    tokens_per_s=out["tokens"] / (time.perf_counter() - t0))
         return out
 
@@ -356,26 +365,35 @@ class Learner:
         self.client = LearnerBrokerClient(net, run_dir.keys, log)
         self.sender = WeightSender(weights, log) if (weights is not None and cfg.broadcast_weights) else None
         self.metrics = MetricsWriter(run_dir.metrics / "learner.jsonl")
+        self.audit = AuditLog(run_dir.audit / "learner.jsonl")
         self._stop = threading.Event()
         self._want_checkpoint = False
+        self._checkpointed = -1  # version of the last checkpoint this process wrote
         if resume:
             path = CK.latest(run_dir.checkpoints)
             if path is None:
                 log.warning("resume_without_checkpoint", dir=str(run_dir.checkpoints))
             else:
                 state = self.jobs.run("load", {"path": str(path)})
-                self.client.load_state(state.get("broker_client", {}))
+                self.client.load_state(state.get("broker_client", {}), self.trainer.version)
                 log.info("resumed", checkpoint=str(path), version=self.trainer.version,
                          phase=self.trainer.entropulse.phase)
+        # Whatever this process's predecessors settled after the checkpoint it starts from is forgotten.
+        self.audit.write("resume", v=self.trainer.version)
 
     def request_stop(self, checkpoint: bool = True) -> None:
         self._want_checkpoint = checkpoint
         self._stop.set()
 
     def checkpoint(self) -> None:
+        """Save; once durable, the groups it covers are committed to the broker (which then forgets them)."""
+        version = self.trainer.version
         path = self.jobs.run("save", {"root": str(self.run_dir.checkpoints)},
-                             extra={"broker_client": self.client.state()})
-        self.log.info("checkpoint_written", path=str(path), version=self.trainer.version)
+                             extra={"broker_client": self.client.checkpoint_state()})
+        self.audit.write("checkpoint", v=version)
+        self.client.checkpoint_durable(version)
+        self._checkpointed = version
+        self.log.info("checkpoint_written", path=str(path), version=version)
 
     def publish(self, paused: bool = False, stop: bool = False, new_weights: bool = True) -> Any:
         """Tell the broker the version and phase; returns the weight round to broadcast (or None).
@@ -417,8 +435,10 @@ class Learner:
         except RoundFailed:
             t._count("weight_rounds_failed")
 
-    def run(self) -> None:
-        """Main thread: the broker link (heartbeats, batches, Control) never stops being polled; training
+    def run(self) -> bool:
+        """True once ``total_steps`` are done; False when stopped before (a signal: resumable).
+
+        Main thread: the broker link (heartbeats, batches, Control) never stops being polled; training
         steps and weight broadcasts run one at a time on a worker thread, so a long step never makes the
         broker think the learner died."""
         import concurrent.futures as cf
@@ -474,29 +494,49 @@ class Learner:
                                                   successes), "sft"
         finally:
             if job is not None and job_kind != "broadcast":
-                job.result()  # a training step ends on its own; a round stuck on a dead peer is not waited for
+                # A training step ends on its own (a round stuck on a dead peer is not waited for); its
+                # metrics record, audit events and settlements are written like any other step's.
+                self._after_step(job_kind, job.result())
             worker.shutdown(wait=True)
-            if finished or self._want_checkpoint:
+            if (finished or self._want_checkpoint) and self._checkpointed != t.version:
                 self.checkpoint()
             if finished:
                 self.publish(stop=True)
+            # Give the broker a moment to confirm our last commits (a resumed learner would re-send them).
+            deadline = time.monotonic() + (5.0 if finished or self._want_checkpoint else 0.0)
+            while any(k.startswith("commit:") for k in c.link.outstanding) and time.monotonic() < deadline:
+                c.poll(0.1)
+            if finished:
                 c.poll(1.0)
             self.jobs.stop()
             self.close()
+        return finished
 
-    def _rl_step(self, batch: P.Batch) -> dict | None:
+    def _rl_step(self, batch: P.Batch) -> dict:
         m = self.jobs.run("rl", {"eta": self.trainer.eta}, batch)
-        if m is not None and "rejected" not in m:
+        if "empty" not in m:
             m.update(broker_max_lag=batch.max_lag, dropped_stale=batch.dropped_stale)
         return m
+
+    def _settle(self, outcomes: dict[str, str]) -> None:
+        """Record what became of a batch's groups at the version this step produced (audit and commit)."""
+        v = self.trainer.version
+        trained = [g for g, o in outcomes.items() if o == "trained"]
+        events = [("trained", {"gs": trained, "v": v})] if trained else []
+        events += [("dropped", {"g": g, "r": o, "v": v}) for g, o in outcomes.items() if o != "trained"]
+        self.audit.write_many(events)
+        self.client.settle(list(outcomes))
 
     def _after_step(self, kind: str, m: dict | None) -> bool:
         """Main thread, after a step: metrics, phase logic, Control; True when weights should go out."""
         t = self.trainer
-        if m is None or "rejected" in m:
+        outcomes = m.pop("outcomes", None) if m is not None else None
+        if m is None or "empty" in m:
             if m is not None:
-                self.log.warning("batch_rejected", reason=m["rejected"])
+                self.log.warning("step_without_update", reason=m["empty"])
             self.jobs.run("advance")
+            if outcomes:
+                self._settle(outcomes)
             self._log_step(kind, {"empty": True, "version": t.version})
             self.publish(paused=t.entropulse.phase == "sft", new_weights=False)
             self._maybe_checkpoint()
@@ -510,6 +550,8 @@ class Learner:
                 if self.cfg.entropulse.reset_reference:
                     self.jobs.run("reset_reference")
                 self.log.info("phase_change", to="rl", version=t.version)
+        if outcomes:
+            self._settle(outcomes)
         self._log_step(kind, m)
         self._maybe_checkpoint()
         return self.publish(paused=t.entropulse.phase == "sft") is not None
@@ -529,3 +571,4 @@ class Learner:
     def close(self) -> None:
         self.client.close()
         self.metrics.close()
+        self.audit.close()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import socket
+import struct
 import time
 
 import msgpack
 import numpy as np
+import pytest
 import zmq
 
 from broker.client import ActorBrokerClient, ControlSubscriber, LearnerBrokerClient
@@ -56,7 +59,11 @@ def test_end_to_end_admission_batches_and_versions(start_broker, quiet_log):
     learner.set_control(1)
     pump([actor, learner], 5, until=lambda: len(actor.tickets) == 2 and actor.version == 1)
     assert all(t.policy_version == 1 for t in actor.tickets)
-    pump([learner], 2, until=lambda: tb.broker.ledger.counters.get("groups_consumed", 0) == 4)
+    assert stat(tb, "groups_committed") == 0, "delivered is not consumed: only a durable checkpoint commits"
+    learner.settle([g.group_id for g in b0.groups + b1.groups])
+    learner.checkpoint_durable(1)
+    pump([learner], 2, until=lambda: learner.commits_confirmed == 1)
+    assert stat(tb, "groups_committed") == 4 and not tb.broker.ledger.delivered
     metrics = (tb.run_dir.metrics / "broker.jsonl").read_text()
     assert '"queue_depth"' in metrics and '"lag_hist"' in metrics
     actor.close()
@@ -141,7 +148,9 @@ def test_bad_input_counted_answered_and_broker_keeps_serving(start_broker, quiet
         [msgpack.packb({"v": 99, "type": "Hello", "role": "a", "peer_id": "x"})],
         [msgpack.packb({"v": P.PROTOCOL_VERSION, "type": "Launch", "x": 1})],
         [msgpack.packb({"v": P.PROTOCOL_VERSION, "type": "TicketRequest"})],
-        [*P.encode(P.Hello(role="a", peer_id="x", info={"blob": np.zeros(2 << 20, np.uint8)}))],
+        # Each frame under the cap (ZMQ_MAXMSGSIZE would drop the connection), the message over it.
+        [*P.encode(P.Hello(role="a", peer_id="x", info={"a": np.zeros(600_000, np.uint8),
+                                                         "b": np.zeros(600_000, np.uint8)}))],
         [*P.encode(P.BatchRequest(learner_id="x", credits=1, version=0))],  # right message, wrong socket
     ]
     for frames in bad:
@@ -248,28 +257,50 @@ def test_curve_accepts_run_keys_and_rejects_unknown_key(start_broker, quiet_log,
     plain.send_multipart(P.encode(P.Hello(role="actor", peer_id="plain")))
     assert plain.poll(1000) == 0
     take_tickets(actor, 1, expect=1)  # the legitimate actor is unaffected
+    # The Control port refuses (and counts) the stranger too.
+    sub = ctx.socket(zmq.SUB)
+    sub.linger = 0
+    Security(ctx, forged).client(sub)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(tb.net.tcp(tb.net.broker_control_port))
+    assert sub.poll(1500) == 0
+    pump([actor], 5, until=lambda: stat(tb, "rejected_auth_control") >= 1)
+    # Secret keys were created private: no moment where another user could read them.
+    for f in (keys_dir / "server.key_secret", keys_dir / "client.key_secret"):
+        assert f.stat().st_mode & 0o077 == 0, oct(f.stat().st_mode)
+    assert keys_dir.stat().st_mode & 0o077 == 0
     s.close()
+    sub.close()
     plain.close()
     ctx.term()
     actor.close()
 
 
-def test_learner_reconnect_requeues_and_dedupes(start_broker, quiet_log):
+def test_learner_restart_gets_uncommitted_groups_again_and_never_committed_ones(start_broker, quiet_log):
     tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=3))
     actor, learner = clients(tb, quiet_log)
-    for t in take_tickets(actor, 2, expect=2):
+    for t in take_tickets(actor, 3, expect=3):
         actor.submit(make_group(t))
-    pump([actor], 5, until=lambda: len(actor.acks) == 2)
-    learner.grant(1)
-    first = learner.next_batch(5)
-    # A new learner connection with the same identity (after a crash) gets what was unacked, never twice.
-    learner2 = LearnerBrokerClient(tb.net, None, quiet_log)
-    learner2.load_state(learner.state())
+    pump([actor], 5, until=lambda: len(actor.acks) == 3)
+    learner.grant(2)
+    first, second = learner.next_batch(5), learner.next_batch(5)
+    learner.settle([g.group_id for g in first.groups])  # trained and checkpointed
+    saved = learner.checkpoint_state()
+    learner.checkpoint_durable(1)
+    pump([learner], 5, until=lambda: learner.commits_confirmed == 1)
+    learner.settle([g.group_id for g in second.groups])  # trained, then the learner died before a checkpoint
     learner.close()
+    # The restarted learner (same identity, state of its checkpoint) gets the second group and the third.
+    learner2 = LearnerBrokerClient(tb.net, None, quiet_log, learner_id=learner.learner_id)
+    learner2.load_state(saved, 1)
     learner2.connect(5)
-    learner2.grant(1)
-    second = learner2.next_batch(5)
-    assert second is not None and second.groups[0].group_id != first.groups[0].group_id
+    learner2.grant(3)
+    got = []
+    for _ in range(2):
+        b = learner2.next_batch(5)
+        got += [g.group_id for g in b.groups]
+    assert second.groups[0].group_id in got and first.groups[0].group_id not in got and len(set(got)) == 2
+    assert learner2.next_batch(0.5) is None
     actor.close()
     learner2.close()
 
@@ -337,3 +368,127 @@ def test_stale_drops_while_no_batch_forms_are_reported_on_the_next_batch(start_b
     assert batch is not None and batch.dropped_stale == 1, "the learner hears of every stale drop"
     actor.close()
     learner.close()
+
+
+def _nested_embeds(depth: int) -> list:
+    """A Batch whose group is a Batch whose group is ... ``depth`` levels of embedded messages."""
+    header = msgpack.packb({"v": P.PROTOCOL_VERSION, "type": "Batch", "batch_id": "b", "train_version": 0,
+                            "groups": []})
+    for _ in range(depth):
+        header = msgpack.packb({"v": P.PROTOCOL_VERSION, "type": "Batch", "batch_id": "b", "train_version": 0,
+                                "groups": [{"__msg__": header, "start": 1, "count": 0}]})
+    return [header]
+
+
+def _deep_map(depth: int) -> dict:
+    inner: dict = {}
+    for _ in range(depth):
+        inner = {"k": inner}
+    return inner
+
+
+FUZZ = {
+    "dtype as a list": (lambda: [msgpack.packb({"v": P.PROTOCOL_VERSION, "type": "Hello", "role": "a", "peer_id": "x",
+                                                "info": {"a": {"__nd__": 1, "dtype": ["int8"], "shape": [1],
+                                                               "data": b"x"}}})], "bad_dtype"),
+    "shape [0, 2**63]": (lambda: [msgpack.packb({"v": P.PROTOCOL_VERSION, "type": "Hello", "role": "a",
+                                                 "peer_id": "x", "info": {"a": {"__nd__": 1, "dtype": "int8",
+                                                                                "shape": [0, 2 ** 63], "data": b""}}})],
+                         "bad_shape"),
+    "70 dimensions": (lambda: [msgpack.packb({"v": P.PROTOCOL_VERSION, "type": "Hello", "role": "a", "peer_id": "x",
+                                              "info": {"a": {"__nd__": 1, "dtype": "int8", "shape": [1] * 70,
+                                                             "data": b"x"}}})], "bad_shape"),
+    "900-deep map": (lambda: [msgpack.packb({"v": P.PROTOCOL_VERSION, "type": "Hello", "role": "a", "peer_id": "x",
+                                             "info": _deep_map(900)})], "too_deep"),
+    "400 nested embedded messages": (lambda: _nested_embeds(400), "too_deep"),
+}
+
+
+def test_fuzz_cases_each_get_an_error_reply_and_a_count(start_broker, quiet_log):
+    tb = start_broker()
+    s = _raw_dealer(tb)
+    for name, (frames, code) in FUZZ.items():
+        s.send_multipart(frames())
+        assert s.poll(5000), name
+        reply = P.decode(s.recv_multipart())
+        assert isinstance(reply, P.Error) and reply.code == code, (name, reply)
+    assert stat(tb, "rejected_bad_dtype") == 1 and stat(tb, "rejected_bad_shape") == 2
+    assert stat(tb, "rejected_too_deep") == 2 and stat(tb, "internal_errors") == 0
+    s.close()
+
+
+def test_a_burst_of_bad_messages_on_one_socket_does_not_starve_the_other(start_broker, quiet_log):
+    tb = start_broker()
+    _, learner = clients(tb, quiet_log)
+    s = _raw_dealer(tb)
+    for _ in range(300):
+        s.send_multipart(_nested_embeds(400))
+    t0 = time.monotonic()
+    learner.set_control(7)
+    pump([learner], 10, until=lambda: bool(learner.controls))
+    answered = time.monotonic() - t0
+    assert answered < 2.0, f"the learner waited {answered:.1f} s behind a burst on the actor socket"
+    pump([learner], 20, until=lambda: stat(tb, "rejected_too_deep") == 300)
+    s.close()
+    learner.close()
+
+
+def _zmtp_null_dealer(port: int) -> socket.socket:
+    """A raw TCP peer speaking ZMTP 3.0 (NULL mechanism) up to its first message frame."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=5)
+    greeting = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31)
+    conn.sendall(greeting)
+    prop = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    body = b"\x05READY" + prop
+    conn.sendall(b"\x04" + bytes([len(body)]) + body)
+    got = b""
+    while len(got) < 64 + 2:  # their greeting and the start of their READY
+        chunk = conn.recv(4096)
+        assert chunk, "the server closed during the handshake"
+        got += chunk
+    return conn
+
+
+def test_a_2gib_frame_is_refused_before_it_is_buffered(start_broker, quiet_log):
+    """ZMQ_MAXMSGSIZE from net.max_message_bytes: the frame header alone gets the peer disconnected."""
+    tb = start_broker(net=make_net(max_message_bytes=1 << 20))
+    rss0 = _rss_bytes()
+    conn = _zmtp_null_dealer(tb.net.broker_front_port)
+    conn.sendall(b"\x02" + struct.pack(">Q", 2 << 30))  # a long frame of 2 GiB is announced
+    chunk = bytes(1 << 20)
+    sent = 0
+    with pytest.raises(OSError):  # reset or broken pipe long before 2 GiB went through
+        for _ in range(2048):
+            conn.sendall(chunk)
+            sent += len(chunk)
+    conn.close()
+    assert sent < 256 << 20, f"{sent >> 20} MiB were accepted before the refusal"
+    assert _rss_bytes() - rss0 < 128 << 20
+    actor, _ = clients(tb, quiet_log)  # still serving
+    actor.close()
+
+
+def _rss_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_repeated_rejections_are_logged_once_per_interval_with_the_count():
+    from common.net import RateLimitedLog
+
+    calls = []
+
+    class Log:
+        def warning(self, event, **kw):
+            calls.append((event, kw))
+
+    rl = RateLimitedLog(Log(), interval_s=0.2)
+    for _ in range(100):
+        rl.warning("message_rejected", ("too_deep", b"peer"), reason="too_deep")
+    rl.warning("message_rejected", ("bad_shape", b"peer"), reason="bad_shape")  # another key: its own line
+    assert len(calls) == 2
+    time.sleep(0.25)
+    rl.warning("message_rejected", ("too_deep", b"peer"), reason="too_deep")
+    assert calls[-1][1]["suppressed_since_last"] == 99

@@ -54,7 +54,9 @@ def test_kill9_restart_no_acked_group_lost_none_delivered_twice(tmp_path, quiet_
     learner.grant(2)
     for _ in range(2):
         delivered += [g.group_id for g in learner.next_batch(10).groups]
-    pump([learner], 5, until=lambda: not any(k.startswith("batchack:") for k in learner.link.outstanding))
+    learner.settle(delivered)  # trained, and a checkpoint covering them is durable: committed
+    learner.checkpoint_durable(2)
+    pump([learner], 5, until=lambda: learner.commits_confirmed == 1)
 
     submit(6)  # in flight when the broker dies: some acked, some not
     acked_before_kill = {a.group_id for a in actor.acks}

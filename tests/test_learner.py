@@ -70,24 +70,31 @@ def test_rl_steps_move_probability_towards_rewarded_answers():
     assert m["max_lag"] == 0 and m["is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
 
 
-def test_bad_batches_are_rejected_and_nonfinite_steps_skipped():
+def test_bad_groups_dropped_one_by_one_and_nonfinite_steps_skipped():
     t = Trainer(LearnerConfig(), TINY)
     groups = groups_from(t)
     groups[0].trajectories[0].logprobs[0] = np.nan
-    assert "non-finite" in t.train_step(groups)["rejected"]
-    groups = groups_from(t, version=3)  # tokens from the future
-    assert "version" in t.train_step(groups)["rejected"]
-    assert t.counters["batches_rejected"] == 2 and t.version == 0
+    m = t.train_step(groups)
+    assert m["outcomes"] == {groups[0].group_id: "nonfinite_logprobs", groups[1].group_id: "trained"}
+    assert m["groups"] == 1 and t.version == 1 and t.counters["groups_dropped_nonfinite_logprobs"] == 1
+    # Sampled by a policy newer than the learner's (it rolled back): trained on its recorded log-probs.
+    newer = groups_from(t, version=3)
+    m = t.train_step(newer)
+    assert set(m["outcomes"].values()) == {"trained"} and t.version == 2
+    assert t.counters["groups_from_newer_policy"] == 2 and m["max_lag"] == 0
     t2 = Trainer(dataclasses.replace(LearnerConfig(), loss=LossConfig(name="tests.test_learner:nan_loss")), TINY)
     before = [p.clone() for p in t2.model.parameters()]
-    assert t2.train_step(groups_from(t2)) is None
+    m = t2.train_step(groups_from(t2))
+    assert m["empty"] and set(m["outcomes"].values()) == {"nonfinite_step"}
     assert t2.counters["steps_skipped_nonfinite"] == 1 and t2.version == 0
     assert all(torch.equal(a, b) for a, b in zip(before, t2.model.parameters()))
     same = groups_from(t)
     for tr in same[0].trajectories + same[1].trajectories:
         tr.reward = 1.0
         tr.turn_rewards[:] = 1.0
-    assert t.train_step(same) is None and t.counters["groups_zero_variance"] == 2
+    m = t.train_step(same)
+    assert m["empty"] and set(m["outcomes"].values()) == {"zero_variance"}
+    assert t.counters["groups_dropped_zero_variance"] == 2
 
 
 def test_incomplete_groups_are_never_trained_on():
@@ -96,7 +103,9 @@ def test_incomplete_groups_are_never_trained_on():
     broken = dataclasses.replace(broken, complete=False)
     m = t.train_step([complete, broken])
     assert m["groups"] == 1 and m["samples"] == len(complete.trajectories)
-    assert t.train_step([dataclasses.replace(complete, complete=False)]) is None and t.version == 1
+    assert m["outcomes"][broken.group_id] == "incomplete"
+    m = t.train_step([dataclasses.replace(complete, complete=False)])
+    assert m["empty"] and t.version == 1
 
 
 def nan_loss(inp, cfg):

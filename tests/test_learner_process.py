@@ -12,6 +12,7 @@ import time
 import pytest
 
 from broker.client import ActorBrokerClient
+from launch.local import EXIT_RESUMABLE
 from tests.conftest import REPO, broker_process, make_net
 
 pytestmark = pytest.mark.slow
@@ -64,7 +65,8 @@ def test_sigterm_checkpoints_and_resume_continues_versions(tmp_path, quiet_log):
         actor.connect(60)
         _feed_until(actor, lambda: actor.version >= 3)
         learner.send_signal(signal.SIGTERM)
-        assert learner.wait(60) == 0, learner.stderr.read().decode()[-2000:]
+        # Stopped before its total_steps: a clean, resumable exit (EX_TEMPFAIL), not "finished".
+        assert learner.wait(60) == EXIT_RESUMABLE, learner.stderr.read().decode()[-2000:]
         ck = run_dir / "checkpoints"
         saved = json.loads((ck / (ck / "latest").read_text() / "state.json").read_text())["version"]
         assert saved >= 3

@@ -86,18 +86,33 @@ def test_reclaim_by_holder_and_by_lease():
     assert led.settle(a.ticket_id) is None and led.counters["groups_without_running_ticket"] == 1
 
 
-def test_requeue_unacked_batches_after_learner_loss():
+def test_uncommitted_groups_requeued_after_learner_loss():
     led = Ledger(groups_per_batch=2, eta=5)
     for i in range(4):
         led.enqueue(q(i, 0), order=i)
     b1, _ = led.take_batch(b"L")
     b2, _ = led.take_batch(b"L")
-    led.ack_batch(b1.batch_id)
-    lost = led.requeue_unacked(holder=b"L")
-    assert [b.batch_id for b in lost] == [b2.batch_id]
-    assert len(led.queue) == 2 and led.next_train_version() == 1
+    found, unknown = led.commit(["g0", "g1", "g2", "nope"])  # a checkpoint covered b1 and half of b2
+    assert [g.group_id for g in found] == ["g0", "g1", "g2"] and unknown == 1
+    assert b1.batch_id not in led.delivered and b2.batch_id in led.delivered
+    back = led.requeue_delivered(holder=b"L")
+    assert [g.group_id for g in back] == ["g3"]
+    assert len(led.queue) == 1 and not led.delivered and not led.delivered_group
+    led.enqueue(q(4, 0), order=4)
     again, _ = led.take_batch(b"L2")
-    assert [g.group_id for g in again.groups] == ["g2", "g3"] and again.train_version == 1
+    assert [g.group_id for g in again.groups] == ["g3", "g4"]
+
+
+def test_commit_takes_a_requeued_group_out_of_the_queue():
+    """After a broker restart a group the learner trained is queued again; its Commit removes it."""
+    led = Ledger(groups_per_batch=2, eta=5)
+    for i in range(3):
+        led.enqueue(q(i, 0), order=i)
+    found, _ = led.commit(["g1"])
+    assert [g.group_id for g in found] == ["g1"] and len(led.queue) == 2
+    batch, _ = led.take_batch(b"L")
+    assert [g.group_id for g in batch.groups] == ["g0", "g2"]
+    assert led.queue.newest_first() == []
 
 
 def test_task_sampler_deterministic_and_reissues_first():

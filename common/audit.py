@@ -1,0 +1,200 @@
+"""The group audit trail: lifecycle events of every trajectory group, appended by the broker and the learner
+to ``<run>/audit/<role>.jsonl``, and ``reconcile``, which answers "was any acked group lost or trained twice?".
+
+One JSON object per line, short keys: ``e`` event, ``t`` unix time, ``g`` one group id or ``gs`` several,
+``r`` reason, ``v`` the learner version the event happened at. Lines go to the file with one ``write`` each
+(O_APPEND), so a ``kill -9`` leaves every line written before it and at most a torn last line, which the
+reader skips. The files are only appended to; restarts append to the same files.
+
+Broker events: ``start`` (restart count, groups recovered from the spill log), ``acked`` (group durable and
+acknowledged: task, actor, behaviour versions), ``recovered`` (groups found in the spill log at start: they
+were durable, so acked or about to be), ``dropped`` (a counted reason: stale, incomplete, zero_variance),
+``delivered`` (in batch ``b`` for train version ``v``), ``requeued`` (the learner restarted before committing
+them), ``consumed`` (a learner Commit made them leave the broker for good).
+
+Learner events: ``resume`` (the checkpoint version it continues from, 0 for a fresh start), ``trained``
+(groups used by the step that produced version ``v``), ``dropped`` (by the learner, with a reason),
+``checkpoint`` (version ``v`` is durable: it covers every settlement at or below ``v``).
+
+Exactly-once, as ``reconcile`` checks it: a learner settlement counts only once a checkpoint covers it; a
+``resume`` from version ``v`` keeps the settlements at or below ``v`` and discards the rest (the learner
+rolled back and forgot them). Every acked group must then be trained exactly once, dropped with a
+reason, or still waiting in the broker's spill log (the run stopped before its turn came).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+
+class AuditLog:
+    """Appends events for one role; ``None`` path makes every call a no-op (auditing is off)."""
+
+    def __init__(self, path: str | Path | None):
+        self.path = Path(path) if path is not None else None
+        self._fd: int | None = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, event: str, **fields: Any) -> None:
+        self.write_many([(event, fields)])
+
+    def write_many(self, events: Iterable[tuple[str, dict]]) -> None:
+        """Several events in one ``write`` (a kill leaves all of them or none but a torn tail)."""
+        if self._fd is None:
+            return
+        now = round(time.time(), 3)
+        data = "".join(json.dumps({"e": e, "t": now, **f}, separators=(",", ":")) + "\n" for e, f in events)
+        if data:
+            view = memoryview(data.encode())
+            while view:
+                view = view[os.write(self._fd, view):]
+
+    def sync(self) -> None:
+        if self._fd is not None:
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def read_events(path: Path) -> Iterator[dict]:
+    """Events of one file in order; a torn or garbled line is skipped."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        for line in f:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(ev, dict) and "e" in ev:
+                yield ev
+
+
+def _ids(ev: dict) -> list[str]:
+    return ev["gs"] if "gs" in ev else [ev["g"]] if "g" in ev else []
+
+
+@dataclass
+class Reconciliation:
+    acked: int = 0
+    trained_once: int = 0
+    trained_twice: list[str] = field(default_factory=list)
+    dropped: collections.Counter = field(default_factory=collections.Counter)
+    queued: int = 0
+    lost: list[str] = field(default_factory=list)
+    rolled_back: int = 0
+    """learner settlements discarded by a resume (their groups were delivered again)"""
+    unrecorded: list[str] = field(default_factory=list)
+    """trained though no ack or recovery was ever recorded: a gap in the trail itself"""
+    learner_resumes: int = 0
+    broker_starts: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.lost and not self.trained_twice and not self.unrecorded
+
+    def as_dict(self) -> dict:
+        return {"acked": self.acked, "trained_once": self.trained_once, "trained_twice": len(self.trained_twice),
+                "dropped": dict(self.dropped), "dropped_total": sum(self.dropped.values()), "queued": self.queued,
+                "lost": len(self.lost), "unrecorded": len(self.unrecorded), "rolled_back_settlements": self.rolled_back,
+                "learner_resumes": self.learner_resumes, "broker_starts": self.broker_starts,
+                "lost_ids": self.lost[:20], "trained_twice_ids": self.trained_twice[:20], "ok": self.ok}
+
+    def table(self) -> str:
+        rows = [("acked groups", self.acked), ("trained once", self.trained_once)]
+        rows += [(f"dropped: {r}", n) for r, n in sorted(self.dropped.items())]
+        rows += [("queued at the broker (not yet trained)", self.queued),
+                 ("LOST", len(self.lost)), ("TRAINED TWICE", len(self.trained_twice)),
+                 ("trained without an ack record", len(self.unrecorded)),
+                 ("learner settlements rolled back", self.rolled_back), ("learner resumes", self.learner_resumes),
+                 ("broker starts", self.broker_starts)]
+        width = max(len(r[0]) for r in rows)
+        out = [f"{name:<{width}}  {n:>7}" for name, n in rows]
+        if self.lost:
+            out.append("lost: " + ", ".join(self.lost[:10]) + (" ..." if len(self.lost) > 10 else ""))
+        if self.trained_twice:
+            out.append("trained twice: " + ", ".join(self.trained_twice[:10]))
+        return "\n".join(out)
+
+
+def learner_settlements(events: Iterable[dict]) -> tuple[list[tuple[str, str]], int, int]:
+    """The durable settlements of a learner's event stream: ([(group, "trained" | reason)], discarded, resumes)."""
+    durable: list[tuple[str, str]] = []
+    pending: list[tuple[int, str, str]] = []  # (version, group, outcome) not yet covered by a checkpoint
+    discarded = resumes = 0
+    for ev in events:
+        e = ev["e"]
+        if e in ("trained", "dropped"):
+            outcome = "trained" if e == "trained" else str(ev.get("r", "?"))
+            pending.extend((int(ev.get("v", 0)), g, outcome) for g in _ids(ev))
+        elif e in ("checkpoint", "resume"):
+            v = int(ev.get("v", 0))
+            durable.extend((g, o) for pv, g, o in pending if pv <= v)
+            later = [p for p in pending if p[0] > v]
+            if e == "resume":
+                resumes += 1
+                discarded += len(later)
+                pending = []
+            else:
+                pending = later
+    return durable, discarded, resumes
+
+
+def reconcile(run_dir: str | Path) -> Reconciliation:
+    """Every acked group's fate from the run's audit files and its broker spill log."""
+    from broker.spill import SpillLog
+
+    root = Path(run_dir)
+    out = Reconciliation()
+    acked: set[str] = set()
+    broker_drop: dict[str, str] = {}
+    for ev in read_events(root / "audit" / "broker.jsonl"):
+        e = ev["e"]
+        if e in ("acked", "recovered"):
+            acked.update(_ids(ev))
+        elif e == "dropped":
+            for g in _ids(ev):
+                acked.add(g)
+                broker_drop.setdefault(g, str(ev.get("r", "?")))
+        elif e == "start":
+            out.broker_starts += 1
+    durable, out.rolled_back, out.learner_resumes = learner_settlements(read_events(root / "audit" / "learner.jsonl"))
+    trained: collections.Counter = collections.Counter()
+    learner_drop: dict[str, str] = {}
+    for g, outcome in durable:
+        if outcome == "trained":
+            trained[g] += 1
+        else:
+            learner_drop.setdefault(g, outcome)
+    spill_dir = root / "spill"
+    waiting = {g for g, _ in SpillLog.scan(spill_dir).groups} if spill_dir.is_dir() else set()
+    out.acked = len(acked)
+    for g in sorted(acked):
+        n = trained.get(g, 0)
+        if n >= 2 or (n == 1 and g in learner_drop):
+            out.trained_twice.append(g)
+        elif n == 1:
+            out.trained_once += 1
+        elif g in learner_drop:
+            out.dropped[learner_drop[g]] += 1
+        elif g in broker_drop:
+            out.dropped[broker_drop[g]] += 1
+        elif g in waiting:
+            out.queued += 1
+        else:
+            out.lost.append(g)
+    out.unrecorded = sorted(set(trained) - acked)
+    return out
