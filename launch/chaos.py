@@ -34,6 +34,7 @@ class Kill:
     signal: int
     killed_at: float = 0.0
     pid: int = 0
+    rank: str = "0"
     metrics_pos: int = 0
     role_back_s: float | None = None
     training_back_s: float | None = None
@@ -48,19 +49,23 @@ class ChaosResult:
 
 
 def schedule(seed: int, steps: int, kills: int, sigterm_share: float = 0.25) -> list[Kill]:
-    """``kills`` kills spread over steps 1 .. steps-2; every role is hit before any is hit twice."""
+    """``kills`` kills at random steps in 1 .. steps-2. Every role gets a SIGKILL before any role is hit
+    twice; later hits are SIGTERM with probability ``sigterm_share``."""
     rng = random.Random(seed)
     roles: list[str] = []
     while len(roles) < kills:
         roles += rng.sample(ROLES, len(ROLES))
-    roles = roles[:kills]
-    last = max(1, steps - 2)
-    at = sorted(rng.randint(1, last) for _ in range(kills))
-    return [Kill(s, r, signal.SIGTERM if rng.random() < sigterm_share else signal.SIGKILL) for s, r in zip(at, roles)]
+    sigs = [signal.SIGKILL if i < len(ROLES) or rng.random() >= sigterm_share else signal.SIGTERM
+            for i in range(kills)]
+    plan = list(zip(roles[:kills], sigs))
+    rng.shuffle(plan)
+    at = sorted(rng.randint(1, max(1, steps - 2)) for _ in range(kills))
+    return [Kill(s, r, sig) for s, (r, sig) in zip(at, plan)]
 
 
-def role_pids(run_dir: Path, role: str) -> list[int]:
-    """Processes of ``role`` in this run (their command line: ``launch.cli <role> ... --run-dir <run_dir>``)."""
+def role_pids(run_dir: Path, role: str, rank: str | None = None) -> list[int]:
+    """Processes of ``role`` in this run (their command line: ``launch.cli <role> ... --run-dir <run_dir>``),
+    of one ``--rank`` if given."""
     name = role.replace("_", "-")
     out = []
     for proc in Path("/proc").iterdir():
@@ -71,8 +76,13 @@ def role_pids(run_dir: Path, role: str) -> list[int]:
         except OSError:
             continue
         if "launch.cli" in argv and name in argv[argv.index("launch.cli"):] and str(run_dir) in argv:
-            out.append(int(proc.name))
+            if rank is None or _rank(argv) == rank:
+                out.append(int(proc.name))
     return out
+
+
+def _rank(argv: list[str]) -> str:
+    return argv[argv.index("--rank") + 1] if "--rank" in argv[:-1] else "0"
 
 
 def _learner_steps(path: Path) -> list[tuple[float, int]]:
@@ -125,6 +135,10 @@ def run_chaos(config: str, run_dir: Path, steps: int, kills: list[Kill], overrid
                 if not pids:
                     continue  # restarting right now: this kill lands on nothing; keep the schedule moving
                 k.pid = pids[0] if k.role != "actor" else random.Random(k.step).choice(pids)
+                try:
+                    k.rank = _rank((Path("/proc") / str(k.pid) / "cmdline").read_bytes().decode().split("\0"))
+                except OSError:
+                    continue  # it exited just now
                 k.killed_at = time.monotonic()
                 k.metrics_pos = records[-1][0] if records else 0
                 os.kill(k.pid, k.signal)
@@ -133,7 +147,7 @@ def run_chaos(config: str, run_dir: Path, steps: int, kills: list[Kill], overrid
                 watching.append(k)
             now = time.monotonic()
             for k in list(watching):
-                if k.role_back_s is None and any(p != k.pid for p in role_pids(run_dir, k.role)):
+                if k.role_back_s is None and any(p != k.pid for p in role_pids(run_dir, k.role, k.rank)):
                     k.role_back_s = round(now - k.killed_at, 2)
                 if k.training_back_s is None and records and records[-1][0] > k.metrics_pos:
                     k.training_back_s = round(now - k.killed_at, 2)

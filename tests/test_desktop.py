@@ -5,6 +5,7 @@ is detected and its desktop rebuilt while the env_server keeps serving."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
@@ -36,6 +37,59 @@ needs_desktop = pytest.mark.skipif(bool(MISSING), reason=f"Debian packages missi
 
 
 # ----- no packages needed -------------------------------------------------------------------------------------
+
+
+def test_the_verifiers_copy_leaves_out_links_devices_fifos_and_oversized_files(tmp_path):
+    from env_server.desktop import homefs
+
+    secret = tmp_path / "host-secret.txt"
+    secret.write_text("the cat sat on the mat\n")
+    home = tmp_path / "home"
+    (home / "Documents").mkdir(parents=True)
+    (home / "Documents" / "plain.txt").write_text("hello\n")
+    (home / "Documents" / "notes1.txt").symlink_to(secret)  # would pass editor_new_file's verifier
+    (home / "zero").symlink_to("/dev/zero")  # would run a reader out of memory
+    (home / "Desktop").symlink_to(tmp_path)  # a folder link out of the home
+    os.mkfifo(home / "pipe")  # would block an open
+    (home / "big.bin").write_bytes(bytes(2048))
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    report = homefs.snapshot(home, copy, homefs.SnapshotLimits(max_file_bytes=1024))
+    assert sorted(str(p.relative_to(copy)) for p in copy.rglob("*")) == ["Documents", "Documents/plain.txt"]
+    assert report.skipped == {"link": 3, "special_file": 1, "too_large": 1}
+    task = T.DesktopTask("desk:editor_new_file/0", "editor_new_file", "", {"name": "notes1.txt",
+                                                                            "text": "the cat sat on the mat"}, 5)
+    assert T.verify(home, task), "the raw home would have fooled the verifier"
+    assert not T.verify(copy, task)
+
+
+def test_a_reset_never_writes_through_a_planted_link_and_hands_the_home_back(tmp_path):
+    from env_server.desktop import homefs
+
+    host_dir = tmp_path / "host"
+    host_dir.mkdir()
+    (host_dir / "keep.txt").write_text("host file\n")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "Documents").symlink_to(host_dir)  # planted: the next task writes Documents/...
+    (home / "old").mkdir()
+    (home / "old" / "link").symlink_to(host_dir / "keep.txt")
+    staged = tmp_path / "staged"
+    (staged / "Documents").mkdir(parents=True)
+    (staged / "Documents" / "keep.txt").write_text("task file\n")
+    (staged / "top.txt").write_text("x\n")
+    owner = 65534 if os.geteuid() == 0 else None
+    homefs.refill(home, staged, owner)
+    assert (host_dir / "keep.txt").read_text() == "host file\n" and sorted(os.listdir(host_dir)) == ["keep.txt"]
+    assert not (home / "Documents").is_symlink() and (home / "Documents" / "keep.txt").read_text() == "task file\n"
+    assert sorted(os.listdir(home)) == ["Documents", "top.txt"]
+    if owner is not None:
+        assert {p.lstat().st_uid for p in [home, *home.rglob("*")]} == {owner}
+    # The home itself a link: refused, nothing written anywhere.
+    (tmp_path / "home2").symlink_to(host_dir)
+    with pytest.raises(homefs.HomeError):
+        homefs.refill(tmp_path / "home2", staged, owner)
+    assert sorted(os.listdir(host_dir)) == ["keep.txt"]
 
 
 def test_api_calls_bind_by_position_and_keyword_and_reject_what_does_not_fit():
@@ -269,6 +323,44 @@ def test_the_sandbox_confines_writes_to_its_home_and_has_no_network(desktop, tmp
     assert "CONNECTED" not in out.stdout, out.stdout
     assert out.stdout.count("blocked") == 3, out.stdout + out.stderr
     assert "HOST_REPO_VISIBLE False" in out.stdout
+
+
+@pytest.mark.slow
+@needs_desktop
+def test_links_planted_in_a_real_desktops_home_are_refused_by_verifier_and_reset(desktop):
+    backend = desktop()
+    backend.reset("desk:editor_new_file/0")
+    p = backend.task.params
+    host = Path(tempfile.mkdtemp(prefix="computerrl-host-"))
+    try:
+        (host / "answer.txt").write_text(p["text"] + "\n")
+        target = backend.spec.home / "Documents" / p["name"]
+        target.symlink_to(host / "answer.txt")  # the right content, but a host file
+        assert backend.evaluate()["success"] is False and backend.home_skipped == {"link": 1}
+        target.unlink()
+        target.symlink_to("/dev/zero")
+        t0 = time.monotonic()
+        assert backend.evaluate()["success"] is False and time.monotonic() - t0 < 30
+        # A folder link where the next task writes its files: the reset replaces it, writing nothing through it.
+        shutil.rmtree(backend.spec.home / "Documents")
+        (backend.spec.home / "Documents").symlink_to(host)
+        backend.reset("desk:editor_new_file/1")
+        assert os.listdir(host) == ["answer.txt"]
+        assert (backend.spec.home / "Documents").is_dir() and not (backend.spec.home / "Documents").is_symlink()
+    finally:
+        shutil.rmtree(host, ignore_errors=True)
+
+
+@pytest.mark.slow
+@needs_desktop
+def test_a_sandbox_that_cannot_start_says_why(desktop, work_dir):
+    broken = work_dir / "bwrap"  # what a host without user namespaces looks like
+    broken.write_text("#!/bin/sh\necho 'bwrap: No permissions to creating new namespace' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    backend = desktop()
+    backend.sandbox.bwrap = str(broken)
+    with pytest.raises(BackendError, match="(?s)exited before its agent was ready.*No permissions to creating"):
+        backend.reset("desk:editor_new_file/0")
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from env_server.actions import Action, ActionError
 from env_server.backend import Backend, BackendError, StepResult
-from env_server.desktop import apis
+from env_server.desktop import apis, homefs
 from env_server.desktop import tasks as T
 from env_server.desktop.sandbox import (AgentActionError, AgentClient, ApptainerSandbox, BwrapSandbox, SandboxSpec,
                                         require_packages)
@@ -121,6 +121,7 @@ class RealDesktopBackend(Backend):
         self.app_info = ""
         self._window_changed = False
         self.restarts = 0  # sandboxes rebuilt by a reset because the desktop had failed
+        self.home_skipped: dict[str, int] = {}  # what the last verification's copy left out (links, devices)
 
     # -- subclass hooks
     def _make_sandbox(self):
@@ -144,7 +145,11 @@ class RealDesktopBackend(Backend):
         if self.spec.socket.exists():
             self.spec.socket.unlink()
         self.sandbox.start()
-        self.agent.connect(time.monotonic() + self.cfg.start_timeout_s, self.sandbox.alive)
+        try:
+            self.agent.connect(time.monotonic() + self.cfg.start_timeout_s, self.sandbox.alive)
+        except BackendError as exc:  # say why: the sandbox's own last words
+            tail = self.sandbox.log_tail()
+            raise BackendError(f"{exc}; the sandbox's output ends:\n{tail}" if tail else str(exc)) from None
         self.agent.call("ping", timeout_s=self.cfg.start_timeout_s)
 
     def _call(self, op: str, **args):
@@ -162,15 +167,19 @@ class RealDesktopBackend(Backend):
             self.restarts += 1
             self._start_fresh()
             self.agent.call("close_apps")
-        for child in self.spec.home.iterdir():
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child)
-            else:
-                child.unlink()
-        if self.cfg.home_template:
-            shutil.copytree(self.cfg.home_template, self.spec.home, symlinks=True, dirs_exist_ok=True)
-        opens = T.prepare_home(self.spec.home, task)
-        self.sandbox.own(self.spec.home)
+        # The task's files are written where the desktop cannot reach, then copied into its home without
+        # following anything it planted there (homefs).
+        staged = Path(tempfile.mkdtemp(prefix="home-", dir=self.root))  # root's 0700 folder: not the desktop's
+        try:
+            if self.cfg.home_template:
+                shutil.copytree(self.cfg.home_template, staged, symlinks=True, dirs_exist_ok=True)
+            opens = T.prepare_home(staged, task)
+            try:
+                homefs.refill(self.spec.home, staged, self.sandbox.owner)
+            except OSError as exc:  # a link planted where the reset walks, or a race with the desktop
+                raise BackendError(f"the desktop's home could not be reset safely: {exc}") from None
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
         for app, path in opens:
             try:
                 self.agent.call("launch", timeout_s=self.cfg.start_timeout_s + 5, app=app, path=path,
@@ -196,7 +205,17 @@ class RealDesktopBackend(Backend):
         if self.task is None:
             raise ActionError("no episode to evaluate")
         time.sleep(self.cfg.verify_settle_s)
-        success = T.verify(self.spec.home, self.task)
+        # The verifier reads a copy of the home's plain files: nothing it opens is the desktop's to swap.
+        copy = Path(tempfile.mkdtemp(prefix="verify-", dir=self.root))
+        try:
+            try:
+                report = homefs.snapshot(self.spec.home, copy)
+            except OSError as exc:
+                raise BackendError(f"the desktop's home could not be read safely: {exc}") from None
+            success = T.verify(copy, self.task)
+        finally:
+            shutil.rmtree(copy, ignore_errors=True)
+        self.home_skipped = report.skipped
         return {"reward": 1.0 if success else 0.0, "success": success, "family": self.task.family,
                 "steps": self.steps, "format_errors": self.format_errors, "outcome": self.outcome}
 

@@ -206,8 +206,21 @@ class Sandbox:
         self.proc: subprocess.Popen | None = None
         self.log_path = spec.root / "desktop.log"
 
+    owner: int | None = None
+    """host uid the desktop runs as when it is not this process's (root dropping to nobody), else None"""
+
     def own(self, path: Path) -> None:
         """Make a host folder writable by the sandbox's user: it already is, unless the sandbox drops root."""
+
+    def log_tail(self, max_bytes: int = 2000) -> str:
+        """The end of the sandbox's own output (bwrap's or apptainer's errors, the agent's traceback)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - max_bytes))
+                return f.read().decode(errors="replace").strip()
+        except OSError:
+            return ""
 
     def _spawn(self, argv: list[str], log) -> None:
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
@@ -246,6 +259,7 @@ class BwrapSandbox(Sandbox):
         super().__init__(spec)
         self.bwrap = bwrap
         self.drop_root = os.geteuid() == 0
+        self.owner = NOBODY if self.drop_root else None
 
     def own(self, path: Path) -> None:
         """Give a host folder (recursively) to the sandbox's host user."""
@@ -340,8 +354,9 @@ class ApptainerSandbox(Sandbox):
             done = subprocess.run(self.start_argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                   timeout=self.spec.start_timeout_s)
             if done.returncode != 0:
-                raise BackendError(f"apptainer instance start failed with exit {done.returncode} "
-                                   f"(see {self.log_path})")
+                log.flush()
+                raise BackendError(f"apptainer instance start failed with exit {done.returncode}; its output "
+                                   f"ends:\n{self.log_tail()}")
             self.started = True
             self._spawn(self.exec_argv(), log)
 
