@@ -123,6 +123,7 @@ class Actor:
         self.engine_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.weights_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="weights")
         self.weights_round = 0
+        self.weights_sender = ""  # incarnation of the learner whose rounds weights_round counts
         self.weights_busy = False
         self.stats: collections.Counter = collections.Counter()
         self.episode_lens: list[int] = []
@@ -262,6 +263,10 @@ class Actor:
             self.engine.relabel(control.version)  # same weights, newer version: no transfer needed
         if self.receiver is None:
             return
+        sender = str(control.info.get("weights_sender", ""))
+        if sender != self.weights_sender:  # a (re)started learner: its rounds count from 1 on a new store
+            self.weights_sender, self.weights_round = sender, 0
+            self.receiver.new_sender()
         r = int(control.info.get("weights_round", 0) or 0)
         if r <= self.weights_round:
             return

@@ -33,6 +33,7 @@ import datetime
 import os
 import threading
 import time
+import uuid
 import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -182,6 +183,8 @@ class WeightSender:
         self.cfg, self.log = cfg, log
         self.store = dist.TCPStore(cfg.host, cfg.port, is_master=True, wait_for_workers=False,
                                    timeout=_timeout(cfg))
+        # A restarted learner's store counts rounds from 1 again: receivers tell senders apart by this id.
+        self.incarnation = uuid.uuid4().hex[:12]
         self.round = int(self.store.add("round", 0))
         self.epoch = int(self.store.add("epoch", 0))
         self.members = 0
@@ -192,7 +195,8 @@ class WeightSender:
         self.failed_rounds = 0
 
     def open_round(self) -> tuple[int, int]:
-        """Start round r (on a new epoch when membership must change); announce (round, epoch) to actors."""
+        """Start round r (on a new epoch when membership must change); announce (round, epoch) to actors,
+        with ``incarnation``."""
         self.round = int(self.store.add("round", 1))
         requests = int(self.store.add("join_requests", 0))
         if self._pg is None or requests > self._requests_seen:
@@ -234,6 +238,8 @@ class WeightSender:
             if self._forming:
                 self._form(expected, device)
             if self._pg is None:
+                self.log.warning("weights_round_without_receivers", round=self.round, epoch=self.epoch,
+                                 version=version, waited_s=self.cfg.join_window_s)
                 return 0
             plan = buckets(named, int(self.cfg.bucket_mb * (1 << 20)), named[0][1].element_size())
             header = torch.tensor([version, layout_hash(named), len(plan), len(named), self.round, wire],
@@ -271,6 +277,11 @@ class WeightReceiver:
         self._epoch = 0
         self._pg: Any = None
         self._buffers: list[Any] = []  # receive buffers kept between rounds (no page faults after the first)
+
+    def new_sender(self) -> None:
+        """The learner restarted (a new incarnation): its store and groups are new, ours are dead."""
+        _release(self._pg, failed=True)
+        self._pg, self._store, self._epoch = None, None, 0
 
     def _connect(self) -> Any:
         import torch.distributed as dist

@@ -106,7 +106,7 @@ def _learner_steps(path: Path) -> list[tuple[float, int]]:
 
 def run_chaos(config: str, run_dir: Path, steps: int, kills: list[Kill], overrides: list[str],
               resume_steps: int = 2, timeout_s: float = 1800.0, out: Any = None) -> ChaosResult:
-    out = out or sys.stdout
+    out = out or sys.stderr  # progress; the result is the caller's to print
     run_dir = Path(run_dir).resolve()
     metrics = run_dir / "metrics" / "learner.jsonl"
     result = ChaosResult(kills=kills)

@@ -405,6 +405,7 @@ class Learner:
         info: dict = {"content_version": t.content_version}
         if self.sender is not None and not stop and new_weights:
             info["weights_round"], info["weights_epoch"] = self.sender.open_round()
+            info["weights_sender"] = self.sender.incarnation
         self.client.set_control(t.version, phase=t.entropulse.phase, paused=paused, stop=stop, info=info)
         self.client.poll(0)
         return info.get("weights_round")

@@ -63,6 +63,22 @@ def test_the_verifiers_copy_leaves_out_links_devices_fifos_and_oversized_files(t
     assert not T.verify(copy, task)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops to nobody only when started as root")
+def test_roots_sandbox_binds_agent_files_nobody_can_read(tmp_path):
+    """A checkout under a mode-700 folder (root's home, mktemp -d) is closed to nobody: the sandbox binds a
+    readable copy of the agent's modules instead."""
+    from env_server.desktop.sandbox import AGENT_DIR, SANDBOX_AGENT_DIR, readable_agent_dir
+
+    spec = SandboxSpec(tmp_path, 640, 480, False, 10.0, 10.0)
+    argv = BwrapSandbox(spec).argv()
+    bound = argv[argv.index(SANDBOX_AGENT_DIR) - 1]
+    assert Path(bound) == readable_agent_dir() and Path(bound) != AGENT_DIR
+    for folder in [Path(bound), *Path(bound).parents]:
+        assert folder.stat().st_mode & 0o005 == 0o005, folder  # others may list and enter it
+    assert sorted(p.name for p in Path(bound).glob("*.py")) == sorted(p.name for p in AGENT_DIR.glob("*.py"))
+    assert all(p.stat().st_mode & 0o004 for p in Path(bound).glob("*.py"))
+
+
 def test_a_reset_never_writes_through_a_planted_link_and_hands_the_home_back(tmp_path):
     from env_server.desktop import homefs
 

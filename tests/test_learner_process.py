@@ -70,6 +70,8 @@ def test_sigterm_checkpoints_and_resume_continues_versions(tmp_path, quiet_log):
         ck = run_dir / "checkpoints"
         saved = json.loads((ck / (ck / "latest").read_text() / "state.json").read_text())["version"]
         assert saved >= 3
+        steps = [json.loads(x)["step"] for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()]
+        assert steps[-1] == saved, "the step in flight at the signal has its metrics record too"
         learner = _learner(run_dir, net, f"learner.total_steps={saved + 2}", resume=True)
         _feed_until(actor, lambda: learner.poll() is not None)
         assert learner.returncode == 0, learner.stderr.read().decode()[-2000:]

@@ -179,3 +179,31 @@ def test_an_impossible_nccl_epoch_is_refused_on_both_sides_with_the_reason(quiet
         sender.broadcast(params(1), version=1, expected=1)
     t.join(10)
     assert not t.is_alive() and "refused" in got["err"] and "on the CPU" in got["err"]
+
+
+def test_a_restarted_learner_is_a_new_sender_and_its_rounds_reach_the_receiver(quiet_log):
+    """A learner killed and restarted hosts a new store on the same port whose rounds count from 1 again."""
+    cfg = WeightSyncConfig(port=free_port(), join_window_s=3.0, timeout_s=5.0)
+    first = WeightSender(cfg, quiet_log)
+    rx = WeightReceiver(cfg, quiet_log)
+    got = []
+    r, e = first.open_round()
+    t = threading.Thread(target=lambda: got.append(rx.receive(r, e, params(0))))
+    t.start()
+    first.broadcast(params(1), version=7, expected=1)
+    t.join(10)
+    first.close()
+    del first  # the store's server goes with the process
+    import gc
+
+    gc.collect()
+    second = WeightSender(cfg, quiet_log)
+    assert second.incarnation and (second.round, second.epoch) == (0, 0)
+    r2, e2 = second.open_round()
+    assert (r2, e2) == (1, 1) == (r, e), "same numbers as the dead sender's first round"
+    rx.new_sender()
+    t = threading.Thread(target=lambda: got.append(rx.receive(r2, e2, params(0))))
+    t.start()
+    assert second.broadcast(params(2), version=5, expected=1) == 1
+    t.join(10)
+    assert [v for v, _ in got] == [7, 5] and torch.equal(got[1][1]["a.weight"], params(2)[0][1])
