@@ -16,6 +16,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -186,7 +187,7 @@ def summary(result: ChaosResult) -> dict:
     return {
         "kills": [{"step": k.step, "role": k.role, "signal": signal.Signals(k.signal).name, "pid": k.pid,
                    "role_back_s": k.role_back_s, "training_back_s": k.training_back_s} for k in result.kills],
-        "recovery_s_by_role": {r: {"median": sorted(v)[len(v) // 2], "max": max(v), "n": len(v)}
+        "recovery_s_by_role": {r: {"median": round(statistics.median(v), 2), "max": max(v), "n": len(v)}
                                for r, v in sorted(by_role.items())},
         "supervisor_resumes": result.resumes, "wall_s": result.wall_s, "audit": result.audit,
     }
