@@ -25,7 +25,6 @@ from typing import Any
 
 import zmq
 
-from broker.server import CONTROL_TOPIC
 from common import protocol as P
 from common.net import NetConfig, ServerLink, limit_size, security_for
 
@@ -38,7 +37,7 @@ class ControlSubscriber:
         self.sock.linger = 0
         limit_size(self.sock, net)
         security.client(self.sock)
-        self.sock.setsockopt(zmq.SUBSCRIBE, CONTROL_TOPIC)
+        self.sock.setsockopt(zmq.SUBSCRIBE, P.CONTROL_TOPIC)
         self.sock.connect(net.tcp(net.broker_control_port))
         self.net, self.log = net, log
         self.latest: P.Control | None = None

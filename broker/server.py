@@ -34,7 +34,6 @@ from common.net import (AuthMonitor, NetConfig, PeerTable, ServerSocket, answer_
                         security_for, serve)
 from common.rundir import RunDir
 
-CONTROL_TOPIC = b"ctl"
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 
 
@@ -462,7 +461,7 @@ class Broker:
     def _publish(self) -> None:
         self.control.broker_epoch = self.epoch
         try:
-            self.pub.send_multipart([CONTROL_TOPIC, *P.encode(self.control)], flags=zmq.NOBLOCK)
+            self.pub.send_multipart([P.CONTROL_TOPIC, *P.encode(self.control)], flags=zmq.NOBLOCK)
         except zmq.Again:
             self.counters["control_dropped"] += 1
         self._next_publish = time.monotonic() + self.net.heartbeat_s

@@ -55,11 +55,11 @@ def setup(role: str, run_id: str = "", rank: int = 0, log_dir: str | Path | None
     levelno = logging.getLevelName(level.upper())
     if not isinstance(levelno, int):
         raise ValueError(f"unknown log level {level!r}")
-    structlog.contextvars.clear_contextvars()
-    structlog.contextvars.bind_contextvars(run_id=run_id, role=role, rank=rank, pid=os.getpid())
+    _PROCESS_KEYS.clear()
+    _PROCESS_KEYS.update(run_id=run_id, role=role, rank=rank, pid=os.getpid())
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
+            _add_process_keys,
             structlog.processors.add_log_level,
             structlog.processors.format_exc_info,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -78,5 +78,16 @@ def get(**bind: Any) -> structlog.BoundLogger:
 
 
 def bind(**values: Any) -> None:
-    """Bind keys on every later line of this process (e.g. ``policy_version``)."""
-    structlog.contextvars.bind_contextvars(**values)
+    """Bind keys on every later line of this process, from any thread (e.g. ``policy_version``)."""
+    _PROCESS_KEYS.update(values)
+
+
+# Process-wide keys: a plain dict, not context variables, which a new thread (a weight round, a training
+# step) would not inherit.
+_PROCESS_KEYS: dict[str, Any] = {}
+
+
+def _add_process_keys(logger: Any, name: str, event_dict: dict) -> dict:
+    for key, value in _PROCESS_KEYS.items():
+        event_dict.setdefault(key, value)
+    return event_dict

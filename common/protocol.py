@@ -31,6 +31,8 @@ import numpy as np
 PROTOCOL_VERSION = 1
 INLINE_ARRAY_BYTES = 64 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CONTROL_TOPIC = b"ctl"
+"""ZeroMQ topic of the broker's published ``Control`` messages (frame 0 before the message's frames)"""
 MAX_DEPTH = 32
 MAX_EMBED_DEPTH = 2
 MAX_NDIM = 8

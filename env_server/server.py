@@ -117,13 +117,18 @@ class EnvServer:
             return self._new_backend()
         return None
 
+    def _healthy(self, backend: Backend) -> bool:
+        """A health check that fails by raising is an unhealthy desktop, counted and logged with its reason."""
+        try:
+            return bool(backend.healthy())
+        except Exception as exc:
+            self.counters["health_check_errors"] = self.counters.get("health_check_errors", 0) + 1
+            self.log.warning("health_check_error", backend=type(backend).__name__, error=repr(exc)[:300])
+            return False
+
     def _release(self, backend: Backend) -> None:
         """A desktop comes back from a session: reuse it if it is healthy, else replace it."""
-        try:
-            ok = backend.healthy()
-        except Exception:
-            ok = False
-        if ok:
+        if self._healthy(backend):
             self.idle.append(backend)
         else:
             self._retire(backend, "unhealthy")
@@ -383,11 +388,7 @@ class EnvServer:
         if now >= self._next_health:
             self._next_health = now + self.cfg.health_interval_s
             for backend in list(self.idle):
-                try:
-                    ok = backend.healthy()
-                except Exception:
-                    ok = False
-                if not ok:
+                if not self._healthy(backend):
                     self.idle.remove(backend)
                     self._retire(backend, "unhealthy")
         self.sock.drain_auth_failures()

@@ -45,6 +45,8 @@ class AdvantageConfig:
             raise ValueError("advantage level must be trajectory or step")
         if self.weighting not in ("token", "trajectory"):
             raise ValueError("advantage weighting must be token or trajectory")
+        if self.level == "step" and self.name in ("rloo", "batch"):
+            raise ValueError(f"advantage level 'step' is implemented by the 'group' estimator only, not {self.name!r}")
 
 
 @dataclass

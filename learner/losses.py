@@ -87,14 +87,18 @@ def _clipped_surrogate(inp: LossInputs, cfg: LossConfig, eps_low: float, eps_hig
     metrics = _common_metrics(inp, w, kept)
     clip_frac = ((clipped < unclipped).float() * inp.mask).sum() / inp.mask.sum().clamp(min=1)
     metrics.update(pg_loss=_token_mean(per_token, inp.mask), clip_frac=float(clip_frac))
-    loss = pg
-    if cfg.kl_beta > 0:
-        if inp.ref_logprobs is None:
-            raise ValueError("kl_beta > 0 needs reference log-probs")
-        kl_tok = k3_kl(inp.logprobs, inp.ref_logprobs)
-        loss = loss + cfg.kl_beta * (kl_tok * inp.mask).sum() / inp.num_tokens
-        metrics["kl"] = _token_mean(kl_tok, inp.mask)
-    return LossOutputs(loss, metrics)
+    return LossOutputs(pg + _kl_penalty(inp, cfg, metrics), metrics)
+
+
+def _kl_penalty(inp: LossInputs, cfg: LossConfig, metrics: dict[str, float]) -> torch.Tensor | float:
+    """``kl_beta`` times the token-mean k3 KL to the reference policy (0 when kl_beta is 0)."""
+    if cfg.kl_beta <= 0:
+        return 0.0
+    if inp.ref_logprobs is None:
+        raise ValueError("kl_beta > 0 needs reference log-probs")
+    kl_tok = k3_kl(inp.logprobs, inp.ref_logprobs)
+    metrics["kl"] = _token_mean(kl_tok, inp.mask)
+    return cfg.kl_beta * (kl_tok * inp.mask).sum() / inp.num_tokens
 
 
 def grpo_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
@@ -115,11 +119,7 @@ def reinforce_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     loss = per_token.sum() / inp.num_tokens
     metrics = _common_metrics(inp, w, kept)
     metrics["pg_loss"] = _token_mean(per_token, inp.mask)
-    if cfg.kl_beta > 0 and inp.ref_logprobs is not None:
-        kl_tok = k3_kl(inp.logprobs, inp.ref_logprobs)
-        loss = loss + cfg.kl_beta * (kl_tok * inp.mask).sum() / inp.num_tokens
-        metrics["kl"] = _token_mean(kl_tok, inp.mask)
-    return LossOutputs(loss, metrics)
+    return LossOutputs(loss + _kl_penalty(inp, cfg, metrics), metrics)
 
 
 def sft_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:

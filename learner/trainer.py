@@ -34,6 +34,7 @@ from learner.batch import (Sample, build_samples, collate, loglinear_prox, micro
 from learner.config import LearnerConfig
 from learner.distributed import DistContext, full_state, load_full_state, padding_micro_batch, shard_model
 from learner.entropulse import Entropulse
+from learner.advantages import get_estimator
 from learner.losses import LossConfig, LossInputs, anchor_loss, get_loss
 from learner.precision import compute_model
 
@@ -76,7 +77,9 @@ class Trainer:
                 shard_model(self.ref_model, self.dist, compute_dtype=self.compute_dtype)
         self.net = compute_model(self.model, self.compute_dtype, sharded=self.dist.enabled)
         self._gathered: list[tuple[str, torch.Tensor]] = []  # rank 0's full weights after the last update
+        # Custom names load here, when the learner starts: a bad one fails before any batch is consumed.
         self.loss_fn = get_loss(cfg.loss.name)
+        get_estimator(cfg.advantage.name)
         self.sft_fn = get_loss("sft")
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay)
@@ -246,6 +249,7 @@ class Trainer:
         metrics = {key: v / max(total_tokens, 1) for key, v in zip(keys, values)}
         if anchor_mbs:
             metrics["anchor_loss"] = anchor_sum / max(sum(anchor_tokens_all), 1)
+            metrics["anchor_tokens"] = sum(anchor_tokens_all)
         metrics.update(entropy=entropy_sum / max(total_tokens, 1), grad_norm=grad_norm, tokens=total_tokens,
                        lr=self.optimizer.param_groups[0]["lr"], version=self.version, micro_batches=len(mbs))
         if cfg.broadcast_weights:

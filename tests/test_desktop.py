@@ -346,6 +346,8 @@ def test_the_sandbox_confines_writes_to_its_home_and_has_no_network(desktop, tmp
 def test_links_planted_in_a_real_desktops_home_are_refused_by_verifier_and_reset(desktop):
     backend = desktop()
     backend.reset("desk:editor_new_file/0")
+    with pytest.raises(ActionError, match="fault injection is off"):  # no test hook in a normal desktop
+        backend._call("debug_kill", target="xvfb")
     p = backend.task.params
     host = Path(tempfile.mkdtemp(prefix="computerrl-host-"))
     try:
@@ -389,6 +391,7 @@ def test_a_crashed_x_server_is_detected_the_desktop_rebuilt_and_other_sessions_k
     cfg.desktop.office = False
     cfg.desktop.screenshot = "none"
     cfg.desktop.work_dir = str(work_dir)
+    cfg.desktop.fault_injection = True
     server = EnvServer(cfg, net, RunDir.create(tmp_path / "run"), quiet_log)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -18,6 +18,7 @@ from common import protocol as P  # noqa: E402
 from common.model import ModelConfig, sequence_logprobs  # noqa: E402
 from common.net import free_port  # noqa: E402
 from common.weightsync import WeightSyncConfig  # noqa: E402
+from learner.advantages import AdvantageConfig  # noqa: E402
 from learner.config import AnchorConfig, LearnerConfig  # noqa: E402
 from learner.entropulse import Entropulse, EntropulseConfig  # noqa: E402
 from learner.losses import LossConfig  # noqa: E402
@@ -363,3 +364,10 @@ def test_bf16_compute_keeps_float32_master_weights_so_small_updates_are_not_roun
         assert torch.equal(p, q), n
     for (n, p), (_, q) in zip(t.net.named_parameters(), r.net.named_parameters()):
         assert torch.equal(p, q), n
+
+
+def test_a_bad_loss_or_estimator_name_fails_when_the_learner_starts():
+    for cfg in (dataclasses.replace(LearnerConfig(), loss=LossConfig(name="nope_pkg.mod:fn")),
+                dataclasses.replace(LearnerConfig(), advantage=AdvantageConfig(name="nope_pkg.mod:fn"))):
+        with pytest.raises(ValueError, match="cannot load 'nope_pkg.mod:fn'"):
+            Trainer(cfg, TINY)

@@ -173,3 +173,22 @@ def test_trajectory_weighting_gives_every_trajectory_the_same_weight():
     assert sum(per_traj) == pytest.approx(0, abs=1e-6), "the group's advantages cancel on shared tokens again"
     with pytest.raises(ValueError, match="weighting"):
         ADV.AdvantageConfig(weighting="sample").validate()
+
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo", "reinforce"])
+def test_kl_without_reference_logprobs_is_an_error_for_every_policy_loss(name):
+    inp, _ = make_inputs(ref=False)
+    with pytest.raises(ValueError, match="reference log-probs"):
+        get_loss(name)(inp, LossConfig(kl_beta=0.1))
+    inp, _ = make_inputs(ref=True)
+    out = get_loss(name)(inp, LossConfig(kl_beta=0.1))
+    plain = get_loss(name)(inp, LossConfig(kl_beta=0.0))
+    assert out.metrics["kl"] > 0 and float(out.loss.detach()) > float(plain.loss.detach())
+
+
+def test_step_level_advantages_are_refused_where_the_estimator_ignores_turns():
+    for name in ("rloo", "batch"):
+        with pytest.raises(ValueError, match="'group' estimator only"):
+            ADV.AdvantageConfig(name=name, level="step").validate()
+    ADV.AdvantageConfig(name="group", level="step").validate()

@@ -905,7 +905,10 @@ class Agent:
             raise ActionFailure(f"{app}.{method} failed: {getattr(exc, 'Message', '') or exc!r}") from None
 
     def op_debug_kill(self, target):
-        """Test hook: kill a part of the desktop to exercise the health check (xvfb, wm, office)."""
+        """Test hook: kill a part of the desktop to exercise the health check (xvfb, wm, office). Refused
+        unless the agent was started with --fault-injection (never in a training run's desktops)."""
+        if not self.opts.fault_injection:
+            raise ActionFailure("fault injection is off in this desktop")
         proc = {"xvfb": self.display.xvfb, "wm": self.display.wm,
                 "office": self.office.proc if self.office else None}.get(target)
         if proc is None:
@@ -981,6 +984,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--office", action="store_true", help="start LibreOffice with the desktop (faster resets)")
     ap.add_argument("--office-timeout", type=float, default=30.0, help="seconds for LibreOffice to start")
     ap.add_argument("--office-call-timeout", type=float, default=60.0, help="seconds for one UNO call")
+    ap.add_argument("--fault-injection", action="store_true", help="accept debug_kill (tests of the health check)")
     opts = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints where a stuck agent is, into desktop.log

@@ -77,6 +77,8 @@ class DesktopConfig:
     """desktop image built from configs/desktop.def (apptainer backend)"""
     default_max_steps: int = 0
     """step limit per episode; 0 = the task family's own limit"""
+    fault_injection: bool = False
+    """tests only: the in-desktop agent accepts debug_kill (kills its X server, window manager or office)"""
 
     def validate(self) -> None:
         if self.screenshot not in ("none", "jpeg", "png"):
@@ -107,7 +109,7 @@ class RealDesktopBackend(Backend):
             Path(base).mkdir(parents=True, exist_ok=True)
         self.root = Path(tempfile.mkdtemp(prefix="desktop-", dir=base))
         self.spec = SandboxSpec(self.root, self.cfg.width, self.cfg.height, self.cfg.office, self.cfg.start_timeout_s,
-                                self.cfg.office_call_timeout_s)
+                                self.cfg.office_call_timeout_s, self.cfg.fault_injection)
         self.spec.home.mkdir()
         self.spec.run_dir.mkdir()
         self.sandbox = self._make_sandbox()

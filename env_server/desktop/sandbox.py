@@ -158,6 +158,8 @@ class SandboxSpec:
     start_timeout_s: float
     office_call_timeout_s: float
     """seconds one UNO call may take before LibreOffice is declared hung"""
+    fault_injection: bool = False
+    """the agent accepts debug_kill (tests of the health check only)"""
 
     @property
     def home(self) -> Path:
@@ -175,7 +177,7 @@ class SandboxSpec:
         argv = ["dbus-run-session", "--", "python3", f"{SANDBOX_AGENT_DIR}/agent.py", "--socket",
                 f"{SANDBOX_RUN}/agent.sock", "--width", str(self.width), "--height", str(self.height)]
         argv += ["--office-timeout", str(self.start_timeout_s), "--office-call-timeout", str(self.office_call_timeout_s)]
-        return argv + (["--office"] if self.office else [])
+        return argv + (["--office"] if self.office else []) + (["--fault-injection"] if self.fault_injection else [])
 
 
 SANDBOX_ENV = {"HOME": SANDBOX_HOME, "USER": "user", "LOGNAME": "user", "LANG": "C.UTF-8",
