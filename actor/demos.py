@@ -23,7 +23,7 @@ def record_demos(suite: str, count: int, prompt_cfg: Any, tokenizer: Any, route:
     ``route``: api | gui | mixed (a random one per demo); ``detour_prob`` and ``wrong_choice_prob`` make
     demos imperfect (harmless detours, the wrong item on ambiguous screens). Deterministic for its arguments."""
     from actor.prompt import EpisodePrompt
-    from env_server.backend import SimBackend, demonstrate
+    from env_server.sim.backend import SimBackend, demonstrate
     from env_server.sim import tasks as T
 
     T.parse_suite(suite)  # a clear error for a bad suite before any work

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from env_server.backend import BACKENDS, SimConfig
+from env_server.backends import BACKENDS
+from env_server.sim.backend import SimConfig
 from env_server.desktop.backend import DesktopConfig
 
 

@@ -29,7 +29,8 @@ from common.metrics import MetricsWriter, percentile
 from common.net import NetConfig, PeerTable, ServerSocket, answer_heartbeat, security_for, serve
 from common.rundir import RunDir
 from env_server.actions import ActionError
-from env_server.backend import Backend, StepResult, make_backend
+from env_server.backend import Backend, StepResult
+from env_server.backends import make_backend
 from env_server.config import EnvServerConfig
 
 SESSION_REQUESTS = (P.EnvReset, P.EnvStep, P.EnvEvaluate, P.SessionClose)

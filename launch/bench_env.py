@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from env_server.actions import parse_action
-from env_server.backend import SimBackend, SimConfig
+from env_server.sim.backend import SimBackend, SimConfig
 from env_server.sim import tasks as T
 from launch.benchprocs import await_result, reap, start_together
 

@@ -53,7 +53,7 @@ def broker(config: str | None, run_dir: str | None, overrides: tuple[str, ...]) 
     """Run the trajectory broker (OVERRIDES: dotted key=value, e.g. broker.eta=4)."""
     from broker.server import Broker
 
-    from launch.local import EXIT_RESUMABLE
+    from common.exitcodes import EXIT_RESUMABLE
 
     cfg, rd, log = _start_role("broker", config, run_dir, overrides)
     if not Broker(cfg.broker, cfg.net, rd, log, seed=cfg.run.seed).run():
@@ -99,30 +99,10 @@ def learner(config: str | None, run_dir: str | None, resume: bool, overrides: tu
     """Run the learner: batches from the broker, training steps, weights to the actors, checkpoints.
 
     Several ranks (FSDP2): start every rank with torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
-    from learner.distributed import JobChannel, from_environment
-    from learner.trainer import Learner, Trainer
+    from learner.process import main as learner_main
 
     cfg, rd, log = _start_role("learner", config, run_dir, overrides, int(os.environ.get("RANK", "0")))
-    dist = from_environment(cfg.learner.device, cfg.learner.dist_timeout_s)
-    temperature = cfg.actor.sampling.temperature
-    anchor_demos = _anchor_demos(cfg, log)
-    if dist.is_main:
-        from launch.local import EXIT_RESUMABLE
-
-        finished = Learner(cfg.learner, cfg.model, cfg.weights, cfg.net, rd, log, temperature=temperature,
-                           seed=cfg.run.seed, resume=resume, dist=dist, anchor_demos=anchor_demos).run()
-        dist.close()  # after a normal end only: a barrier with a crashed peer would just wait out the timeout
-        if not finished:
-            sys.exit(EXIT_RESUMABLE)
-    else:
-        import signal
-
-        # A signal reaches every rank at once (torchrun, the local supervisor, Slurm), but rank 0 checkpoints
-        # first and needs this rank for it; this rank leaves when rank 0 says stop or its connection drops.
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
-            signal.signal(sig, lambda *_: log.info("signal_left_to_rank0"))
-        JobChannel(dist, Trainer(cfg.learner, cfg.model, temperature, cfg.run.seed, dist, anchor_demos)).follow(log)
-        dist.close()
+    sys.exit(learner_main(cfg, rd, log, resume, _anchor_demos(cfg, log)))
 
 
 def _anchor_demos(cfg: Any, log: Any) -> list | None:

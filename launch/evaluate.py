@@ -14,7 +14,7 @@ from typing import Any
 
 from actor.engine import HFEngine, SamplingParams
 from actor.prompt import EpisodePrompt, PromptConfig
-from env_server.backend import SimBackend, SimConfig
+from env_server.sim.backend import SimBackend, SimConfig
 from env_server.sim import tasks as T
 
 

@@ -29,8 +29,6 @@ from typing import Any, Callable
 from common.rundir import RunDir
 
 PR_SET_PDEATHSIG = 1
-EXIT_RESUMABLE = 75
-"""exit code of a broker or learner stopped by a signal before the run was over (EX_TEMPFAIL): resumable"""
 
 
 @dataclass

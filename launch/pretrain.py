@@ -1,6 +1,6 @@
 """``computerrl pretrain``: behaviour cloning on oracle demonstrations -> a base checkpoint for RL.
 
-Demonstrations are recorded on in-process sim desktops (``env_server.backend.demonstrate``) with the
+Demonstrations are recorded on in-process sim desktops (``env_server.sim.backend.demonstrate``) with the
 run's own prompt settings, so the model learns from exactly the token layout the actors will build:
 every (prompt ids, action ids + end token) of every demo step is one SFT sample. Demonstrations can be
 imperfect (``pretrain.detour_prob``, ``pretrain.wrong_choice_prob``) so that cloning alone is not the

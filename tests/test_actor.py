@@ -21,7 +21,7 @@ from common.net import free_port  # noqa: E402
 from common.rundir import RunDir  # noqa: E402
 from common.tokenizer import ByteTokenizer  # noqa: E402
 from common.weightsync import WeightSender, WeightSyncConfig  # noqa: E402
-from env_server.backend import SimBackend  # noqa: E402
+from env_server.sim.backend import SimBackend  # noqa: E402
 from env_server.config import EnvServerConfig  # noqa: E402
 from env_server.server import EnvServer  # noqa: E402
 

@@ -13,7 +13,8 @@ import zmq
 from common import protocol as P
 from common.net import free_port
 from common.rundir import RunDir
-from env_server import backend as B
+from env_server import backends as backend_registry
+from env_server.sim.backend import SimBackend, SimConfig
 from env_server.client import EnvClient, EnvError
 from env_server.config import EnvServerConfig
 from env_server.server import EnvServer
@@ -21,7 +22,7 @@ from env_server.sim import tasks as T
 from tests.conftest import make_net
 
 
-class ExplodingBackend(B.SimBackend):
+class ExplodingBackend(SimBackend):
     """A desktop whose step raises on the action 'boom()' (a crashed app, a dead X server)."""
 
     name = "exploding"
@@ -38,7 +39,7 @@ class ExplodingBackend(B.SimBackend):
 
 @pytest.fixture
 def env_server(tmp_path, quiet_log, monkeypatch):
-    monkeypatch.setitem(B.BACKENDS, "exploding", lambda cfg, seed: ExplodingBackend(cfg.sim, seed))
+    monkeypatch.setitem(backend_registry.BACKENDS, "exploding", lambda cfg, seed: ExplodingBackend(cfg.sim, seed))
     started = []
 
     def _start(**kw):
@@ -80,7 +81,7 @@ def test_episode_through_the_server_matches_in_process(env_server, quiet_log):
         obs = c.reset(sid, "sim:train:editor_to_sheet/3")
         task = T.make_task("sim:train:editor_to_sheet/3")
         assert obs["instruction"] == task.instruction and obs["step"] == 0
-        shadow = B.SimBackend()  # the same task in-process: the oracle reads its state
+        shadow = SimBackend()  # the same task in-process: the oracle reads its state
         shadow.reset(task.task_id)
         last = None
         for a in T.oracle(shadow.task, shadow.desk, route):
@@ -171,7 +172,7 @@ def test_dead_actor_sessions_are_reclaimed(env_server, quiet_log):
 
 def test_slow_step_times_out_and_the_desktop_is_replaced(env_server, quiet_log):
     server, net = env_server(pool_size=2, step_timeout_s=0.3,
-                             sim=B.SimConfig(latency="fixed", latency_mean_s=1.0))
+                             sim=SimConfig(latency="fixed", latency_mean_s=1.0))
     c = client_for(server, net, quiet_log)
     sid = c.open()
     t0 = time.monotonic()
@@ -229,7 +230,7 @@ def test_health_checks_replace_broken_idle_desktops_and_metrics_are_written(env_
 
 
 def test_screenshots_travel_as_array_frames(env_server, quiet_log):
-    server, net = env_server(pool_size=1, sim=B.SimConfig(screenshot="png"))
+    server, net = env_server(pool_size=1, sim=SimConfig(screenshot="png"))
     c = client_for(server, net, quiet_log)
     sid = c.open()
     obs = c.reset(sid, "sim:train/0")

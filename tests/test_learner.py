@@ -22,7 +22,8 @@ from learner.advantages import AdvantageConfig  # noqa: E402
 from learner.config import AnchorConfig, LearnerConfig  # noqa: E402
 from learner.entropulse import Entropulse, EntropulseConfig  # noqa: E402
 from learner.losses import LossConfig  # noqa: E402
-from learner.trainer import Learner, Trainer  # noqa: E402
+from learner.process import Learner  # noqa: E402
+from learner.trainer import Trainer  # noqa: E402
 from tests.conftest import pump  # noqa: E402
 
 TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from broker.client import ActorBrokerClient
-from launch.local import EXIT_RESUMABLE
+from common.exitcodes import EXIT_RESUMABLE
 from tests.conftest import REPO, broker_process, make_net
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from env_server.actions import ActionError, parse_action
-from env_server.backend import LatencyModel, SimBackend, SimConfig, render_screenshot
+from env_server.sim.backend import LatencyModel, SimBackend, SimConfig, render_screenshot
 from env_server.sim import tasks as T
 
 SEEDS = 200
@@ -297,7 +297,7 @@ def test_scrolling_long_folders_and_dragging_by_coordinates():
 
 
 def test_demonstrations_record_what_the_policy_saw():
-    from env_server.backend import demonstrate
+    from env_server.sim.backend import demonstrate
 
     b = SimBackend()
     d = demonstrate(b, "sim:train:sheet_sum/4", "gui")

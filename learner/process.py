@@ -1,0 +1,273 @@
+"""The learner process: a ``Trainer`` plus the broker link, weight rounds, metrics, audit and checkpoints,
+and ``main``, which starts rank 0 (that process) or a follower rank (runs rank 0's steps on its shard).
+
+The training step itself, free of sockets, is ``learner.trainer.Trainer``.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Any
+
+from common import protocol as P
+from common.audit import AuditLog
+from common.exitcodes import EXIT_RESUMABLE
+from common.metrics import MetricsWriter
+from common.model import ModelConfig
+from common.rundir import RunDir
+from learner import checkpoint as CK
+from learner.config import LearnerConfig
+from learner.distributed import DistContext, JobChannel, from_environment
+from learner.trainer import Trainer
+
+
+class Learner:
+    """The learner process: a Trainer plus the broker link, weight rounds, metrics and checkpoints.
+
+    With several learner ranks this is rank 0: every trainer call goes through ``self.jobs``, which
+    announces it to the other ranks (``JobChannel.follow``) so they run the same step on their shards.
+    """
+
+    def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, weights: Any, net: Any, run_dir: RunDir,
+                 log: Any, temperature: float = 1.0, seed: int = 0, resume: bool = False,
+                 dist: DistContext | None = None, anchor_demos: list[P.Trajectory] | None = None):
+        from broker.client import LearnerBrokerClient
+        from common.weightsync import WeightSender
+
+        self.cfg, self.run_dir, self.log = cfg, run_dir, log
+        self.trainer = Trainer(cfg, model_cfg, temperature, seed, dist, anchor_demos)
+        self.jobs = JobChannel(self.trainer.dist, self.trainer)
+        self.client = LearnerBrokerClient(net, run_dir.keys, log)
+        self.sender = WeightSender(weights, log) if (weights is not None and cfg.broadcast_weights) else None
+        self.metrics = MetricsWriter(run_dir.metrics / "learner.jsonl")
+        self.audit = AuditLog(run_dir.audit / "learner.jsonl")
+        self._stop = threading.Event()
+        self._want_checkpoint = False
+        self._checkpointed = -1  # version of the last checkpoint this process wrote
+        if resume:
+            path = CK.latest(run_dir.checkpoints)
+            if path is None:
+                log.warning("resume_without_checkpoint", dir=str(run_dir.checkpoints))
+            else:
+                state = self.jobs.run("load", {"path": str(path)})
+                self.client.load_state(state.get("broker_client", {}), self.trainer.version)
+                log.info("resumed", checkpoint=str(path), version=self.trainer.version,
+                         phase=self.trainer.entropulse.phase)
+        # Whatever this process's predecessors settled after the checkpoint it starts from is forgotten.
+        self.audit.write("resume", v=self.trainer.version)
+
+    def request_stop(self, checkpoint: bool = True) -> None:
+        self._want_checkpoint = checkpoint
+        self._stop.set()
+
+    def checkpoint(self) -> None:
+        """Save; once durable, the groups it covers are committed to the broker (which then forgets them)."""
+        version = self.trainer.version
+        path = self.jobs.run("save", {"root": str(self.run_dir.checkpoints)},
+                             extra={"broker_client": self.client.checkpoint_state()})
+        self.audit.write("checkpoint", v=version)
+        self.client.checkpoint_durable(version)
+        self._checkpointed = version
+        self.log.info("checkpoint_written", path=str(path), version=version)
+
+    def publish(self, paused: bool = False, stop: bool = False, new_weights: bool = True) -> Any:
+        """Tell the broker the version and phase; returns the weight round to broadcast (or None).
+
+        ``content_version`` always rides along: actors holding those weights relabel them with the new
+        version, which is all an update without new weights needs.
+        """
+        t = self.trainer
+        info: dict = {"content_version": t.content_version}
+        if self.sender is not None and not stop and new_weights:
+            info["weights_round"], info["weights_epoch"] = self.sender.open_round()
+            info["weights_sender"] = self.sender.incarnation
+        self.client.set_control(t.version, phase=t.entropulse.phase, paused=paused, stop=stop, info=info)
+        self.client.poll(0)
+        return info.get("weights_round")
+
+    def _start_broadcast(self) -> Any:
+        """Run the round on a daemon thread: a stop never waits for a round stuck on a dead peer."""
+        import concurrent.futures as cf
+
+        fut: cf.Future = cf.Future()
+
+        def run() -> None:
+            try:
+                self._broadcast()
+                fut.set_result(None)
+            except BaseException as exc:  # reported when the loop reads the result
+                fut.set_exception(exc)
+        threading.Thread(target=run, name="weights-round", daemon=True).start()
+        return fut
+
+    def _broadcast(self) -> None:
+        """Worker thread: send the current weights in the round just announced."""
+        from common.weightsync import RoundFailed
+
+        t = self.trainer
+        try:
+            t._count("weight_receivers", self.sender.broadcast(t.weights_for_broadcast(), t.version,
+                                                               self.cfg.expected_actors))
+        except RoundFailed:
+            t._count("weight_rounds_failed")
+
+    def run(self) -> bool:
+        """True once ``total_steps`` are done; False when stopped before (a signal: resumable).
+
+        Main thread: the broker link (heartbeats, batches, Control) never stops being polled; training
+        steps and weight broadcasts run one at a time on a worker thread, so a long step never makes the
+        broker think the learner died."""
+        import concurrent.futures as cf
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.request_stop(True))
+        t, c = self.trainer, self.client
+        ready = c.connect(60)
+        t.eta = int(ready.info.get("eta", 0)) if ready.info else None
+        worker = cf.ThreadPoolExecutor(1, thread_name_prefix="train")
+        job: cf.Future | None = None
+        job_kind = ""
+        if self.sender is not None:  # the first round needs full weights on rank 0
+            self.jobs.run("gather")
+        if self.publish(paused=t.entropulse.phase == "sft") is not None:
+            job, job_kind = self._start_broadcast(), "broadcast"
+        c.grant(self.cfg.prefetch)
+        finished = False
+        sft_requested = False
+        try:
+            while not self._stop.is_set():
+                c.poll(0.05)
+                if job is not None:
+                    if not job.done():
+                        continue
+                    result, kind, job = job.result(), job_kind, None
+                    if kind in ("rl", "sft"):
+                        if self._after_step(kind, result):
+                            job, job_kind = self._start_broadcast(), "broadcast"
+                        continue
+                if self.cfg.total_steps and t.version >= self.cfg.total_steps:
+                    finished = True
+                    break
+                if t.entropulse.phase == "rl":
+                    if c.batches:
+                        batch = c.batches.popleft()
+                        c.grant(1)
+                        job, job_kind = worker.submit(self._rl_step, batch), "rl"
+                elif not sft_requested:
+                    e = self.cfg.entropulse
+                    c.request_successes(e.k_per_task, e.max_tasks, seed=t.version)
+                    sft_requested = True
+                elif c.successes:
+                    sft_requested = False
+                    successes = c.successes.popleft()
+                    if not successes.samples:  # nothing to imitate yet: back to RL rather than stall
+                        t.entropulse.skip_sft()
+                        self.log.warning("sft_phase_skipped", reason="the success store is empty")
+                        self.publish()
+                        continue
+                    job, job_kind = worker.submit(self.jobs.run, "sft", {"lr": self.cfg.entropulse.sft_lr},
+                                                  successes), "sft"
+        finally:
+            if job is not None and job_kind != "broadcast":
+                # A training step ends on its own (a round stuck on a dead peer is not waited for); its
+                # metrics record, audit events and settlements are written like any other step's.
+                self._after_step(job_kind, job.result())
+            worker.shutdown(wait=True)
+            if (finished or self._want_checkpoint) and self._checkpointed != t.version:
+                self.checkpoint()
+            if finished:
+                self.publish(stop=True)
+            # Give the broker a moment to confirm our last commits (a resumed learner would re-send them).
+            deadline = time.monotonic() + (5.0 if finished or self._want_checkpoint else 0.0)
+            while any(k.startswith("commit:") for k in c.link.outstanding) and time.monotonic() < deadline:
+                c.poll(0.1)
+            if finished:
+                c.poll(1.0)
+            self.jobs.stop()
+            self.close()
+        return finished
+
+    def _rl_step(self, batch: P.Batch) -> dict:
+        m = self.jobs.run("rl", {"eta": self.trainer.eta}, batch)
+        if "empty" not in m:
+            m.update(broker_max_lag=batch.max_lag, dropped_stale=batch.dropped_stale)
+        return m
+
+    def _settle(self, outcomes: dict[str, str]) -> None:
+        """Record what became of a batch's groups at the version this step produced (audit and commit)."""
+        v = self.trainer.version
+        trained = [g for g, o in outcomes.items() if o == "trained"]
+        events = [("trained", {"gs": trained, "v": v})] if trained else []
+        events += [("dropped", {"g": g, "r": o, "v": v}) for g, o in outcomes.items() if o != "trained"]
+        self.audit.write_many(events)
+        self.client.settle(list(outcomes))
+
+    def _after_step(self, kind: str, m: dict | None) -> bool:
+        """Main thread, after a step: metrics, phase logic, Control; True when weights should go out."""
+        t = self.trainer
+        outcomes = m.pop("outcomes", None) if m is not None else None
+        if m is None or "empty" in m:
+            if m is not None:
+                self.log.warning("step_without_update", reason=m["empty"])
+            self.jobs.run("advance")
+            if outcomes:
+                self._settle(outcomes)
+            self._log_step(kind, {"empty": True, "version": t.version})
+            self.publish(paused=t.entropulse.phase == "sft", new_weights=False)
+            self._maybe_checkpoint()
+            return False
+        if kind == "rl":
+            switch = t.entropulse.observe_rl(m["entropy"], m["success_rate"])
+            if switch == "sft":
+                self.log.info("phase_change", to="sft", version=t.version)
+        else:
+            if t.entropulse.observe_sft() == "rl":
+                if self.cfg.entropulse.reset_reference:
+                    self.jobs.run("reset_reference")
+                self.log.info("phase_change", to="rl", version=t.version)
+        if outcomes:
+            self._settle(outcomes)
+        self._log_step(kind, m)
+        self._maybe_checkpoint()
+        return self.publish(paused=t.entropulse.phase == "sft") is not None
+
+    def _maybe_checkpoint(self) -> None:
+        if self.cfg.checkpoint_every and self.trainer.version % self.cfg.checkpoint_every == 0:
+            self.checkpoint()
+
+    def _log_step(self, phase: str, m: dict) -> None:
+        t = self.trainer
+        rec = {"phase": phase, "step": t.version, **m, "counters": dict(t.counters)}
+        self.metrics.write(rec)
+        self.log.info("train_step", phase=phase, version=t.version, loss=round(m.get("loss", 0.0), 5),
+                      entropy=round(m.get("entropy", 0.0), 4), success=m.get("success_rate"),
+                      max_lag=m.get("max_lag"))
+
+    def close(self) -> None:
+        self.client.close()
+        self.metrics.close()
+        self.audit.close()
+
+
+def main(cfg: Any, run_dir: RunDir, log: Any, resume: bool, anchor_demos: list[P.Trajectory] | None) -> int:
+    """The learner role on this rank; returns the exit code (0 finished, ``EXIT_RESUMABLE`` stopped early).
+
+    Rank 0 is the ``Learner``; with several ranks (torch.distributed's variables set, as torchrun or the
+    local supervisor do), the others follow rank 0's steps on their shards."""
+    dist = from_environment(cfg.learner.device, cfg.learner.dist_timeout_s)
+    temperature = cfg.actor.sampling.temperature
+    if dist.is_main:
+        finished = Learner(cfg.learner, cfg.model, cfg.weights, cfg.net, run_dir, log, temperature=temperature,
+                           seed=cfg.run.seed, resume=resume, dist=dist, anchor_demos=anchor_demos).run()
+        dist.close()  # after a normal end only: a barrier with a crashed peer would just wait out the timeout
+        return 0 if finished else EXIT_RESUMABLE
+    # A signal reaches every rank at once (torchrun, the local supervisor, Slurm), but rank 0 checkpoints
+    # first and needs this rank for it; this rank leaves when rank 0 says stop or its connection drops.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+        signal.signal(sig, lambda *_: log.info("signal_left_to_rank0"))
+    JobChannel(dist, Trainer(cfg.learner, cfg.model, temperature, cfg.run.seed, dist, anchor_demos)).follow(log)
+    dist.close()
+    return 0
