@@ -271,12 +271,3 @@ class HFEngine:
         st.batches += 1
         st.seconds += time.perf_counter() - t0
         return gens
-
-
-def make_engine(model_cfg: ModelConfig, cfg: EngineConfig) -> Engine:
-    cfg.validate()
-    if cfg.kind == "hf":
-        return HFEngine(model_cfg, cfg)
-    from actor.vllm_engine import VLLMEngine  # import-guarded: raises a clear error without vllm
-
-    return VLLMEngine(model_cfg, cfg)

@@ -79,7 +79,7 @@ def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[s
     import dataclasses
 
     from actor.agent import Actor
-    from actor.engine import make_engine
+    from actor.engines import make_engine
 
     cfg, rd, log = _start_role("actor", config, run_dir, overrides, rank)
     engine_cfg = dataclasses.replace(cfg.actor.engine, seed=cfg.actor.engine.seed + 1000 * rank + cfg.run.seed)

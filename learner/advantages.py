@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from common.imports import load_by_path
+
 EPS = 1e-6
 
 
@@ -102,8 +104,6 @@ ESTIMATORS: dict[str, Estimator] = {"group": group_relative, "rloo": rloo, "batc
 
 
 def get_estimator(name: str) -> Estimator:
-    from learner.losses import load_by_path
-
     return ESTIMATORS[name] if name in ESTIMATORS else load_by_path(name)
 
 

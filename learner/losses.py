@@ -17,12 +17,12 @@ A custom loss is a function with the same signature in any importable module: ``
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
+from common.imports import load_by_path
 from learner.config import LossConfig
 
 
@@ -146,17 +146,6 @@ def anchor_loss(kind: str, logits: torch.Tensor, logprobs: torch.Tensor, ref_log
 
 
 LOSSES: dict[str, LossFn] = {"grpo": grpo_loss, "ppo": ppo_loss, "reinforce": reinforce_loss, "sft": sft_loss}
-
-
-def load_by_path(spec: str) -> Any:
-    """``pkg.module:attr`` -> the object, with an error that says what was wrong."""
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise ValueError(f"{spec!r} is neither a built-in name nor an import path pkg.module:function")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load {spec!r}: {exc}") from None
 
 
 def get_loss(name: str) -> LossFn:

@@ -191,7 +191,7 @@ def test_engine_loads_a_local_hf_checkpoint_and_tokenizer(tmp_path):
 def test_vllm_engine_parts_that_run_without_vllm():
     import importlib.util
 
-    from actor.engine import make_engine
+    from actor.engines import make_engine
     from actor.vllm_engine import Partial, hf_layout
     from common.weightsync import layout_hash
 
