@@ -167,7 +167,7 @@ class LearnerBrokerClient:
         self.version = 0
         self.batches: collections.deque[P.Batch] = collections.deque()
         self.successes: collections.deque[P.SuccessBatch] = collections.deque()
-        self.controls: collections.deque[P.Control] = collections.deque(maxlen=64)  # the newest echoes (tests, debugging)
+        self.controls: collections.deque[P.Control] = collections.deque(maxlen=64)  # newest echoes only
         self.pending: set[str] = set()
         self.settled: dict[str, None] = {}
         self.seen: collections.OrderedDict[str, None] = collections.OrderedDict()

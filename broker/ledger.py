@@ -1,6 +1,6 @@
 """The broker's bookkeeping, free of sockets and files: admission, tickets and leases, queue, batches.
 
-Notation (DESIGN.md): ``v`` learner version, ``B`` groups per train step, ``η`` staleness bound.
+Notation (docs/architecture.md): ``v`` learner version, ``B`` groups per train step, ``η`` staleness bound.
 
 Admission: a ticket is granted only while ``accepted + running < (η + v + 1)·B``. ``accepted`` counts
 groups accepted since version 0 that are trained, handed to the learner, or queued; the broker does not

@@ -5,12 +5,12 @@
 - back (ROUTER, learner): Hello → Ready (and every batch it had not committed goes back to the queue),
   Heartbeat, BatchRequest (credits) → Batch, Commit (its checkpoint is durable) → echoed Commit once the
   consumed record is, Control (learner's version/phase) → echoed Control, SuccessRequest → SuccessBatch.
+- control (PUB): Control on every change and once per heartbeat, so a late subscriber is never
+  more than one heartbeat behind; a Hello makes the broker publish at once (readiness handshake).
 
 Exactly-once: a delivered group stays the broker's (in the spill log, re-delivered after any restart of the
 learner) until the learner commits it, which it does only once a checkpoint covering the group's step is
 durable. Every group's lifecycle goes to the audit trail (``common.audit``).
-- control (PUB): Control on every change and once per heartbeat, so a late subscriber is never
-  more than one heartbeat behind; a Hello makes the broker publish at once (readiness handshake).
 """
 
 from __future__ import annotations

@@ -41,6 +41,11 @@ def _segment_name(seg: int) -> str:
     return f"seg-{seg:08d}.log"
 
 
+def _segments(directory: Path) -> list[int]:
+    """Numbers of the segment files in ``directory``, oldest first."""
+    return sorted(int(p.stem.split("-")[1]) for p in directory.glob("seg-*.log"))
+
+
 @dataclass(frozen=True)
 class Location:
     segment: int
@@ -81,13 +86,9 @@ class SpillLog:
     def _path(self, seg: int) -> Path:
         return self.dir / _segment_name(seg)
 
-    def _existing(self) -> list[int]:
-        return sorted(int(p.stem.split("-")[1]) for p in self.dir.glob("seg-*.log"))
-
     def open(self, recent_ids: Sequence[str], state: dict) -> None:
         """Start a fresh active segment (after recovery, or on first start)."""
-        existing = self._existing()
-        self.segments = existing
+        self.segments = _segments(self.dir)
         self._rotate(recent_ids, state)
 
     def _rotate(self, recent_ids: Sequence[str], state: dict) -> None:
@@ -275,7 +276,7 @@ class SpillLog:
         groups: collections.OrderedDict[str, Location] = collections.OrderedDict()
         consumed: set[str] = set()
         recent: collections.OrderedDict[str, None] = collections.OrderedDict()
-        existing = sorted(int(p.stem.split("-")[1]) for p in directory.glob("seg-*.log"))
+        existing = _segments(directory)
         for seg in existing:
             path = directory / _segment_name(seg)
             try:

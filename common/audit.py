@@ -57,10 +57,6 @@ class AuditLog:
             while view:
                 view = view[os.write(self._fd, view):]
 
-    def sync(self) -> None:
-        if self._fd is not None:
-            os.fsync(self._fd)
-
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

@@ -266,6 +266,8 @@ class RateLimitedLog:
 
     def warning(self, event: str, key: tuple, **fields: Any) -> None:
         now = time.monotonic()
+        if len(self._last) > 4096:  # many peers: forget keys quiet for a whole interval (they log afresh)
+            self._last = {k: v for k, v in self._last.items() if now - v[0] < self.interval_s}
         last, suppressed = self._last.get((event, key), (-1e18, 0))
         if now - last < self.interval_s:
             self._last[(event, key)] = (last, suppressed + 1)

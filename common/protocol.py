@@ -416,7 +416,7 @@ class EnvStep(Message):
 
 @dataclass
 class EnvObservation(Message):
-    """The desktop after a reset or a step (``obs`` per DESIGN.md: windows, tree, text, screenshot, ...)."""
+    """The desktop after a reset or a step (``obs``: windows, tree, text, screenshot, ...)."""
 
     request_id: str
     session_id: str

@@ -1,4 +1,5 @@
-"""The run directory: one place for everything a run writes (DESIGN.md, "Configuration, logs, metrics")."""
+"""The run directory: one place for everything a run writes (config, logs, metrics, checkpoints, the spill log,
+the audit trail, CURVE keys)."""
 
 from __future__ import annotations
 

@@ -24,6 +24,9 @@ only orders streams and would never see a dead peer), on groups built with NCCL'
 handling off, so a peer that dies mid-round raises here instead of the watchdog taking the learner down.
 The epoch is then abandoned (its communicator aborted, receivers keep their old weights) and the next round
 forms a new one with whoever is alive. A stable epoch pays no rendezvous or group construction per round.
+
+A restarted learner hosts a new store whose rounds and epochs count from 1 again; Control carries the
+sender's ``incarnation``, and a receiver that sees a new one drops its store and group (``new_sender``).
 torch is imported lazily: ``common/`` is also imported by roles that run without it.
 """
 

@@ -59,7 +59,7 @@ class Job:
 
 
 def wire_obs(obs: dict) -> dict:
-    """Screenshots travel as uint8 array frames, not msgpack bin (DESIGN.md)."""
+    """Screenshots travel as uint8 array frames, not msgpack bin (docs/architecture.md, wire contract)."""
     shot = obs.get("screenshot")
     if isinstance(shot, (bytes, bytearray)):
         obs = dict(obs)

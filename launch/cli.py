@@ -52,7 +52,6 @@ def _start_role(role: str, config: str | None, run_dir: str | None, overrides: t
 def broker(config: str | None, run_dir: str | None, overrides: tuple[str, ...]) -> None:
     """Run the trajectory broker (OVERRIDES: dotted key=value, e.g. broker.eta=4)."""
     from broker.server import Broker
-
     from common.exitcodes import EXIT_RESUMABLE
 
     cfg, rd, log = _start_role("broker", config, run_dir, overrides)

@@ -6,7 +6,7 @@ are divided by the number of loss tokens in the whole step (``num_tokens``), so 
 Metrics are means over the micro-batch's own loss tokens; the trainer weights them by those tokens, which
 makes them the step's means however the step was split.
 
-Decoupled GRPO (DESIGN.md), per token t::
+Decoupled GRPO (README, "Learner"), per token t::
 
     w = exp(logp_prox - logp_behav)              detached; truncated at w_max (mask or clamp, token or sequence)
     u = exp(logp - logp_prox)

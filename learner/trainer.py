@@ -133,7 +133,8 @@ class Trainer:
             outcomes.update(dict.fromkeys(stats["kept"], "no_tokens"))
             self._count("batches_empty")
             return {"empty": "no samples", "outcomes": outcomes}
-        kept = [g for g in fresh if g.group_id in set(stats["kept"])]
+        kept_ids = set(stats["kept"])
+        kept = [g for g in fresh if g.group_id in kept_ids]
         version_before = self.version  # lags are measured against the policy that starts this step
         # The draw is a function of the version: the same on every rank, and the same again after a resume.
         draw = random.Random(f"{self.cfg.anchor.seed}/{self.version}")

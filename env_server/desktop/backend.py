@@ -123,7 +123,6 @@ class RealDesktopBackend(Backend):
         self.app_info = ""
         self._window_changed = False
         self.restarts = 0  # sandboxes rebuilt by a reset because the desktop had failed
-        self.home_skipped: dict[str, int] = {}  # what the last verification's copy left out (links, devices)
 
     # -- subclass hooks
     def _make_sandbox(self):
@@ -217,9 +216,10 @@ class RealDesktopBackend(Backend):
             success = T.verify(copy, self.task)
         finally:
             shutil.rmtree(copy, ignore_errors=True)
-        self.home_skipped = report.skipped
+        # What the copy left out (links, devices, oversized files) rides to the actor with the result.
         return {"reward": 1.0 if success else 0.0, "success": success, "family": self.task.family,
-                "steps": self.steps, "format_errors": self.format_errors, "outcome": self.outcome}
+                "steps": self.steps, "format_errors": self.format_errors, "outcome": self.outcome,
+                "home_skipped": report.skipped}
 
     def healthy(self) -> bool:
         if not self.sandbox.alive() or self.agent.sock is None:
