@@ -1,11 +1,14 @@
-"""Shared fixtures: brokers on free loopback ports (in a thread, or as a real process), trajectory builders."""
+"""Shared fixtures: brokers on free loopback ports (in a thread, or as a real process), trajectory builders, real
+desktops (where their Debian packages are installed)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -20,6 +23,7 @@ from common import log as L
 from common import protocol as P
 from common.net import NetConfig, free_port
 from common.rundir import RunDir
+from env_server.desktop.sandbox import missing_packages
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -117,3 +121,37 @@ def pump(clients, seconds: float, until=None) -> None:
 def kill9(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
+
+
+# ----- real desktops -------------------------------------------------------------------------------------------
+
+MISSING_DESKTOP_PACKAGES = missing_packages()
+needs_desktop = pytest.mark.skipif(bool(MISSING_DESKTOP_PACKAGES),
+                                   reason=f"Debian packages missing: {' '.join(MISSING_DESKTOP_PACKAGES)} "
+                                          "(as root: bash launch/desktop-packages.sh)")
+
+
+@pytest.fixture
+def work_dir():
+    """Desktops' host folders: under /tmp, not pytest's tmp_path (0700), so a sandbox that drops root to
+    nobody can reach them."""
+    path = Path(tempfile.mkdtemp(prefix="computerrl-test-desktops-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def desktop(work_dir):
+    """A factory of xvfb desktops, each closed (and its folder checked gone) after the test."""
+    from env_server.desktop.backend import DesktopConfig, XvfbBackend
+    made = []
+
+    def make(**kw):
+        b = XvfbBackend(DesktopConfig(work_dir=str(work_dir), **kw))
+        made.append(b)
+        return b
+    yield make
+    for b in made:
+        b.close()
+    assert not list(work_dir.glob("desktop-*")), "a closed desktop left its folder behind"

@@ -29,11 +29,7 @@ from env_server.desktop import tasks as T
 from env_server.desktop.sandbox import (ApptainerSandbox, BwrapSandbox, SandboxSpec, desktop_packages,
                                         missing_packages, require_packages)
 from env_server.server import EnvServer
-from tests.conftest import REPO, make_net
-
-MISSING = missing_packages()
-needs_desktop = pytest.mark.skipif(bool(MISSING), reason=f"Debian packages missing: {' '.join(MISSING)} "
-                                                          "(as root: bash launch/desktop-packages.sh)")
+from tests.conftest import REPO, make_net, needs_desktop
 
 
 # ----- no packages needed -------------------------------------------------------------------------------------
@@ -227,31 +223,6 @@ def test_env_server_config_takes_the_real_backends():
 
 
 # ----- real desktops --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def work_dir():
-    """Desktops' host folders: under /tmp, not pytest's tmp_path (0700), so a sandbox that drops root to
-    nobody can reach them."""
-    path = Path(tempfile.mkdtemp(prefix="computerrl-test-desktops-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def desktop(work_dir):
-    from env_server.desktop.backend import DesktopConfig, XvfbBackend
-    made = []
-
-    def make(**kw):
-        b = XvfbBackend(DesktopConfig(work_dir=str(work_dir), **kw))
-        made.append(b)
-        return b
-    yield make
-    for b in made:
-        b.close()
-    assert not list(work_dir.glob("desktop-*")), "a closed desktop left its folder behind"
 
 
 @pytest.mark.slow

@@ -20,7 +20,6 @@ import faulthandler
 import io
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -379,11 +378,7 @@ def _range_index(rng: str) -> tuple[int, int, int, int]:
 
 
 def _desktop_path(path: str) -> str:
-    """A path as the model wrote it (absolute, ``~/...`` or relative to the home), made absolute. Nothing here
-    confines it: the sandbox does."""
-    if path == "~" or path.startswith("~/"):
-        path = apis.HOME + path[1:]
-    return os.path.normpath(os.path.join(apis.HOME, path))
+    return apis.resolve(path)
 
 
 # A fresh profile would greet the first document with modal dialogs (tip of the day, what's new) that block
@@ -700,50 +695,33 @@ class Office:
 # ----- files ----------------------------------------------------------------------------------------------
 
 
+class HostFiles:
+    """The sandbox's own file system, as ``apis.files_call`` reads and changes it."""
+
+    isdir = staticmethod(os.path.isdir)
+    exists = staticmethod(os.path.lexists)
+    listdir = staticmethod(os.listdir)
+    makedirs = staticmethod(os.makedirs)
+    rename = staticmethod(os.rename)
+    remove = staticmethod(os.remove)
+    rmdir = staticmethod(os.rmdir)
+
+    @staticmethod
+    def read_text(path: str, limit: int) -> str:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read(limit)
+
+    @staticmethod
+    def write_text(path: str, text: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
 def files_call(method: str, a: dict):
-    """The Files API on the sandbox's own file system: the sandbox, not this code, confines it."""
-    def path(key: str) -> str:
-        return _desktop_path(a[key])
     try:
-        if method == "list_dir":
-            p = _desktop_path(a.get("path", apis.HOME))
-            return sorted(n + ("/" if os.path.isdir(os.path.join(p, n)) else "") for n in os.listdir(p))
-        if method == "create_folder":
-            os.makedirs(path("path"), exist_ok=True)
-            return f"created {path('path')}"
-        if method == "move":
-            src, dst = path("path"), path("destination")
-            if not os.path.exists(src):
-                raise ActionFailure(f"no file or folder {src}")
-            return f"moved to {shutil.move(src, dst)}"
-        if method == "rename":
-            src, new = path("path"), a["new_name"]
-            if not new.strip() or "/" in new:
-                raise ActionFailure("new_name must be a plain name")
-            if not os.path.exists(src):
-                raise ActionFailure(f"no file or folder {src}")
-            dst = os.path.join(os.path.dirname(src), new)
-            if os.path.exists(dst):
-                raise ActionFailure(f"{dst} already exists")
-            os.rename(src, dst)
-            return f"renamed to {dst}"
-        if method == "delete":
-            p = path("path")
-            if os.path.isdir(p) and not os.path.islink(p):
-                os.rmdir(p)
-            else:
-                os.remove(p)
-            return f"deleted {p}"
-        if method == "read_text":
-            with open(path("path"), encoding="utf-8", errors="replace") as f:
-                return f.read(5000)
-        if method == "write_text":
-            with open(path("path"), "w", encoding="utf-8") as f:
-                f.write(a["text"])
-            return f"wrote {len(a['text'])} characters to {path('path')}"
-    except OSError as exc:
-        raise ActionFailure(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")) from None
-    raise ActionFailure(f"Files has no function {method!r}")
+        return apis.files_call(method, a, HostFiles)
+    except apis.FilesError as exc:
+        raise ActionFailure(str(exc)) from None
 
 
 # ----- the server -------------------------------------------------------------------------------------------

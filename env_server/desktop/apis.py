@@ -7,6 +7,7 @@ Paths are the desktop's own (``/home/user/...`` or relative to it); they are res
 
 from __future__ import annotations
 
+import posixpath
 from typing import Any
 
 HOME = "/home/user"
@@ -66,8 +67,9 @@ SCHEMAS: list[dict] = [
     _fn("Writer", "save", "Save the document to its file.", {}),
     _fn("Writer", "save_as", "Save the document under a new path (and format).",
         {"path": _s("new file path, such as /home/user/letter.docx")}, {"format": _PATH_FORMAT}),
-    # Files runs inside the desktop, on the desktop's own file system.
-    _fn("Files", "list_dir", "List a folder: names, folders marked with a trailing '/'.", {},
+    # Files: the same API, with the same rules and words, on every desktop (``files_call`` below runs it on the
+    # sandbox's own file system in a real desktop and on the simulated one's in the sim).
+    _fn("Files", "list_dir", "List a folder: names, folders first and marked with a trailing '/'.", {},
         {"path": _s("folder (default: the home folder)")}),
     _fn("Files", "create_folder", "Create a folder (and missing parents).", {"path": _s("the new folder's path")}),
     _fn("Files", "move", "Move a file or folder into a folder, or to a new path.",
@@ -77,6 +79,7 @@ SCHEMAS: list[dict] = [
     _fn("Files", "delete", "Delete a file, or an empty folder.", {"path": _s("what to delete")}),
     _fn("Files", "read_text", "Read a text file (at most 5,000 characters).", {"path": _s("file to read")}),
     _fn("Files", "write_text", "Create or overwrite a text file.", {"path": _s("file to write"), "text": _s("content")}),
+    _fn("Files", "open", "Open a file in its app.", {"path": _s("file to open")}),
 ]
 
 BY_NAME = {s["name"]: s for s in SCHEMAS}
@@ -121,3 +124,110 @@ def bind(app: str, method: str, args: tuple | list, kwargs: dict) -> dict:
         if not ok:
             raise ApiArgumentError(f"{app}.{method}: {key} must be {' or '.join(kinds)}")
     return bound
+
+
+# ----- the Files API, once for every desktop --------------------------------------------------------------
+
+READ_LIMIT = 5000
+
+
+class FilesError(ValueError):
+    """A Files call that cannot be done (no such file, not empty, ...); the message is for the model."""
+
+
+def resolve(path: str) -> str:
+    """An absolute, normalised desktop path: ``~/...`` and relative paths are under the home folder. Nothing here
+    confines it: the sandbox (or the simulated file system) does."""
+    p = path.strip()
+    if p == "~" or p.startswith("~/"):
+        p = HOME + p[1:]
+    return posixpath.normpath(p if p.startswith("/") else posixpath.join(HOME, p))
+
+
+def files_call(method: str, a: dict, fs) -> Any:
+    """Run one bound Files call on ``fs``, an object with ``isdir, exists, listdir, makedirs, rename, remove,
+    rmdir, read_text, write_text`` (paths absolute; OSError for what the file system itself refuses)."""
+    try:
+        return _files_call(method, a, fs)
+    except OSError as exc:
+        raise FilesError(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")) from None
+
+
+def _files_call(method: str, a: dict, fs) -> Any:
+    def existing(key: str) -> str:
+        p = resolve(a[key])
+        if not fs.exists(p):
+            raise FilesError(f"no file or folder {p}")
+        return p
+
+    def folder_of(p: str) -> None:
+        if not fs.isdir(posixpath.dirname(p)):
+            raise FilesError(f"no folder {posixpath.dirname(p)}")
+
+    def free(p: str) -> str:
+        if fs.exists(p):
+            raise FilesError(f"{p} already exists")
+        return p
+
+    if method == "list_dir":
+        p = resolve(a.get("path", HOME))
+        if not fs.isdir(p):
+            raise FilesError(f"no folder {p}")
+        entries = [(n, fs.isdir(posixpath.join(p, n))) for n in fs.listdir(p)]
+        return [n + ("/" if d else "") for n, d in sorted(entries, key=lambda e: (not e[1], e[0].lower(), e[0]))]
+    if method == "create_folder":
+        p = free(resolve(a["path"]))
+        fs.makedirs(p)
+        return f"created {p}"
+    if method == "move":
+        src, dst = existing("path"), resolve(a["destination"])
+        if fs.isdir(dst):
+            dst = posixpath.join(dst, posixpath.basename(src))
+        folder_of(free(dst))
+        if fs.isdir(src) and (dst + "/").startswith(src + "/"):
+            raise FilesError("cannot move a folder into itself")
+        fs.rename(src, dst)
+        return f"moved to {dst}"
+    if method == "rename":
+        src, new = existing("path"), a["new_name"].strip()
+        if not new or "/" in new or new in (".", ".."):
+            raise FilesError("new_name must be a plain name")
+        dst = free(posixpath.join(posixpath.dirname(src), new))
+        fs.rename(src, dst)
+        return f"renamed to {dst}"
+    if method == "delete":
+        p = existing("path")
+        if p == HOME:
+            raise FilesError("cannot delete the home folder")
+        if fs.isdir(p):
+            if fs.listdir(p):
+                raise FilesError(f"{p} is not empty: delete what is in it first")
+            fs.rmdir(p)
+        else:
+            fs.remove(p)
+        return f"deleted {p}"
+    if method == "read_text":
+        p = resolve(a["path"])
+        if not fs.exists(p) or fs.isdir(p):
+            raise FilesError(f"no file {p}")
+        return fs.read_text(p, READ_LIMIT)
+    if method == "write_text":
+        p = resolve(a["path"])
+        if fs.isdir(p):
+            raise FilesError(f"{p} is a folder")
+        folder_of(p)
+        fs.write_text(p, a["text"])
+        return f"wrote {len(a['text'])} characters to {p}"
+    raise FilesError(f"Files has no function {method!r}")
+
+
+def app_for_file(path: str) -> str | None:
+    """The app Files.open starts on a file, by its extension (None: no app opens it)."""
+    ext = posixpath.splitext(path)[1].lower()
+    return {".ods": "Calc", ".xlsx": "Calc", ".csv": "Calc", ".sheet": "Sheet", ".odt": "Writer", ".docx": "Writer",
+            ".txt": "Editor", ".md": "Editor", "": "Editor"}.get(ext)
+
+
+def opened_text(path: str, app: str) -> str:
+    """The result of Files.open."""
+    return f"opened {path} in {app}"

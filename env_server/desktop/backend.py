@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from env_server.actions import Action, ActionError
+from env_server.actions import (Action, ActionError, element_text, no_element_error, pixels, point_text, result_text,
+                                short_result, unknown_app_error)
 from env_server.backend import Backend, BackendError, StepResult
 from env_server.desktop import apis, homefs
 from env_server.desktop import tasks as T
@@ -30,7 +31,7 @@ APP_OF_CLASS = {"libreoffice-calc": "Calc", "libreoffice-writer": "Writer", "mou
 APP_ALIASES = {"calc": "Calc", "libreoffice calc": "Calc", "spreadsheet": "Calc", "sheet": "Calc",
                "writer": "Writer", "libreoffice writer": "Writer", "editor": "Editor", "text editor": "Editor",
                "mousepad": "Editor", "files": "Files", "file manager": "Files", "pcmanfm": "Files"}
-MAX_WAIT_S = 5.0
+APPS = ("Calc", "Writer", "Editor", "Files")
 
 
 @dataclass
@@ -295,145 +296,131 @@ class RealDesktopBackend(Backend):
         return "\n".join(lines)
 
     # -- actions
-    def _act(self, action: Action) -> str:
-        if action.is_api:
+    def _act(self, a: Action) -> str:
+        if a.is_api:
             try:
-                bound = apis.bind(action.app, action.name, action.args, action.kwargs)
+                bound = apis.bind(a.app, a.name, a.args, a.kwargs)
             except apis.ApiArgumentError as exc:
                 raise ActionError(str(exc)) from None
-            return _short(self._call("api", app=action.app, method=action.name, args=bound))
-        name = action.name
-        if name in ("click", "double_click", "right_click"):
-            x, y = self._point(action, 0, "target")
-            button = {"left": 1, "middle": 2, "right": 3}.get(action.kwargs.get("button", "left"))
-            if button is None:
-                raise ActionError("button must be left, middle or right")
-            self._call("click", x=x, y=y, button=3 if name == "right_click" else button,
-                       count=2 if name == "double_click" else 1)
-            return f"{name} at ({x}, {y})"
-        if name == "type":
-            text = action.arg(0, "text")
-            if not isinstance(text, str):
-                raise ActionError("type needs text as a string")
-            if action.arg(1, "target") is not None:
-                x, y = self._point(action, 1, "target")
+            if (a.app, a.name) == ("Files", "open"):
+                return self._open_file(apis.resolve(bound["path"]))
+            return short_result(self._call("api", app=a.app, method=a.name, args=bound))
+        n, p = a.name, a.params
+        if n in ("click", "double_click", "right_click"):
+            (x, y), what = self._point(a) if a.has_point else self._resolve(p["target"])
+            button = {"left": 1, "middle": 2, "right": 3}[p.get("button") or "left"]
+            self._call("click", x=x, y=y, button=3 if n == "right_click" else button,
+                       count=2 if n == "double_click" else 1)
+            return result_text(a, what)
+        if n == "type":
+            what = ""
+            if p["target"] is not None:
+                (x, y), what = self._resolve(p["target"])
                 self._call("click", x=x, y=y)
-            if action.kwargs.get("overwrite"):
+            if p["overwrite"]:
                 self._call("hotkey", keys="ctrl+a")
-            self._call("type", text=text)
-            if action.kwargs.get("enter"):
+            self._call("type", text=p["text"])
+            if p["enter"]:
                 self._call("hotkey", keys="Return")
-            return f"typed {len(text)} character(s)"
-        if name == "hotkey":
-            keys = action.arg(0, "keys")
-            if not isinstance(keys, str) or not keys:
-                raise ActionError("hotkey needs keys such as 'ctrl+s'")
-            self._call("hotkey", keys=keys)
-            return f"pressed {keys}"
-        if name == "scroll":
-            x, y = self._point(action, 0, "target")
-            direction = action.arg(1, "direction")
-            amount = action.kwargs.get("amount", 3)
-            if not isinstance(amount, int) or isinstance(amount, bool):
-                raise ActionError("amount must be an integer")
-            self._call("scroll", x=x, y=y, direction=direction, amount=amount)
-            return f"scrolled {direction}"
-        if name == "drag":
-            x1, y1 = self._resolve(action.arg(0, "source"))
-            x2, y2 = self._resolve(action.arg(1, "destination"))
+            return result_text(a, what)
+        if n == "hotkey":
+            self._call("hotkey", keys=p["keys"])
+            return result_text(a)
+        if n == "scroll":
+            (x, y), what = self._resolve(p["target"])
+            self._call("scroll", x=x, y=y, direction=p["direction"], amount=p["amount"])
+            return result_text(a, what)
+        if n == "drag":
+            (x1, y1), source = self._resolve(p["source"])
+            (x2, y2), destination = self._resolve(p["destination"])
             self._call("drag", x1=x1, y1=y1, x2=x2, y2=y2)
-            return "dragged"
-        if name in ("open_app", "switch_window"):
+            return result_text(a, source, destination)
+        if n in ("open_app", "switch_window"):
             self._window_changed = True  # the next screenshot waits for the new window to be drawn
-            if name == "open_app":
-                return self._open_app(action.arg(0, "name"))
-            return self._switch_window(action.arg(0, "window"))
-        if name == "wait":
-            seconds = action.kwargs.get("seconds", action.args[0] if action.args else 1.0)
-            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
-                raise ActionError("seconds must be a number >= 0")
-            time.sleep(min(float(seconds), MAX_WAIT_S))
-            return "waited"
-        if name in ("done", "fail"):
-            self.outcome = name
-            return "episode ended"
-        raise ActionError(f"{name} is not supported on this desktop")
+            app = self._open_app(p["name"]) if n == "open_app" else self._switch_window(p["window"])
+            return result_text(a, app=app)
+        if n == "wait":
+            time.sleep(float(p["seconds"]))
+        elif n in ("done", "fail"):
+            self.outcome = n
+        return result_text(a)
 
-    def _point(self, action: Action, index: int, key: str) -> tuple[int, int]:
-        if "x" in action.kwargs or "y" in action.kwargs:
-            x, y, grid = action.kwargs.get("x"), action.kwargs.get("y"), action.kwargs.get("grid")
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (x, y)):
-                raise ActionError("x and y must be numbers")
-            if grid is not None:
-                if grid != 1000:
-                    raise ActionError("grid must be 1000 (coordinates on a 0-1000 grid)")
-                x, y = x * self.cfg.width / 1000, y * self.cfg.height / 1000
-            if not (0 <= x < self.cfg.width and 0 <= y < self.cfg.height):
-                raise ActionError(f"({x}, {y}) is off the {self.cfg.width}x{self.cfg.height} screen")
-            return int(x), int(y)
-        return self._resolve(action.arg(index, key))
+    def _point(self, a: Action) -> tuple[tuple[int, int], str]:
+        """Pixels of an x=, y= target, and the innermost element the model last saw under them."""
+        p = a.params
+        x, y = pixels(p["x"], p["y"], p["grid"], self.cfg.width, self.cfg.height)
+        return (x, y), self._described_at(x, y)
 
-    def _resolve(self, target) -> tuple[int, int]:
-        """The centre of an element given by id or accessible name, from the tree the model last saw."""
-        if isinstance(target, bool) or target is None:
-            raise ActionError("give an element id, an accessible name, or x= and y=")
+    def _described_at(self, x: int, y: int) -> str:
+        hits = [r for r in self.rows if r[1] != "frame" and r[3][2] > 0 and r[3][3] > 0
+                and r[3][0] <= x < r[3][0] + r[3][2] and r[3][1] <= y < r[3][1] + r[3][3]]
+        if not hits:
+            return point_text(x, y)
+        row = min(hits, key=lambda r: r[3][2] * r[3][3])
+        return element_text(row[1], row[2])
+
+    def _resolve(self, target) -> tuple[tuple[int, int], str]:
+        """The centre of an element given by id or accessible name in the tree the model last saw (or a checked
+        [x, y] pair), and how a result names it."""
+        if isinstance(target, tuple):
+            x, y = pixels(target[0], target[1], None, self.cfg.width, self.cfg.height)
+            return (x, y), self._described_at(x, y)
         if isinstance(target, int):
             row = next((r for r in self.rows if r[0] == target), None)
             if row is None:
-                raise ActionError(f"no element {target} in the current tree")
-        elif isinstance(target, str):
-            low = target.strip().lower()
-            candidates = [r for r in self.rows if r[2] == target] or \
-                [r for r in self.rows if r[2].lower() == low] or \
-                [r for r in self.rows if low and low in r[2].lower()]
-            candidates = [r for r in candidates if r[3][2] > 0 and r[3][3] > 0]
-            if not candidates:
-                raise ActionError(f"no visible element named {target!r}")
-            row = candidates[0]
+                raise no_element_error(target)
         else:
-            raise ActionError("targets are element ids (int) or accessible names (str)")
+            t = target.strip()
+            visible = [r for r in self.rows if r[3][2] > 0 and r[3][3] > 0]
+            row = next((r for r in visible if r[2] == t), None) or \
+                next((r for r in visible if r[2].lower() == t.lower()), None) or \
+                next((r for r in visible if t and t.lower() in r[2].lower()), None)
+            if row is None:
+                raise no_element_error(target)
         x, y, w, h = row[3]
         cx, cy = x + w // 2, y + h // 2
         if w <= 0 or h <= 0 or not (0 <= cx < self.cfg.width and 0 <= cy < self.cfg.height):
-            raise ActionError(f"element {row[0]} ({row[1]} {row[2]!r}) is not on screen")
-        return cx, cy
+            raise ActionError(f"{element_text(row[1], row[2])} is not on screen")
+        return (cx, cy), element_text(row[1], row[2])
 
-    def _open_app(self, name) -> str:
-        if not isinstance(name, str):
-            raise ActionError("open_app needs an app name")
+    def _open_app(self, name: str) -> str:
         app = APP_ALIASES.get(name.strip().lower())
         if app is None:
-            raise ActionError(f"unknown app {name!r}: Calc, Writer, Editor or Files")
+            raise unknown_app_error(name, APPS)
         for w in self.windows:
             if self._app_of(w) == app:
                 self._call("focus", window=w["id"])
-                return f"focused {app}"
+                return app
         try:
             self.agent.call("launch", timeout_s=self.cfg.start_timeout_s + 5, app=app, timeout=self.cfg.start_timeout_s)
         except AgentActionError as exc:
             raise ActionError(str(exc)) from None
-        return f"opened {app}"
+        return app
 
-    def _switch_window(self, window) -> str:
-        if isinstance(window, int) and not isinstance(window, bool):
+    def _open_file(self, path: str) -> str:
+        app = apis.app_for_file(path)
+        if app not in APPS:
+            raise ActionError(f"no app here opens {path}")
+        self._window_changed = True
+        try:
+            self.agent.call("launch", timeout_s=self.cfg.start_timeout_s + 5, app=app, path=path,
+                            timeout=self.cfg.start_timeout_s)
+        except AgentActionError as exc:
+            raise ActionError(str(exc)) from None
+        return apis.opened_text(path, app)
+
+    def _switch_window(self, window: int | str) -> str:
+        if isinstance(window, int):
             if not 1 <= window <= len(self.windows):
                 raise ActionError(f"no window {window}; windows are 1..{len(self.windows)}")
             win = self.windows[window - 1]
-        elif isinstance(window, str):
-            low = window.lower()
+        else:
+            low = window.strip().lower()
             win = next((w for w in self.windows if low in w["title"].lower() or low == self._app_of(w).lower()), None)
             if win is None:
                 raise ActionError(f"no window titled {window!r}")
-        else:
-            raise ActionError("switch_window needs a window id or title")
         self._call("focus", window=win["id"])
-        return f"switched to {win['title']}"
-
-
-def _short(out, limit: int = 2000) -> str:
-    s = out if isinstance(out, str) else repr(out)
-    return s if len(s) <= limit else s[:limit - 3] + "..."
-
+        return self._app_of(win)
 
 class XvfbBackend(RealDesktopBackend):
     """Real desktops in bubblewrap sandboxes on this host."""

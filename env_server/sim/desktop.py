@@ -13,7 +13,9 @@ import posixpath
 import re
 from typing import Any, Callable
 
-from env_server.actions import Action, ActionError
+from env_server.actions import (Action, ActionError, element_text, no_element_error, pixels, point_text, result_text,
+                                short_result, unknown_app_error)
+from env_server.desktop import apis
 
 SCREEN_W, SCREEN_H = 1280, 720
 HOME = "/home/user"
@@ -81,7 +83,35 @@ class FileSystem:
     def exists(self, p: str) -> bool:
         return p in self.dirs or p in self.files
 
-    def listdir(self, d: str) -> list[tuple[str, bool]]:
+    # The file-system interface ``apis.files_call`` runs the shared Files API on (absolute paths).
+    def isdir(self, p: str) -> bool:
+        return p in self.dirs
+
+    def makedirs(self, p: str) -> None:
+        p = self.norm(p)
+        parent = posixpath.dirname(p)
+        if parent not in self.dirs:
+            self.makedirs(parent)
+        self.mkdir(p)
+
+    def rename(self, src: str, dst: str) -> None:
+        self.move(self.norm(src), self.norm(dst))
+
+    def remove(self, p: str) -> None:
+        self.delete(self.norm(p))
+
+    rmdir = remove
+
+    def read_text(self, p: str, limit: int) -> str:
+        return self.read(self.norm(p))[:limit]
+
+    def write_text(self, p: str, text: str) -> None:
+        self.write(self.norm(p), text)
+
+    def listdir(self, d: str) -> list[str]:
+        return [name for name, _ in self.entries(self.norm(d))]
+
+    def entries(self, d: str) -> list[tuple[str, bool]]:
         """(name, is_dir) sorted folders first."""
         prefix = d.rstrip("/") + "/"
         out = [(p[len(prefix):], True) for p in self.dirs if p.startswith(prefix) and "/" not in p[len(prefix):]]
@@ -173,6 +203,13 @@ class App:
     def api_functions(self) -> dict[str, Callable]:
         return {n: getattr(self, n) for n in self.api_names()}
 
+    def call_api(self, name: str, args: tuple, kwargs: dict) -> Any:
+        """Run one of this app's API functions (checked by ``api_names``) on the model's arguments."""
+        try:
+            return getattr(self, name)(*args, **kwargs)
+        except TypeError as exc:
+            raise ActionError(f"{self.NAME}.{name}: {exc}") from None
+
     def api_schemas(self) -> list[dict]:
         return [{"name": f"{self.NAME}.{n}", "description": (fn.__doc__ or "").strip(), "parameters": fn.api_schema}
                 for n, fn in sorted(self.api_functions().items())]
@@ -217,7 +254,7 @@ class FilesApp(App):
         add("button", "Rename", (x + 130, CONTENT_TOP, 100, 30), states=sel_states, click=self._rename)
         add("button", "Delete", (x + 240, CONTENT_TOP, 100, 30), states=sel_states, click=self._delete_selected)
         add("label", f"Location: {self.cwd}", (x + 360, CONTENT_TOP, 500, 30))
-        entries = fs.listdir(self.cwd)
+        entries = fs.entries(self.cwd)
         self.scroll_top = max(0, min(self.scroll_top, len(entries) - LIST_ROWS))
         add("list", "Folder contents", (10, 72, 620, 32 * LIST_ROWS + 8),
             states=(f"showing {self.scroll_top + 1}-{min(len(entries), self.scroll_top + LIST_ROWS)} "
@@ -312,50 +349,27 @@ class FilesApp(App):
             return False
         return True
 
-    # API
-    @api(_params(path=_s("folder to list")))
-    def list_dir(self, path: str = HOME):
-        """List a folder: names, folders marked with a trailing '/'."""
-        p = self.desk.fs.norm(path)
-        if p not in self.desk.fs.dirs:
-            raise ActionError(f"no folder {p}")
-        return [n + ("/" if d else "") for n, d in self.desk.fs.listdir(p)]
+    # API: the one Files API every desktop has (``env_server/desktop/apis.py``), on the simulated file system
+    @classmethod
+    def api_names(cls) -> tuple[str, ...]:
+        return FILES_API
 
-    @api(_params(path=_s("the new folder's path")))
-    def create_folder(self, path: str):
-        """Create a folder."""
-        self.desk.fs.mkdir(self.desk.fs.norm(path))
-        return "created"
+    def api_schemas(self) -> list[dict]:
+        return apis.schemas_for("Files")
 
-    @api(_params(path=_s("file or folder to rename"), new_name=_s("new name, no '/'")))
-    def rename(self, path: str, new_name: str):
-        """Rename a file or folder in place."""
-        p = self.desk.fs.norm(path)
-        if not isinstance(new_name, str) or not new_name.strip() or "/" in new_name:
-            raise ActionError("new_name must be a plain name")
-        self.desk.fs.move(p, posixpath.join(posixpath.dirname(p), new_name.strip()))
-        return "renamed"
+    def call_api(self, name: str, args: tuple, kwargs: dict) -> Any:
+        try:
+            bound = apis.bind("Files", name, args, kwargs)
+            if name == "open":
+                path = apis.resolve(bound["path"])
+                self.desk.open_document(self.desk.fs.norm(path))
+                return apis.opened_text(path, self.desk.focused)
+            return apis.files_call(name, bound, self.desk.fs)
+        except (apis.ApiArgumentError, apis.FilesError) as exc:
+            raise ActionError(str(exc)) from None
 
-    @api(_params(path=_s("file or folder to move"), folder=_s("destination folder")))
-    def move(self, path: str, folder: str):
-        """Move a file or folder into another folder."""
-        p, d = self.desk.fs.norm(path), self.desk.fs.norm(folder)
-        if d not in self.desk.fs.dirs:
-            raise ActionError(f"no folder {d}")
-        self.desk.fs.move(p, posixpath.join(d, posixpath.basename(p)))
-        return "moved"
 
-    @api(_params(path=_s("file or folder to delete")))
-    def delete(self, path: str):
-        """Delete a file or folder."""
-        self.desk.fs.delete(self.desk.fs.norm(path))
-        return "deleted"
-
-    @api(_params(path=_s("file to open in its app")))
-    def open(self, path: str):
-        """Open a file in the Editor (.txt) or the Sheet app (.sheet)."""
-        self.desk.open_document(self.desk.fs.norm(path))
-        return "opened"
+FILES_API = tuple(s["name"].split(".", 1)[1] for s in apis.schemas_for("Files"))
 
 
 # ----- Editor -----------------------------------------------------------------------------------------
@@ -830,7 +844,7 @@ class Desktop:
             for n, app in self.apps.items():
                 if n.lower() == name.strip().lower():
                     return app
-        raise ActionError(f"no app {name!r}; apps are {', '.join(APP_NAMES)}")
+        raise unknown_app_error(name, APP_NAMES)
 
     def open_document(self, path: str) -> None:
         if path.endswith(".sheet"):
@@ -840,7 +854,7 @@ class Desktop:
             self.apps["Editor"].load(path)
             self.open_app("Editor")
         else:
-            raise ActionError(f"no file {path}")
+            raise ActionError(f"no file or folder {path}")
 
     def close_window(self, name: str) -> None:
         if name in self.open_windows:
@@ -875,51 +889,34 @@ class Desktop:
     def changed(self) -> None:
         self._elements = None
 
-    def find(self, target: Any, role: str | None = None) -> Element:
+    def find(self, target: Any) -> Element:
+        """The element a checked target names: its id, its accessible name, or [x, y] pixels."""
+        if isinstance(target, tuple):
+            return self.at(*target)
         els = self.elements()
-        if isinstance(target, bool) or target is None:
-            raise ActionError("target an element by id (int) or by name (str)")
-        if isinstance(target, (list, tuple)) and len(target) == 2:  # [x, y] pixels, e.g. drag((x1, y1), (x2, y2))
-            return self.at(target[0], target[1])
         if isinstance(target, int):
             if 1 <= target <= len(els):
                 return els[target - 1]
-            raise ActionError(f"no element with id {target}")
-        if isinstance(target, str):
+        else:
             t = target.strip()
-            for e in els:
-                if e.name == t:
-                    return e
-            low = t.lower()
-            for e in els:
-                if e.name.lower() == low:
-                    return e
-            raise ActionError(f"no element named {target!r} on screen")
-        raise ActionError("target an element by id (int) or by name (str)")
+            hit = next((e for e in els if e.name == t), None) or \
+                next((e for e in els if e.name.lower() == t.lower()), None)
+            if hit is not None:
+                return hit
+        raise no_element_error(target)
 
-    def at(self, x: Any, y: Any, grid: Any = None) -> Element:
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (x, y)):
-            raise ActionError("x and y must be numbers")
-        if grid is not None:
-            if grid != 1000:
-                raise ActionError("grid must be 1000 (coordinates on a 0-1000 grid) or omitted (pixels)")
-            x, y = x * SCREEN_W / 1000, y * SCREEN_H / 1000
-        # The innermost element under the point wins: an item over its list, a menu over the items below it.
+    def at(self, x: float, y: float, grid: int | None = None) -> Element:
+        """The innermost element under a point: an item over its list, a menu over the items below it."""
+        x, y = pixels(x, y, grid, SCREEN_W, SCREEN_H)
         hits = [e for e in self.elements() if e.role != "window"
                 and e.bounds[0] <= x < e.bounds[0] + e.bounds[2] and e.bounds[1] <= y < e.bounds[1] + e.bounds[3]]
         if not hits:
-            raise ActionError(f"nothing clickable at ({x:.0f}, {y:.0f})")
+            raise ActionError(f"no element at {point_text(x, y)}")
         return min(hits, key=lambda e: e.bounds[2] * e.bounds[3])
-
-    def _target(self, action: Action, index: int = 0, key: str = "target") -> Element:
-        target = action.arg(index, key)
-        if target is None and ("x" in action.kwargs or "y" in action.kwargs):
-            return self.at(action.kwargs.get("x"), action.kwargs.get("y"), action.kwargs.get("grid"))
-        return self.find(target)
 
     # ---- actions
     def apply(self, action: Action) -> str:
-        """Apply one parsed action; returns a short result text, raises ActionError when it is invalid."""
+        """Apply one parsed action; returns its result text (``result_text``), raises ActionError when invalid."""
         try:
             return self._apply(action)
         finally:
@@ -927,93 +924,85 @@ class Desktop:
 
     def _apply(self, a: Action) -> str:
         if a.is_api:
-            app = self._app_named(a.app)
-            fn = getattr(app, a.name) if a.name in app.api_names() else None
-            if fn is None:
-                raise ActionError(f"{app.NAME} has no function {a.name!r}; it has: "
-                                  f"{', '.join(sorted(app.api_functions()))}")
-            if self.focused != app.NAME:
-                self.open_app(app.NAME)
-            try:
-                out = fn(*a.args, **a.kwargs)
-            except TypeError as exc:
-                raise ActionError(f"{a.app}.{a.name}: {exc}") from None
-            return _short(out)
-        n = a.name
+            return self._api(a)
+        n, p = a.name, a.params
         if n in ("click", "double_click", "right_click"):
-            e = self._target(a)
+            if a.has_point:
+                x, y = pixels(p["x"], p["y"], p["grid"], SCREEN_W, SCREEN_H)
+                try:
+                    e = self.at(x, y)
+                except ActionError:  # a click on bare desktop does nothing, as on a real screen
+                    return result_text(a, point_text(x, y))
+            else:
+                e = self.find(p["target"])
+            kind = "right_click" if p.get("button") == "right" else n
             if "disabled" in e.states:
-                raise ActionError(f"{e.role} {e.name!r} is disabled")
-            handler = {"click": e.click, "double_click": e.double or e.click, "right_click": e.right}[n]
+                raise ActionError(f"{element_text(e.role, e.name)} is disabled")
+            if p.get("button") == "middle":  # no simulated app gives the middle button a meaning
+                return result_text(a, element_text(e.role, e.name))
+            handler = {"click": e.click, "double_click": e.double or e.click, "right_click": e.right}[kind]
             if handler is None:
-                raise ActionError(f"{n} does nothing on {e.role} {e.name!r}")
-            if e.typed is not None and e.key is not None and n == "click":
+                raise ActionError(f"{n} does nothing on {element_text(e.role, e.name)}")
+            if e.typed is not None and e.key is not None and kind == "click":
                 self.focus_key = e.key
             handler()
-            return f"{n} {e.role} {e.name!r}"
+            return result_text(a, element_text(e.role, e.name))
         if n == "type":
-            text = a.arg(0, "text")
-            if not isinstance(text, str):
-                raise ActionError("type(text) needs a string")
-            overwrite = bool(a.kwargs.get("overwrite", False))
-            if a.arg(1, "target") is not None:
-                e = self.find(a.arg(1, "target"))
-            else:
-                e = self._typing_target()
+            named = p["target"] is not None
+            e = self.find(p["target"]) if named else self._typing_target()
             if e.typed is None:
-                raise ActionError(f"cannot type into {e.role} {e.name!r}")
+                raise ActionError(f"cannot type into {element_text(e.role, e.name)}")
             if e.key is not None:
                 self.focus_key = e.key
-            e.typed(text, overwrite)
-            if a.kwargs.get("enter"):
+            e.typed(p["text"], p["overwrite"])
+            if p["enter"]:
                 self.changed()
                 self._hotkey("enter")
-            return f"typed {len(text)} characters into {e.name!r}"
+            return result_text(a, element_text(e.role, e.name) if named else "")
         if n == "hotkey":
-            keys = a.arg(0, "keys")
-            if not isinstance(keys, str) or not keys.strip():
-                raise ActionError("hotkey(keys) needs a string such as 'ctrl+s'")
-            self._hotkey(keys)
-            return f"pressed {keys}"
+            self._hotkey(p["keys"])
+            return result_text(a)
         if n == "scroll":
-            e = self._target(a)
-            direction = a.arg(1, "direction")
-            if direction not in ("up", "down"):
-                raise ActionError("scroll direction must be 'up' or 'down'")
-            amount = a.kwargs.get("amount", 3)
-            if not isinstance(amount, int) or isinstance(amount, bool) or not 1 <= amount <= 100:
-                raise ActionError("scroll amount must be an integer from 1 to 100")
+            e = self.find(p["target"])
             if e.scroll is None:
-                raise ActionError(f"{e.role} {e.name!r} does not scroll")
-            e.scroll(direction, amount)
-            return f"scrolled {direction}"
+                raise ActionError(f"{element_text(e.role, e.name)} does not scroll")
+            e.scroll(p["direction"], p["amount"])
+            return result_text(a, element_text(e.role, e.name))
         if n == "drag":
-            src, dst = self.find(a.arg(0, "source")), self.find(a.arg(1, "destination"))
+            src, dst = self.find(p["source"]), self.find(p["destination"])
             if dst.drop is None or src.key is None:
-                raise ActionError(f"cannot drop {src.name!r} onto {dst.name!r}")
+                raise ActionError(f"cannot drop {element_text(src.role, src.name)} onto "
+                                  f"{element_text(dst.role, dst.name)}")
             dst.drop(src.key)
-            return f"dragged {src.name!r} onto {dst.name!r}"
+            return result_text(a, element_text(src.role, src.name), element_text(dst.role, dst.name))
         if n == "open_app":
-            self.open_app(a.arg(0, "name"))
-            return f"opened {self.focused}"
+            self.open_app(p["name"])
+            return result_text(a, app=self.focused)
         if n == "switch_window":
-            w = a.arg(0, "window")
-            if isinstance(w, int) and not isinstance(w, bool):
+            w = p["window"]
+            if isinstance(w, int):
                 if not 1 <= w <= len(self.open_windows):
-                    raise ActionError(f"no window {w}")
+                    raise ActionError(f"no window {w}; windows are 1..{len(self.open_windows)}")
                 name = self.open_windows[w - 1]
             else:
-                name = self._app_named(w).NAME
-                if name not in self.open_windows:
-                    raise ActionError(f"{name} is not open; use open_app")
+                low = w.strip().lower()
+                name = next((n for n in self.open_windows
+                             if low in self.apps[n].title().lower() or low == n.lower()), None)
+                if name is None:
+                    raise ActionError(f"no window titled {w!r}")
             self.focused, self.focus_key = name, None
-            return f"switched to {name}"
-        if n == "wait":
-            return "waited"
+            return result_text(a, app=name)
         if n in ("done", "fail"):
             self.outcome = n
-            return n
-        raise ActionError(f"unknown action {n!r}")
+        return result_text(a)  # wait, done, fail
+
+    def _api(self, a: Action) -> str:
+        app = self._app_named(a.app)
+        if a.name not in app.api_names():
+            raise ActionError(f"{app.NAME} has no function {a.name!r}; it has: {', '.join(app.api_names())}")
+        if self.focused != app.NAME:
+            self.open_app(app.NAME)
+        return short_result(app.call_api(a.name, a.args, a.kwargs))
 
     def _typing_target(self) -> Element:
         els = self.elements()
@@ -1026,12 +1015,12 @@ class Desktop:
         raise ActionError("no text field has focus: click one first or pass target=")
 
     def _hotkey(self, keys: str) -> None:
+        """Press keys on the focused app; a key it gives no meaning does nothing, as on a real desktop."""
         k = keys.strip().lower().replace(" ", "")
         if k in ("alt+f4", "ctrl+w") and self.focused:
             self.close_window(self.focused)
-            return
-        if self.focused is None or not self.apps[self.focused].key(k):
-            raise ActionError(f"{keys!r} does nothing here")
+        elif self.focused is not None:
+            self.apps[self.focused].key(k)
 
     # ---- observation
     def window_list(self) -> list[dict]:
@@ -1052,7 +1041,3 @@ class Desktop:
             lines.append(s)
         return "\n".join(lines)
 
-
-def _short(out: Any, limit: int = 2000) -> str:
-    s = out if isinstance(out, str) else repr(out)
-    return s if len(s) <= limit else s[:limit - 3] + "..."
