@@ -16,17 +16,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures as cf
-import dataclasses
 import itertools
 import time
 import uuid
 from typing import Any
 
-import numpy as np
 
 from actor.config import ActorConfig
 from actor.engine import Engine, Generation
-from actor.prompt import EpisodePrompt
+from actor.episode import play_episode
 from broker.client import ActorBrokerClient
 from common import protocol as P
 from common.metrics import MetricsWriter, percentile
@@ -34,9 +32,6 @@ from common.net import NetConfig
 from common.rundir import RunDir
 from common.weightsync import RoundFailed, WeightReceiver, WeightSyncConfig
 from env_server.client import EnvClient, EnvError
-
-OBS_TEXT_KEEP = 2000  # observation text kept per turn in a trajectory (debugging only)
-
 
 class EnvLinks:
     """Awaitable requests over the env_server clients."""
@@ -101,6 +96,23 @@ class EnvLinks:
             self.idle_sessions[i].append(sid)
         else:  # let the env_server retire it; nobody waits for the answer
             self.clients[i].send(P.SessionClose, session_id=sid)
+
+
+class RemoteEnv:
+    """One env_server session as an ``EpisodeEnv``."""
+
+    def __init__(self, links: EnvLinks, server: int, session_id: str):
+        self.links, self.server, self.session_id = links, server, session_id
+
+    async def reset(self, task_id: str) -> dict:
+        return (await self.links.call(self.server, P.EnvReset, session_id=self.session_id, task_id=task_id)).obs
+
+    async def step(self, action: str) -> P.EnvObservation:
+        return await self.links.call(self.server, P.EnvStep, session_id=self.session_id, action=action)
+
+    async def evaluate(self) -> dict:
+        ev = await self.links.call(self.server, P.EnvEvaluate, session_id=self.session_id)
+        return {**ev.info, "reward": ev.reward, "success": ev.success}
 
 
 class Actor:
@@ -182,39 +194,21 @@ class Actor:
         sid = await self.env.session(i)
         healthy = False
         try:
-            obs = (await self.env.call(i, P.EnvReset, session_id=sid, task_id=ticket.task_id)).obs
-            prompt = EpisodePrompt(self.tok, self.cfg.prompt, obs.get("instruction", ""))
-            turns: list[P.TurnView] = []
-            limit = self.cfg.max_steps or 10_000
-            finish = "truncated"
-            while len(turns) < limit:
-                ids = prompt.build(obs)
-                gen = await self.generate(ids)
-                t0 = time.perf_counter()
-                step = await self.env.call(i, P.EnvStep, session_id=sid, action=gen.text)
-                self.env_ms.append((time.perf_counter() - t0) * 1000)
-                n = len(gen.token_ids)
-                turns.append(P.TurnView(np.asarray(ids, np.int32), np.asarray(gen.token_ids, np.int32),
-                                        np.asarray(gen.logprobs, np.float32), np.asarray(gen.versions, np.int32),
-                                        np.ones(n, np.uint8), 0.0, bool(step.format_error),
-                                        obs.get("text", "")[:OBS_TEXT_KEEP], gen.text))
-                self.stats["format_errors"] += int(step.format_error)
-                self.stats["turns"] += 1
-                prompt.record(gen.token_ids, str(step.obs.get("last_result", "")))
-                obs = step.obs
-                if step.done:
-                    finish = str(step.info.get("outcome") or "step_limit")
-                    break
-            ev = await self.env.call(i, P.EnvEvaluate, session_id=sid)
+            ep = await play_episode(RemoteEnv(self.env, i, sid), self.policy, ticket.task_id, self.tok,
+                                    self.cfg.prompt, self.cfg.max_steps)
             healthy = True
         finally:
             self.env.release(i, sid, healthy)
-        # Step-level credit (ComputerRL): a well-formed turn of a successful episode earns the reward.
-        turns = [dataclasses.replace(t, reward=0.0 if t.format_error else ev.reward) for t in turns]
-        self.episode_lens.append(len(turns))
+        self.env_ms.extend(s * 1000 for s in ep.step_seconds)
+        self.stats["format_errors"] += ep.format_errors
+        self.stats["turns"] += len(ep.turns)
+        self.episode_lens.append(len(ep.turns))
         self.stats["episodes"] += 1
-        self.stats["successes"] += int(ev.success)
-        return P.Trajectory.from_turns(uuid.uuid4().hex[:12], ev.reward, ev.success, turns, finish_reason=finish)
+        self.stats["successes"] += int(ep.evaluation["success"])
+        return ep.trajectory(uuid.uuid4().hex[:12])
+
+    async def policy(self, prompt_ids: list[int], obs: dict) -> Generation:
+        return await self.generate(prompt_ids)
 
     async def episode_with_rerolls(self, ticket: P.Ticket) -> P.Trajectory | None:
         attempts = 1 + (self.cfg.max_rerolls if self.cfg.env_error == "reroll" else 0)

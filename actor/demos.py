@@ -1,19 +1,55 @@
-"""Oracle demonstrations of sim tasks, recorded as the actor would have recorded its own episodes.
-
-Each demonstration is played on an in-process sim desktop and turned into a token-in/token-out trajectory
-with the run's prompt settings (one turn per demo step: the prompt ids the actor would have built, then the
-oracle's action ids and the end token). Behaviour cloning (``computerrl pretrain``) trains on them, and the
-learner's anti-forgetting anchor (``learner.anchor``) replays them during RL.
+"""Oracle demonstrations of sim tasks, played by the one episode loop (``actor/episode.py``) with the task's
+scripted solver as the policy, so a demo is recorded exactly as the actor records its own episodes: the prompt ids
+the actor would have built, then the oracle's action ids and the end token. Behaviour cloning (``computerrl
+pretrain``) trains on them, and the learner's anti-forgetting anchor replays them (recorded once per run by
+``record_anchor_demos`` into the run directory).
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from typing import Any
 
-import numpy as np
-
+from actor.engine import Generation
+from actor.episode import Episode, LocalEnv, play_episode
 from common import protocol as P
+
+ROUTES = ("api", "gui", "mixed")
+
+
+class OraclePolicy:
+    """The task's scripted solver as a policy: reads the live sim desktop, answers with its next action (as the
+    ids the tokenizer gives it plus the end token); None once the script is over. Keeps what it saw."""
+
+    def __init__(self, backend: Any, tokenizer: Any, route: str, demo: Any, rng: random.Random):
+        self.backend, self.tok, self.route, self.demo, self.rng = backend, tokenizer, route, demo, rng
+        self.end = tokenizer.special("<|end|>") if tokenizer is not None else None
+        self.actions = None
+        self.seen: list[tuple[dict, str]] = []  # (observation, action) per turn
+
+    async def __call__(self, prompt_ids: list[int], obs: dict) -> Generation | None:
+        from env_server.sim import tasks as sim_tasks
+        if self.actions is None:
+            self.actions = sim_tasks.oracle(self.backend.task, self.backend.desk, self.route, self.demo, self.rng)
+        action = next(self.actions, None)
+        if action is None:
+            return None
+        self.seen.append((obs, action))
+        ids = [*self.tok.encode(action), self.end] if self.tok is not None else []
+        return Generation(ids, [0.0] * len(ids), [0] * len(ids), "stop", action)
+
+
+def demonstrate(backend: Any, task_id: str, route: str = "gui", demo: Any = None, seed: int = 0,
+                tokenizer: Any = None, prompt_cfg: Any = None) -> tuple[Episode, list[tuple[dict, str]]]:
+    """One oracle episode of ``task_id`` on a sim ``backend``: the episode, and the (observation, action) pairs."""
+    from actor.prompt import PromptConfig
+    from common.tokenizer import ByteTokenizer
+    tok = tokenizer or ByteTokenizer()
+    policy = OraclePolicy(backend, tok, route, demo, random.Random(f"demo/{task_id}/{route}/{seed}"))
+    episode = asyncio.run(play_episode(LocalEnv(backend), policy, task_id, tok, prompt_cfg or PromptConfig()))
+    return episode, policy.seen
 
 
 def record_demos(suite: str, count: int, prompt_cfg: Any, tokenizer: Any, route: str = "api",
@@ -22,31 +58,41 @@ def record_demos(suite: str, count: int, prompt_cfg: Any, tokenizer: Any, route:
 
     ``route``: api | gui | mixed (a random one per demo); ``detour_prob`` and ``wrong_choice_prob`` make
     demos imperfect (harmless detours, the wrong item on ambiguous screens). Deterministic for its arguments."""
-    from actor.prompt import EpisodePrompt
-    from env_server.sim.backend import SimBackend, demonstrate
-    from env_server.sim import tasks as T
+    from env_server.sim import tasks as sim_tasks
+    from env_server.sim.backend import SimBackend
 
-    T.parse_suite(suite)  # a clear error for a bad suite before any work
-    if route not in ("api", "gui", "mixed"):
+    sim_tasks.parse_suite(suite)  # a clear error for a bad suite before any work
+    if route not in ROUTES:
         raise ValueError(f"demo route must be api, gui or mixed, not {route!r}")
-    demo = T.DemoConfig(detour_prob, wrong_choice_prob)
+    demo = sim_tasks.DemoConfig(detour_prob, wrong_choice_prob)
     rng = random.Random(seed)
     backend = SimBackend()
-    end = tokenizer.special("<|end|>")
     out = []
     for task_seed in range(count):
         task_route = route if route != "mixed" else rng.choice(("api", "gui"))
-        d = demonstrate(backend, f"{suite}/{task_seed}", task_route, demo, seed=seed)
-        prompt = EpisodePrompt(tokenizer, prompt_cfg, d.steps[0][0]["instruction"] if d.steps else "")
-        turns = []
-        for k, (obs, action) in enumerate(d.steps):
-            ids = prompt.build(obs)
-            target = [*tokenizer.encode(action), end]
-            n = len(target)
-            turns.append(P.TurnView(np.asarray(ids, np.int32), np.asarray(target, np.int32), np.zeros(n, np.float32),
-                                    np.zeros(n, np.int32), np.ones(n, np.uint8), 1.0, False, "", action))
-            result = d.steps[k + 1][0].get("last_result", "") if k + 1 < len(d.steps) else ""
-            prompt.record(target, str(result))
-        if turns:
-            out.append(P.Trajectory.from_turns(f"demo-{task_seed}", float(d.success), d.success, turns))
+        episode, _ = demonstrate(backend, f"{suite}/{task_seed}", task_route, demo, seed, tokenizer, prompt_cfg)
+        if episode.turns:
+            out.append(episode.trajectory(f"demo-{task_seed}"))
     return out
+
+
+def record_anchor_demos(cfg: Any, run_dir: Any, log: Any = None) -> int:
+    """Record the oracle demos ``learner.anchor`` replays into the run directory, once: a file already recorded
+    with this run's settings is kept. Returns how many demos the file holds."""
+    from common import demofile
+    from common.model import build_tokenizer
+
+    anchor, path = cfg.learner.anchor, run_dir.anchor_demos
+    settings = demofile.anchor_settings(cfg)
+    try:
+        return len(demofile.load(path, settings))
+    except demofile.DemoFileError:
+        pass  # absent, or recorded for other settings: record anew
+    t0 = time.monotonic()
+    demos = record_demos(anchor.suite, anchor.demos, cfg.actor.prompt, build_tokenizer(cfg.model), anchor.route,
+                         seed=anchor.seed)
+    demofile.save(path, demos, settings)
+    if log is not None:
+        log.info("anchor_demos_recorded", path=str(path), suite=anchor.suite, demos=len(demos),
+                 turns=sum(d.num_turns for d in demos), seconds=round(time.monotonic() - t0, 2))
+    return len(demos)

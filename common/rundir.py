@@ -48,6 +48,11 @@ class RunDir:
         return self.root / "audit"
 
     @property
+    def anchor_demos(self) -> Path:
+        """the oracle demonstrations the learner's anchor replays (``computerrl demos``)"""
+        return self.root / "demos" / "anchor.msgpack"
+
+    @property
     def keys(self) -> Path:
         """CURVE keypairs of this run"""
         return self.root / "keys"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -101,23 +100,32 @@ def learner(config: str | None, run_dir: str | None, resume: bool, overrides: tu
     from learner.process import main as learner_main
 
     cfg, rd, log = _start_role("learner", config, run_dir, overrides, int(os.environ.get("RANK", "0")))
-    sys.exit(learner_main(cfg, rd, log, resume, _anchor_demos(cfg, log)))
+    sys.exit(learner_main(cfg, rd, log, resume, _anchor_demos(cfg, rd)))
 
 
-def _anchor_demos(cfg: Any, log: Any) -> list | None:
-    """The oracle demonstrations ``learner.anchor`` replays (every rank records the same ones), or None."""
-    anchor = cfg.learner.anchor
-    if not anchor.enabled:
+def _anchor_demos(cfg: Any, rd: Any) -> list | None:
+    """The oracle demonstrations ``learner.anchor`` replays, recorded into the run directory by ``computerrl
+    demos`` (``computerrl run`` records them itself), or None when the anchor is off."""
+    if not cfg.learner.anchor.enabled:
         return None
-    from actor.demos import record_demos
-    from common.model import build_tokenizer
+    from common import demofile
+    try:
+        return demofile.load(rd.anchor_demos, demofile.anchor_settings(cfg))
+    except demofile.DemoFileError as exc:
+        raise click.ClickException(f"{exc}; record them first: computerrl demos -c CONFIG --run-dir {rd.root}")
 
-    t0 = time.monotonic()
-    demos = record_demos(anchor.suite, anchor.demos, cfg.actor.prompt, build_tokenizer(cfg.model), anchor.route,
-                         seed=anchor.seed)
-    log.info("anchor_demos_recorded", suite=anchor.suite, demos=len(demos), turns=sum(d.num_turns for d in demos),
-             seconds=round(time.monotonic() - t0, 2))
-    return demos
+
+@main.command()
+@role_options
+def demos(config: str | None, run_dir: str | None, overrides: tuple[str, ...]) -> None:
+    """Record the oracle demonstrations the learner's anchor replays into the run directory (once; kept while the
+    anchor, prompt and tokenizer settings stay the same)."""
+    from actor.demos import record_anchor_demos
+
+    cfg, rd, log = _start_role("demos", config, run_dir, overrides, 0)
+    if not cfg.learner.anchor.enabled:
+        raise click.ClickException("learner.anchor.suite is empty: this run replays no demonstrations")
+    click.echo(f"{record_anchor_demos(cfg, rd, log)} demonstrations in {rd.anchor_demos}")
 
 
 @main.command()

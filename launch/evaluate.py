@@ -8,12 +8,14 @@ are the run's (its config.yaml next to the checkpoints), so a policy is judged o
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
 from actor.engine import HFEngine, SamplingParams
-from actor.prompt import EpisodePrompt, PromptConfig
+from actor.episode import play_lockstep
+from actor.prompt import PromptConfig
 from env_server.sim.backend import SimBackend, SimConfig
 from env_server.sim import tasks as T
 
@@ -41,9 +43,11 @@ def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sa
         for i in range(0, len(task_ids), chunk):
             ids = task_ids[i:i + chunk]
             envs = pool[:len(ids)] if real else [SimBackend(SimConfig()) for _ in ids]
-            chunk_steps, chunk_errors = _play_chunk(engine, envs, ids, prompt_cfg, sampling, max_steps, per_family)
-            steps += chunk_steps
-            format_errors += chunk_errors
+            episodes = asyncio.run(play_lockstep(envs, ids, engine, sampling, engine.tokenizer, prompt_cfg, max_steps))
+            for ep in episodes:
+                steps += len(ep.turns)
+                format_errors += ep.format_errors
+                per_family.setdefault(ep.evaluation["family"], []).append(int(ep.evaluation["success"]))
     finally:
         for env in pool if real else ():
             env.close()
@@ -52,33 +56,6 @@ def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sa
     return {"success_rate": round(total / max(n, 1), 4), "episodes": n,
             "per_family": {f: round(sum(v) / len(v), 4) for f, v in sorted(per_family.items())},
             "format_error_rate": round(format_errors / max(steps, 1), 4), "mean_steps": round(steps / max(n, 1), 2)}
-
-
-def _play_chunk(engine: HFEngine, envs: list, ids: list[str], prompt_cfg: PromptConfig, sampling: SamplingParams,
-                max_steps: int, per_family: dict[str, list[int]]) -> tuple[int, int]:
-    """Play one chunk of episodes in lock step (batched generation); returns (steps, format errors)."""
-    steps = format_errors = 0
-    obs = [e.reset(t) for e, t in zip(envs, ids)]
-    prompts = [EpisodePrompt(engine.tokenizer, prompt_cfg, o["instruction"]) for o in obs]
-    active = list(range(len(ids)))
-    turn = 0
-    while active and (not max_steps or turn < max_steps):
-        gens = engine.generate([prompts[k].build(obs[k]) for k in active], sampling)
-        still = []
-        for k, g in zip(active, gens):
-            r = envs[k].step(g.text)
-            steps += 1
-            format_errors += int(r.format_error)
-            prompts[k].record(g.token_ids, str(r.obs.get("last_result", "")))
-            obs[k] = r.obs
-            if not r.done:
-                still.append(k)
-        active = still
-        turn += 1
-    for e in envs:
-        ev = e.evaluate()
-        per_family.setdefault(ev["family"], []).append(int(ev["success"]))
-    return steps, format_errors
 
 
 def load_policy(checkpoint: str | Path, config: Any | None) -> tuple[HFEngine, PromptConfig, SamplingParams, int]:

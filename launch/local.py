@@ -187,6 +187,11 @@ class Supervisor:
 
     def start(self) -> None:
         net = self.cfg.net
+        if self.cfg.learner.anchor.enabled:  # the learner loads them; recorded here once, before it starts
+            from actor.demos import record_anchor_demos
+            t0 = time.monotonic()
+            n = record_anchor_demos(self.cfg, self.run_dir)
+            self._event(f"anchor demonstrations: {n} in {self.run_dir.anchor_demos} ({time.monotonic() - t0:.1f} s)")
         broker = self._role("broker")
         self._spawn(broker)
         probe(net.broker_host, net.broker_front_port, self.local.ready_timeout_s, net, self.run_dir.keys,

@@ -48,6 +48,39 @@ def test_recorded_demos_follow_the_suite_and_reject_bad_arguments():
         record_demos("sim:train", 1, pc, tok, route="teleport")
 
 
+def test_anchor_demos_are_recorded_once_into_the_run_directory_and_refused_for_other_settings(tmp_path):
+    import os
+
+    import click
+
+    from actor.demos import record_anchor_demos
+    from common import demofile
+    from common.rundir import RunDir
+    from launch.cli import _anchor_demos
+    from launch.config import load_run_config
+
+    cfg = load_run_config(None)
+    cfg.actor.prompt = PromptConfig(style="minimal")
+    cfg.learner.anchor.suite, cfg.learner.anchor.demos = "sim:train:settings_display,editor_replace", 3
+    rd = RunDir.create(tmp_path / "run")
+    with pytest.raises(click.ClickException, match="computerrl demos"):
+        _anchor_demos(cfg, rd)  # the learner does not play desktops: no file, a clear error
+    assert record_anchor_demos(cfg, rd) == 3
+    first = os.stat(rd.anchor_demos)
+    assert record_anchor_demos(cfg, rd) == 3 and os.stat(rd.anchor_demos).st_ino == first.st_ino, "kept, not redone"
+    loaded = _anchor_demos(cfg, rd)
+    expected = record_demos(cfg.learner.anchor.suite, 3, cfg.actor.prompt, ByteTokenizer(), seed=0)
+    assert [(t.prompt_ids.tolist(), t.output_ids.tolist()) for t in loaded] == \
+        [(t.prompt_ids.tolist(), t.output_ids.tolist()) for t in expected]
+    cfg.actor.prompt.history_turns = 1  # the learner's prompts changed: those demos are not its own
+    with pytest.raises(click.ClickException, match="other settings"):
+        _anchor_demos(cfg, rd)
+    assert record_anchor_demos(cfg, rd) == 3 and os.stat(rd.anchor_demos).st_ino != first.st_ino
+    rd.anchor_demos.write_bytes(b"\x93garbage")
+    with pytest.raises(demofile.DemoFileError, match="not a demonstrations file"):
+        demofile.load(rd.anchor_demos, demofile.anchor_settings(cfg))
+
+
 def test_eval_plays_each_family_of_a_weighted_suite_once():
     assert suite_tasks("sim:heldout:sheet_sort*3,editor_replace", 2) == [
         "sim:heldout:sheet_sort/0", "sim:heldout:sheet_sort/1", "sim:heldout:editor_replace/0",

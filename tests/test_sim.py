@@ -298,16 +298,17 @@ def test_scrolling_long_folders_and_dragging_by_coordinates():
 
 
 def test_demonstrations_record_what_the_policy_saw():
-    from env_server.sim.backend import demonstrate
+    from actor.demos import demonstrate
 
     b = SimBackend()
-    d = demonstrate(b, "sim:train:sheet_sum/4", "gui")
-    assert d.success and d.steps[-1][1] == "done()"
-    assert d.steps[0][0]["step"] == 0 and d.steps[0][0]["instruction"] in d.steps[-1][0]["instruction"]
-    assert all(obs["step"] == i for i, (obs, _) in enumerate(d.steps))
-    noisy = [demonstrate(b, f"sim:train:sheet_sort/{s}", "api", T.DemoConfig(wrong_choice_prob=0.5), seed=1)
+    ep, steps = demonstrate(b, "sim:train:sheet_sum/4", "gui")
+    assert ep.evaluation["success"] and steps[-1][1] == "done()" and ep.finish_reason == "done"
+    assert [t.action for t in ep.turns] == [a for _, a in steps]
+    assert steps[0][0]["step"] == 0 and steps[0][0]["instruction"] in steps[-1][0]["instruction"]
+    assert all(obs["step"] == i for i, (obs, _) in enumerate(steps))
+    noisy = [demonstrate(b, f"sim:train:sheet_sort/{s}", "api", T.DemoConfig(wrong_choice_prob=0.5), seed=1)[0]
              for s in range(60)]
-    rate = sum(x.success for x in noisy) / len(noisy)
+    rate = sum(x.evaluation["success"] for x in noisy) / len(noisy)
     assert 0.3 < rate < 0.7, rate
-    assert demonstrate(b, "sim:train:sheet_sort/3", "api", T.DemoConfig(wrong_choice_prob=0.5), seed=1).steps == \
-        demonstrate(b, "sim:train:sheet_sort/3", "api", T.DemoConfig(wrong_choice_prob=0.5), seed=1).steps
+    assert demonstrate(b, "sim:train:sheet_sort/3", "api", T.DemoConfig(wrong_choice_prob=0.5), seed=1)[1] == \
+        demonstrate(b, "sim:train:sheet_sort/3", "api", T.DemoConfig(wrong_choice_prob=0.5), seed=1)[1]

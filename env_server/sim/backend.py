@@ -1,5 +1,5 @@
 """The ``sim`` backend: one simulated desktop (``env_server/sim/desktop.py``) behind the backend interface,
-with its latency model, screenshots and the demonstrations its oracle solver records.
+with its latency model and screenshots. (Its oracle solver's demonstrations are played by ``actor/demos.py``.)
 """
 
 from __future__ import annotations
@@ -138,31 +138,6 @@ class SimBackend(Backend):
         head = f"Windows: {wins or 'none'}\n"
         return head + d.text_tree(self.cfg.tree_cap, self.cfg.text_bounds) + \
             (f"\nLast result: {self.last_result}" if self.last_result else "")
-
-
-@dataclass
-class Demonstration:
-    """One oracle episode: the observation before each action, the action, and the verifier's verdict."""
-
-    task_id: str
-    route: str
-    steps: list[tuple[dict, str]]
-    success: bool
-
-
-def demonstrate(backend: SimBackend, task_id: str, route: str = "gui", demo: T.DemoConfig | None = None,
-                seed: int = 0) -> Demonstration:
-    """Play the oracle on ``backend`` (imperfect per ``demo``), recording what a policy would have seen."""
-    obs = backend.reset(task_id)
-    steps = []
-    rng = random.Random(f"demo/{task_id}/{route}/{seed}")
-    for action in T.oracle(backend.task, backend.desk, route, demo, rng):
-        steps.append((obs, action))
-        result = backend.step(action)
-        obs = result.obs
-        if result.done:
-            break
-    return Demonstration(task_id, route, steps, bool(backend.evaluate()["success"]))
 
 
 def api_schemas(app: str | None = None) -> list[dict]:

@@ -1,0 +1,154 @@
+"""The one episode loop: observe, build the prompt, ask the policy, step the desktop, until done; then evaluate.
+
+Every caller plays episodes through ``play_episode`` so that a policy is trained, evaluated and demonstrated on the
+same prompts: the actor (remote desktops on env_servers, the engine behind a batcher), ``computerrl eval``
+(in-process desktops, generations batched across episodes) and demonstration recording (an oracle as the policy).
+Desktops and policies are awaitables, so one asyncio loop interleaves many episodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from actor.engine import Generation
+from actor.prompt import EpisodePrompt, PromptConfig
+from common import protocol as P
+
+OBS_TEXT_KEEP = 2000  # observation text kept per turn in a trajectory (debugging only)
+
+
+class EpisodeEnv(Protocol):
+    """A desktop as an episode sees it (an env_server session, or an in-process backend)."""
+
+    async def reset(self, task_id: str) -> dict: ...
+
+    async def step(self, action: str) -> Any: ...  # .obs, .done, .format_error, .info
+
+    async def evaluate(self) -> dict: ...  # reward, success, ...
+
+
+class Policy(Protocol):
+    """Maps the prompt ids (and the observation they render) to one generation; None ends the episode."""
+
+    async def __call__(self, prompt_ids: list[int], obs: dict) -> Generation | None: ...
+
+
+@dataclass
+class Episode:
+    """One played episode: its turns (token-in/token-out, rewards not yet assigned) and the verdict."""
+
+    task_id: str
+    turns: list[P.TurnView]
+    evaluation: dict
+    finish_reason: str
+    step_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def format_errors(self) -> int:
+        return sum(int(t.format_error) for t in self.turns)
+
+    def trajectory(self, traj_id: str) -> P.Trajectory:
+        """The trajectory with step-level credit (ComputerRL): a well-formed turn earns the episode's reward."""
+        reward = float(self.evaluation["reward"])
+        turns = [dataclasses.replace(t, reward=0.0 if t.format_error else reward) for t in self.turns]
+        return P.Trajectory.from_turns(traj_id, reward, bool(self.evaluation["success"]), turns,
+                                       finish_reason=self.finish_reason)
+
+
+async def play_episode(env: EpisodeEnv, policy: Policy, task_id: str, tokenizer: Any, prompt_cfg: PromptConfig,
+                       max_steps: int = 0) -> Episode:
+    """Play ``task_id`` on ``env`` with ``policy``; ``max_steps`` = 0 leaves the step limit to the desktop."""
+    loop = asyncio.get_running_loop()
+    obs = await env.reset(task_id)
+    prompt = EpisodePrompt(tokenizer, prompt_cfg, obs.get("instruction", ""))
+    turns: list[P.TurnView] = []
+    seconds: list[float] = []
+    finish = "truncated"
+    while not max_steps or len(turns) < max_steps:
+        ids = prompt.build(obs)
+        gen = await policy(ids, obs)
+        if gen is None:
+            finish = "policy_stopped"
+            break
+        t0 = loop.time()
+        step = await env.step(gen.text)
+        seconds.append(loop.time() - t0)
+        n = len(gen.token_ids)
+        turns.append(P.TurnView(np.asarray(ids, np.int32), np.asarray(gen.token_ids, np.int32),
+                                np.asarray(gen.logprobs, np.float32), np.asarray(gen.versions, np.int32),
+                                np.ones(n, np.uint8), 0.0, bool(step.format_error),
+                                str(obs.get("text", ""))[:OBS_TEXT_KEEP], gen.text))
+        prompt.record(gen.token_ids, str(step.obs.get("last_result", "")))
+        obs = step.obs
+        if step.done:
+            finish = str(step.info.get("outcome") or "step_limit")
+            break
+    return Episode(task_id, turns, await env.evaluate(), finish, seconds)
+
+
+class LocalEnv:
+    """An in-process desktop backend (sim or real) as an ``EpisodeEnv``: its calls run inline."""
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+
+    async def reset(self, task_id: str) -> dict:
+        return self.backend.reset(task_id)
+
+    async def step(self, action: str) -> Any:
+        return self.backend.step(action)
+
+    async def evaluate(self) -> dict:
+        return self.backend.evaluate()
+
+
+class LockstepPolicy:
+    """An engine as the policy of ``live`` concurrent episodes: generates once every live episode is waiting, so
+    their prompts go to the engine as one batch (eval's lock step)."""
+
+    def __init__(self, engine: Any, sampling: Any, live: int):
+        self.engine, self.sampling, self.live = engine, sampling, live
+        self.waiting: list[tuple[list[int], asyncio.Future]] = []
+
+    async def __call__(self, prompt_ids: list[int], obs: dict) -> Generation:
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append((prompt_ids, fut))
+        self._maybe_generate()
+        return await fut
+
+    def finished(self) -> None:
+        """One episode ended: the others need not wait for it."""
+        self.live -= 1
+        self._maybe_generate()
+
+    def _maybe_generate(self) -> None:
+        if not self.waiting or len(self.waiting) < self.live:
+            return
+        batch, self.waiting = self.waiting, []
+        try:
+            gens = self.engine.generate([ids for ids, _ in batch], self.sampling)
+        except Exception as exc:  # every waiting episode fails with the engine's error
+            for _, fut in batch:
+                fut.set_exception(exc)
+            return
+        for (_, fut), g in zip(batch, gens):
+            fut.set_result(g)
+
+
+async def play_lockstep(envs: list[Any], task_ids: list[str], engine: Any, sampling: Any, tokenizer: Any,
+                        prompt_cfg: PromptConfig, max_steps: int = 0) -> list[Episode]:
+    """One episode per (in-process backend, task id), all advancing together with batched generations."""
+    policy = LockstepPolicy(engine, sampling, len(task_ids))
+
+    async def one(backend: Any, task_id: str) -> Episode:
+        try:
+            return await play_episode(LocalEnv(backend), policy, task_id, tokenizer, prompt_cfg, max_steps)
+        finally:
+            policy.finished()
+
+    return list(await asyncio.gather(*(one(b, t) for b, t in zip(envs, task_ids))))

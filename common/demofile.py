@@ -1,0 +1,59 @@
+"""Recorded demonstrations on disk: one file of trajectories (the wire codec's ``TrajectoryGroup``) with the
+settings that produced them, so a reader can tell demos made for another prompt or tokenizer from its own."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from common import protocol as P
+
+
+def anchor_settings(cfg: Any) -> dict:
+    """What the learner's anchor demos depend on: the suite, count, route and seed, the prompt layout and the
+    tokenizer (``cfg`` is the run config)."""
+    a, m = cfg.learner.anchor, cfg.model
+    settings = {"suite": a.suite, "demos": a.demos, "route": a.route, "seed": a.seed,
+                "prompt": dataclasses.asdict(cfg.actor.prompt), "tokenizer": [m.tokenizer, m.tokenizer_path or m.path]}
+    return json.loads(json.dumps(settings))  # the types a msgpack round trip gives back
+
+
+class DemoFileError(RuntimeError):
+    """Missing, unreadable, or recorded with other settings than the reader's."""
+
+
+def save(path: Path, trajectories: list[P.Trajectory], settings: dict) -> None:
+    """Write atomically (temporary file, fsync, rename): a reader sees the old file or the whole new one."""
+    group = P.TrajectoryGroup(group_id="demos", ticket_id="demos", task_id=str(settings.get("suite", "")),
+                              actor_id="demos", trajectories=trajectories, behavior_version_min=0,
+                              behavior_version_max=0, created_at=0.0, complete=True, info={"settings": settings})
+    frames = [bytes(f) for f in P.encode(group)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(msgpack.packb(frames, use_bin_type=True))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load(path: Path, settings: dict) -> list[P.Trajectory]:
+    """The trajectories of ``path``, which must have been recorded with exactly ``settings``."""
+    if not path.exists():
+        raise DemoFileError(f"no demonstrations at {path}")
+    try:
+        frames = msgpack.unpackb(path.read_bytes(), raw=False)
+        group = P.decode(frames, max_bytes=None)
+    except (ValueError, P.ProtocolError, msgpack.UnpackException) as exc:
+        raise DemoFileError(f"{path} is not a demonstrations file: {exc}") from None
+    if not isinstance(group, P.TrajectoryGroup):
+        raise DemoFileError(f"{path} holds a {type(group).__name__}, not demonstrations")
+    recorded: Any = group.info.get("settings")
+    if recorded != settings:
+        raise DemoFileError(f"{path} was recorded with other settings ({recorded}) than this run's ({settings})")
+    return list(group.trajectories)
