@@ -59,7 +59,7 @@ def editor_latency(steps: int) -> dict:
     """Median step on the GTK editor: backend step vs the agent's raw round trips for the same work."""
     backend = XvfbBackend(DesktopConfig(office=False, screenshot="jpeg", settle_s=0.0))
     try:
-        backend.reset("desk:editor_append/0")
+        backend.reset("desk:train:editor_append/0")
         full, raw = [], []
         for i in range(steps):
             t = time.perf_counter()
@@ -81,12 +81,12 @@ def office_resets(n: int) -> dict:
     backend = XvfbBackend(DesktopConfig(office=True, screenshot="jpeg"))
     try:
         t = time.perf_counter()
-        backend.reset("desk:calc_set_cell/0")  # the first one starts the sandbox and LibreOffice
+        backend.reset("desk:train:calc_set_cell/0")  # the first one starts the sandbox and LibreOffice
         first = time.perf_counter() - t
         times = []
         for i in range(n):
             t = time.perf_counter()
-            backend.reset(f"desk:calc_set_cell,writer_replace/{i + 1}")
+            backend.reset(f"desk:train:calc_set_cell,writer_replace/{i + 1}")
             times.append(time.perf_counter() - t)
         return {"office_first_reset_s": round(first, 2), "office_reset_s_median": round(statistics.median(times), 2),
                 "office_reset_s_max": round(max(times), 2)}
@@ -116,7 +116,7 @@ def concurrent(desktops: int, total_steps: int, ramp_s: float = 1.0, max_seconds
                     if counts["steps"] >= total_steps or time.monotonic() > deadline:
                         return
                 try:
-                    backend.reset(f"desk/{seed}")
+                    backend.reset(f"desk:train/{seed}")
                     for action in T.solver(backend.task):
                         backend.step(action)
                         with lock:

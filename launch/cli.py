@@ -198,7 +198,7 @@ def chaos(config: str, run_dir: str, steps: int, kills: int, seed: int, sigterm_
 @click.option("--checkpoint", required=True, type=click.Path(exists=True, file_okay=False),
               help="a checkpoint directory (step-N) or a run's checkpoints/ directory (its latest)")
 @click.option("--suite", default="sim:heldout", show_default=True,
-              help="sim:<train|heldout|paraphrase>[:family,...], or desk[:family,...] for real xvfb desktops")
+              help="sim:<train|heldout|paraphrase>[:family,...], or desk:<split>[:family,...] for real xvfb desktops")
 @click.option("--episodes", default=20, show_default=True, help="episodes per family")
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy")
 @click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False),

@@ -17,16 +17,16 @@ from actor.engine import HFEngine, SamplingParams
 from actor.episode import play_lockstep
 from actor.prompt import PromptConfig
 from env_server.sim.backend import SimBackend, SimConfig
-from env_server.sim import tasks as T
 
 
 def suite_tasks(suite: str, episodes: int) -> list[str]:
-    """``sim:<split>[:fam,...]`` or ``desk[:fam,...]`` -> task ids, ``episodes`` per family (seeds 0..N-1)."""
+    """``<sim|desk>:<split>[:fam,...]`` -> task ids, ``episodes`` per family (seeds 0..N-1)."""
     if suite.split(":")[0] == "desk":
-        from env_server.desktop import tasks as DT
-        return [f"desk:{fam}/{seed}" for fam in DT.parse_suite(suite) for seed in range(episodes)]
-    split, fams = T.parse_suite(suite)
-    return [f"sim:{split}:{fam}/{seed}" for fam in dict.fromkeys(fams) for seed in range(episodes)]
+        from env_server.desktop.tasks import TASKS
+    else:
+        from env_server.sim.tasks import TASKS
+    split, fams = TASKS.parse_suite(suite)
+    return [f"{TASKS.kind}:{split}:{fam}/{seed}" for fam in dict.fromkeys(fams) for seed in range(episodes)]
 
 
 def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sampling: SamplingParams,

@@ -86,7 +86,7 @@ def test_the_simulated_desktop_keeps_the_action_contract():
 @needs_desktop
 def test_a_real_desktop_keeps_the_same_action_contract(desktop):
     backend = desktop(office=False, screenshot="none")
-    backend.reset("desk:files_create_folder/0")
+    backend.reset("desk:train:files_create_folder/0")
     check(play(backend))
 
 

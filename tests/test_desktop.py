@@ -53,8 +53,8 @@ def test_the_verifiers_copy_leaves_out_links_devices_fifos_and_oversized_files(t
     report = homefs.snapshot(home, copy, homefs.SnapshotLimits(max_file_bytes=1024))
     assert sorted(str(p.relative_to(copy)) for p in copy.rglob("*")) == ["Documents", "Documents/plain.txt"]
     assert report.skipped == {"link": 3, "special_file": 1, "too_large": 1}
-    task = T.DesktopTask("desk:editor_new_file/0", "editor_new_file", "", {"name": "notes1.txt",
-                                                                            "text": "the cat sat on the mat"}, 5)
+    task = T.Task("desk:train:editor_new_file/0", "editor_new_file", "train", 0, "",
+                  {"name": "notes1.txt", "text": "the cat sat on the mat"}, True, 5)
     assert T.verify(home, task), "the raw home would have fooled the verifier"
     assert not T.verify(copy, task)
 
@@ -163,16 +163,28 @@ def test_the_real_suite_has_twenty_task_families_across_apps_with_deterministic_
     multi = [f for f in T.FAMILIES.values() if len(f.apps) > 1]
     assert len(multi) >= 3
     assert {"Calc", "Writer", "Editor", "Files"} <= {a for f in T.FAMILIES.values() for a in f.apps}
-    a, b = T.make_task("desk/7"), T.make_task("desk/7")
+    a, b = T.make_task("desk:train/7"), T.make_task("desk:train/7")
     assert a.instruction == b.instruction and a.params == b.params
-    assert T.make_task("desk:calc_sort,files_move/1").family == "files_move"
-    for bad in ("desk", "desk/x", "sim:train/1", "desk:nope/1"):
+    assert T.make_task("desk:train:calc_sort,files_move/1").family == "files_move"
+    for bad in ("desk", "desk:train/x", "sim:train/1", "desk:train:nope/1", "desk:calc_sum/1"):
         with pytest.raises(ActionError):
             T.make_task(bad)
 
 
+def test_real_desktop_tasks_have_held_out_instances_and_a_held_out_phrasing():
+    for fam in T.FAMILY_NAMES:
+        train = [T.make_task(f"desk:train:{fam}/{s}") for s in range(6)]
+        held = [T.make_task(f"desk:heldout:{fam}/{s}") for s in range(6)]
+        para = [T.make_task(f"desk:paraphrase:{fam}/{s}") for s in range(6)]
+        assert {t.template for t in train + held} == {0} and {t.template for t in para} == {1}, fam
+        assert [t.params for t in para] == [t.params for t in held], "the paraphrase split rewords held-out instances"
+        assert all(p.instruction != h.instruction for p, h in zip(para, held)), fam
+        # a disjoint generator stream (a small instance space may still repeat an instance by chance)
+        assert [t.params for t in train] != [t.params for t in held], fam
+
+
 def test_a_missing_file_fails_the_verifier_instead_of_raising(tmp_path):
-    task = T.make_task("desk:calc_sum/0")
+    task = T.make_task("desk:train:calc_sum/0")
     assert T.verify(tmp_path, task) is False
 
 
@@ -231,7 +243,7 @@ def test_every_task_is_solved_by_its_solver_and_failed_by_doing_nothing(desktop)
     backend = desktop(screenshot="jpeg")
     results = {}
     for i, fam in enumerate(T.FAMILIES):
-        task_id = f"desk:{fam}/{i}"
+        task_id = f"desk:train:{fam}/{i}"
         obs = backend.reset(task_id)
         assert obs["instruction"] and obs["windows"], fam
         errors = []
@@ -260,7 +272,7 @@ def test_gui_actions_drive_the_editor_and_bad_actions_are_observations(desktop, 
     (template / ".config" / "marker").write_text("from the template")
     backend = desktop(office=False, screenshot="none", home_template=str(template))
     (backend.spec.home / "left-over.txt").write_text("from an earlier episode")
-    obs = backend.reset("desk:editor_append/0")
+    obs = backend.reset("desk:train:editor_append/0")
     assert (backend.spec.home / ".config" / "marker").read_text() == "from the template"
     assert not (backend.spec.home / "left-over.txt").exists()  # a fresh home each reset
     assert obs["focused_app"] == "Editor"
@@ -283,7 +295,7 @@ def test_gui_actions_drive_the_editor_and_bad_actions_are_observations(desktop, 
 @needs_desktop
 def test_the_sandbox_confines_writes_to_its_home_and_has_no_network(desktop, tmp_path):
     backend = desktop(office=False, screenshot="none")
-    backend.reset("desk:files_create_folder/0")
+    backend.reset("desk:train:files_create_folder/0")
     outside = tmp_path / "outside.txt"
     for path in ("/etc/computerrl-escape", str(outside), "/usr/escape.txt"):
         r = backend.step(f"Files.write_text({path!r}, 'escaped')")
@@ -316,7 +328,7 @@ def test_the_sandbox_confines_writes_to_its_home_and_has_no_network(desktop, tmp
 @needs_desktop
 def test_links_planted_in_a_real_desktops_home_are_refused_by_verifier_and_reset(desktop):
     backend = desktop()
-    backend.reset("desk:editor_new_file/0")
+    backend.reset("desk:train:editor_new_file/0")
     with pytest.raises(ActionError, match="fault injection is off"):  # no test hook in a normal desktop
         backend._call("debug_kill", target="xvfb")
     p = backend.task.params
@@ -334,7 +346,7 @@ def test_links_planted_in_a_real_desktops_home_are_refused_by_verifier_and_reset
         # A folder link where the next task writes its files: the reset replaces it, writing nothing through it.
         shutil.rmtree(backend.spec.home / "Documents")
         (backend.spec.home / "Documents").symlink_to(host)
-        backend.reset("desk:editor_new_file/1")
+        backend.reset("desk:train:editor_new_file/1")
         assert os.listdir(host) == ["answer.txt"]
         assert (backend.spec.home / "Documents").is_dir() and not (backend.spec.home / "Documents").is_symlink()
     finally:
@@ -350,7 +362,7 @@ def test_a_sandbox_that_cannot_start_says_why(desktop, work_dir):
     backend = desktop()
     backend.sandbox.bwrap = str(broken)
     with pytest.raises(BackendError, match="(?s)exited before its agent was ready.*No permissions to creating"):
-        backend.reset("desk:editor_new_file/0")
+        backend.reset("desk:train:editor_new_file/0")
 
 
 @pytest.mark.slow
@@ -371,8 +383,8 @@ def test_a_crashed_x_server_is_detected_the_desktop_rebuilt_and_other_sessions_k
     client.connect(10)
     try:
         victim, bystander = client.open(), client.open()
-        client.reset(victim, "desk:editor_append/0")
-        client.reset(bystander, "desk:editor_replace/1")
+        client.reset(victim, "desk:train:editor_append/0")
+        client.reset(bystander, "desk:train:editor_replace/1")
         backend = server.sessions[victim].backend
         backend.agent.call("debug_kill", target="xvfb")
         assert not backend.healthy()
@@ -380,7 +392,7 @@ def test_a_crashed_x_server_is_detected_the_desktop_rebuilt_and_other_sessions_k
             client.step(victim, "type('x')")
         r = client.step(bystander, "hotkey('ctrl+End')")  # the other desktop is untouched
         assert "ERROR" not in r.obs["last_result"]
-        obs = client.reset(victim, "desk:editor_append/2")  # a fresh desktop for the next episode
+        obs = client.reset(victim, "desk:train:editor_append/2")  # a fresh desktop for the next episode
         assert obs["focused_app"] == "Editor"
         assert server.counters["desktops_retired_error"] >= 1
         assert server.counters["desktops_started"] == 3
@@ -403,8 +415,8 @@ def test_eval_plays_a_policy_on_a_real_desktop_suite(work_dir):
     from env_server.desktop.backend import DesktopConfig
     from launch.evaluate import evaluate, load_policy, suite_tasks
 
-    tasks = suite_tasks("desk:files_create_folder,editor_append", 1)
-    assert tasks == ["desk:files_create_folder/0", "desk:editor_append/0"]
+    tasks = suite_tasks("desk:heldout:files_create_folder,editor_append", 1)
+    assert tasks == ["desk:heldout:files_create_folder/0", "desk:heldout:editor_append/0"]
     engine, prompt_cfg, sampling, _ = load_policy(REPO / "configs" / "base-policy", None)
     result = evaluate(engine, tasks, prompt_cfg, dataclasses.replace(sampling, temperature=0.0), max_steps=2,
                       desktop=DesktopConfig(office=False, screenshot="none", work_dir=str(work_dir)))

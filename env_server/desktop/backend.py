@@ -115,7 +115,7 @@ class RealDesktopBackend(Backend):
         self.spec.run_dir.mkdir()
         self.sandbox = self._make_sandbox()
         self.agent = AgentClient(self.spec.socket, self.cfg.call_timeout_s)
-        self.task: T.DesktopTask | None = None
+        self.task: T.Task | None = None
         self.steps = self.max_steps = self.format_errors = 0
         self.outcome: str | None = None
         self.last_result = ""

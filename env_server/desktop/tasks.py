@@ -1,21 +1,21 @@
 """Real-desktop tasks: LibreOffice Calc and Writer, a GTK text editor, a file manager, and tasks across them.
 
-A task id is ``desk[:family,...]/<seed>``; the seed picks the family (round robin over the suite's) and the
-instance. Each family has a setup (files written into the desktop's fresh home, apps opened on them), an
-instruction, a verifier that reads the files the desktop saved (ods/xlsx/odt/docx/txt contents, never the
-agent's claim), and a scripted solver — a policy of action strings through the same action space a model
-uses, which proves the task solvable through the backend.
+Families register into the task-family protocol (``env_server/tasks.py``: task ids
+``desk:<split>[:family,...]/<seed>``, train / held-out / paraphrase splits). Each family has a setup (files
+written into the desktop's fresh home, apps opened on them), a training instruction and a held-out paraphrase, a
+verifier that reads the files the desktop saved (ods/xlsx/odt/docx/txt contents, never the agent's claim), and a
+scripted solver — a policy of action strings through the same action space a model uses, which proves the task
+solvable through the backend.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from env_server.actions import ActionError
 from env_server.desktop import docfiles as D
+from env_server.tasks import Task, TaskFamily, TaskRegistry
 
 WORDS = ("budget", "report", "summary", "invoice", "agenda", "notes", "plan", "review", "minutes", "outline")
 NAMES = ("alex", "sam", "jordan", "robin", "kim", "lee", "morgan", "taylor", "casey", "drew")
@@ -30,38 +30,16 @@ FOLDERS = ("Documents", "Downloads", "Desktop")
 """the folders every fresh home has"""
 
 
-@dataclass
-class Family:
-    name: str
-    apps: tuple[str, ...]
-    """apps the task involves (a task with two is a multi-app task)"""
-    generate: Callable[[random.Random], dict]
-    instruction: Callable[[dict], str]
-    setup: Callable[[Path, dict], list[tuple[str, str | None]]]
-    """writes the task's files into the home; returns the (app, file) windows to open"""
-    verify: Callable[[Path, dict], bool]
-    solve: Callable[[dict], Iterator[str]]
-    max_steps: int = 12
-
-
-@dataclass
-class DesktopTask:
-    task_id: str
-    family: str
-    instruction: str
-    params: dict
-    max_steps: int
-    apps: tuple[str, ...] = field(default_factory=tuple)
-
-
-FAMILIES: dict[str, Family] = {}
+TASKS = TaskRegistry("desk", rng_prefix="desk/")
+FAMILIES = TASKS.families
 
 
 def family(name: str, apps: tuple[str, ...], max_steps: int = 12):
-    """Register a class of plain functions (generate, instruction, setup, verify, solve) as a task family."""
+    """Register a class of plain functions (generate, instruction, paraphrase, setup, verify, solve) as a task
+    family: ``instruction`` is the training wording, ``paraphrase`` the held-out one."""
     def register(cls):
-        FAMILIES[name] = Family(name, apps, cls.generate, cls.instruction, cls.setup, _safe(cls.verify), cls.solve,
-                                max_steps)
+        TASKS.register(TaskFamily(name, cls.generate, lambda p: (cls.instruction(p), cls.paraphrase(p)), cls.setup,
+                                  _safe(cls.verify), cls.solve, max_steps=max_steps, apps=apps))
         return cls
     return register
 
@@ -93,6 +71,9 @@ class CalcSetCell:
     def instruction(p):
         return f"In {p['file']} (open in Calc), set cell {p['cell']} to {p['value']} and save the file."
 
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"Open {p['file']} in the spreadsheet, enter {p['value']} in {p['cell']}, then save."
+
     def setup(home, p):
         D.write_ods(home / p["file"], p["rows"])
         return [("Calc", p["file"])]
@@ -115,6 +96,9 @@ class CalcSum:
     def instruction(p):
         last = p["n"] + 1
         return f"In sales.ods, put the total of B2:B{last} into cell B{last + 1} and save."
+
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"Cell B{p['n'] + 3} of sales.ods should hold the sum of B2:B{p['n'] + 1}. Save the file."
 
     def setup(home, p):
         D.write_ods(home / p["file"], p["rows"])
@@ -140,6 +124,9 @@ class CalcSort:
         order = "ascending" if p["ascending"] else "descending"
         return f"Sort the rows of people.ods by the {p['by']} column in {order} order, keep the header row " \
                "on top, and save."
+
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"Order the data rows of people.ods by {p['by']}, {'ascending' if p['ascending'] else 'descending'}, with the header staying first; save."
 
     def setup(home, p):
         D.write_ods(home / p["file"], p["rows"])
@@ -168,6 +155,9 @@ class CalcBoldHeader:
     def instruction(p):
         return f"Make the header row (A1:B1) of {p['file']} bold and save the file."
 
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"Put the first row (A1:B1) of {p['file']} in bold, then save it."
+
     def setup(home, p):
         D.write_ods(home / p["file"], p["rows"])
         return [("Calc", p["file"])]
@@ -188,6 +178,9 @@ class CalcExportXlsx:
 
     def instruction(p):
         return f"Save {p['name']}.ods as an Excel file {p['name']}.xlsx in the {p['folder']} folder."
+
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"Export {p['name']}.ods to the xlsx format as {p['folder']}/{p['name']}.xlsx."
 
     def setup(home, p):
         D.write_ods(home / f"{p['name']}.ods", p["rows"])
@@ -211,6 +204,9 @@ class CalcMax:
 
     def instruction(p):
         return f"In scores.ods, write the largest amount into cell {p['cell']} and save."
+
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"Find the highest amount in scores.ods, put it in {p['cell']} and save the spreadsheet."
 
     def setup(home, p):
         D.write_ods(home / p["file"], p["rows"])
@@ -242,6 +238,9 @@ class WriterReplace:
     def instruction(p):
         return f"In letter.odt, replace every \"{p['a']}\" with \"{p['b']}\" and save."
 
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"Change each \"{p['a']}\" in letter.odt to \"{p['b']}\", then save the document."
+
     def setup(home, p):
         D.write_odt(home / p["file"], p["paras"])
         return [("Writer", p["file"])]
@@ -264,6 +263,9 @@ class WriterAppend:
     def instruction(p):
         return f"Add the line \"{p['line']}\" as a new last paragraph of memo.odt and save."
 
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"memo.odt should end with a new paragraph \"{p['line']}\"; add it and save."
+
     def setup(home, p):
         D.write_odt(home / p["file"], p["paras"])
         return [("Writer", p["file"])]
@@ -284,6 +286,9 @@ class WriterFont:
 
     def instruction(p):
         return f"Set all text of essay.odt to the font {p['font']} at {p['size']} pt and save."
+
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"Format the whole of essay.odt in {p['font']}, {p['size']} pt, and save."
 
     def setup(home, p):
         D.write_odt(home / p["file"], p["paras"])
@@ -308,6 +313,9 @@ class WriterExportDocx:
     def instruction(p):
         return f"Save {p['name']}.odt as a Word document {p['name']}.docx in the same folder."
 
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"Export {p['name']}.odt to Word format, as {p['name']}.docx next to it."
+
     def setup(home, p):
         D.write_odt(home / f"{p['name']}.odt", p["paras"])
         return [("Writer", f"{p['name']}.odt")]
@@ -327,6 +335,9 @@ class WriterNewDoc:
     def instruction(p):
         return f"Create a new Writer document whose only paragraph is \"{p['text']}\" and save it as " \
                f"Documents/{p['name']}.odt."
+
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"Write a new text document holding just \"{p['text']}\" and store it as Documents/{p['name']}.odt."
 
     def setup(home, p):
         return [("Writer", None)]
@@ -355,6 +366,9 @@ class EditorAppend:
     def instruction(p):
         return f"In the text editor, add the line \"{p['line']}\" at the end of todo.txt and save it."
 
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"todo.txt needs one more line at the bottom: \"{p['line']}\". Add it in the editor and save."
+
     def setup(home, p):
         _lines_file(home, p["file"], p["lines"])
         return [("Editor", p["file"])]
@@ -379,6 +393,9 @@ class EditorReplace:
     def instruction(p):
         return f"In the text editor, change every \"{p['a']}\" in notes.txt to \"{p['b']}\" and save it."
 
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"Use the text editor to turn each \"{p['a']}\" of notes.txt into \"{p['b']}\", then save."
+
     def setup(home, p):
         _lines_file(home, p["file"], p["lines"])
         return [("Editor", p["file"])]
@@ -400,6 +417,9 @@ class EditorNewFile:
 
     def instruction(p):
         return f"With the text editor, create Documents/{p['name']} containing the line \"{p['text']}\"."
+
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"Make a text file Documents/{p['name']} with the single line \"{p['text']}\" in the text editor."
 
     def setup(home, p):
         return [("Editor", None)]
@@ -427,6 +447,9 @@ class FilesCreateFolder:
     def instruction(p):
         return f"Create a folder named {p['name']} inside {p['parent']}."
 
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"In {p['parent']}, make a new folder called {p['name']}."
+
     def setup(home, p):
         return [("Files", None)]
 
@@ -447,6 +470,9 @@ class FilesMove:
 
     def instruction(p):
         return f"Move {FilesMove._names(p)[p['pick']]} from Downloads into {p['dest']}."
+
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"Put Downloads/{FilesMove._names(p)[p['pick']]} into the {p['dest']} folder."
 
     def setup(home, p):
         for name in FilesMove._names(p):
@@ -472,6 +498,9 @@ class FilesRename:
     def instruction(p):
         return f"Rename {p['folder']}/{p['old']} to {p['new']}."
 
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"Give {p['folder']}/{p['old']} the new name {p['new']}."
+
     def setup(home, p):
         (home / p["folder"] / p["old"]).write_text("content\n")
         return [("Files", p["folder"])]
@@ -494,6 +523,9 @@ class FilesDelete:
 
     def instruction(p):
         return f"Delete {FilesDelete._names(p)[p['pick']]} from Downloads, and nothing else."
+
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"Remove Downloads/{FilesDelete._names(p)[p['pick']]}; leave every other file alone."
 
     def setup(home, p):
         for name in FilesDelete._names(p):
@@ -520,6 +552,9 @@ class SheetToDoc:
     def instruction(p):
         return f"Look up the amount of {p['rows'][p['row'] - 1][0]} in data.ods and add the line " \
                f"\"{p['rows'][p['row'] - 1][0]}: <amount>\" as the last paragraph of summary.odt, then save it."
+
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return f"Find {p['rows'][p['row'] - 1][0]}'s amount in data.ods and append the paragraph \"{p['rows'][p['row'] - 1][0]}: <amount>\" to summary.odt; save it."
 
     def setup(home, p):
         D.write_ods(home / "data.ods", p["rows"])
@@ -548,6 +583,9 @@ class TextToSheet:
         return "Copy the numbers in numbers.txt (one per line) into column A of a new spreadsheet, starting at " \
                "A1, and save it as Documents/numbers.ods."
 
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return "Put the numbers of numbers.txt, one per cell, into column A of a new spreadsheet from A1 down, saved as Documents/numbers.ods."
+
     def setup(home, p):
         _lines_file(home, "numbers.txt", [str(v) for v in p["values"]])
         return [("Editor", "numbers.txt"), ("Calc", None)]
@@ -571,6 +609,9 @@ class DocToText:
     def instruction(p):
         return "Write the first paragraph of story.odt into a new text file first.txt in Documents."
 
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return "Copy the opening paragraph of story.odt into a new text file, Documents/first.txt."
+
     def setup(home, p):
         D.write_odt(home / "story.odt", p["paras"])
         return [("Writer", "story.odt")]
@@ -592,6 +633,9 @@ class SheetTotalToText:
         return "Compute the total of the amount column in expenses.ods and write just that number into " \
                "Documents/total.txt."
 
+    def paraphrase(p):  # held out: only the paraphrase split uses this wording
+        return "Add up the amount column of expenses.ods and save only the result in Documents/total.txt."
+
     def setup(home, p):
         D.write_ods(home / "expenses.ods", p["rows"])
         return [("Calc", "expenses.ods")]
@@ -605,47 +649,22 @@ class SheetTotalToText:
         yield f"Files.write_text('/home/user/Documents/total.txt', '{total}')"
 
 
-FAMILY_NAMES = tuple(FAMILIES)
+FAMILY_NAMES = TASKS.names
+parse_suite = TASKS.parse_suite
+make_task = TASKS.make_task
 
 
-def parse_suite(suite: str) -> tuple[str, ...]:
-    """``desk[:fam1,fam2]`` -> families (all when none are named)."""
-    head, _, fams = suite.partition(":")
-    if head != "desk":
-        raise ActionError(f"bad real-desktop suite {suite!r}: expected desk[:family,...]")
-    if not fams:
-        return FAMILY_NAMES
-    names = tuple(f for f in fams.split(",") if f)
-    unknown = [f for f in names if f not in FAMILIES]
-    if unknown or not names:
-        raise ActionError(f"bad real-desktop suite {suite!r}: unknown family {unknown[0] if unknown else ''!r}; "
-                          f"families: {', '.join(FAMILY_NAMES)}")
-    return names
-
-
-def make_task(task_id: str) -> DesktopTask:
-    suite, _, seed_s = task_id.rpartition("/")
-    if not seed_s.isdigit() or not suite:
-        raise ActionError(f"bad task id {task_id!r}: expected desk[:family,...]/<seed>")
-    fams = parse_suite(suite)
-    seed = int(seed_s)
-    fam = FAMILIES[fams[seed % len(fams)]]
-    rng = random.Random(f"desk/{fam.name}/{seed // len(fams)}")
-    params = fam.generate(rng)
-    return DesktopTask(task_id, fam.name, fam.instruction(params), params, fam.max_steps, fam.apps)
-
-
-def prepare_home(home: Path, task: DesktopTask) -> list[tuple[str, str | None]]:
+def prepare_home(home: Path, task: Task) -> list[tuple[str, str | None]]:
     """Fill a fresh, empty home for the task; returns the app windows to open."""
     for name in FOLDERS:
         (home / name).mkdir(exist_ok=True)
     return FAMILIES[task.family].setup(home, task.params)
 
 
-def verify(home: Path, task: DesktopTask) -> bool:
+def verify(home: Path, task: Task) -> bool:
     return FAMILIES[task.family].verify(home, task.params)
 
 
-def solver(task: DesktopTask) -> Iterator[str]:
+def solver(task: Task) -> Iterator[str]:
     yield from FAMILIES[task.family].solve(task.params)
     yield "done()"

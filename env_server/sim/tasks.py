@@ -1,11 +1,9 @@
-"""Procedurally generated tasks on the sim desktop: instruction, setup, verifier and oracle per family.
+"""Procedurally generated tasks on the sim desktop, registered into the task-family protocol
+(``env_server/tasks.py``, which also defines the task ids ``sim:<split>[:<family>,...]/<seed>`` and the splits).
 
-A task id is ``sim:<split>[:<family>,...]/<seed>``: the seed picks the family (round robin over the
-suite's families) and the instance. ``heldout`` instances come from a generator stream disjoint from
-``train``'s, worded with the training instruction templates; ``paraphrase`` is the same held-out instances
-worded with each family's last template, which no training split uses (generalisation to an unseen
-phrasing). Verifiers read the final state of files and apps, never the agent's ``done()``; only the
-infeasible family asks for ``fail()``, which is its right answer.
+Each family's instruction templates are its phrasings (the last one held out for the paraphrase split).
+Verifiers read the final state of files and apps, never the agent's ``done()``; only the infeasible family asks
+for ``fail()``, which is its right answer.
 
 Oracles are scripted policies: generators that yield one action string at a time and may look at the live
 desktop between actions (as a person watching the screen would). ``route`` is ``gui`` or ``api``.
@@ -21,9 +19,9 @@ from typing import Any, Callable, Iterator
 
 from env_server.actions import ActionError
 from env_server.sim.desktop import CHOICES, COLS, HOME, ROWS, Desktop, format_sheet
+from env_server.tasks import Task, TaskFamily, TaskRegistry
 
-SPLITS = ("train", "heldout", "paraphrase")
-HELDOUT_SEED_OFFSET = 1_000_000_007  # held-out instances come from a disjoint generator stream
+TASKS = TaskRegistry("sim")
 
 WORDS = ("alpha", "budget", "draft", "summary", "invoice", "plan", "notes", "memo", "review", "agenda", "report",
          "minutes", "letter", "outline", "travel", "recipe", "ideas", "goals", "contacts", "schedule")
@@ -45,33 +43,6 @@ class DemoConfig:
     """probability of a harmless detour (opening an unrelated app first)"""
     wrong_choice_prob: float = 0.0
     """probability that the demo picks the wrong item on an ambiguous screen (the episode then fails)"""
-
-
-@dataclass
-class Task:
-    task_id: str
-    family: str
-    split: str
-    template: int
-    instruction: str
-    params: dict
-    feasible: bool
-    max_steps: int
-
-
-@dataclass
-class Family:
-    name: str
-    templates: tuple[str, ...]
-    generate: Callable[[random.Random], dict]
-    setup: Callable[[Desktop, dict], None]
-    verify: Callable[[Desktop, dict], bool]
-    solve: Callable[[Desktop, dict, str], Iterator[str]]
-    max_steps: int = 16
-    feasible: bool = True
-    ambiguous: bool = False
-    wrong: Callable[[Desktop, dict, str], Iterator[str]] | None = None
-    tags: tuple[str, ...] = field(default_factory=tuple)
 
 
 # ----- shared setup and oracle building blocks ----------------------------------------------------------
@@ -515,17 +486,23 @@ def _solve_infeasible(desk, p, route):
     yield f"fail({'the requested item does not exist'!r})"
 
 
-FAMILIES: dict[str, Family] = {f.name: f for f in [
-    Family("files_rename", ("Rename {old} in Documents to {new}.",
+def _family(name: str, templates: tuple[str, ...], generate, setup, verify, solve, **kw) -> TaskFamily:
+    """A sim family whose phrasings are format templates over its params (the last one held out)."""
+    return TaskFamily(name, generate, lambda p: tuple(_instruction(name, t, p) for t in templates), setup, verify,
+                      solve, **kw)
+
+
+for _f in [
+    _family("files_rename", ("Rename {old} in Documents to {new}.",
                             "In the Documents folder, change the name of {old} to {new}.",
                             "Give the file Documents/{old} the new name {new}."),
            _gen_rename, _setup_rename, _verify_rename, _solve_rename, tags=("files",)),
-    Family("files_rename_latest", ("Rename the most recently modified report in Documents to {new}.",
+    _family("files_rename_latest", ("Rename the most recently modified report in Documents to {new}.",
                                    "There are two reports in Documents; rename the newer one to {new}.",
                                    "Find the latest report file in Documents and call it {new}."),
            _gen_latest, _setup_latest, _verify_latest, _solve_latest_pick("newer"), ambiguous=True,
            wrong=_solve_latest_pick("older"), tags=("files",)),
-    Family("files_create_folder", ("Create a folder named {name} inside {parent}.",
+    _family("files_create_folder", ("Create a folder named {name} inside {parent}.",
                                    "Make a new folder {name} in the {parent} folder.",
                                    "Inside {parent}, create the folder {name}.",
                                    "I need a folder called {name} in {parent}.",
@@ -533,14 +510,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
                                    "Add a {name} folder to {parent}.",
                                    "In {parent}, add a folder called {name}."),
            _gen_mkdir, lambda d, p: None, _verify_mkdir, _solve_mkdir, tags=("files",)),
-    Family("files_move", ("Move {file} from Documents into the folder Documents/{dest}.",
+    _family("files_move", ("Move {file} from Documents into the folder Documents/{dest}.",
                           "Put the file {file} (in Documents) into the {dest} folder inside Documents.",
                           "Relocate Documents/{file} to Documents/{dest}."),
            _gen_move, _setup_move, _verify_move, _solve_move, tags=("files",)),
-    Family("files_delete", ("Delete {file} from Downloads.", "Remove the file {file} in the Downloads folder.",
+    _family("files_delete", ("Delete {file} from Downloads.", "Remove the file {file} in the Downloads folder.",
                             "Get rid of Downloads/{file}."),
            _gen_delete, _setup_delete, _verify_delete, _solve_delete, tags=("files",)),
-    Family("editor_replace", ("In Documents/{file}, replace every '{find}' with '{replace}' and save the file.",
+    _family("editor_replace", ("In Documents/{file}, replace every '{find}' with '{replace}' and save the file.",
                               "Open {file} in Documents, change all '{find}' to '{replace}', then save.",
                               "Replace '{find}' by '{replace}' everywhere in Documents/{file}, then save it.",
                               "Documents/{file}: every '{find}' should become '{replace}'. Save afterwards.",
@@ -548,19 +525,19 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
                               "Edit {file} (in Documents) so that each '{find}' reads '{replace}', and save.",
                               "Substitute '{replace}' for each '{find}' in Documents/{file} and save it."),
            _gen_replace, _setup_text_file, _verify_replace, _solve_replace, tags=("editor",)),
-    Family("editor_append", ("Add the line '{line}' at the end of Documents/{file} and save it.",
+    _family("editor_append", ("Add the line '{line}' at the end of Documents/{file} and save it.",
                              "Append '{line}' as a new last line of {file} in Documents, then save.",
                              "Write '{line}' on a new line at the bottom of Documents/{file} and save."),
            _gen_append, _setup_text_file, _verify_append, _solve_append, tags=("editor",)),
-    Family("sheet_set_cell", ("In Documents/{sheet}, set cell {cell} to {value}.",
+    _family("sheet_set_cell", ("In Documents/{sheet}, set cell {cell} to {value}.",
                               "Open the spreadsheet {sheet} in Documents and enter {value} in {cell}.",
                               "Put the number {value} into cell {cell} of Documents/{sheet}."),
            _gen_set_cell, _setup_sheet, _verify_set_cell, _solve_set_cell, tags=("sheet",)),
-    Family("sheet_sum", ("In Documents/{sheet}, put the sum of A1:A{n} into {target}.",
+    _family("sheet_sum", ("In Documents/{sheet}, put the sum of A1:A{n} into {target}.",
                          "Open {sheet} in Documents and write the total of cells A1 to A{n} in {target}.",
                          "Cell {target} of Documents/{sheet} should hold the sum of A1:A{n}."),
            _gen_sum, _setup_sheet, _verify_sum, _solve_sum, tags=("sheet",)),
-    Family("sheet_sort", ("Sort column B of Documents/{sheet} in {order} order.",
+    _family("sheet_sort", ("Sort column B of Documents/{sheet} in {order} order.",
                           "Open {sheet} in Documents and sort column B {order}.",
                           "In the spreadsheet {sheet} (Documents), sort column B in {order} order.",
                           "Column B of {sheet} in the Documents folder needs sorting, {order}.",
@@ -569,7 +546,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
                           "Order the values of column B in Documents/{sheet} {order}."),
            _gen_sort, _setup_sheet, _verify_sort, _solve_sort("B"), ambiguous=True, wrong=_solve_sort("A"),
            tags=("sheet",)),
-    Family("settings_display", ("{dark_word} dark mode and set the font size to {size}.",
+    _family("settings_display", ("{dark_word} dark mode and set the font size to {size}.",
                                 "In Settings, {dark_verb} dark mode and choose font size {size}.",
                                 "Font size {size}, and {dark_verb} dark mode, please.",
                                 "Open Settings: {dark_verb} dark mode, then make the font size {size}.",
@@ -577,38 +554,41 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
                                 "{dark_word} dark mode. The font size should be {size}.",
                                 "Set the font size to {size} and {dark_verb} dark mode."),
            _gen_dark_font, lambda d, p: None, _verify_dark_font, _solve_dark_font, max_steps=12, tags=("settings",)),
-    Family("settings_profile", ("Set the user name to {user} and the language to {lang}.",
+    _family("settings_profile", ("Set the user name to {user} and the language to {lang}.",
                                 "In Settings, change the language to {lang} and the user name to {user}.",
                                 "Make {user} the user name and {lang} the language."),
            _gen_profile, lambda d, p: None, _verify_profile, _solve_profile, max_steps=12, tags=("settings",)),
-    Family("sheet_to_editor", ("Append the value of cell {cell} in Documents/{sheet} as a new last line of "
+    _family("sheet_to_editor", ("Append the value of cell {cell} in Documents/{sheet} as a new last line of "
                                "Documents/{file}, and save {file}.",
                                "Copy what cell {cell} of {sheet} shows to the end of {file} (both in Documents), "
                                "on its own line, then save.",
                                "Add the value of {sheet}!{cell} as the last line of Documents/{file} and save."),
            _gen_sheet_to_doc, _setup_sheet_and_doc, _verify_sheet_to_doc, _solve_sheet_to_doc, max_steps=20,
            tags=("sheet", "editor")),
-    Family("editor_to_sheet", ("Documents/{file} holds a number: put it into cell {cell} of Documents/{sheet}.",
+    _family("editor_to_sheet", ("Documents/{file} holds a number: put it into cell {cell} of Documents/{sheet}.",
                                "Read the number in {file} and enter it in {cell} of {sheet} (both in Documents).",
                                "Copy the number from Documents/{file} into {sheet}, cell {cell}."),
            _gen_doc_to_sheet, _setup_sheet_and_doc, _verify_doc_to_sheet, _solve_doc_to_sheet, max_steps=20,
            tags=("sheet", "editor")),
-    Family("infeasible", ("{request}", "Please do this: {request}", "{request} Thanks."),
+    _family("infeasible", ("{request}", "Please do this: {request}", "{request} Thanks."),
            _gen_infeasible, lambda d, p: None, _verify_infeasible, _solve_infeasible, feasible=False, max_steps=10,
            tags=("files", "settings")),
-]}
+]:
+    TASKS.register(_f)
+FAMILIES = TASKS.families
+FAMILY_NAMES = TASKS.names
+parse_suite = TASKS.parse_suite
+make_task = TASKS.make_task
 
-FAMILY_NAMES = tuple(FAMILIES)
 
-
-def _instruction(fam: Family, template: str, p: dict) -> str:
+def _instruction(family: str, template: str, p: dict) -> str:
     extra: dict[str, Any] = {}
-    if fam.name == "sheet_sort":
+    if family == "sheet_sort":
         extra["order"] = "ascending" if p["ascending"] else "descending"
-    if fam.name == "settings_display":
+    if family == "settings_display":
         extra["dark_word"] = "Enable" if p["dark"] else "Disable"
         extra["dark_verb"] = "turn on" if p["dark"] else "turn off"
-    if fam.name == "infeasible":
+    if family == "infeasible":
         extra["request"] = {
             "rename_missing": f"Rename {p['file']} in Documents to {p['new']}.",
             "delete_missing": f"Delete {p['file']} from Documents.",
@@ -616,63 +596,6 @@ def _instruction(fam: Family, template: str, p: dict) -> str:
             "language": f"Switch the language to {p['lang']}.",
         }[p["kind"]]
     return string.Formatter().vformat(template, (), {**p, **extra})
-
-
-def parse_suite(suite: str, what: str = "suite") -> tuple[str, tuple[str, ...]]:
-    """``sim:<split>[:fam1,fam2*3]`` -> (split, families); all families when none are named.
-
-    ``fam*N`` weights a family: it appears N times in the returned cycle, so N of every len(cycle) seeds
-    are its tasks (a training mix that spends more rollouts where there is more to learn)."""
-    parts = suite.split(":")
-    if parts[0] != "sim" or len(parts) not in (2, 3):
-        raise ActionError(f"bad {what} {suite!r}: expected sim:<train|heldout|paraphrase>[:family[*weight],...]")
-    split = parts[1]
-    if split not in SPLITS:
-        raise ActionError(f"bad {what} {suite!r}: split must be one of {', '.join(SPLITS)}")
-    if len(parts) == 2:
-        return split, FAMILY_NAMES
-    fams: list[str] = []
-    for item in parts[2].split(","):
-        name, star, weight_s = item.partition("*")
-        if name not in FAMILIES:
-            raise ActionError(f"bad {what} {suite!r}: unknown family {name!r}")
-        weight = 1 if not star else int(weight_s) if weight_s.isdigit() else 0
-        if not 1 <= weight <= 100:
-            raise ActionError(f"bad {what} {suite!r}: weight of {name!r} must be an integer in 1..100")
-        fams += [name] * weight
-    return split, tuple(fams)
-
-
-def parse_task_id(task_id: str) -> tuple[str, tuple[str, ...], int]:
-    """``sim:<split>[:fam1,fam2]/<seed>`` -> (split, families, seed)."""
-    suite, _, seed_s = task_id.rpartition("/")
-    try:
-        seed = int(seed_s)
-        if not suite or seed < 0:
-            raise ValueError
-    except ValueError:
-        raise ActionError(f"bad task id {task_id!r}: "
-                          "expected sim:<train|heldout|paraphrase>[:family,...]/<seed>") from None
-    split, fams = parse_suite(suite, f"task id {task_id!r}: suite")
-    return split, fams, seed
-
-
-def make_task(task_id: str) -> Task:
-    split, fams, seed = parse_task_id(task_id)
-    slot = seed % len(fams)
-    fam = FAMILIES[fams[slot]]
-    # A family weighted N times owns N slots of the cycle; number its instances across them so none repeats.
-    copies = fams.count(fam.name)
-    instance = (seed // len(fams)) * copies + fams[:slot].count(fam.name)
-    instance += 0 if split == "train" else HELDOUT_SEED_OFFSET
-    rng = random.Random(f"{fam.name}/{instance}")
-    params = fam.generate(rng)
-    n_train = len(fam.templates) - 1  # the last template is held out
-    template = rng.randrange(n_train)
-    if split == "paraphrase":
-        template = n_train
-    return Task(task_id, fam.name, split, template, _instruction(fam, fam.templates[template], params), params,
-                fam.feasible, fam.max_steps)
 
 
 def setup_desktop(task: Task) -> Desktop:

@@ -1,0 +1,135 @@
+"""The task-family protocol every desktop kind registers into, and the one suite grammar.
+
+A family makes task instances: ``generate(rng) -> params``, ``phrasings(params)`` (every wording of the
+instruction; the last is held out), ``setup`` (the initial state), ``verify`` (success from the final state, never
+from the agent's claim) and ``solve`` (a scripted solver in the action space a model uses). What ``setup``,
+``verify`` and ``solve`` receive depends on the desktop kind (the sim's Desktop; a real desktop's home folder).
+
+Task ids are ``<kind>:<split>[:family[*weight],...]/<seed>``, e.g. ``sim:train/17`` or
+``desk:heldout:calc_sum,files_move/3``. The seed picks the family (round robin over the suite's, a family weighted
+N times owning N slots) and the instance. Splits:
+
+- ``train``: instances from the training stream, worded with any phrasing but the last;
+- ``heldout``: instances from a disjoint stream (never trained on), worded as in training;
+- ``paraphrase``: the held-out instances worded with the last phrasing, which no other split uses.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from env_server.actions import ActionError
+
+SPLITS = ("train", "heldout", "paraphrase")
+HELDOUT_SEED_OFFSET = 1_000_000_007  # held-out instances come from a disjoint generator stream
+
+
+@dataclass(frozen=True)
+class TaskFamily:
+    """One kind of task; see the module docstring for what each function does."""
+
+    name: str
+    generate: Callable[[random.Random], dict]
+    phrasings: Callable[[dict], tuple[str, ...]]
+    setup: Callable[..., Any]
+    verify: Callable[..., bool]
+    solve: Callable[..., Iterator[str]]
+    max_steps: int = 16
+    """the episode's step limit"""
+    feasible: bool = True
+    """False: the right answer is fail()"""
+    apps: tuple[str, ...] = ()
+    """apps the task involves (two or more: a multi-app task)"""
+    tags: tuple[str, ...] = ()
+    ambiguous: bool = False
+    """the screen offers a wrong choice; ``wrong`` is a solver that takes it (imperfect demonstrations)"""
+    wrong: Callable[..., Iterator[str]] | None = None
+
+
+@dataclass
+class Task:
+    """One task instance."""
+
+    task_id: str
+    family: str
+    split: str
+    template: int
+    """index of the instruction's phrasing"""
+    instruction: str
+    params: dict
+    feasible: bool
+    max_steps: int
+    apps: tuple[str, ...] = field(default_factory=tuple)
+
+
+class TaskRegistry:
+    """The task families of one desktop kind (``sim``, ``desk``), and its task ids."""
+
+    def __init__(self, kind: str, rng_prefix: str = ""):
+        self.kind, self.rng_prefix = kind, rng_prefix
+        self.families: dict[str, TaskFamily] = {}
+
+    def register(self, family: TaskFamily) -> TaskFamily:
+        if family.name in self.families:
+            raise ValueError(f"{self.kind} task family {family.name!r} is registered twice")
+        self.families[family.name] = family
+        return family
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.families)
+
+    def grammar(self) -> str:
+        return f"{self.kind}:<{'|'.join(SPLITS)}>[:family[*weight],...]"
+
+    def parse_suite(self, suite: str, what: str = "suite") -> tuple[str, tuple[str, ...]]:
+        """``<kind>:<split>[:fam1,fam2*3]`` -> (split, families); all families when none are named.
+
+        ``fam*N`` weights a family: it appears N times in the returned cycle, so N of every len(cycle) seeds
+        are its tasks (a training mix that spends more rollouts where there is more to learn)."""
+        parts = suite.split(":")
+        if parts[0] != self.kind or len(parts) not in (2, 3):
+            raise ActionError(f"bad {what} {suite!r}: expected {self.grammar()}")
+        split = parts[1]
+        if split not in SPLITS:
+            raise ActionError(f"bad {what} {suite!r}: split must be one of {', '.join(SPLITS)}")
+        if len(parts) == 2:
+            return split, self.names
+        fams: list[str] = []
+        for item in parts[2].split(","):
+            name, star, weight_s = item.partition("*")
+            if name not in self.families:
+                raise ActionError(f"bad {what} {suite!r}: unknown family {name!r}; families: {', '.join(self.names)}")
+            weight = 1 if not star else int(weight_s) if weight_s.isdigit() else 0
+            if not 1 <= weight <= 100:
+                raise ActionError(f"bad {what} {suite!r}: weight of {name!r} must be an integer in 1..100")
+            fams += [name] * weight
+        return split, tuple(fams)
+
+    def parse_task_id(self, task_id: str) -> tuple[str, tuple[str, ...], int]:
+        """``<kind>:<split>[:fam,...]/<seed>`` -> (split, families, seed)."""
+        suite, _, seed_s = task_id.rpartition("/")
+        if not suite or not seed_s.isdigit():
+            raise ActionError(f"bad task id {task_id!r}: expected {self.grammar()}/<seed>")
+        split, fams = self.parse_suite(suite, f"task id {task_id!r}: suite")
+        return split, fams, int(seed_s)
+
+    def make_task(self, task_id: str) -> Task:
+        """The instance a task id names (deterministic)."""
+        split, fams, seed = self.parse_task_id(task_id)
+        slot = seed % len(fams)
+        fam = self.families[fams[slot]]
+        # A family weighted N times owns N slots of the cycle; number its instances across them so none repeats.
+        copies = fams.count(fam.name)
+        instance = (seed // len(fams)) * copies + fams[:slot].count(fam.name)
+        instance += 0 if split == "train" else HELDOUT_SEED_OFFSET
+        rng = random.Random(f"{self.rng_prefix}{fam.name}/{instance}")
+        params = fam.generate(rng)
+        wordings = fam.phrasings(params)
+        if len(wordings) < 2:
+            raise ValueError(f"{self.kind} family {fam.name!r} needs two phrasings or more (the last is held out)")
+        template = len(wordings) - 1 if split == "paraphrase" else rng.randrange(len(wordings) - 1)
+        return Task(task_id, fam.name, split, template, wordings[template], params, fam.feasible, fam.max_steps,
+                    fam.apps)
