@@ -17,3 +17,13 @@ def load_by_path(spec: str) -> Any:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot load {spec!r}: {exc}") from None
+
+
+def check_name(name: str, builtin: tuple[str, ...], what: str) -> None:
+    """A config's check of a name without importing anything: a built-in one, or the form ``pkg.module:attr``."""
+    if name in builtin:
+        return
+    module, _, attr = name.partition(":")
+    if not module or not attr or not all(p.isidentifier() for p in module.split(".")) or not attr.isidentifier():
+        raise ValueError(f"{what} {name!r} is neither built in ({', '.join(builtin)}) nor an import path "
+                         "pkg.module:function")

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from common.imports import load_by_path
+from common.imports import check_name, load_by_path
 
 EPS = 1e-6
 
@@ -49,6 +49,7 @@ class AdvantageConfig:
             raise ValueError("advantage weighting must be token or trajectory")
         if self.level == "step" and self.name in ("rloo", "batch"):
             raise ValueError(f"advantage level 'step' is implemented by the 'group' estimator only, not {self.name!r}")
+        check_name(self.name, tuple(ESTIMATORS), "advantage estimator")  # imported by the learner when it starts
 
 
 @dataclass

@@ -1,11 +1,15 @@
-"""Configuration of the learner."""
+"""Configuration of the learner (no torch here: every role loads the run config)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.imports import check_name
 from learner.advantages import AdvantageConfig
 from learner.entropulse import EntropulseConfig
+
+BUILTIN_LOSSES = ("grpo", "ppo", "reinforce", "sft")
+"""the names ``learner.losses.LOSSES`` defines"""
 
 
 @dataclass
@@ -13,7 +17,7 @@ class LossConfig:
     """The policy loss and its knobs (each loss reads the ones it needs)."""
 
     name: str = "grpo"
-    """grpo | ppo | reinforce | sft | an import path pkg.module:function"""
+    """grpo | ppo | reinforce | sft | an import path pkg.module:function (importable by the learner)"""
     eps_low: float = 0.2
     """PPO clip below: ratios under 1 - eps_low stop contributing"""
     eps_high: float = 0.28
@@ -25,7 +29,7 @@ class LossConfig:
     w_level: str = "token"
     """token | sequence (one weight per sample: the product of its token ratios)"""
     kl_beta: float = 0.0
-    """weight of the k3 KL penalty to the reference policy (0 = no reference model)"""
+    """weight of the k3 KL term to the reference policy (0 = no KL term, no reference model for it)"""
     extra: dict = field(default_factory=dict)
     """free-form knobs for a custom loss"""
 
@@ -34,6 +38,7 @@ class LossConfig:
             raise ValueError("w_mode must be mask|clamp|off and w_level token|sequence")
         if not (0 <= self.eps_low < 1 and self.eps_high >= 0 and self.w_max > 0 and self.kl_beta >= 0):
             raise ValueError("need 0 <= eps_low < 1, eps_high >= 0, w_max > 0, kl_beta >= 0")
+        check_name(self.name, BUILTIN_LOSSES, "loss")  # imported by the learner when it starts
 
 
 @dataclass
@@ -128,4 +133,7 @@ class LearnerConfig:
             raise ValueError("need updates_per_batch >= 1, prefetch >= 1, micro_batch_tokens >= 16")
         if self.dist_timeout_s <= 0:
             raise ValueError("learner.dist_timeout_s must be > 0")
+        self.loss.validate()
+        self.advantage.validate()
+        self.entropulse.validate()
         self.anchor.validate()

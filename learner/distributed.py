@@ -64,6 +64,13 @@ class DistContext:
         torch.distributed.all_reduce(t, group=self.job_group)
         return t.tolist()
 
+    def max(self, values: Sequence[float]) -> list[float]:
+        if not self.enabled:
+            return list(values)
+        t = torch.tensor(list(values), dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.job_group)
+        return t.tolist()
+
     def max_int(self, value: int) -> int:
         if not self.enabled:
             return value

@@ -8,7 +8,11 @@
 
 This one is GSPO-style: the importance ratio and its clip are taken per sequence (the geometric mean of the
 token ratios against pi_prox), so one odd token cannot dominate a long action. It reuses the behaviour
-weights of the built-in losses, and reads its knobs from ``LossConfig`` (``extra`` holds any new ones).
+weights of the built-in losses, and reads its knobs from ``LossConfig`` (``extra`` holds any new ones). It is only
+the policy term: ``loss.kl_beta`` and the anchor add their own terms whatever the loss (``learner/objective.py``).
+Metrics are token means over the micro-batch unless ``reduce`` says max or sum.
+
+The module must be importable by the learner process: inside the repository, installed, or on its PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -26,4 +30,7 @@ def gspo_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     a = inp.advantages
     per_token = -w * torch.minimum(s * a, s.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * a)
     loss = per_token.sum() / inp.num_tokens
-    return LossOutputs(loss, {"pg_loss": float(loss.detach()), "seq_ratio_mean": float(s.detach().mean())})
+    tokens = inp.mask.sum().clamp(min=1)
+    metrics = {"pg_loss": float((per_token.detach() * inp.mask).sum() / tokens),
+               "seq_ratio_mean": float(s.detach().mean()), "seq_ratio_max": float(s.detach().max())}
+    return LossOutputs(loss, metrics, reduce={"seq_ratio_max": "max"})

@@ -1,18 +1,25 @@
-"""Losses: pure functions ``(LossInputs, LossConfig) -> LossOutputs``, selected by name or import path.
+"""The objective's terms: pure functions ``(LossInputs, LossConfig) -> LossOutputs``, selected by name or import path.
 
 All tensors are ``[N, T]``: one row per sample (a model turn), one column per predicted token; ``mask`` is 1
 on the tokens to train on (the sampled ones) and 0 on padding and prompt. Token-mean aggregation: sums
 are divided by the number of loss tokens in the whole step (``num_tokens``), so micro-batches add up.
-Metrics are means over the micro-batch's own loss tokens; the trainer weights them by those tokens, which
-makes them the step's means however the step was split.
+Metrics are means over the micro-batch's own loss tokens unless the output says otherwise (``reduce``: mean,
+max or sum); the trainer weights means by those tokens, which makes them the step's means however it was split.
 
-Decoupled GRPO (README, "Learner"), per token t::
+A term declares what it needs beyond log-probs (``@needs("ref_logprobs")``, ``"ref_logits"``, ``"logits"``);
+the trainer computes only that, and builds a reference model only when a term of the objective needs one
+(``learner/objective.py`` assembles the terms from the config).
+
+Decoupled GRPO (the policy term), per token t::
 
     w = exp(logp_prox - logp_behav)              detached; truncated at w_max (mask or clamp, token or sequence)
     u = exp(logp - logp_prox)
-    L = -sum_t w * min(u * A, clip(u, 1 - eps_low, 1 + eps_high) * A) / N_tokens + beta * KL_k3(pi_theta || pi_ref)
+    L = -sum_t w * min(u * A, clip(u, 1 - eps_low, 1 + eps_high) * A) / N_tokens
 
-A custom loss is a function with the same signature in any importable module: ``loss.name: pkg.mod:fn``.
+plus, as their own terms, ``kl_beta`` x KL_k3(pi_theta || pi_ref) and the anchor's replay loss on demo turns.
+
+A custom loss is a function with the same signature in any module the learner can import (on its PYTHONPATH):
+``loss.name: pkg.mod:fn``.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ import torch
 from common.imports import load_by_path
 from learner.config import LossConfig
 
+NEEDS = ("ref_logprobs", "ref_logits", "logits")
+REDUCTIONS = ("mean", "max", "sum")
+
 
 @dataclass
 class LossInputs:
@@ -34,16 +44,36 @@ class LossInputs:
     advantages: torch.Tensor  # per token (a sample's advantage broadcast over its tokens)
     mask: torch.Tensor  # float, 1 = loss token
     num_tokens: float  # loss tokens in the whole step (the token-mean denominator)
-    ref_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None  # log pi_ref of each target token (when a term needs it)
+    logits: torch.Tensor | None = None  # [N, T, V] pi_theta's next-token logits (when a term needs them)
+    ref_logits: torch.Tensor | None = None  # [N, T, V] pi_ref's (when a term needs them)
 
 
 @dataclass
 class LossOutputs:
     loss: torch.Tensor
     metrics: dict[str, float] = field(default_factory=dict)
+    reduce: dict[str, str] = field(default_factory=dict)
+    """how a metric combines over micro-batches and ranks: mean (token-weighted, the default) | max | sum"""
 
 
 LossFn = Callable[[LossInputs, LossConfig], LossOutputs]
+
+
+def needs(*inputs: str) -> Callable[[LossFn], LossFn]:
+    """Declare the optional inputs a term reads (``ref_logprobs``, ``ref_logits``, ``logits``)."""
+    unknown = [i for i in inputs if i not in NEEDS]
+    if unknown:
+        raise ValueError(f"unknown loss input {unknown[0]!r}; a term may need: {', '.join(NEEDS)}")
+
+    def mark(fn: LossFn) -> LossFn:
+        fn.needs = frozenset(inputs)
+        return fn
+    return mark
+
+
+def needs_of(fn: LossFn) -> frozenset[str]:
+    return getattr(fn, "needs", frozenset())
 
 
 def behaviour_weights(inp: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +107,9 @@ def _common_metrics(inp: LossInputs, w: torch.Tensor, kept: torch.Tensor) -> dic
             "is_masked_frac": float(((inp.mask - kept) > 0).sum() / n)}
 
 
+COMMON_REDUCE = {"is_weight_max": "max"}
+
+
 def _clipped_surrogate(inp: LossInputs, cfg: LossConfig, eps_low: float, eps_high: float) -> LossOutputs:
     w, kept = behaviour_weights(inp, cfg)
     u = torch.exp(inp.logprobs - inp.prox_logprobs.detach())
@@ -87,18 +120,7 @@ def _clipped_surrogate(inp: LossInputs, cfg: LossConfig, eps_low: float, eps_hig
     metrics = _common_metrics(inp, w, kept)
     clip_frac = ((clipped < unclipped).float() * inp.mask).sum() / inp.mask.sum().clamp(min=1)
     metrics.update(pg_loss=_token_mean(per_token, inp.mask), clip_frac=float(clip_frac))
-    return LossOutputs(pg + _kl_penalty(inp, cfg, metrics), metrics)
-
-
-def _kl_penalty(inp: LossInputs, cfg: LossConfig, metrics: dict[str, float]) -> torch.Tensor | float:
-    """``kl_beta`` times the token-mean k3 KL to the reference policy (0 when kl_beta is 0)."""
-    if cfg.kl_beta <= 0:
-        return 0.0
-    if inp.ref_logprobs is None:
-        raise ValueError("kl_beta > 0 needs reference log-probs")
-    kl_tok = k3_kl(inp.logprobs, inp.ref_logprobs)
-    metrics["kl"] = _token_mean(kl_tok, inp.mask)
-    return cfg.kl_beta * (kl_tok * inp.mask).sum() / inp.num_tokens
+    return LossOutputs(pg, metrics, dict(COMMON_REDUCE))
 
 
 def grpo_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
@@ -119,7 +141,7 @@ def reinforce_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     loss = per_token.sum() / inp.num_tokens
     metrics = _common_metrics(inp, w, kept)
     metrics["pg_loss"] = _token_mean(per_token, inp.mask)
-    return LossOutputs(loss + _kl_penalty(inp, cfg, metrics), metrics)
+    return LossOutputs(loss, metrics, dict(COMMON_REDUCE))
 
 
 def sft_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
@@ -128,25 +150,35 @@ def sft_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     return LossOutputs(nll, {"nll": _token_mean(-inp.logprobs, inp.mask)})
 
 
-def anchor_loss(kind: str, logits: torch.Tensor, logprobs: torch.Tensor, ref_logits: torch.Tensor | None,
-                mask: torch.Tensor, num_tokens: float) -> torch.Tensor:
-    """The anchor's replay loss on demo turns (``learner.anchor``), token-mean over ``num_tokens``.
+@needs("ref_logprobs")
+def kl_term(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
+    """The token-mean k3 estimate of KL(pi_theta || pi_ref) on the sampled tokens (weighted by ``kl_beta``)."""
+    if inp.ref_logprobs is None:
+        raise ValueError("the KL term needs reference log-probs")
+    kl_tok = k3_kl(inp.logprobs, inp.ref_logprobs)
+    return LossOutputs((kl_tok * inp.mask).sum() / inp.num_tokens, {"kl": _token_mean(kl_tok, inp.mask)})
 
-    kl: KL(pi_ref || pi_theta) of each position's whole next-token distribution (``logits`` [N, T, V]), which
-    holds the policy to what the reference does there, the probabilities of runner-up tokens included;
-    sft: the demo tokens' negative log-likelihood (``logprobs`` [N, T])."""
-    if kind == "sft":
-        per_token = -logprobs
-    else:
-        if ref_logits is None:
-            raise ValueError("a kl anchor needs the reference policy's logits")
-        ref_logp = torch.log_softmax(ref_logits.float(), dim=-1)
-        per_token = (ref_logp.exp() * (ref_logp - torch.log_softmax(logits.float(), dim=-1))).sum(-1)
-    return (per_token * mask).sum() / num_tokens
+
+@needs("logits", "ref_logits")
+def anchor_kl_term(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
+    """KL(pi_ref || pi_theta) of each demo position's whole next-token distribution: holds the policy to what the
+    reference does there, the probabilities of runner-up tokens included (``learner.anchor.kind: kl``)."""
+    if inp.logits is None or inp.ref_logits is None:
+        raise ValueError("the kl anchor needs the policy's and the reference policy's logits")
+    ref_logp = torch.log_softmax(inp.ref_logits.float(), dim=-1)
+    per_token = (ref_logp.exp() * (ref_logp - torch.log_softmax(inp.logits.float(), dim=-1))).sum(-1)
+    return LossOutputs((per_token * inp.mask).sum() / inp.num_tokens, {"anchor_loss": _token_mean(per_token, inp.mask)})
+
+
+def anchor_sft_term(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
+    """The demo tokens' negative log-likelihood (``learner.anchor.kind: sft``)."""
+    nll = -(inp.logprobs * inp.mask).sum() / inp.num_tokens
+    return LossOutputs(nll, {"anchor_loss": _token_mean(-inp.logprobs, inp.mask)})
 
 
 LOSSES: dict[str, LossFn] = {"grpo": grpo_loss, "ppo": ppo_loss, "reinforce": reinforce_loss, "sft": sft_loss}
 
 
 def get_loss(name: str) -> LossFn:
+    """A built-in loss by name, or a custom one by import path (``pkg.module:function``)."""
     return LOSSES[name] if name in LOSSES else load_by_path(name)

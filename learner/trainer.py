@@ -3,10 +3,10 @@ link, weight rounds and checkpoints, is ``learner.process``).
 
 A step: samples from the batch's groups (advantages by the configured estimator), micro-batches by token
 budget, log pi_theta from a forward pass (temperature as sampled), log pi_prox (the same values when one
-update is made per batch; recomputed at step start or approximated log-linearly when there are more),
-reference log-probs when the KL term is on, then ``loss(LossInputs, LossConfig)``, backward, clip, AdamW,
-LR schedule; the version goes up, weights go out in a round announced on Control, metrics are written.
-The loss function is the only place the algorithm lives.
+update is made per batch; recomputed at step start or approximated log-linearly when there are more), and
+whatever else the objective's terms declare they need (the reference's log-probs or logits); then each term
+``(LossInputs, LossConfig) -> LossOutputs`` on its samples, backward, clip, AdamW, LR schedule; the version goes
+up. The terms (``learner/objective.py``, ``learner/losses.py``) are the only place the algorithm lives.
 """
 
 from __future__ import annotations
@@ -31,8 +31,48 @@ from learner.config import LearnerConfig
 from learner.distributed import DistContext, full_state, load_full_state, padding_micro_batch, shard_model
 from learner.entropulse import Entropulse
 from learner.advantages import get_estimator
-from learner.losses import LossConfig, LossInputs, anchor_loss, get_loss
+from learner.losses import LossInputs
+from learner.objective import ANCHOR, BATCH, Term, needs_reference, rl_objective, sft_objective
 from learner.precision import compute_model
+
+
+class MetricSums:
+    """A step's metrics from many micro-batches (and ranks), each combined as its loss declared: token-weighted
+    mean (the default), max or sum."""
+
+    def __init__(self):
+        self.weighted: dict[str, float] = {}
+        self.maxima: dict[str, float] = {}
+        self.sums: dict[str, float] = {}
+        self.tokens = 0
+
+    def add(self, res: Any, tokens: int) -> None:
+        for key, value in res.metrics.items():
+            how = res.reduce.get(key, "mean")
+            if how == "max":
+                self.maxima[key] = max(self.maxima.get(key, float("-inf")), float(value))
+            elif how == "sum":
+                self.sums[key] = self.sums.get(key, 0.0) + float(value)
+            else:
+                self.weighted[key] = self.weighted.get(key, 0.0) + float(value) * tokens
+
+    def add_loss(self, loss: float, chunk_tokens: int, tokens: int) -> None:
+        """A micro-batch's summed loss (already divided by its chunk's tokens) and its own loss tokens."""
+        self.weighted["__loss__"] = self.weighted.get("__loss__", 0.0) + loss * chunk_tokens
+        self.tokens += tokens
+
+    def reduce(self, dist: DistContext, loss_key: str | None) -> dict[str, float]:
+        """Collective with several ranks (every rank calls it with the same keys)."""
+        keys, mkeys, skeys = sorted(self.weighted), sorted(self.maxima), sorted(self.sums)
+        total, *values = dist.sum([self.tokens, *(self.weighted[k] for k in keys), *(self.sums[k] for k in skeys)])
+        out = {k: v / max(total, 1) for k, v in zip(keys, values)}
+        out.update(zip(skeys, values[len(keys):]))
+        out.update(zip(mkeys, dist.max([self.maxima[k] for k in mkeys])))
+        loss = out.pop("__loss__", None)
+        if loss_key is not None and loss is not None:
+            out[loss_key] = loss
+        return out
+
 
 
 class Trainer:
@@ -45,10 +85,7 @@ class Trainer:
 
     def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, temperature: float = 1.0, seed: int = 0,
                  dist: DistContext | None = None, anchor_demos: list[P.Trajectory] | None = None):
-        cfg.validate()
-        cfg.loss.validate()
-        cfg.advantage.validate()
-        cfg.entropulse.validate()
+        cfg.validate()  # resolves the loss and advantage names: a bad one fails before any batch is consumed
         self.cfg, self.model_cfg, self.temperature = cfg, model_cfg, temperature
         self.dist = dist or DistContext()
         self.device = self.dist.device(cfg.device)
@@ -60,23 +97,21 @@ class Trainer:
         self.model = build_model(model_cfg, self.tokenizer.vocab_size, self.device, dtype=torch.float32).train()
         if cfg.activation_checkpointing:  # before any copy (twin, reference): they share the setting
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # learner.anchor: demo turns replayed beside every RL step
+        # The objective's terms (learner/objective.py); a reference model exists because a term needs one.
+        # Custom loss and estimator names are imported here, before the learner asks for any batch.
+        self.objective = rl_objective(cfg)
+        get_estimator(cfg.advantage.name)
         if cfg.anchor.enabled and not anchor_demos:
             raise ValueError("learner.anchor.suite is set but no demonstrations were given to the trainer")
         self.anchor_samples = ([s for tr in anchor_demos or () for s in turn_samples(tr, "anchor")]
                                if cfg.anchor.enabled else [])
-        needs_ref = cfg.loss.kl_beta > 0 or (bool(self.anchor_samples) and cfg.anchor.kind == "kl")
-        self.ref_model = self._frozen_copy() if needs_ref else None
+        self.ref_model = self._frozen_copy() if needs_reference(self.objective) else None
         if self.dist.enabled:  # FSDP2 casts each unit's gathered parameters to the compute dtype
             shard_model(self.model, self.dist, compute_dtype=self.compute_dtype)
             if self.ref_model is not None:
                 shard_model(self.ref_model, self.dist, compute_dtype=self.compute_dtype)
         self.net = compute_model(self.model, self.compute_dtype, sharded=self.dist.enabled)
         self._gathered: list[tuple[str, torch.Tensor]] = []  # rank 0's full weights after the last update
-        # Custom names load here, when the learner starts: a bad one fails before any batch is consumed.
-        self.loss_fn = get_loss(cfg.loss.name)
-        get_estimator(cfg.advantage.name)
-        self.sft_fn = get_loss("sft")
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -139,7 +174,7 @@ class Trainer:
         # The draw is a function of the version: the same on every rank, and the same again after a resume.
         draw = random.Random(f"{self.cfg.anchor.seed}/{self.version}")
         anchor = draw.sample(self.anchor_samples, min(self.cfg.anchor.samples, len(self.anchor_samples)))
-        out = self._update(samples, self.loss_fn, self.cfg.loss, self.cfg.updates_per_batch, anchor)
+        out = self._update(samples, self.objective, self.cfg.updates_per_batch, anchor)
         if out is None:
             outcomes.update(dict.fromkeys(stats["kept"], "nonfinite_step"))
             return {"empty": "non-finite step skipped", "outcomes": outcomes}
@@ -164,66 +199,40 @@ class Trainer:
         groups += [padding_micro_batch(pad) for _ in range(n - len(groups))]
         return [collate(mb, pad, self.device) for mb in groups]
 
-    def _update(self, samples: list[Sample], loss_fn: Any, loss_cfg: LossConfig, updates: int,
-                anchor: list[Sample] = ()) -> dict | None:
+    def _update(self, samples: list[Sample], terms: list[Term], updates: int, anchor: list[Sample] = ()) -> dict | None:
+        """``updates`` optimizer steps on ``samples`` (and the anchor's demo turns) minimising ``terms``; None
+        when a non-finite loss or gradient made every rank skip the step."""
         cfg, dist = self.cfg, self.dist
         mbs = self._rank_micro_batches(samples)
-        n = len(mbs)
-        k = min(updates, n)
-        chunks = [mbs[i::k] for i in range(k)]
-        # Token-mean over the whole step: every rank divides by the tokens of all ranks.
-        chunk_tokens_all = [int(v) for v in dist.sum([sum(tb.num_tokens for tb in c) for c in chunks])]
-        # The anchor's demo turns ride along, split over the same k updates, with their own token-mean.
-        anchor_mbs = self._rank_micro_batches(list(anchor)) if anchor else []  # the same draw on every rank
-        anchor_chunks = [anchor_mbs[i::k] for i in range(k)]
-        anchor_tokens_all = [int(v) for v in dist.sum([sum(tb.num_tokens for tb in c) for c in anchor_chunks])]
-        anchor_sum = 0.0
+        k = min(updates, len(mbs))
+        # Each kind of samples is split over the same k updates and token-averaged over all ranks' tokens.
+        split = {BATCH: self._chunks(mbs, k),
+                 ANCHOR: self._chunks(self._rank_micro_batches(list(anchor)) if anchor else [], k)}
+        prox = self._recomputed_prox(mbs) if k > 1 and cfg.prox == "recompute" else {}
         # FSDP2 averages gradients over ranks; scaling the loss by the world size makes that average a sum.
         loss_scale = float(dist.world_size)
-        prox: dict[int, torch.Tensor] = {}
-        if k > 1 and cfg.prox == "recompute":  # pi_prox: the policy at the start of this step
-            with torch.no_grad():
-                for tb in mbs:
-                    prox[id(tb)] = self._logprobs(self.net, tb)[0]
-        sums: dict[str, float] = {}
-        total_tokens = 0
-        entropy_sum = 0.0
-        grad_norm = 0.0
-        for j, chunk in enumerate(chunks):
-            chunk_tokens = chunk_tokens_all[j]
-            if chunk_tokens == 0:
+        acc = {kind: MetricSums() for kind in split}
+        entropy_sum = grad_norm = 0.0
+        for j in range(k):
+            if split[BATCH][1][j] == 0:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
             bad = False
-            for tb in chunk:
-                lp, logits = self._logprobs(self.net, tb)
-                if k == 1:
-                    lp_prox = lp.detach()  # one update per batch: pi_prox is pi_theta before this update
-                elif cfg.prox == "recompute":
-                    lp_prox = prox[id(tb)]
-                else:
-                    lp_prox = loglinear_prox(tb.behav_logprobs, lp, tb.versions, self.version,
-                                             self.version + j / k)
-                ref = None
-                if self.ref_model is not None:
-                    with torch.no_grad():
-                        ref = self._logprobs(self.ref_model, tb)[0]
-                inp = LossInputs(lp, lp_prox, tb.behav_logprobs, tb.advantages, tb.mask, float(chunk_tokens), ref)
-                res = loss_fn(inp, loss_cfg)
-                # Skipped after the chunk, by every rank together (the others are mid-step in collectives).
-                bad = bad or not bool(torch.isfinite(res.loss))
-                (res.loss * loss_scale).backward()
-                ent = token_entropy(logits)
-                entropy_sum += float((ent * tb.mask).sum())
-                for key, v in res.metrics.items():
-                    sums[key] = sums.get(key, 0.0) + v * tb.num_tokens
-                sums["loss"] = sums.get("loss", 0.0) + float(res.loss.detach()) * chunk_tokens
-                total_tokens += tb.num_tokens
-            for tb in anchor_chunks[j]:
-                a_loss = self._anchor_loss(tb, max(anchor_tokens_all[j], 1))
-                bad = bad or not bool(torch.isfinite(a_loss))
-                (cfg.anchor.coef * a_loss * loss_scale).backward()
-                anchor_sum += float(a_loss.detach()) * anchor_tokens_all[j]
+            for kind, (chunks, tokens_all) in split.items():
+                kind_terms = [t for t in terms if t.samples == kind]
+                for tb in chunks[j] if kind_terms else ():
+                    inp = self._loss_inputs(tb, kind_terms, float(max(tokens_all[j], 1)), prox, j, k)
+                    total = 0.0
+                    for term in kind_terms:
+                        res = term.fn(inp, cfg.loss)
+                        total = total + term.coef * res.loss
+                        acc[kind].add(res, tb.num_tokens)
+                    # Skipped after the chunk, by every rank together (the others are mid-step in collectives).
+                    bad = bad or not bool(torch.isfinite(total))
+                    (total * loss_scale).backward()
+                    acc[kind].add_loss(float(total.detach()), tokens_all[j], tb.num_tokens)
+                    if kind == BATCH:
+                        entropy_sum += float((token_entropy(inp.logits) * tb.mask).sum())
             self.net.grads_to_master()
             params = [p for p in self.model.parameters() if p.grad is not None]
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
@@ -239,28 +248,45 @@ class Trainer:
             self.scheduler.step()
             self.version += 1
             self.content_version = self.version
-        keys = sorted(k for k in sums if k != "is_weight_max")
-        entropy_sum, total, anchor_sum, *values = dist.sum([entropy_sum, total_tokens, anchor_sum,
-                                                            *(sums[k] for k in keys)])
-        total_tokens = int(total)
-        metrics = {key: v / max(total_tokens, 1) for key, v in zip(keys, values)}
-        if anchor_mbs:
-            metrics["anchor_loss"] = anchor_sum / max(sum(anchor_tokens_all), 1)
-            metrics["anchor_tokens"] = sum(anchor_tokens_all)
-        metrics.update(entropy=entropy_sum / max(total_tokens, 1), grad_norm=grad_norm, tokens=total_tokens,
+        metrics = acc[BATCH].reduce(dist, "loss")
+        anchor_tokens = sum(split[ANCHOR][1])
+        if anchor_tokens:
+            metrics.update(acc[ANCHOR].reduce(dist, None), anchor_tokens=anchor_tokens)
+        tokens = int(dist.sum([acc[BATCH].tokens])[0])
+        metrics.update(entropy=dist.sum([entropy_sum])[0] / max(tokens, 1), grad_norm=grad_norm, tokens=tokens,
                        lr=self.optimizer.param_groups[0]["lr"], version=self.version, micro_batches=len(mbs))
         if cfg.broadcast_weights:
             self.gather_weights()
         return metrics
 
-    def _anchor_loss(self, tb: Any, num_tokens: int) -> torch.Tensor:
-        """The anchor's loss on one micro-batch of demo turns (gradient through the policy only)."""
+    def _chunks(self, mbs: list[Any], k: int) -> tuple[list[list[Any]], list[int]]:
+        """``mbs`` dealt over k updates, and each update's loss tokens summed over every rank."""
+        chunks = [mbs[i::k] for i in range(k)]
+        return chunks, [int(v) for v in self.dist.sum([sum(tb.num_tokens for tb in c) for c in chunks])]
+
+    def _recomputed_prox(self, mbs: list[Any]) -> dict[int, torch.Tensor]:
+        """log pi_prox as the policy at the start of this step, for every micro-batch."""
+        with torch.no_grad():
+            return {id(tb): self._logprobs(self.net, tb)[0] for tb in mbs}
+
+    def _loss_inputs(self, tb: Any, terms: list[Term], num_tokens: float, prox: dict, j: int, k: int) -> LossInputs:
+        """The inputs of ``terms`` on one micro-batch: log pi_theta (and logits) always, pi_prox by the configured
+        mode, the reference's log-probs or logits only where a term needs them."""
         lp, logits = self._logprobs(self.net, tb)
-        ref_logits = None
-        if self.cfg.anchor.kind == "kl":
+        if k == 1:
+            lp_prox = lp.detach()  # one update per batch: pi_prox is pi_theta before this update
+        elif id(tb) in prox:
+            lp_prox = prox[id(tb)]
+        else:
+            lp_prox = loglinear_prox(tb.behav_logprobs, lp, tb.versions, self.version, self.version + j / k)
+        wanted = frozenset().union(*(t.needs for t in terms))
+        ref_lp = ref_logits = None
+        if wanted & {"ref_logprobs", "ref_logits"}:
             with torch.no_grad():
-                ref_logits = self._logprobs(self.ref_model, tb)[1]
-        return anchor_loss(self.cfg.anchor.kind, logits, lp, ref_logits, tb.mask, float(num_tokens))
+                ref_lp, ref_logits = self._logprobs(self.ref_model, tb)
+        return LossInputs(lp, lp_prox, tb.behav_logprobs, tb.advantages, tb.mask, num_tokens,
+                          ref_lp if "ref_logprobs" in wanted else None, logits,
+                          ref_logits if "ref_logits" in wanted else None)
 
     def gather_weights(self) -> None:
         """Collective with several ranks: rank 0 keeps the full weights the actors get (on the learner's
@@ -291,7 +317,7 @@ class Trainer:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         try:
-            return self._update(samples, self.sft_fn, self.cfg.loss, updates=1)
+            return self._update(samples, sft_objective(), updates=1)
         finally:
             for g, v in zip(self.optimizer.param_groups, saved):
                 g["lr"] = v

@@ -127,6 +127,29 @@ def test_custom_loss_by_import_path_trains():
     assert answer_logprob(t, b"done()") - answer_logprob(t, b"fail()") > before + 1.0
 
 
+def counting_loss(inp, cfg):
+    """GRPO, reporting each micro-batch's loss tokens three ways: as a mean, a max and a sum."""
+    from learner.losses import grpo_loss
+
+    out = grpo_loss(inp, cfg)
+    n = float(inp.mask.sum())
+    out.metrics.update(mb_tokens_mean=n, mb_tokens_max=n, mb_tokens_sum=n)
+    out.reduce.update(mb_tokens_max="max", mb_tokens_sum="sum")
+    return out
+
+
+def test_a_loss_says_how_each_metric_combines_over_micro_batches():
+    cfg = dataclasses.replace(LearnerConfig(micro_batch_tokens=64),
+                              loss=LossConfig(name="tests.test_learner:counting_loss"))
+    t = Trainer(cfg, TINY)
+    m = t.train_step(groups_from(t, n_groups=4))
+    assert m["micro_batches"] >= 3
+    assert m["mb_tokens_sum"] == m["tokens"], "a sum adds up over micro-batches"
+    assert m["tokens"] / m["micro_batches"] <= m["mb_tokens_max"] < m["tokens"], "a max is the largest one"
+    assert m["mb_tokens_max"] >= m["mb_tokens_mean"] >= m["tokens"] / m["micro_batches"], "a token-weighted mean"
+    assert m["is_weight_max"] >= m["is_weight_mean"] > 0, "the built-in losses report their max as a max"
+
+
 @pytest.mark.parametrize("prox", ["recompute", "loglinear"])
 def test_several_updates_per_batch(prox):
     t = Trainer(LearnerConfig(updates_per_batch=2, micro_batch_tokens=64, prox=prox, lr=1e-3), TINY)

@@ -10,7 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from learner import advantages as ADV  # noqa: E402
-from learner.losses import LossConfig, LossInputs, get_loss, grpo_loss, k3_kl  # noqa: E402
+from learner.losses import (LossConfig, LossInputs, anchor_kl_term, anchor_sft_term, get_loss, grpo_loss,  # noqa: E402
+                            k3_kl, kl_term)
 
 
 def make_inputs(seed=0, n=4, t=6, spread=0.6, ref=True):
@@ -60,8 +61,9 @@ def test_grpo_matches_an_independent_computation(w_mode, w_level, beta):
         inp, d = make_inputs(seed)
         cfg = LossConfig(eps_low=0.2, eps_high=0.28, w_max=1.5, w_mode=w_mode, w_level=w_level, kl_beta=beta)
         out = grpo_loss(inp, cfg)
+        total = out.loss + beta * kl_term(inp, cfg).loss  # the objective: the policy term plus the KL term
         want = reference_grpo(d, 0.2, 0.28, 1.5, w_mode, w_level, beta)
-        assert out.loss.item() == pytest.approx(want, rel=1e-9, abs=1e-12)
+        assert total.item() == pytest.approx(want, rel=1e-9, abs=1e-12)
     assert "is_masked_frac" in out.metrics and "clip_frac" in out.metrics
 
 
@@ -176,15 +178,81 @@ def test_trajectory_weighting_gives_every_trajectory_the_same_weight():
 
 
 
-@pytest.mark.parametrize("name", ["grpo", "ppo", "reinforce"])
-def test_kl_without_reference_logprobs_is_an_error_for_every_policy_loss(name):
-    inp, _ = make_inputs(ref=False)
+def test_the_kl_term_needs_reference_logprobs_and_matches_an_independent_computation():
+    inp, d = make_inputs(ref=False)
     with pytest.raises(ValueError, match="reference log-probs"):
-        get_loss(name)(inp, LossConfig(kl_beta=0.1))
-    inp, _ = make_inputs(ref=True)
-    out = get_loss(name)(inp, LossConfig(kl_beta=0.1))
-    plain = get_loss(name)(inp, LossConfig(kl_beta=0.0))
-    assert out.metrics["kl"] > 0 and float(out.loss.detach()) > float(plain.loss.detach())
+        kl_term(inp, LossConfig(kl_beta=0.1))
+    inp, d = make_inputs(ref=True)
+    out = kl_term(inp, LossConfig())
+    want = sum(math.exp(d["ref"][i, j] - d["theta"][i, j]) - (d["ref"][i, j] - d["theta"][i, j]) - 1
+               for i in range(4) for j in range(6) if d["mask"][i, j]) / d["mask"].sum()
+    assert out.loss.item() == pytest.approx(want, rel=1e-9) and out.metrics["kl"] == pytest.approx(want, rel=1e-9)
+    assert kl_term.needs == {"ref_logprobs"}
+    for name in ("grpo", "ppo", "reinforce"):  # a policy loss is only the policy term: KL is the objective's
+        with_beta = get_loss(name)(inp, LossConfig(kl_beta=0.5)).loss.item()
+        assert with_beta == pytest.approx(get_loss(name)(inp, LossConfig()).loss.item(), rel=1e-12), name
+
+
+def test_anchor_terms_match_an_independent_computation():
+    rng = np.random.default_rng(7)
+    n, t, v = 2, 3, 5
+    logits, ref_logits = rng.normal(0, 1, (n, t, v)), rng.normal(0, 1, (n, t, v))
+    mask = np.array([[1, 1, 0], [1, 0, 1]], dtype=np.float64)
+    targets = rng.integers(0, v, (n, t))
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    lp = np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    T = lambda a: torch.tensor(a, dtype=torch.float64)  # noqa: E731
+    zeros = T(np.zeros((n, t)))
+    inp = LossInputs(T(lp), zeros, zeros, zeros, T(mask), 10.0, logits=T(logits), ref_logits=T(ref_logits))
+    kl = 0.0
+    for i in range(n):
+        for j in range(t):
+            if mask[i, j]:
+                q = np.exp(ref_logits[i, j]) / np.exp(ref_logits[i, j]).sum()
+                p = np.exp(logits[i, j]) / np.exp(logits[i, j]).sum()
+                kl += sum(q[k] * (math.log(q[k]) - math.log(p[k])) for k in range(v))
+    out = anchor_kl_term(inp, LossConfig())
+    assert out.loss.item() == pytest.approx(kl / 10.0, rel=1e-6)  # computed in float32 by design
+    assert out.metrics["anchor_loss"] == pytest.approx(kl / mask.sum(), rel=1e-6)
+    assert anchor_kl_term.needs == {"logits", "ref_logits"}
+    nll = -sum(lp[i, j] for i in range(n) for j in range(t) if mask[i, j])
+    assert anchor_sft_term(inp, LossConfig()).loss.item() == pytest.approx(nll / 10.0, rel=1e-12)
+    with pytest.raises(ValueError, match="logits"):
+        anchor_kl_term(LossInputs(T(lp), zeros, zeros, zeros, T(mask), 10.0), LossConfig())
+
+
+def test_the_objective_holds_the_terms_the_config_asks_for_and_a_reference_only_when_one_is_needed():
+    from learner.config import AnchorConfig, LearnerConfig
+    from learner.objective import needs_reference, rl_objective
+
+    plain = rl_objective(LearnerConfig())
+    assert [t.name for t in plain] == ["policy"] and not needs_reference(plain)
+    kl = rl_objective(LearnerConfig(loss=LossConfig(kl_beta=0.05)))
+    assert [(t.name, t.coef) for t in kl] == [("policy", 1.0), ("kl", 0.05)] and needs_reference(kl)
+    sft_anchor = rl_objective(LearnerConfig(anchor=AnchorConfig(suite="sim:train", kind="sft", coef=0.3)))
+    assert [(t.name, t.coef, t.samples) for t in sft_anchor] == [("policy", 1.0, "batch"), ("anchor", 0.3, "anchor")]
+    assert not needs_reference(sft_anchor)
+    assert needs_reference(rl_objective(LearnerConfig(anchor=AnchorConfig(suite="sim:train", kind="kl"))))
+    custom = rl_objective(LearnerConfig(loss=LossConfig(name="learner.example_loss:gspo_loss", kl_beta=0.1)))
+    assert [t.name for t in custom] == ["policy", "kl"], "a custom loss gets the KL term too"
+
+
+def test_a_bad_loss_or_estimator_name_fails_at_config_load_or_learner_start_before_any_batch():
+    from common.config import ConfigError, build
+    from learner.config import BUILTIN_LOSSES, LearnerConfig
+    from learner.losses import LOSSES
+    from learner.trainer import Trainer
+    from tests.test_learner import TINY
+
+    assert tuple(LOSSES) == BUILTIN_LOSSES, "the config's list of built-in names is the losses module's"
+    for bad in ({"loss": {"name": "gpro"}}, {"advantage": {"name": "gropo"}}, {"loss": {"name": "a b:c"}}):
+        with pytest.raises(ConfigError, match="neither built in"):
+            build(LearnerConfig, bad)  # every role: a typo is a config error, nothing imported
+    cfg = build(LearnerConfig, {"loss": {"name": "no_such_module:fn"}})
+    with pytest.raises(ValueError, match="cannot load 'no_such_module:fn'"):
+        Trainer(cfg, TINY)  # the learner imports it when it starts, before it asks for any batch
+    with pytest.raises(ValueError, match="cannot load 'no_such_module:est'"):
+        Trainer(build(LearnerConfig, {"advantage": {"name": "no_such_module:est"}}), TINY)
 
 
 def test_step_level_advantages_are_refused_where_the_estimator_ignores_turns():
