@@ -14,10 +14,9 @@ from __future__ import annotations
 import posixpath
 import random
 import string
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator
 
-from env_server.actions import ActionError
 from env_server.sim.desktop import CHOICES, COLS, HOME, ROWS, Desktop, format_sheet
 from env_server.tasks import Task, TaskFamily, TaskRegistry
 
