@@ -1,0 +1,13 @@
+"""ZeroMQ links shared by every role: their config and addresses (``config.py``), CURVE keys and socket options
+(``security.py``), the server side with its peer table (``server.py``) and the reliable client link
+(``client.py``). Roles import from here: ``from common.net import NetConfig, ServerLink``."""
+
+from common.net.client import ServerLink
+from common.net.config import NetConfig, curve_wanted, free_port, is_loopback
+from common.net.security import (AuthMonitor, CurveKeys, RateLimitedLog, Security, ensure_keys, limit_size, load_keys,
+                                 security_for, tune)
+from common.net.server import PeerState, PeerTable, ServerSocket, answer_heartbeat, serve
+
+__all__ = ["ServerLink", "NetConfig", "curve_wanted", "free_port", "is_loopback", "AuthMonitor", "CurveKeys",
+           "RateLimitedLog", "Security", "ensure_keys", "limit_size", "load_keys", "security_for", "tune", "PeerState",
+           "PeerTable", "ServerSocket", "answer_heartbeat", "serve"]

@@ -1,0 +1,179 @@
+"""The client side of a link: ``ServerLink``, a DEALER that re-creates its socket with exponential back-off when
+the server goes quiet and, once it answers again, re-sends every outstanding request. Servers carry an ``epoch``
+(a random id per process start): a client that sees a new epoch knows the server forgot its requests and
+re-sends them too. Servers de-duplicate what must not happen twice (trajectory groups)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import zmq
+
+from common import protocol as P
+from common.net.config import NetConfig
+from common.net.security import Security, tune
+
+
+@dataclass
+class _Outstanding:
+    frames: list[Any]
+    sent_at: float
+    resend_on_timeout: bool
+
+
+class ServerLink:
+    """A DEALER link to one server with heartbeats, reconnect back-off and at-least-once requests.
+
+    ``request(key, msg)`` keeps ``msg`` until ``complete(key)``; it is re-sent after a reconnect, when the
+    server's epoch changes (the server restarted), or after ``request_timeout_s`` unless the request is
+    parked on purpose (``resend_on_timeout=False``, e.g. a ticket request waiting for capacity).
+    ``poll`` returns the messages meant for the caller; heartbeats and the handshake stay inside.
+    """
+
+    def __init__(self, ctx: zmq.Context, addr: str, hello: P.Hello, net: NetConfig, security: Security,
+                 log: Any, on_epoch: Callable[[str, str], None] | None = None):
+        self.ctx, self.addr, self.hello, self.net, self.security, self.log = ctx, addr, hello, net, security, log
+        self.on_epoch = on_epoch
+        self.epoch = ""
+        self.ready = False
+        self.ready_msg: P.Ready | None = None
+        self.outstanding: dict[str, _Outstanding] = {}
+        self.backoff = net.reconnect_min_s
+        self.reconnects = 0
+        self.counters: dict[str, int] = {}
+        self.sock: zmq.Socket | None = None
+        self._early: list[P.Message] = []  # messages that arrived while wait_ready was waiting
+        self._connect()
+
+    def _connect(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.ROUTING_ID, self.hello.peer_id.encode()[:255])
+        tune(self.sock, self.net)
+        self.security.client(self.sock)
+        self.sock.connect(self.addr)
+        now = time.monotonic()
+        self.last_recv = now
+        self.last_hb = 0.0
+        self.ready = False
+        self._send(P.encode(self.hello))
+
+    def _send(self, frames: list[Any]) -> None:
+        try:
+            self.sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:  # pipe full or not yet connected: heartbeats and timeouts will retry
+            self.counters["send_again"] = self.counters.get("send_again", 0) + 1
+
+    def request(self, key: str, msg: P.Message | list[Any], resend_on_timeout: bool = True) -> None:
+        frames = msg if isinstance(msg, list) else P.encode(msg)
+        self.outstanding[key] = _Outstanding(frames, time.monotonic(), resend_on_timeout)
+        if self.ready:
+            self._send(frames)
+
+    def send(self, msg: P.Message) -> None:
+        """Fire and forget (no retry)."""
+        if self.ready:
+            self._send(P.encode(msg))
+
+    def complete(self, key: str) -> bool:
+        return self.outstanding.pop(key, None) is not None
+
+    def _resend_all(self) -> None:
+        now = time.monotonic()
+        for item in self.outstanding.values():
+            item.sent_at = now
+            self._send(item.frames)
+
+    def poll(self, timeout_s: float) -> list[P.Message]:
+        """Wait up to ``timeout_s`` for messages; run heartbeats, liveness and resends."""
+        out, self._early = self._early, []
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            now = time.monotonic()
+            self._timers(now)
+            wait = max(0.0, min(deadline - now, self.net.heartbeat_s / 2))
+            if self.sock.poll(int(wait * 1000), zmq.POLLIN):
+                while True:
+                    try:
+                        frames = self.sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    msg = self._handle(frames)
+                    if msg is not None:
+                        out.append(msg)
+            if out or time.monotonic() >= deadline:
+                return out
+
+    def _handle(self, frames: list[Any]) -> P.Message | None:
+        self.last_recv = time.monotonic()
+        self.backoff = self.net.reconnect_min_s
+        try:
+            msg = P.decode(frames, self.net.max_message_bytes)
+        except P.ProtocolError as exc:
+            self.counters[f"rejected_{exc.reason}"] = self.counters.get(f"rejected_{exc.reason}", 0) + 1
+            self.log.warning("reply_rejected", server=self.addr, reason=exc.reason, detail=exc.detail[:300])
+            return None
+        if isinstance(msg, P.Ready):
+            self.ready_msg = msg
+            self._epoch_seen(msg.epoch)
+            if not self.ready:
+                self.ready = True
+                self._resend_all()
+            return msg
+        if isinstance(msg, P.Heartbeat):
+            self._epoch_seen(msg.epoch)
+            return None
+        if isinstance(msg, P.Error) and msg.code == "unknown_peer":
+            # The server forgot us (it declared us dead): handshake again; Ready re-sends what is owed.
+            self.counters["rehandshakes"] = self.counters.get("rehandshakes", 0) + 1
+            self.ready = False
+            self._send(P.encode(self.hello))
+            return None
+        return msg
+
+    def _epoch_seen(self, epoch: str) -> None:
+        if epoch and epoch != self.epoch:
+            old, self.epoch = self.epoch, epoch
+            if old:
+                self.log.warning("server_restarted", server=self.addr, old_epoch=old, epoch=epoch,
+                                 resending=len(self.outstanding))
+                self.ready = False  # re-handshake: the new server knows nothing of us
+                self._send(P.encode(self.hello))
+            if self.on_epoch is not None:
+                self.on_epoch(old, epoch)
+
+    def _timers(self, now: float) -> None:
+        if now - self.last_hb >= self.net.heartbeat_s:
+            self.last_hb = now
+            self._send(P.encode(P.Heartbeat(peer_id=self.hello.peer_id, epoch=self.epoch, sent_at=time.time())))
+            if not self.ready:
+                self._send(P.encode(self.hello))
+        if now - self.last_recv > self.net.dead_after_s + self.backoff:
+            self.reconnects += 1
+            self.log.warning("server_silent", server=self.addr, silent_s=round(now - self.last_recv, 2),
+                             backoff_s=self.backoff)
+            self.backoff = min(self.backoff * 2, self.net.reconnect_max_s)
+            self._connect()
+            return
+        if self.ready:
+            for item in self.outstanding.values():
+                if item.resend_on_timeout and now - item.sent_at > self.net.request_timeout_s:
+                    item.sent_at = now
+                    self.counters["resent"] = self.counters.get("resent", 0) + 1
+                    self._send(item.frames)
+
+    def wait_ready(self, timeout_s: float) -> P.Ready:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no Ready from {self.addr} within {timeout_s}s")
+            self._early.extend(m for m in self.poll(0.1) if not isinstance(m, P.Ready))
+        return self.ready_msg  # type: ignore[return-value]
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None

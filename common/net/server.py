@@ -1,0 +1,145 @@
+"""The server side of a link: a ROUTER socket, its table of peers and their liveness (Paranoid Pirate:
+peers heartbeat every ``heartbeat_s``; one silent for ``liveness x heartbeat_s`` is dead), and the serve loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import zmq
+
+from common import protocol as P
+from common.net.config import NetConfig
+from common.net.security import AuthMonitor, RateLimitedLog, Security, tune
+
+
+class ServerSocket:
+    """A ROUTER that decodes/validates requests, counts rejections and answers them with ``Error``."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, net: NetConfig, security: Security, counters: dict,
+                 log: Any, name: str):
+        self.sock = ctx.socket(zmq.ROUTER)
+        tune(self.sock, net)
+        self.sock.router_mandatory = False
+        # Clients keep their routing id across reconnects; the newest connection takes it over.
+        self.sock.router_handover = True
+        security.server(self.sock)
+        self.auth = AuthMonitor(self.sock, security, counters, log, name)
+        self.sock.bind(addr)
+        self.addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.net, self.counters, self.log, self.name = net, counters, log, name
+        self.rejections = RateLimitedLog(log)
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    def recv_nowait(self) -> tuple[bytes, P.Message | None, list[Any]]:
+        """One request: (identity, message or None if rejected, raw frames); ``zmq.Again`` if none.
+
+        Never raises on bad input: a rejected message is counted, logged and answered with ``Error``.
+        """
+        parts = self.sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+        size = sum(f.buffer.nbytes for f in parts)
+        self.bytes_in += size
+        if len(parts) < 2:
+            self._reject("no_identity", b"", "message without identity or body", "?")
+            return b"", None, []
+        ident, frames = parts[0].bytes, parts[1:]
+        try:
+            return ident, P.decode(frames, self.net.max_message_bytes), frames
+        except P.ProtocolError as exc:  # decode raises nothing else, whatever the bytes
+            kind = P.peek_type(frames[0].bytes) if frames[0].buffer.nbytes < 1 << 20 else "?"
+            self._reject(exc.reason, ident, exc.detail, kind)
+            self.send(ident, P.Error(code=exc.reason, message=str(exc)[:500], ref_type=kind[:64]))
+            return ident, None, []
+
+    def _reject(self, reason: str, ident: bytes, detail: str, kind: str) -> None:
+        self.counters[f"rejected_{reason}"] = self.counters.get(f"rejected_{reason}", 0) + 1
+        self.rejections.warning("message_rejected", (reason, ident), socket=self.name, reason=reason,
+                                detail=detail[:300], peer=ident.hex()[:16], msg_type=kind[:64])
+
+    def send(self, ident: bytes, msg: P.Message) -> None:
+        self.send_frames(ident, P.encode(msg))
+
+    def send_frames(self, ident: bytes, frames: list[Any]) -> None:
+        self.bytes_out += P.frames_nbytes(frames)
+        try:
+            self.sock.send_multipart([ident, *frames], copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:  # the peer's queue is full; it will re-request (clients resend on timeout)
+            self.counters["send_dropped_hwm"] = self.counters.get("send_dropped_hwm", 0) + 1
+
+    def drain_auth_failures(self) -> int:
+        """Count (and log) CURVE handshakes refused since the last call."""
+        return self.auth.drain()
+
+    def close(self) -> None:
+        self.auth.close()
+        self.sock.close(0)
+
+
+@dataclass
+class PeerState:
+    peer_id: str
+    ident: bytes
+    role: str
+    last_seen: float
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+class PeerTable:
+    """Who is alive: a peer silent for ``dead_after_s`` is expired (its leases are then reclaimed)."""
+
+    def __init__(self, dead_after_s: float):
+        self.dead_after_s = dead_after_s
+        self.peers: dict[bytes, PeerState] = {}
+
+    def touch(self, ident: bytes, now: float, peer_id: str = "", role: str = "") -> PeerState:
+        p = self.peers.get(ident)
+        if p is None:
+            p = self.peers[ident] = PeerState(peer_id or ident.hex(), ident, role, now)
+        p.last_seen = now
+        if peer_id:
+            p.peer_id = peer_id
+        if role:
+            p.role = role
+        return p
+
+    def expire(self, now: float) -> list[PeerState]:
+        dead = [p for p in self.peers.values() if now - p.last_seen > self.dead_after_s]
+        for p in dead:
+            del self.peers[p.ident]
+        return dead
+
+
+def answer_heartbeat(sock: ServerSocket, peers: PeerTable, ident: bytes, msg: P.Heartbeat, now: float,
+                     server_id: str, epoch: str, counters: dict) -> None:
+    """Answer a peer's heartbeat with our epoch; a peer we do not know (declared dead, or never met) is told
+    to handshake again, so it re-sends what it still waits for instead of waiting forever."""
+    if ident not in peers.peers:
+        counters["unknown_peer_heartbeats"] = counters.get("unknown_peer_heartbeats", 0) + 1
+        sock.send(ident, P.Error(code="unknown_peer", message="handshake again", ref_type="Heartbeat"))
+        return
+    peers.touch(ident, now, msg.peer_id)
+    sock.send(ident, P.Heartbeat(peer_id=server_id, epoch=epoch, sent_at=time.time()))
+
+
+def serve(step: Callable[[], None], stop: threading.Event, log: Any, counters: dict, role: str,
+          done: Callable[[], bool] = lambda: False) -> None:
+    """A server's loop: ``step`` until stopped (SIGTERM/SIGINT in the main thread) or ``done()``.
+
+    An exception in one step is counted (``internal_errors``) and logged, and the loop goes on: a bug in
+    one handler must not take a server down with all the state it holds.
+    """
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    while not stop.is_set() and not done():
+        try:
+            step()
+        except Exception:
+            counters["internal_errors"] = counters.get("internal_errors", 0) + 1
+            log.exception(f"{role}_internal_error")
+            time.sleep(0.01)

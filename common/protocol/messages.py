@@ -1,0 +1,434 @@
+"""The message catalogue: every typed message and record the roles exchange, with the checks a decoded value
+must pass beyond its field types (a trajectory's arrays agree in length, a group is not empty, ...).
+``common/protocol/codec.py`` turns these into frames and back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+
+CONTROL_TOPIC = b"ctl"
+"""ZeroMQ topic of the broker's published ``Control`` messages (frame 0 before the message's frames)"""
+
+# Fixed little-endian dtypes: a peer on any platform reads the same bytes.
+ALLOWED_DTYPES = {
+    name: np.dtype(name).newbyteorder("<")
+    for name in (
+        "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+        "float16", "float32", "float64",
+    )
+}
+ALLOWED_DTYPES["bool"] = np.dtype("bool")
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be accepted; ``reason`` is a short counter key."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+# ---------------------------------------------------------------------------------------------
+# Message and record classes
+# ---------------------------------------------------------------------------------------------
+
+MESSAGE_TYPES: dict[str, type["Message"]] = {}
+
+
+class Record:
+    """A nested structure inside a message (a trajectory, a turn): a dataclass, validated on decode."""
+
+
+class Message(Record):
+    """A top-level wire message. Subclasses are dataclasses registered by name in ``MESSAGE_TYPES``."""
+
+    TYPE: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls.TYPE = cls.__name__
+        MESSAGE_TYPES[cls.__name__] = cls
+
+
+@dataclass
+class Hello(Message):
+    """First message of a peer: who it is. Answered by ``Ready``."""
+
+    role: str
+    peer_id: str
+    rank: int = 0
+    pid: int = 0
+    host: str = ""
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Control(Message):
+    """Run-wide control state, published by the broker and sent by the learner to update it."""
+
+    version: int
+    phase: str = "rl"
+    paused: bool = False
+    stop: bool = False
+    seq: int = 0
+    broker_epoch: str = ""
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Ready(Message):
+    """Answer to ``Hello``: the server's identity and the current control state."""
+
+    role: str
+    epoch: str
+    control: Control
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Heartbeat(Message):
+    """Liveness ping; the server answers with its own ``Heartbeat`` carrying its epoch."""
+
+    peer_id: str
+    epoch: str = ""
+    sent_at: float = 0.0
+
+
+@dataclass
+class TicketRequest(Message):
+    """An actor asks for permission to roll out one task group. Parked until admission allows."""
+
+    actor_id: str
+    request_id: str
+
+
+@dataclass
+class Ticket(Message):
+    """Permission to roll out ``group_size`` episodes of ``task_id``; held under a lease."""
+
+    ticket_id: str
+    request_id: str
+    task_id: str
+    group_size: int
+    policy_version: int
+    lease_s: float
+    phase: str = "rl"
+
+
+@dataclass
+class TurnView:
+    """One model turn of a trajectory, as views into its flat arrays."""
+
+    prompt_ids: np.ndarray
+    output_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    loss_mask: np.ndarray
+    reward: float
+    format_error: bool
+    observation: str
+    action: str
+
+
+@dataclass
+class Trajectory(Record):
+    """One episode, token-in/token-out, its T turns stored as flat arrays with per-turn lengths.
+
+    Turn i's prompt is ``prompt_ids[sum(prompt_lens[:i]) : +prompt_lens[i]]`` exactly as fed to the engine;
+    its sampled tokens, their behaviour log-probs, the policy version of each token and the loss mask
+    (1 = model token to train on) are the matching slice of the ``output_*`` arrays. Flat arrays keep a
+    group to a few dozen frames however many turns it has, and are what the learner packs from.
+    """
+
+    traj_id: str
+    reward: float
+    success: bool
+    prompt_ids: np.ndarray
+    """int32, all turns' prompts concatenated"""
+    prompt_lens: np.ndarray
+    """int32 [T], prompt length per turn"""
+    output_ids: np.ndarray
+    """int32, all turns' sampled tokens concatenated"""
+    output_lens: np.ndarray
+    """int32 [T], sampled length per turn"""
+    logprobs: np.ndarray
+    """float32, behaviour log-prob per sampled token"""
+    versions: np.ndarray
+    """int32, policy version that sampled each token"""
+    loss_mask: np.ndarray
+    """uint8, 1 = train on this sampled token"""
+    turn_rewards: np.ndarray
+    """float32 [T], per-turn reward (step-level credit)"""
+    format_errors: np.ndarray
+    """uint8 [T], 1 where the turn's action did not parse"""
+    observations: list[str] = field(default_factory=list)
+    """per-turn observation text (debugging; may be truncated)"""
+    actions: list[str] = field(default_factory=list)
+    """per-turn action text as parsed"""
+    finish_reason: str = ""
+    env_error: str = ""
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.prompt_lens)
+
+    @classmethod
+    def from_turns(cls, traj_id: str, reward: float, success: bool, turns: Sequence[TurnView], **extra: Any) -> "Trajectory":
+        """Assemble the flat arrays from per-turn pieces."""
+
+        def cat(get, dtype):
+            parts = [np.asarray(get(t), dtype=dtype) for t in turns]
+            return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+        return cls(
+            traj_id=traj_id, reward=float(reward), success=bool(success),
+            prompt_ids=cat(lambda t: t.prompt_ids, np.int32),
+            prompt_lens=np.array([len(t.prompt_ids) for t in turns], np.int32),
+            output_ids=cat(lambda t: t.output_ids, np.int32),
+            output_lens=np.array([len(t.output_ids) for t in turns], np.int32),
+            logprobs=cat(lambda t: t.logprobs, np.float32),
+            versions=cat(lambda t: t.versions, np.int32),
+            loss_mask=cat(lambda t: t.loss_mask, np.uint8),
+            turn_rewards=np.array([t.reward for t in turns], np.float32),
+            format_errors=np.array([t.format_error for t in turns], np.uint8),
+            observations=[t.observation for t in turns],
+            actions=[t.action for t in turns],
+            **extra,
+        )
+
+    def turn(self, i: int) -> TurnView:
+        p0 = int(self.prompt_lens[:i].sum())
+        o0 = int(self.output_lens[:i].sum())
+        p1 = p0 + int(self.prompt_lens[i])
+        o1 = o0 + int(self.output_lens[i])
+        return TurnView(
+            self.prompt_ids[p0:p1], self.output_ids[o0:o1], self.logprobs[o0:o1], self.versions[o0:o1],
+            self.loss_mask[o0:o1], float(self.turn_rewards[i]), bool(self.format_errors[i]),
+            self.observations[i] if i < len(self.observations) else "",
+            self.actions[i] if i < len(self.actions) else "",
+        )
+
+    def validate(self) -> None:
+        t = len(self.prompt_lens)
+        checks = (
+            ("prompt_lens", self.prompt_lens, "int32", 1),
+            ("output_lens", self.output_lens, "int32", 1),
+            ("prompt_ids", self.prompt_ids, "int32", 1),
+            ("output_ids", self.output_ids, "int32", 1),
+            ("logprobs", self.logprobs, "float32", 1),
+            ("versions", self.versions, "int32", 1),
+            ("loss_mask", self.loss_mask, "uint8", 1),
+            ("turn_rewards", self.turn_rewards, "float32", 1),
+            ("format_errors", self.format_errors, "uint8", 1),
+        )
+        for name, arr, dtype, ndim in checks:
+            if arr.dtype != ALLOWED_DTYPES[dtype] or arr.ndim != ndim:
+                raise ProtocolError("bad_trajectory", f"{name}: {arr.dtype.name}{list(arr.shape)}, expected {dtype} 1-d")
+        n_out = len(self.output_ids)
+        if len(self.output_lens) != t or len(self.turn_rewards) != t or len(self.format_errors) != t:
+            raise ProtocolError("bad_trajectory", "per-turn arrays disagree on the number of turns")
+        if (self.prompt_lens < 0).any() or (self.output_lens < 0).any():
+            raise ProtocolError("bad_trajectory", "negative turn length")
+        if int(self.prompt_lens.sum()) != len(self.prompt_ids) or int(self.output_lens.sum()) != n_out:
+            raise ProtocolError("bad_trajectory", "turn lengths do not sum to the token arrays")
+        if not (len(self.logprobs) == len(self.versions) == len(self.loss_mask) == n_out):
+            raise ProtocolError("bad_trajectory", "per-token arrays differ in length")
+
+
+@dataclass
+class TrajectoryGroup(Message):
+    """All G rollouts of one ticketed task, published once complete; answered by ``Ack``."""
+
+    group_id: str
+    ticket_id: str
+    task_id: str
+    actor_id: str
+    trajectories: list[Trajectory]
+    behavior_version_min: int
+    behavior_version_max: int
+    created_at: float = 0.0
+    complete: bool = True
+    info: dict = field(default_factory=dict)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+    def validate(self) -> None:
+        if not self.trajectories:
+            raise ProtocolError("bad_group", "a group has no trajectories")
+        versions = [t.versions for t in self.trajectories if len(t.versions)]
+        if versions:
+            lo = min(int(v.min()) for v in versions)
+            hi = max(int(v.max()) for v in versions)
+            # The broker bounds staleness with these two numbers, so they must be the tokens' own.
+            if (lo, hi) != (self.behavior_version_min, self.behavior_version_max):
+                raise ProtocolError(
+                    "bad_group", f"declared versions [{self.behavior_version_min}, {self.behavior_version_max}] "
+                    f"but tokens span [{lo}, {hi}]")
+
+
+@dataclass
+class Ack(Message):
+    """The broker holds the group durably (or explains why it will not)."""
+
+    group_id: str
+    accepted: bool
+    duplicate: bool = False
+    reason: str = ""
+
+
+@dataclass
+class BatchRequest(Message):
+    """The learner grants ``credits`` more batches; the broker never sends more than granted."""
+
+    learner_id: str
+    credits: int
+    version: int
+
+
+@dataclass
+class Batch(Message):
+    """B groups for one training step at ``train_version``; they stay the broker's until a ``Commit``."""
+
+    batch_id: str
+    train_version: int
+    groups: list[TrajectoryGroup]
+    max_lag: int = 0
+    mean_lag: float = 0.0
+    dropped_stale: int = 0
+
+
+@dataclass
+class Commit(Message):
+    """The learner's checkpoint at ``version`` is durable and settles these groups (trained, or dropped with
+    a counted reason): the broker may forget them for good. Echoed by the broker once its record is durable."""
+
+    learner_id: str
+    commit_id: str
+    version: int
+    group_ids: list[str]
+
+
+@dataclass
+class SuccessRequest(Message):
+    """Ask the broker's store of successful trajectories for up to k per task (Entropulse SFT)."""
+
+    k_per_task: int
+    max_tasks: int = 0
+    seed: int = 0
+
+
+@dataclass
+class SuccessSample(Record):
+    """A successful trajectory and the task it solved."""
+
+    task_id: str
+    trajectory: Trajectory
+
+
+@dataclass
+class SuccessBatch(Message):
+    """Successful trajectories sampled from the store."""
+
+    samples: list[SuccessSample]
+    tasks_in_store: int = 0
+
+
+@dataclass
+class Error(Message):
+    """A request could not be served; ``code`` is a stable key, ``message`` is for humans."""
+
+    code: str
+    message: str = ""
+    ref_type: str = ""
+    request_id: str = ""  # the request it answers, where the request carried one
+
+
+# ----- env_server sessions (actor -> env_server ROUTER); every request carries a request_id and
+# ----- is answered once (a re-sent request gets the same answer, not a second action)
+
+
+@dataclass
+class SessionOpen(Message):
+    """Lease a desktop; answered by ``SessionOpened`` or ``Error(pool_exhausted)``."""
+
+    actor_id: str
+    request_id: str
+    backend: str = ""
+
+
+@dataclass
+class SessionOpened(Message):
+    request_id: str
+    session_id: str
+    backend: str
+    lease_s: float
+
+
+@dataclass
+class EnvReset(Message):
+    """Start an episode of ``task_id`` on the session's desktop; answered by ``EnvObservation``."""
+
+    session_id: str
+    request_id: str
+    task_id: str
+
+
+@dataclass
+class EnvStep(Message):
+    """The model's raw output for one turn; the server parses it. Answered by ``EnvObservation``."""
+
+    session_id: str
+    request_id: str
+    action: str
+
+
+@dataclass
+class EnvObservation(Message):
+    """The desktop after a reset or a step (``obs``: windows, tree, text, screenshot, ...)."""
+
+    request_id: str
+    session_id: str
+    obs: dict
+    done: bool = False
+    format_error: bool = False
+    action_error: bool = False
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class EnvEvaluate(Message):
+    """Run the task's verifier on the final state; answered by ``EnvEvaluation``."""
+
+    session_id: str
+    request_id: str
+
+
+@dataclass
+class EnvEvaluation(Message):
+    request_id: str
+    session_id: str
+    reward: float
+    success: bool
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class SessionClose(Message):
+    """Give the desktop back; answered by ``SessionClosed`` (also for an already closed session)."""
+
+    session_id: str
+    request_id: str
+
+
+@dataclass
+class SessionClosed(Message):
+    request_id: str
+    session_id: str
+
