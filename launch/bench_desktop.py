@@ -17,7 +17,7 @@ import statistics
 import threading
 import time
 
-from env_server.desktop import tasks as T
+from env_server.desktop import tasks as desk_tasks
 from env_server.desktop.backend import DesktopConfig, XvfbBackend
 
 
@@ -117,7 +117,7 @@ def concurrent(desktops: int, total_steps: int, ramp_s: float = 1.0, max_seconds
                         return
                 try:
                     backend.reset(f"desk:train/{seed}")
-                    for action in T.solver(backend.task):
+                    for action in desk_tasks.solver(backend.task):
                         backend.step(action)
                         with lock:
                             counts["steps"] += 1

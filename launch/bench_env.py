@@ -15,7 +15,7 @@ from typing import Any
 
 from env_server.actions import parse_action
 from env_server.sim.backend import SimBackend, SimConfig
-from env_server.sim import tasks as T
+from env_server.sim import tasks as sim_tasks
 from launch.benchprocs import await_result, reap, start_together
 
 TASKS = 64
@@ -25,10 +25,10 @@ def scripts(n: int = TASKS) -> list[tuple[str, list[str]]]:
     """(task id, GUI oracle actions) for the first n training tasks."""
     out = []
     for seed in range(n):
-        task = T.make_task(f"sim:train/{seed}")
-        desk = T.setup_desktop(task)
+        task = sim_tasks.make_task(f"sim:train/{seed}")
+        desk = sim_tasks.setup_desktop(task)
         actions = []
-        for a in T.oracle(task, desk, "gui"):
+        for a in sim_tasks.oracle(task, desk, "gui"):
             desk.apply(parse_action(a))
             actions.append(a)
         out.append((task.task_id, actions))

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from common import config as C
+from common import config as configlib
 from common import log as L
 from launch.config import RunConfig, load_run_config, resolve_run_dir
 
@@ -20,7 +20,7 @@ CONFIG_HELP = "YAML run config (configs/*.yaml); defaults are used for anything 
 def _load(config: str | None, overrides: tuple[str, ...]) -> RunConfig:
     try:
         return load_run_config(config, overrides)
-    except C.ConfigError as exc:
+    except configlib.ConfigError as exc:
         raise click.UsageError(str(exc)) from None
 
 
@@ -42,7 +42,7 @@ def _start_role(role: str, config: str | None, run_dir: str | None, overrides: t
     """Resolve the config and run directory, record what this role runs with, set up its logs."""
     cfg = _load(config, overrides)
     rd = resolve_run_dir(cfg, run_dir)
-    C.dump(cfg, rd.root / f"config.{role}-{rank}.yaml")
+    configlib.dump(cfg, rd.root / f"config.{role}-{rank}.yaml")
     return cfg, rd, L.setup(role, cfg.run.run_id, rank, rd.logs, cfg.run.log_level)
 
 
@@ -143,7 +143,7 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
     rd = resolve_run_dir(cfg, run_dir)
     for note in fit_to_local_run(cfg):
         click.echo(note)
-    C.dump(cfg, rd.config)
+    configlib.dump(cfg, rd.config)
     sys.exit(Supervisor(cfg, rd.config, rd, resume).run())
 
 
@@ -250,10 +250,10 @@ def config_cmd(config: str | None, describe: bool, overrides: tuple[str, ...]) -
     import yaml
 
     if describe:
-        for key, tp, default, doc in C.describe(RunConfig):
+        for key, tp, default, doc in configlib.describe(RunConfig):
             click.echo(f"{key:<40} {tp:<10} {default!s:<16} {doc}")
         return
-    click.echo(yaml.safe_dump(C.to_dict(_load(config, overrides)), sort_keys=False), nl=False)
+    click.echo(yaml.safe_dump(configlib.to_dict(_load(config, overrides)), sort_keys=False), nl=False)
 
 
 @main.group()

@@ -8,7 +8,7 @@ from typing import Iterable
 
 from actor.config import ActorConfig
 from broker.config import BrokerConfig
-from common import config as C
+from common import config as configlib
 from common.model import ModelConfig
 from common.net import NetConfig
 from common.weightsync import WeightSyncConfig
@@ -60,7 +60,7 @@ class RunConfig:
 
 
 def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:
-    cfg = C.load(RunConfig, path, overrides)
+    cfg = configlib.load(RunConfig, path, overrides)
     # A relative model directory means: from here, or else next to the config file (configs/local.yaml
     # names configs/base-policy as "base-policy"). Made absolute, so every role and a run's saved
     # config.yaml find the same files from any working directory.

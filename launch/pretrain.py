@@ -68,9 +68,9 @@ class PretrainConfig:
 def demo_trajectories(cfg: PretrainConfig, prompt_cfg: Any, tokenizer: Any, log: Any = None) -> list[P.Trajectory]:
     """Record demonstrations as token-in/token-out trajectories (one turn per demo step)."""
     from actor.demos import record_demos
-    from env_server.sim import tasks as T
+    from env_server.sim import tasks as sim_tasks
 
-    suite = f"sim:train:{','.join(cfg.families or T.FAMILY_NAMES)}"
+    suite = f"sim:train:{','.join(cfg.families or sim_tasks.FAMILY_NAMES)}"
     out = record_demos(suite, cfg.seeds, prompt_cfg, tokenizer, cfg.route, cfg.detour_prob, cfg.wrong_choice_prob,
                        cfg.seed)
     if log is not None:
@@ -131,10 +131,10 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
 def evaluate_base(path: Path, cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any) -> dict:
     """Greedy held-out success of the new base policy on the families it was cloned on."""
     from actor.engine import EngineConfig, HFEngine, SamplingParams
-    from env_server.sim import tasks as T
+    from env_server.sim import tasks as sim_tasks
     from launch.evaluate import evaluate, suite_tasks
 
     engine = HFEngine(dataclasses.replace(model_cfg, path=str(path)), EngineConfig(seed=cfg.seed, max_batch=64))
-    fams = ",".join(cfg.families or T.FAMILY_NAMES)
+    fams = ",".join(cfg.families or sim_tasks.FAMILY_NAMES)
     return evaluate(engine, suite_tasks(f"sim:heldout:{fams}", cfg.eval_episodes), prompt_cfg,
                     SamplingParams(temperature=0.0, max_new_tokens=cfg.eval_max_new_tokens), cfg.eval_max_steps)

@@ -17,7 +17,7 @@ from common.exitcodes import EXIT_RESUMABLE
 from common.metrics import MetricsWriter
 from common.model import ModelConfig
 from common.rundir import RunDir
-from learner import checkpoint as CK
+from learner import checkpoint as ckpt
 from learner.config import LearnerConfig
 from learner.distributed import DistContext, JobChannel, from_environment
 from learner.trainer import Trainer
@@ -47,7 +47,7 @@ class Learner:
         self._want_checkpoint = False
         self._checkpointed = -1  # version of the last checkpoint this process wrote
         if resume:
-            path = CK.latest(run_dir.checkpoints)
+            path = ckpt.latest(run_dir.checkpoints)
             if path is None:
                 log.warning("resume_without_checkpoint", dir=str(run_dir.checkpoints))
             else:

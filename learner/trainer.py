@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from common import protocol as P
 from common.model import ModelConfig, build_model, build_tokenizer, token_logprobs, torch_dtype
-from learner import checkpoint as CK
+from learner import checkpoint as ckpt
 from learner.batch import (Sample, build_samples, collate, loglinear_prox, micro_batches, token_entropy,
                            turn_samples)
 from learner.config import LearnerConfig
@@ -341,7 +341,7 @@ class Trainer:
             return None
         state = {"entropulse": self.entropulse.state_dict(), "counters": self.counters,
                  "content_version": self.content_version, "model_config": self._model_record(), **(extra or {})}
-        return CK.save(Path(root), self.version, self.model, weights, optim, self.scheduler, state,
+        return ckpt.save(Path(root), self.version, self.model, weights, optim, self.scheduler, state,
                        self.cfg.keep_checkpoints)
 
     def export(self, out: Any, extra: dict | None = None) -> Any:
@@ -349,7 +349,7 @@ class Trainer:
         weights, _ = full_state(self.model)
         if not self.dist.is_main:
             return None
-        return CK.export_policy(Path(out), self.model, weights,
+        return ckpt.export_policy(Path(out), self.model, weights,
                                 {"version": self.version, "model_config": self._model_record(), **(extra or {})})
 
     def _model_record(self) -> dict:
@@ -358,10 +358,10 @@ class Trainer:
 
     def load(self, path: Any) -> dict:
         """Every rank reads the checkpoint (a path all ranks see) and keeps its shard."""
-        weights, blob, state = CK.read(Path(path), self.model, with_trainer=True)
+        weights, blob, state = ckpt.read(Path(path), self.model, with_trainer=True)
         load_full_state(self.model, self.optimizer, weights, blob["optimizer"], self.dist.enabled)
         self.scheduler.load_state_dict(blob["scheduler"])
-        CK.restore_rng(blob)
+        ckpt.restore_rng(blob)
         self.version = int(state["version"])
         self.content_version = int(state.get("content_version", self.version))
         self.net.master_to_compute()

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from common import config as C
+from common import config as configlib
 from launch.cli import main
 from launch.config import RunConfig, load_run_config, resolve_run_dir
 from tests.conftest import REPO
@@ -45,7 +45,7 @@ def test_overrides_typed_and_nested(tmp_path):
     ("broker", "key=value"),
 ])
 def test_bad_keys_and_values_name_the_key(override, needle):
-    with pytest.raises(C.ConfigError) as err:
+    with pytest.raises(configlib.ConfigError) as err:
         load_run_config(None, [override])
     assert needle in str(err.value)
 
@@ -53,7 +53,7 @@ def test_bad_keys_and_values_name_the_key(override, needle):
 def test_unknown_key_in_yaml_named_with_path(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump({"broker": {"tasks": {"sute": "x"}}}))
-    with pytest.raises(C.ConfigError, match=r"broker\.tasks\.sute"):
+    with pytest.raises(configlib.ConfigError, match=r"broker\.tasks\.sute"):
         load_run_config(p)
 
 
@@ -70,7 +70,7 @@ def _all_config_classes(cls, seen=None):
 
 def test_every_config_field_has_a_one_line_docstring():
     for cls in _all_config_classes(RunConfig):
-        docs = C.field_docs(cls)
+        docs = configlib.field_docs(cls)
         for f in dataclasses.fields(cls):
             assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"
             assert "\n" not in docs[f.name], f"{cls.__name__}.{f.name}: docstring is not one line"
@@ -79,9 +79,9 @@ def test_every_config_field_has_a_one_line_docstring():
 def test_resolved_config_written_and_reloadable(tmp_path):
     cfg = load_run_config("configs/local.yaml", ["broker.eta=3"])
     rd = resolve_run_dir(cfg, str(tmp_path / "r"))
-    C.dump(cfg, rd.config)
+    configlib.dump(cfg, rd.config)
     again = load_run_config(rd.config)
-    assert C.to_dict(again) == C.to_dict(cfg) and again.broker.eta == 3 and again.run.run_id == "r"
+    assert configlib.to_dict(again) == configlib.to_dict(cfg) and again.broker.eta == 3 and again.run.run_id == "r"
 
 
 def test_cli_config_print_and_describe():

@@ -24,8 +24,8 @@ from env_server.backend import BackendError
 from env_server.client import EnvClient, EnvError
 from env_server.config import EnvServerConfig
 from env_server.desktop import apis
-from env_server.desktop import docfiles as D
-from env_server.desktop import tasks as T
+from env_server.desktop import docfiles
+from env_server.desktop import tasks as desk_tasks
 from env_server.desktop.sandbox import (ApptainerSandbox, BwrapSandbox, SandboxSpec, desktop_packages,
                                         missing_packages, require_packages)
 from env_server.server import EnvServer
@@ -53,10 +53,10 @@ def test_the_verifiers_copy_leaves_out_links_devices_fifos_and_oversized_files(t
     report = homefs.snapshot(home, copy, homefs.SnapshotLimits(max_file_bytes=1024))
     assert sorted(str(p.relative_to(copy)) for p in copy.rglob("*")) == ["Documents", "Documents/plain.txt"]
     assert report.skipped == {"link": 3, "special_file": 1, "too_large": 1}
-    task = T.Task("desk:train:editor_new_file/0", "editor_new_file", "train", 0, "",
+    task = desk_tasks.Task("desk:train:editor_new_file/0", "editor_new_file", "train", 0, "",
                   {"name": "notes1.txt", "text": "the cat sat on the mat"}, True, 5)
-    assert T.verify(home, task), "the raw home would have fooled the verifier"
-    assert not T.verify(copy, task)
+    assert desk_tasks.verify(home, task), "the raw home would have fooled the verifier"
+    assert not desk_tasks.verify(copy, task)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops to nobody only when started as root")
@@ -120,16 +120,16 @@ def test_api_calls_bind_by_position_and_keyword_and_reject_what_does_not_fit():
 
 
 def test_office_files_written_for_setup_read_back_by_the_verifier_readers(tmp_path):
-    D.write_ods(tmp_path / "t.ods", [["name", "amount"], ["kim", 3], ["a & b", 2.5]])
-    assert D.sheet_cells(tmp_path / "t.ods") == {"A1": "name", "B1": "amount", "A2": "kim", "B2": 3.0,
+    docfiles.write_ods(tmp_path / "t.ods", [["name", "amount"], ["kim", 3], ["a & b", 2.5]])
+    assert docfiles.sheet_cells(tmp_path / "t.ods") == {"A1": "name", "B1": "amount", "A2": "kim", "B2": 3.0,
                                                  "A3": "a & b", "B3": 2.5}
-    D.write_odt(tmp_path / "t.odt", ["First <line>.", "Second."])
-    assert D.doc_paragraphs(tmp_path / "t.odt") == ["First <line>.", "Second."]
+    docfiles.write_odt(tmp_path / "t.odt", ["First <line>.", "Second."])
+    assert docfiles.doc_paragraphs(tmp_path / "t.odt") == ["First <line>.", "Second."]
     (tmp_path / "bad.ods").write_text("not a zip")
-    with pytest.raises(D.DocError):
-        D.sheet_cells(tmp_path / "bad.ods")
-    assert D.col_name(0) == "A" and D.col_name(25) == "Z" and D.col_name(26) == "AA"
-    assert D.same_number("1,234", 1234) and not D.same_number("x", 1)
+    with pytest.raises(docfiles.DocError):
+        docfiles.sheet_cells(tmp_path / "bad.ods")
+    assert docfiles.col_name(0) == "A" and docfiles.col_name(25) == "Z" and docfiles.col_name(26) == "AA"
+    assert docfiles.same_number("1,234", 1234) and not docfiles.same_number("x", 1)
 
 
 def test_odt_fonts_resolve_span_over_paragraph_over_parents_over_defaults(tmp_path):
@@ -154,28 +154,28 @@ def test_odt_fonts_resolve_span_over_paragraph_over_parents_over_defaults(tmp_pa
         z.writestr("mimetype", "application/vnd.oasis.opendocument.text")
         z.writestr("content.xml", content)
         z.writestr("styles.xml", styles)
-    assert D.odt_text_fonts(tmp_path / "f.odt") == [
+    assert docfiles.odt_text_fonts(tmp_path / "f.odt") == [
         ("plain ", "Serif", 14.0), ("bold", "Serif", 14.0), (" tail", "Serif", 14.0), ("unstyled", "Sans", 12.0)]
 
 
 def test_the_real_suite_has_twenty_task_families_across_apps_with_deterministic_instances():
-    assert len(T.FAMILIES) >= 20
-    multi = [f for f in T.FAMILIES.values() if len(f.apps) > 1]
+    assert len(desk_tasks.FAMILIES) >= 20
+    multi = [f for f in desk_tasks.FAMILIES.values() if len(f.apps) > 1]
     assert len(multi) >= 3
-    assert {"Calc", "Writer", "Editor", "Files"} <= {a for f in T.FAMILIES.values() for a in f.apps}
-    a, b = T.make_task("desk:train/7"), T.make_task("desk:train/7")
+    assert {"Calc", "Writer", "Editor", "Files"} <= {a for f in desk_tasks.FAMILIES.values() for a in f.apps}
+    a, b = desk_tasks.make_task("desk:train/7"), desk_tasks.make_task("desk:train/7")
     assert a.instruction == b.instruction and a.params == b.params
-    assert T.make_task("desk:train:calc_sort,files_move/1").family == "files_move"
+    assert desk_tasks.make_task("desk:train:calc_sort,files_move/1").family == "files_move"
     for bad in ("desk", "desk:train/x", "sim:train/1", "desk:train:nope/1", "desk:calc_sum/1"):
         with pytest.raises(ActionError):
-            T.make_task(bad)
+            desk_tasks.make_task(bad)
 
 
 def test_real_desktop_tasks_have_held_out_instances_and_a_held_out_phrasing():
-    for fam in T.FAMILY_NAMES:
-        train = [T.make_task(f"desk:train:{fam}/{s}") for s in range(6)]
-        held = [T.make_task(f"desk:heldout:{fam}/{s}") for s in range(6)]
-        para = [T.make_task(f"desk:paraphrase:{fam}/{s}") for s in range(6)]
+    for fam in desk_tasks.FAMILY_NAMES:
+        train = [desk_tasks.make_task(f"desk:train:{fam}/{s}") for s in range(6)]
+        held = [desk_tasks.make_task(f"desk:heldout:{fam}/{s}") for s in range(6)]
+        para = [desk_tasks.make_task(f"desk:paraphrase:{fam}/{s}") for s in range(6)]
         assert {t.template for t in train + held} == {0} and {t.template for t in para} == {1}, fam
         assert [t.params for t in para] == [t.params for t in held], "the paraphrase split rewords held-out instances"
         assert all(p.instruction != h.instruction for p, h in zip(para, held)), fam
@@ -184,8 +184,8 @@ def test_real_desktop_tasks_have_held_out_instances_and_a_held_out_phrasing():
 
 
 def test_a_missing_file_fails_the_verifier_instead_of_raising(tmp_path):
-    task = T.make_task("desk:train:calc_sum/0")
-    assert T.verify(tmp_path, task) is False
+    task = desk_tasks.make_task("desk:train:calc_sum/0")
+    assert desk_tasks.verify(tmp_path, task) is False
 
 
 def test_missing_packages_are_named_in_one_clear_error(tmp_path):
@@ -242,12 +242,12 @@ def test_env_server_config_takes_the_real_backends():
 def test_every_task_is_solved_by_its_solver_and_failed_by_doing_nothing(desktop):
     backend = desktop(screenshot="jpeg")
     results = {}
-    for i, fam in enumerate(T.FAMILIES):
+    for i, fam in enumerate(desk_tasks.FAMILIES):
         task_id = f"desk:train:{fam}/{i}"
         obs = backend.reset(task_id)
         assert obs["instruction"] and obs["windows"], fam
         errors = []
-        for action in T.solver(backend.task):
+        for action in desk_tasks.solver(backend.task):
             r = backend.step(action)
             if r.action_error or r.format_error:
                 errors.append((action, r.obs["last_result"]))

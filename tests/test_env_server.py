@@ -18,7 +18,7 @@ from env_server.sim.backend import SimBackend, SimConfig
 from env_server.client import EnvClient, EnvError
 from env_server.config import EnvServerConfig
 from env_server.server import EnvServer
-from env_server.sim import tasks as T
+from env_server.sim import tasks as sim_tasks
 from tests.conftest import make_net
 
 
@@ -79,12 +79,12 @@ def test_episode_through_the_server_matches_in_process(env_server, quiet_log):
     sid = c.open()
     for route in ("gui", "api"):
         obs = c.reset(sid, "sim:train:editor_to_sheet/3")
-        task = T.make_task("sim:train:editor_to_sheet/3")
+        task = sim_tasks.make_task("sim:train:editor_to_sheet/3")
         assert obs["instruction"] == task.instruction and obs["step"] == 0
         shadow = SimBackend()  # the same task in-process: the oracle reads its state
         shadow.reset(task.task_id)
         last = None
-        for a in T.oracle(shadow.task, shadow.desk, route):
+        for a in sim_tasks.oracle(shadow.task, shadow.desk, route):
             expect = shadow.step(a)
             last = c.step(sid, a)
             assert last.obs["text"] == expect.obs["text"]

@@ -9,37 +9,37 @@ import pytest
 
 from env_server.actions import ActionError, parse_action
 from env_server.sim.backend import LatencyModel, SimBackend, SimConfig, render_screenshot
-from env_server.sim import tasks as T
+from env_server.sim import tasks as sim_tasks
 from env_server.tasks import SPLITS
 
 SEEDS = 200
 
 
-def run_actions(task: T.Task, actions) -> bool:
-    desk = T.setup_desktop(task)
+def run_actions(task: sim_tasks.Task, actions) -> bool:
+    desk = sim_tasks.setup_desktop(task)
     source = actions(desk) if callable(actions) else actions
     for a in source:
         desk.apply(parse_action(a))
-    return T.verify(task, desk)
+    return sim_tasks.verify(task, desk)
 
 
 @pytest.mark.parametrize("route", ["gui", "api"])
-@pytest.mark.parametrize("family", T.FAMILY_NAMES)
+@pytest.mark.parametrize("family", sim_tasks.FAMILY_NAMES)
 def test_oracle_solves_every_seed(family, route):
     for split in SPLITS:
         for seed in range(SEEDS if split == "train" else 20):
-            task = T.make_task(f"sim:{split}:{family}/{seed}")
-            desk = T.setup_desktop(task)
-            for n, a in enumerate(T.oracle(task, desk, route), 1):
+            task = sim_tasks.make_task(f"sim:{split}:{family}/{seed}")
+            desk = sim_tasks.setup_desktop(task)
+            for n, a in enumerate(sim_tasks.oracle(task, desk, route), 1):
                 desk.apply(parse_action(a))  # an oracle action never errors
             assert n <= task.max_steps, f"{task.task_id}: oracle needs {n} > {task.max_steps} steps"
-            assert T.verify(task, desk), f"{task.task_id} {route}: {task.instruction}"
+            assert sim_tasks.verify(task, desk), f"{task.task_id} {route}: {task.instruction}"
 
 
 def test_random_policy_mostly_fails():
     rng = random.Random(0)
-    wins, per_family = 0, {f: 0 for f in T.FAMILY_NAMES}
-    episodes = 20 * len(T.FAMILY_NAMES)
+    wins, per_family = 0, {f: 0 for f in sim_tasks.FAMILY_NAMES}
+    episodes = 20 * len(sim_tasks.FAMILY_NAMES)
     for seed in range(episodes):
         backend = SimBackend(SimConfig())
         obs = backend.reset(f"sim:train/{seed}")
@@ -66,7 +66,7 @@ def test_random_policy_mostly_fails():
     assert max(per_family.values()) <= 10, per_family
 
 
-def _near_misses(task: T.Task) -> list[list[str]]:
+def _near_misses(task: sim_tasks.Task) -> list[list[str]]:
     """Almost-right endings per family: each must be rejected by the verifier."""
     p, f = task.params, task.family
     doc = lambda name: f"Documents/{name}"  # noqa: E731
@@ -75,13 +75,13 @@ def _near_misses(task: T.Task) -> list[list[str]]:
     if f == "files_rename_latest":
         return [[f"Files.rename({doc(p['older'])!r}, {p['new']!r})"]]
     if f == "files_create_folder":
-        other = next(x for x in T.FOLDERS if x != p["parent"])
+        other = next(x for x in sim_tasks.FOLDERS if x != p["parent"])
         return [[f"Files.create_folder({other + '/' + p['name']!r})"],
                 [f"Files.create_folder({p['parent'] + '/' + p['name'].lower() + '_'!r})"]]
     if f == "files_move":
         return [[f"Files.move({doc(p['file'])!r}, 'Downloads')"]]
     if f == "files_delete":
-        victim = next(k for k in T.setup_desktop(task).fs.files if k.startswith("/home/user/Downloads/")
+        victim = next(k for k in sim_tasks.setup_desktop(task).fs.files if k.startswith("/home/user/Downloads/")
                       and not k.endswith(p["file"]))
         return [[f"Files.delete({'Downloads/' + p['file']!r})", f"Files.delete({victim!r})"], ["done()"]]
     if f == "editor_replace":
@@ -115,10 +115,10 @@ def _near_misses(task: T.Task) -> list[list[str]]:
     raise AssertionError(f"no near misses for {f}")
 
 
-@pytest.mark.parametrize("family", T.FAMILY_NAMES)
+@pytest.mark.parametrize("family", sim_tasks.FAMILY_NAMES)
 def test_verifier_rejects_near_misses(family):
     for seed in range(20):
-        task = T.make_task(f"sim:train:{family}/{seed}")
+        task = sim_tasks.make_task(f"sim:train:{family}/{seed}")
         for ending in _near_misses(task):
             if family == "settings_display" and not task.params["dark"] and len(ending) == 1:
                 continue  # with dark mode off requested, setting only the font size is the full answer
@@ -126,67 +126,67 @@ def test_verifier_rejects_near_misses(family):
 
 
 def test_tasks_are_deterministic_and_split():
-    a, b = T.make_task("sim:train/17"), T.make_task("sim:train/17")
+    a, b = sim_tasks.make_task("sim:train/17"), sim_tasks.make_task("sim:train/17")
     assert (a.instruction, a.params) == (b.instruction, b.params)
-    da, db = T.setup_desktop(a), T.setup_desktop(b)
+    da, db = sim_tasks.setup_desktop(a), sim_tasks.setup_desktop(b)
     assert da.fs.files == db.fs.files and da.fs.dirs == db.fs.dirs
-    assert len({T.make_task(f"sim:train/{s}").instruction for s in range(60)}) > 50
-    for fam in T.FAMILY_NAMES:
-        train_templates = {T.make_task(f"sim:train:{fam}/{s}").template for s in range(40)}
-        unseen = {T.make_task(f"sim:paraphrase:{fam}/{s}").template for s in range(10)}
-        phrasings = T.FAMILIES[fam].phrasings(T.make_task(f"sim:train:{fam}/0").params)
+    assert len({sim_tasks.make_task(f"sim:train/{s}").instruction for s in range(60)}) > 50
+    for fam in sim_tasks.FAMILY_NAMES:
+        train_templates = {sim_tasks.make_task(f"sim:train:{fam}/{s}").template for s in range(40)}
+        unseen = {sim_tasks.make_task(f"sim:paraphrase:{fam}/{s}").template for s in range(10)}
+        phrasings = sim_tasks.FAMILIES[fam].phrasings(sim_tasks.make_task(f"sim:train:{fam}/0").params)
         assert unseen == {len(phrasings) - 1} and unseen.isdisjoint(train_templates)
-        held = {T.make_task(f"sim:heldout:{fam}/{s}").template for s in range(40)}
+        held = {sim_tasks.make_task(f"sim:heldout:{fam}/{s}").template for s in range(40)}
         assert held <= train_templates and len(held) > 1
-    assert T.make_task("sim:train/5").params != T.make_task("sim:heldout/5").params
-    assert T.make_task("sim:heldout/5").params == T.make_task("sim:paraphrase/5").params, "same instances"
-    fams = [T.make_task(f"sim:train/{s}").family for s in range(len(T.FAMILY_NAMES))]
-    assert sorted(fams) == sorted(T.FAMILY_NAMES), "seeds cycle through every family"
+    assert sim_tasks.make_task("sim:train/5").params != sim_tasks.make_task("sim:heldout/5").params
+    assert sim_tasks.make_task("sim:heldout/5").params == sim_tasks.make_task("sim:paraphrase/5").params, "same instances"
+    fams = [sim_tasks.make_task(f"sim:train/{s}").family for s in range(len(sim_tasks.FAMILY_NAMES))]
+    assert sorted(fams) == sorted(sim_tasks.FAMILY_NAMES), "seeds cycle through every family"
     for bad in ("sim:train", "sim:test/1", "osworld:train/1", "sim:train:nope/1", "sim:train/-1", "/3"):
         with pytest.raises(ActionError):
-            T.make_task(bad)
-    assert T.parse_suite("sim:heldout:files_delete,sheet_sum") == ("heldout", ("files_delete", "sheet_sum"))
-    assert T.parse_suite("sim:train") == ("train", T.FAMILY_NAMES)
+            sim_tasks.make_task(bad)
+    assert sim_tasks.parse_suite("sim:heldout:files_delete,sheet_sum") == ("heldout", ("files_delete", "sheet_sum"))
+    assert sim_tasks.parse_suite("sim:train") == ("train", sim_tasks.FAMILY_NAMES)
     for bad in ("sim", "sim:test", "sim:train:nope", "osworld:train", "sim:train:sheet_sort*0",
                 "sim:train:sheet_sort*x", "sim:train:sheet_sort*"):
         with pytest.raises(ActionError, match="bad suite"):
-            T.parse_suite(bad)
+            sim_tasks.parse_suite(bad)
 
 
 def test_weighted_suite_mixes_families_without_repeating_instances():
     suite = "sim:train:sheet_sort*3,settings_display"
-    assert T.parse_suite(suite) == ("train", ("sheet_sort",) * 3 + ("settings_display",))
-    tasks = [T.make_task(f"{suite}/{s}") for s in range(400)]
+    assert sim_tasks.parse_suite(suite) == ("train", ("sheet_sort",) * 3 + ("settings_display",))
+    tasks = [sim_tasks.make_task(f"{suite}/{s}") for s in range(400)]
     sorts = [t for t in tasks if t.family == "sheet_sort"]
     assert len(sorts) == 300, "three of every four seeds are the weighted family's"
     # Its instances are numbered across its three slots: the 300 tasks are those of an unweighted suite.
-    assert [t.params for t in sorts] == [T.make_task(f"sim:train:sheet_sort/{s}").params for s in range(300)]
+    assert [t.params for t in sorts] == [sim_tasks.make_task(f"sim:train:sheet_sort/{s}").params for s in range(300)]
     settings = [t.params for t in tasks if t.family == "settings_display"]
-    assert settings == [T.make_task(f"sim:train:settings_display/{s}").params for s in range(100)]
+    assert settings == [sim_tasks.make_task(f"sim:train:settings_display/{s}").params for s in range(100)]
 
 
 def test_imperfect_demonstrations():
     fam = "files_rename_latest"
-    demo = T.DemoConfig(detour_prob=0.5, wrong_choice_prob=0.3)
+    demo = sim_tasks.DemoConfig(detour_prob=0.5, wrong_choice_prob=0.3)
     wins, detours = 0, 0
     for seed in range(200):
-        task = T.make_task(f"sim:train:{fam}/{seed}")
-        desk = T.setup_desktop(task)
+        task = sim_tasks.make_task(f"sim:train:{fam}/{seed}")
+        desk = sim_tasks.setup_desktop(task)
         actions = []
-        for a in T.oracle(task, desk, "gui", demo):
+        for a in sim_tasks.oracle(task, desk, "gui", demo):
             actions.append(a)
             desk.apply(parse_action(a))
-        wins += T.verify(task, desk)
+        wins += sim_tasks.verify(task, desk)
         detours += actions[0].startswith("open_app") and actions[0] != 'open_app("Files")'
     assert 0.6 < wins / 200 < 0.8, "about 30% of demos take the wrong report"
     assert detours > 50
     # a family with no ambiguity stays correct under wrong_choice_prob; detours are harmless
     for seed in range(50):
-        task = T.make_task(f"sim:train:files_move/{seed}")
-        desk = T.setup_desktop(task)
-        for a in T.oracle(task, desk, "gui", demo):
+        task = sim_tasks.make_task(f"sim:train:files_move/{seed}")
+        desk = sim_tasks.setup_desktop(task)
+        for a in sim_tasks.oracle(task, desk, "gui", demo):
             desk.apply(parse_action(a))
-        assert T.verify(task, desk)
+        assert sim_tasks.verify(task, desk)
 
 
 PARSE_OK = [
@@ -308,9 +308,9 @@ def test_demonstrations_record_what_the_policy_saw():
     assert [t.action for t in ep.turns] == [a for _, a in steps]
     assert steps[0][0]["step"] == 0 and steps[0][0]["instruction"] in steps[-1][0]["instruction"]
     assert all(obs["step"] == i for i, (obs, _) in enumerate(steps))
-    noisy = [demonstrate(b, f"sim:train:sheet_sort/{s}", "api", T.DemoConfig(wrong_choice_prob=0.5), seed=1)[0]
+    noisy = [demonstrate(b, f"sim:train:sheet_sort/{s}", "api", sim_tasks.DemoConfig(wrong_choice_prob=0.5), seed=1)[0]
              for s in range(60)]
     rate = sum(x.evaluation["success"] for x in noisy) / len(noisy)
     assert 0.3 < rate < 0.7, rate
-    assert demonstrate(b, "sim:train:sheet_sort/3", "api", T.DemoConfig(wrong_choice_prob=0.5), seed=1)[1] == \
-        demonstrate(b, "sim:train:sheet_sort/3", "api", T.DemoConfig(wrong_choice_prob=0.5), seed=1)[1]
+    assert demonstrate(b, "sim:train:sheet_sort/3", "api", sim_tasks.DemoConfig(wrong_choice_prob=0.5), seed=1)[1] == \
+        demonstrate(b, "sim:train:sheet_sort/3", "api", sim_tasks.DemoConfig(wrong_choice_prob=0.5), seed=1)[1]

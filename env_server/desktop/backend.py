@@ -21,7 +21,7 @@ from env_server.actions import (Action, ActionError, element_text, no_element_er
                                 short_result, unknown_app_error)
 from env_server.backend import Backend, BackendError, StepResult
 from env_server.desktop import apis, homefs
-from env_server.desktop import tasks as T
+from env_server.desktop import tasks as desk_tasks
 from env_server.desktop.sandbox import (AgentActionError, AgentClient, ApptainerSandbox, BwrapSandbox, SandboxSpec,
                                         require_packages)
 
@@ -115,7 +115,7 @@ class RealDesktopBackend(Backend):
         self.spec.run_dir.mkdir()
         self.sandbox = self._make_sandbox()
         self.agent = AgentClient(self.spec.socket, self.cfg.call_timeout_s)
-        self.task: T.Task | None = None
+        self.task: desk_tasks.Task | None = None
         self.steps = self.max_steps = self.format_errors = 0
         self.outcome: str | None = None
         self.last_result = ""
@@ -161,7 +161,7 @@ class RealDesktopBackend(Backend):
             raise ActionError(str(exc)) from None
 
     def reset(self, task_id: str) -> dict:
-        task = T.make_task(task_id)  # a bad id is the caller's error: raise before touching the desktop
+        task = desk_tasks.make_task(task_id)  # a bad id is the caller's error: raise before touching the desktop
         self._ensure_started()
         try:
             self.agent.call("close_apps")
@@ -175,7 +175,7 @@ class RealDesktopBackend(Backend):
         try:
             if self.cfg.home_template:
                 shutil.copytree(self.cfg.home_template, staged, symlinks=True, dirs_exist_ok=True)
-            opens = T.prepare_home(staged, task)
+            opens = desk_tasks.prepare_home(staged, task)
             try:
                 homefs.refill(self.spec.home, staged, self.sandbox.owner)
             except OSError as exc:  # a link planted where the reset walks, or a race with the desktop
@@ -214,7 +214,7 @@ class RealDesktopBackend(Backend):
                 report = homefs.snapshot(self.spec.home, copy)
             except OSError as exc:
                 raise BackendError(f"the desktop's home could not be read safely: {exc}") from None
-            success = T.verify(copy, self.task)
+            success = desk_tasks.verify(copy, self.task)
         finally:
             shutil.rmtree(copy, ignore_errors=True)
         # What the copy left out (links, devices, oversized files) rides to the actor with the result.

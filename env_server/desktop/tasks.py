@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 from typing import Callable, Iterator
 
-from env_server.desktop import docfiles as D
+from env_server.desktop import docfiles
 from env_server.tasks import Task, TaskFamily, TaskRegistry
 
 WORDS = ("budget", "report", "summary", "invoice", "agenda", "notes", "plan", "review", "minutes", "outline")
@@ -49,7 +49,7 @@ def _safe(verify: Callable[[Path, dict], bool]) -> Callable[[Path, dict], bool]:
     def run(home: Path, p: dict) -> bool:
         try:
             return bool(verify(home, p))
-        except (D.DocError, OSError, ValueError, KeyError, IndexError):
+        except (docfiles.DocError, OSError, ValueError, KeyError, IndexError):
             return False
     return run
 
@@ -75,12 +75,12 @@ class CalcSetCell:
         return f"Open {p['file']} in the spreadsheet, enter {p['value']} in {p['cell']}, then save."
 
     def setup(home, p):
-        D.write_ods(home / p["file"], p["rows"])
+        docfiles.write_ods(home / p["file"], p["rows"])
         return [("Calc", p["file"])]
 
     def verify(home, p):
-        cells = D.sheet_cells(home / p["file"])
-        return D.same_number(cells.get(p["cell"]), p["value"]) and cells.get("A1") == "name"
+        cells = docfiles.sheet_cells(home / p["file"])
+        return docfiles.same_number(cells.get(p["cell"]), p["value"]) and cells.get("A1") == "name"
 
     def solve(p):
         yield f"Calc.set_cell_value({p['cell']!r}, {p['value']})"
@@ -101,12 +101,12 @@ class CalcSum:
         return f"Cell B{p['n'] + 3} of sales.ods should hold the sum of B2:B{p['n'] + 1}. Save the file."
 
     def setup(home, p):
-        D.write_ods(home / p["file"], p["rows"])
+        docfiles.write_ods(home / p["file"], p["rows"])
         return [("Calc", p["file"])]
 
     def verify(home, p):
         total = sum(r[1] for r in p["rows"][1:])
-        return D.same_number(D.sheet_cells(home / p["file"]).get(f"B{p['n'] + 2}"), total)
+        return docfiles.same_number(docfiles.sheet_cells(home / p["file"]).get(f"B{p['n'] + 2}"), total)
 
     def solve(p):
         last = p["n"] + 1
@@ -129,15 +129,15 @@ class CalcSort:
         return f"Order the data rows of people.ods by {p['by']}, {'ascending' if p['ascending'] else 'descending'}, with the header staying first; save."
 
     def setup(home, p):
-        D.write_ods(home / p["file"], p["rows"])
+        docfiles.write_ods(home / p["file"], p["rows"])
         return [("Calc", p["file"])]
 
     def verify(home, p):
-        cells = D.sheet_cells(home / p["file"])
+        cells = docfiles.sheet_cells(home / p["file"])
         key = 0 if p["by"] == "name" else 1
         want = sorted(p["rows"][1:], key=lambda r: r[key], reverse=not p["ascending"])
         got = [[cells.get(f"A{i + 2}"), cells.get(f"B{i + 2}")] for i in range(len(want))]
-        return cells.get("A1") == "name" and all(g[0] == w[0] and D.same_number(g[1], w[1])
+        return cells.get("A1") == "name" and all(g[0] == w[0] and docfiles.same_number(g[1], w[1])
                                                  for g, w in zip(got, want))
 
     def solve(p):
@@ -159,11 +159,11 @@ class CalcBoldHeader:
         return f"Put the first row (A1:B1) of {p['file']} in bold, then save it."
 
     def setup(home, p):
-        D.write_ods(home / p["file"], p["rows"])
+        docfiles.write_ods(home / p["file"], p["rows"])
         return [("Calc", p["file"])]
 
     def verify(home, p):
-        bold = D.ods_bold_cells(home / p["file"])
+        bold = docfiles.ods_bold_cells(home / p["file"])
         return {"A1", "B1"} <= bold and "A2" not in bold
 
     def solve(p):
@@ -183,14 +183,14 @@ class CalcExportXlsx:
         return f"Export {p['name']}.ods to the xlsx format as {p['folder']}/{p['name']}.xlsx."
 
     def setup(home, p):
-        D.write_ods(home / f"{p['name']}.ods", p["rows"])
+        docfiles.write_ods(home / f"{p['name']}.ods", p["rows"])
         return [("Calc", f"{p['name']}.ods")]
 
     def verify(home, p):
-        cells = D.sheet_cells(home / p["folder"] / f"{p['name']}.xlsx")
+        cells = docfiles.sheet_cells(home / p["folder"] / f"{p['name']}.xlsx")
         header, *rows = p["rows"]
         return [cells.get("A1"), cells.get("B1")] == header and \
-            all(cells.get(f"A{i}") == name and D.same_number(cells.get(f"B{i}"), amount)
+            all(cells.get(f"A{i}") == name and docfiles.same_number(cells.get(f"B{i}"), amount)
                 for i, (name, amount) in enumerate(rows, start=2))
 
     def solve(p):
@@ -209,11 +209,11 @@ class CalcMax:
         return f"Find the highest amount in scores.ods, put it in {p['cell']} and save the spreadsheet."
 
     def setup(home, p):
-        D.write_ods(home / p["file"], p["rows"])
+        docfiles.write_ods(home / p["file"], p["rows"])
         return [("Calc", p["file"])]
 
     def verify(home, p):
-        return D.same_number(D.sheet_cells(home / p["file"]).get(p["cell"]), max(r[1] for r in p["rows"][1:]))
+        return docfiles.same_number(docfiles.sheet_cells(home / p["file"]).get(p["cell"]), max(r[1] for r in p["rows"][1:]))
 
     def solve(p):
         yield f"Calc.set_cell_value({p['cell']!r}, '=MAX(B2:B{len(p['rows'])})')"
@@ -242,11 +242,11 @@ class WriterReplace:
         return f"Change each \"{p['a']}\" in letter.odt to \"{p['b']}\", then save the document."
 
     def setup(home, p):
-        D.write_odt(home / p["file"], p["paras"])
+        docfiles.write_odt(home / p["file"], p["paras"])
         return [("Writer", p["file"])]
 
     def verify(home, p):
-        got = D.doc_paragraphs(home / p["file"])
+        got = docfiles.doc_paragraphs(home / p["file"])
         return got == [x.replace(p["a"], p["b"]) for x in p["paras"]]
 
     def solve(p):
@@ -267,11 +267,11 @@ class WriterAppend:
         return f"memo.odt should end with a new paragraph \"{p['line']}\"; add it and save."
 
     def setup(home, p):
-        D.write_odt(home / p["file"], p["paras"])
+        docfiles.write_odt(home / p["file"], p["paras"])
         return [("Writer", p["file"])]
 
     def verify(home, p):
-        got = [x for x in D.doc_paragraphs(home / p["file"]) if x.strip()]
+        got = [x for x in docfiles.doc_paragraphs(home / p["file"]) if x.strip()]
         return got == p["paras"] + [p["line"]]
 
     def solve(p):
@@ -291,14 +291,14 @@ class WriterFont:
         return f"Format the whole of essay.odt in {p['font']}, {p['size']} pt, and save."
 
     def setup(home, p):
-        D.write_odt(home / p["file"], p["paras"])
+        docfiles.write_odt(home / p["file"], p["paras"])
         return [("Writer", p["file"])]
 
     def verify(home, p):
-        runs = D.odt_text_fonts(home / p["file"])
+        runs = docfiles.odt_text_fonts(home / p["file"])
         return bool(runs) and all(font == p["font"] and size is not None and abs(size - p["size"]) < 0.01
                                   for _, font, size in runs) and \
-            D.doc_paragraphs(home / p["file"]) == p["paras"]
+            docfiles.doc_paragraphs(home / p["file"]) == p["paras"]
 
     def solve(p):
         yield f"Writer.set_font(name={p['font']!r}, size={p['size']})"
@@ -317,11 +317,11 @@ class WriterExportDocx:
         return f"Export {p['name']}.odt to Word format, as {p['name']}.docx next to it."
 
     def setup(home, p):
-        D.write_odt(home / f"{p['name']}.odt", p["paras"])
+        docfiles.write_odt(home / f"{p['name']}.odt", p["paras"])
         return [("Writer", f"{p['name']}.odt")]
 
     def verify(home, p):
-        return [x for x in D.doc_paragraphs(home / f"{p['name']}.docx") if x] == p["paras"]
+        return [x for x in docfiles.doc_paragraphs(home / f"{p['name']}.docx") if x] == p["paras"]
 
     def solve(p):
         yield f"Writer.save_as('/home/user/{p['name']}.docx')"
@@ -343,7 +343,7 @@ class WriterNewDoc:
         return [("Writer", None)]
 
     def verify(home, p):
-        return [x for x in D.doc_paragraphs(home / "Documents" / f"{p['name']}.odt") if x] == [p["text"]]
+        return [x for x in docfiles.doc_paragraphs(home / "Documents" / f"{p['name']}.odt") if x] == [p["text"]]
 
     def solve(p):
         yield f"Writer.write_text({p['text']!r})"
@@ -557,13 +557,13 @@ class SheetToDoc:
         return f"Find {p['rows'][p['row'] - 1][0]}'s amount in data.ods and append the paragraph \"{p['rows'][p['row'] - 1][0]}: <amount>\" to summary.odt; save it."
 
     def setup(home, p):
-        D.write_ods(home / "data.ods", p["rows"])
-        D.write_odt(home / "summary.odt", ["Summary of amounts."])
+        docfiles.write_ods(home / "data.ods", p["rows"])
+        docfiles.write_odt(home / "summary.odt", ["Summary of amounts."])
         return [("Calc", "data.ods"), ("Writer", "summary.odt")]
 
     def verify(home, p):
         name, amount = p["rows"][p["row"] - 1]
-        got = [x for x in D.doc_paragraphs(home / "summary.odt") if x.strip()]
+        got = [x for x in docfiles.doc_paragraphs(home / "summary.odt") if x.strip()]
         return got == ["Summary of amounts.", f"{name}: {amount}"]
 
     def solve(p):
@@ -591,8 +591,8 @@ class TextToSheet:
         return [("Editor", "numbers.txt"), ("Calc", None)]
 
     def verify(home, p):
-        cells = D.sheet_cells(home / "Documents" / "numbers.ods")
-        return all(D.same_number(cells.get(f"A{i + 1}"), v) for i, v in enumerate(p["values"])) and \
+        cells = docfiles.sheet_cells(home / "Documents" / "numbers.ods")
+        return all(docfiles.same_number(cells.get(f"A{i + 1}"), v) for i, v in enumerate(p["values"])) and \
             f"A{len(p['values']) + 1}" not in cells
 
     def solve(p):
@@ -613,7 +613,7 @@ class DocToText:
         return "Copy the opening paragraph of story.odt into a new text file, Documents/first.txt."
 
     def setup(home, p):
-        D.write_odt(home / "story.odt", p["paras"])
+        docfiles.write_odt(home / "story.odt", p["paras"])
         return [("Writer", "story.odt")]
 
     def verify(home, p):
@@ -637,11 +637,11 @@ class SheetTotalToText:
         return "Add up the amount column of expenses.ods and save only the result in Documents/total.txt."
 
     def setup(home, p):
-        D.write_ods(home / "expenses.ods", p["rows"])
+        docfiles.write_ods(home / "expenses.ods", p["rows"])
         return [("Calc", "expenses.ods")]
 
     def verify(home, p):
-        return D.same_number((home / "Documents" / "total.txt").read_text().strip(), sum(r[1] for r in p["rows"][1:]))
+        return docfiles.same_number((home / "Documents" / "total.txt").read_text().strip(), sum(r[1] for r in p["rows"][1:]))
 
     def solve(p):
         total = sum(r[1] for r in p["rows"][1:])

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from env_server.actions import ActionError, gui_action_help
 from env_server.backend import Backend, BackendError, StepResult
-from env_server.sim import tasks as T
-from env_server.sim.desktop import SCREEN_H, SCREEN_W, TREE_FIELDS, Desktop
+from env_server.sim import tasks as sim_tasks
+from env_server.sim.app import SCREEN_H, SCREEN_W, TREE_FIELDS
+from env_server.sim.desktop import Desktop
 
 
 @dataclass
@@ -80,7 +81,7 @@ class SimBackend(Backend):
         self.cfg.validate()
         self.latency = LatencyModel(self.cfg, seed)
         self.blocking = self.cfg.latency != "none" and self.cfg.latency_mean_s > 0
-        self.task: T.Task | None = None
+        self.task: sim_tasks.Task | None = None
         self.desk: Desktop | None = None
         self.steps = 0
         self.max_steps = 0
@@ -88,8 +89,8 @@ class SimBackend(Backend):
         self.last_result = ""
 
     def reset(self, task_id: str) -> dict:
-        self.task = T.make_task(task_id)
-        self.desk = T.setup_desktop(self.task)
+        self.task = sim_tasks.make_task(task_id)
+        self.desk = sim_tasks.setup_desktop(self.task)
         self.steps, self.format_errors, self.last_result = 0, 0, ""
         self.max_steps = self.cfg.default_max_steps or self.task.max_steps
         return self.observation()
@@ -108,7 +109,7 @@ class SimBackend(Backend):
     def evaluate(self) -> dict:
         if self.task is None or self.desk is None:
             raise ActionError("no episode to evaluate")
-        success = T.verify(self.task, self.desk)
+        success = sim_tasks.verify(self.task, self.desk)
         return {"reward": 1.0 if success else 0.0, "success": success, "family": self.task.family,
                 "steps": self.steps, "format_errors": self.format_errors, "outcome": self.desk.outcome}
 

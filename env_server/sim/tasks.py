@@ -17,7 +17,10 @@ import string
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from env_server.sim.desktop import CHOICES, COLS, HOME, ROWS, Desktop, format_sheet
+from env_server.sim.desktop import Desktop
+from env_server.sim.filesystem import HOME
+from env_server.sim.settings_app import CHOICES
+from env_server.sim.sheet_app import COLS, ROWS, format_sheet
 from env_server.tasks import Task, TaskFamily, TaskRegistry
 
 TASKS = TaskRegistry("sim")
