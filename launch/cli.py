@@ -215,10 +215,12 @@ def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, con
         tasks = suite_tasks(suite, episodes)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    run_cfg = _load(config, ()) if config else None
+    from launch.config import config_for_checkpoint
+
+    run_cfg = _load(config, ()) if config else config_for_checkpoint(checkpoint)
     engine, prompt_cfg, sampling, max_steps = load_policy(checkpoint, run_cfg)
     result = evaluate(engine, tasks, prompt_cfg, dataclasses.replace(sampling, temperature=temperature), max_steps,
-                      desktop=run_cfg.env_server.desktop if run_cfg is not None else None)
+                      desktop=run_cfg.env_server.desktop if config else None)
     result.update(checkpoint=str(checkpoint), suite=suite)
     _emit(result, as_json)
 

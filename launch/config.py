@@ -84,3 +84,20 @@ def resolve_run_dir(cfg: RunConfig, run_dir: str | None) -> RunDir:
         cfg.run.run_id = new_run_id()
     cfg.run.run_dir = cfg.run.run_dir.format(run_id=cfg.run.run_id)
     return RunDir.create(cfg.run.run_dir)
+
+
+def config_for_checkpoint(checkpoint: str | Path) -> RunConfig:
+    """The run config a checkpoint was trained with (its run's config.yaml), so eval judges a policy on the prompts
+    it saw; a policy directory from ``computerrl pretrain`` records its prompt layout instead."""
+    import json
+
+    from actor.prompt import PromptConfig
+    from launch.evaluate import resolve_checkpoint
+
+    ck = resolve_checkpoint(checkpoint)
+    run_cfg_path = ck.parent.parent / "config.yaml"
+    config = load_run_config(run_cfg_path if run_cfg_path.exists() else None)
+    state = json.loads((ck / "state.json").read_text()) if (ck / "state.json").exists() else {}
+    if not run_cfg_path.exists() and "prompt" in state:
+        config.actor.prompt = PromptConfig(**state["prompt"])
+    return config

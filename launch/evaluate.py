@@ -58,22 +58,23 @@ def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sa
             "format_error_rate": round(format_errors / max(steps, 1), 4), "mean_steps": round(steps / max(n, 1), 2)}
 
 
-def load_policy(checkpoint: str | Path, config: Any | None) -> tuple[HFEngine, PromptConfig, SamplingParams, int]:
-    """The checkpoint's engine, and the prompt/sampling/step settings of its run (or of ``config``)."""
+def resolve_checkpoint(checkpoint: str | Path) -> Path:
+    """A checkpoint directory; a run's checkpoints/ directory means its newest."""
+    ck = Path(checkpoint)
+    if (ck / "latest").exists():
+        ck = ck / (ck / "latest").read_text().strip()
+    return ck
+
+
+def load_policy(checkpoint: str | Path, config: Any) -> tuple[HFEngine, PromptConfig, SamplingParams, int]:
+    """The checkpoint's engine, and the prompt/sampling/step settings of ``config`` (the checkpoint's run config:
+    ``launch.config.config_for_checkpoint``)."""
     from actor.engine import EngineConfig
     from common.model import ModelConfig
-    from launch.config import load_run_config
 
-    ck = Path(checkpoint)
-    if (ck / "latest").exists():  # a checkpoints directory: its newest
-        ck = ck / (ck / "latest").read_text().strip()
-    # Checkpoints and pretrain exports record their model and prompt; a plain HF directory does not.
+    ck = resolve_checkpoint(checkpoint)
+    # Checkpoints and pretrain exports record their model; a plain HF directory does not.
     state = json.loads((ck / "state.json").read_text()) if (ck / "state.json").exists() else {}
-    if config is None:
-        run_cfg_path = ck.parent.parent / "config.yaml"
-        config = load_run_config(run_cfg_path if run_cfg_path.exists() else None)
-        if not run_cfg_path.exists() and "prompt" in state:  # a policy directory (pretrain) records its layout
-            config.actor.prompt = PromptConfig(**state["prompt"])
     saved = state.get("model_config") or {k: getattr(config.model, k) for k in config.model.__dataclass_fields__}
     model_cfg = ModelConfig(**{**saved, "path": str(ck)})
     engine = HFEngine(model_cfg, EngineConfig(seed=0, max_batch=64))

@@ -413,11 +413,13 @@ def test_eval_plays_a_policy_on_a_real_desktop_suite(work_dir):
     import dataclasses
 
     from env_server.desktop.backend import DesktopConfig
+    from launch.config import config_for_checkpoint
     from launch.evaluate import evaluate, load_policy, suite_tasks
 
     tasks = suite_tasks("desk:heldout:files_create_folder,editor_append", 1)
     assert tasks == ["desk:heldout:files_create_folder/0", "desk:heldout:editor_append/0"]
-    engine, prompt_cfg, sampling, _ = load_policy(REPO / "configs" / "base-policy", None)
+    base = REPO / "configs" / "base-policy"
+    engine, prompt_cfg, sampling, _ = load_policy(base, config_for_checkpoint(base))
     result = evaluate(engine, tasks, prompt_cfg, dataclasses.replace(sampling, temperature=0.0), max_steps=2,
                       desktop=DesktopConfig(office=False, screenshot="none", work_dir=str(work_dir)))
     assert result["episodes"] == 2 and set(result["per_family"]) == {"files_create_folder", "editor_append"}

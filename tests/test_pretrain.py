@@ -110,9 +110,11 @@ def test_pretrain_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
     res = evaluate(eng, suite_tasks("sim:heldout:settings_display", 2), pc, SamplingParams(temperature=0.0,
                                                                                           max_new_tokens=40), 4)
     assert res["episodes"] == 2 and "settings_display" in res["per_family"]
+    from launch.config import config_for_checkpoint
     from launch.evaluate import load_policy
 
-    assert load_policy(out["checkpoint"], None)[1] == pc, "eval rebuilds the prompts the policy was cloned on"
+    cloned = load_policy(out["checkpoint"], config_for_checkpoint(out["checkpoint"]))
+    assert cloned[1] == pc, "eval rebuilds the prompts the policy was cloned on"
     # A second stage continues from the first (init: model) and records it.
     more = []
     stage2 = dataclasses.replace(cfg, init="model", steps=5, seed=1)
