@@ -95,7 +95,7 @@ class Reconciliation:
     """learner settlements discarded by a resume (their groups were delivered again)"""
     unrecorded: list[str] = field(default_factory=list)
     """trained though no ack or recovery was ever recorded: a gap in the trail itself"""
-    learner_resumes: int = 0
+    learner_starts: int = 0
     broker_starts: int = 0
 
     @property
@@ -106,7 +106,7 @@ class Reconciliation:
         return {"acked": self.acked, "trained_once": self.trained_once, "trained_twice": len(self.trained_twice),
                 "dropped": dict(self.dropped), "dropped_total": sum(self.dropped.values()), "queued": self.queued,
                 "lost": len(self.lost), "unrecorded": len(self.unrecorded), "rolled_back_settlements": self.rolled_back,
-                "learner_resumes": self.learner_resumes, "broker_starts": self.broker_starts,
+                "learner_starts": self.learner_starts, "broker_starts": self.broker_starts,
                 "lost_ids": self.lost[:20], "trained_twice_ids": self.trained_twice[:20], "ok": self.ok}
 
     def table(self) -> str:
@@ -115,7 +115,7 @@ class Reconciliation:
         rows += [("queued at the broker (not yet trained)", self.queued),
                  ("LOST", len(self.lost)), ("TRAINED TWICE", len(self.trained_twice)),
                  ("trained without an ack record", len(self.unrecorded)),
-                 ("learner settlements rolled back", self.rolled_back), ("learner resumes", self.learner_resumes),
+                 ("learner settlements rolled back", self.rolled_back), ("learner starts (a resume is one)", self.learner_starts),
                  ("broker starts", self.broker_starts)]
         width = max(len(r[0]) for r in rows)
         out = [f"{name:<{width}}  {n:>7}" for name, n in rows]
@@ -167,7 +167,7 @@ def reconcile(run_dir: str | Path) -> Reconciliation:
                 broker_drop.setdefault(g, str(ev.get("r", "?")))
         elif e == "start":
             out.broker_starts += 1
-    durable, out.rolled_back, out.learner_resumes = learner_settlements(read_events(root / "audit" / "learner.jsonl"))
+    durable, out.rolled_back, out.learner_starts = learner_settlements(read_events(root / "audit" / "learner.jsonl"))
     trained: collections.Counter = collections.Counter()
     learner_drop: dict[str, str] = {}
     for g, outcome in durable:
