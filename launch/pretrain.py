@@ -1,19 +1,19 @@
 """``computerrl pretrain``: behaviour cloning on oracle demonstrations -> a base checkpoint for RL.
 
-Demonstrations are recorded on in-process sim desktops (``env_server.sim.backend.demonstrate``) with the
+Demonstrations are recorded on in-process sim desktops (``actor.demos``, the actors' episode loop) with the
 run's own prompt settings, so the model learns from exactly the token layout the actors will build:
 every (prompt ids, action ids + end token) of every demo step is one SFT sample. Demonstrations can be
 imperfect (``pretrain.detour_prob``, ``pretrain.wrong_choice_prob``) so that cloning alone is not the
 ceiling. The result is a policy directory (HF-format safetensors + config + state.json with the prompt
 layout) that ``model.path`` and ``computerrl eval`` take; the same command with the same config and seed
-remakes it.
+remakes it. (The shipped ``configs/base-policy`` predates the one LR schedule: its cosine ran from step 0 under
+the warm-up rather than from the end of the warm-up, so a remake today differs from it in its first steps.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -42,7 +42,7 @@ class PretrainConfig:
     batch_samples: int = 32
     """demo steps per optimizer step"""
     lr: float = 1e-3
-    """peak learning rate (linear warm-up, then cosine decay to 0 over ``steps``)"""
+    """peak learning rate (the learner's schedule: linear warm-up, then cosine decay to 0 at ``steps``)"""
     warmup_steps: int = 50
     """linear warm-up steps"""
     init: str = "scratch"
@@ -78,11 +78,6 @@ def demo_trajectories(cfg: PretrainConfig, prompt_cfg: Any, tokenizer: Any, log:
     return out
 
 
-def learning_rate(cfg: PretrainConfig, step: int) -> float:
-    warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
-    return cfg.lr * warm * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-
-
 def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path, log: Any,
              progress: Any = None) -> dict:
     from learner.config import LearnerConfig
@@ -98,7 +93,10 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
     started_from = None
     if cfg.init == "model" and (Path(model_cfg.path) / "state.json").exists():
         started_from = json.loads((Path(model_cfg.path) / "state.json").read_text()).get("pretrain")
-    trainer = Trainer(LearnerConfig(lr=cfg.lr, keep_checkpoints=1), model_cfg, seed=cfg.seed)
+    # The learner's own LR schedule: linear warm-up, then cosine decay to 0 at the last step.
+    schedule = LearnerConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule="cosine", total_steps=cfg.steps,
+                             min_lr_ratio=0.0, keep_checkpoints=1)
+    trainer = Trainer(schedule, model_cfg, seed=cfg.seed)
     t0 = time.monotonic()
     trajs = demo_trajectories(cfg, prompt_cfg, trainer.tokenizer, log)
     # One sample per demo step: split trajectories into single-turn pieces so batches mix tasks and steps.
@@ -111,7 +109,7 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
     losses = []
     for step in range(cfg.steps):
         batch = rng.sample(pieces, min(cfg.batch_samples, len(pieces)))
-        m = trainer.sft_step(batch, learning_rate(cfg, step))
+        m = trainer.sft_step(batch, None)
         if m is not None:
             losses.append(m["loss"])
         if progress is not None and (step + 1) % max(1, cfg.steps // 20) == 0:

@@ -94,7 +94,9 @@ class LearnerConfig:
     warmup_steps: int = 0
     """linear LR warm-up steps"""
     schedule: str = "constant"
-    """LR after warm-up: constant | cosine (to 10% over total_steps)"""
+    """LR after warm-up: constant | cosine (to min_lr_ratio x lr at total_steps)"""
+    min_lr_ratio: float = 0.1
+    """where the cosine schedule ends, as a fraction of lr"""
     total_steps: int = 0
     """stop (and tell every role to stop) after this many optimizer steps; 0 = run until stopped"""
     micro_batch_tokens: int = 16384
@@ -131,6 +133,8 @@ class LearnerConfig:
             raise ValueError("prox must be recompute|loglinear and schedule constant|cosine")
         if self.updates_per_batch < 1 or self.prefetch < 1 or self.micro_batch_tokens < 16:
             raise ValueError("need updates_per_batch >= 1, prefetch >= 1, micro_batch_tokens >= 16")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("learner.min_lr_ratio must be in [0, 1]")
         if self.dist_timeout_s <= 0:
             raise ValueError("learner.dist_timeout_s must be > 0")
         self.loss.validate()

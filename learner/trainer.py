@@ -138,7 +138,7 @@ class Trainer:
             return (step + 1) / c.warmup_steps
         if c.schedule == "cosine" and c.total_steps:
             frac = min(1.0, (step - c.warmup_steps) / max(1, c.total_steps - c.warmup_steps))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+            return c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
         return 1.0
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -308,11 +308,14 @@ class Trainer:
 
     # ----- SFT step ------------------------------------------------------------------------------
 
-    def sft_step(self, trajectories: list[P.Trajectory], lr: float) -> dict | None:
-        """Cross-entropy on the model tokens of successful trajectories, at the SFT learning rate."""
+    def sft_step(self, trajectories: list[P.Trajectory], lr: float | None) -> dict | None:
+        """Cross-entropy on the model tokens of successful trajectories, at ``lr`` (an SFT phase's fixed rate), or
+        at the learner's own schedule when ``lr`` is None (behaviour cloning)."""
         samples = [s for tr in trajectories for s in turn_samples(tr, "")]
         if not samples:
             return None
+        if lr is None:
+            return self._update(samples, sft_objective(), updates=1)
         saved = [g["lr"] for g in self.optimizer.param_groups]
         for g in self.optimizer.param_groups:
             g["lr"] = lr

@@ -138,6 +138,18 @@ def counting_loss(inp, cfg):
     return out
 
 
+def test_one_lr_schedule_warm_up_then_cosine_to_its_floor():
+    import math
+
+    cfg = LearnerConfig(lr=1.0, warmup_steps=2, schedule="cosine", total_steps=6, min_lr_ratio=0.0)
+    t = Trainer(cfg, TINY)
+    factors = [t._lr_factor(s) for s in range(7)]
+    assert factors[:2] == [0.5, 1.0] and factors[2] == 1.0 and factors[6] == 0.0
+    assert factors[4] == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+    floor = Trainer(dataclasses.replace(cfg, min_lr_ratio=0.1), TINY)
+    assert floor._lr_factor(6) == pytest.approx(0.1)
+
+
 def test_a_loss_says_how_each_metric_combines_over_micro_batches():
     cfg = dataclasses.replace(LearnerConfig(micro_batch_tokens=64),
                               loss=LossConfig(name="tests.test_learner:counting_loss"))
