@@ -103,6 +103,7 @@ def concurrent(desktops: int, total_steps: int, ramp_s: float = 1.0, max_seconds
     lock = threading.Lock()
     counts = {"steps": 0, "episodes": 0, "solved": 0, "failures": 0, "rebuilt_on_reset": 0}
     errors: list[str] = []
+    unsolved: list[dict] = []
     pss: list[float] = []
     deadline = time.monotonic() + max_seconds
 
@@ -117,14 +118,19 @@ def concurrent(desktops: int, total_steps: int, ramp_s: float = 1.0, max_seconds
                         return
                 try:
                     backend.reset(f"desk:train/{seed}")
+                    refused = []
                     for action in desk_tasks.solver(backend.task):
-                        backend.step(action)
+                        r = backend.step(action)
+                        if r.action_error or r.format_error:
+                            refused.append(f"{action} -> {r.obs['last_result']}"[:200])
                         with lock:
                             counts["steps"] += 1
                     solved = backend.evaluate()["success"]
                     with lock:
                         counts["episodes"] += 1
                         counts["solved"] += bool(solved)
+                        if not solved:  # which task, and what the desktop refused on the way
+                            unsolved.append({"task": backend.task.task_id, "refused": refused[:3]})
                     if not measured and seed >= k + desktops:  # after its second episode: apps loaded and warm
                         pss.append(_pss_mb(backend.sandbox.proc.pid))
                         measured = True
@@ -150,7 +156,8 @@ def concurrent(desktops: int, total_steps: int, ramp_s: float = 1.0, max_seconds
     per_desktop = statistics.median(pss) if pss else 0.0
     return {"desktops": desktops, "steps": counts["steps"], "episodes": counts["episodes"],
             "solver_success": round(counts["solved"] / max(1, counts["episodes"]), 3),
-            "failures": counts["failures"], "rebuilt_on_reset": counts["rebuilt_on_reset"], "errors": errors[:5],
+            "unsolved": unsolved[:5], "failures": counts["failures"], "rebuilt_on_reset": counts["rebuilt_on_reset"],
+            "errors": errors[:5],
             "steps_per_s": round(counts["steps"] / wall, 2), "memory_per_desktop_mb": round(per_desktop, 1),
             "desktops_per_node_by_memory": int(free_before // per_desktop) if per_desktop else 0,
             "wall_s": round(wall, 1)}
