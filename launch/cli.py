@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import yaml
 
 from common import config as configlib
 from common import log as L
@@ -145,6 +146,47 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
         click.echo(note)
     configlib.dump(cfg, rd.config)
     sys.exit(Supervisor(cfg, rd.config, rd, resume).run())
+
+
+@main.group()
+def slurm() -> None:
+    """Runs as Slurm batch jobs that survive preemption and time limits."""
+
+
+@slurm.command("submit")
+@click.argument("config", type=click.Path(exists=True, dir_okay=False))
+@click.argument("overrides", nargs=-1)
+@click.option("--run-dir", type=click.Path(file_okay=False), help="run directory (default: run.run_dir)")
+@click.option("--dry-run", is_flag=True, help="print the sbatch script and the resolved config; submit nothing")
+def slurm_submit(config: str, overrides: tuple[str, ...], run_dir: str | None, dry_run: bool) -> None:
+    """Render the run's sbatch script from its `slurm` section and submit it (e.g. slurm.partition=gpu)."""
+    from launch.config import resolve_run_dir
+    from launch.local import fit_to_local_run
+    from launch.slurm import render_script, submit
+
+    cfg = _load(config, overrides)
+    try:
+        cfg.slurm.validate()
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if dry_run:
+        root = Path(run_dir or cfg.run.run_dir.format(run_id=cfg.run.run_id or "<run id>")).absolute()
+        fit_to_local_run(cfg)
+        click.echo(render_script(cfg.slurm, root, root / "config.yaml"))
+        click.echo("# the resolved config:")
+        click.echo(yaml.safe_dump(configlib.to_dict(cfg), sort_keys=False))
+        return
+    rd = resolve_run_dir(cfg, run_dir)
+    for note in fit_to_local_run(cfg):
+        click.echo(note)
+    configlib.dump(cfg, rd.config)
+    script = rd.root / "slurm.sbatch"
+    script.write_text(render_script(cfg.slurm, rd.root, rd.config))
+    try:
+        job = submit(script)
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"submitted job {job}; run directory {rd.root} (log: {rd.logs}/slurm-{job}.out)")
 
 
 @main.command()

@@ -15,6 +15,7 @@ from common.weightsync import WeightSyncConfig
 from env_server.config import EnvServerConfig
 from launch.local import LocalConfig
 from launch.pretrain import PretrainConfig
+from launch.slurm import SlurmConfig
 from learner.config import LearnerConfig
 from common.rundir import RunDir, new_run_id
 
@@ -57,6 +58,8 @@ class RunConfig:
     """the local supervisor of `computerrl run`"""
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     """behaviour cloning on oracle demonstrations (`computerrl pretrain`)"""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """the Slurm batch job of `computerrl slurm submit`"""
 
 
 def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:

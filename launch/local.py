@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from common.exitcodes import EXIT_RESUMABLE
 from common.rundir import RunDir
 
 PR_SET_PDEATHSIG = 1
@@ -322,7 +323,8 @@ class Supervisor:
         if self._curve():
             self._event(f"learning curve: {self.run_dir.curve_png}")
         self._event(f"outcome: {self.outcome}")
-        return 0 if self.outcome in ("finished", "interrupted") else 1
+        # Interrupted (a signal, e.g. a scheduler's preemption notice): resumable, and said so by the exit code.
+        return 0 if self.outcome == "finished" else EXIT_RESUMABLE if self.outcome == "interrupted" else 1
 
     def _poll_eval(self, final: bool = False) -> None:
         """Evaluate each new checkpoint on held-out tasks in a separate process; results go to eval.jsonl."""

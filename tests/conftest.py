@@ -155,3 +155,25 @@ def desktop(work_dir):
     for b in made:
         b.close()
     assert not list(work_dir.glob("desktop-*")), "a closed desktop left its folder behind"
+
+
+# ----- a test Slurm cluster ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A one-node Slurm cluster of our own (root and the slurm-wlm packages needed, else the test skips)."""
+    from tests.slurm_cluster import SlurmCluster, missing
+
+    why = missing()
+    if why:
+        pytest.skip(why)
+    root = Path(tempfile.mkdtemp(prefix="computerrl-slurm-"))
+    root.chmod(0o755)
+    cluster = SlurmCluster(root)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)

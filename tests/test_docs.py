@@ -4,7 +4,6 @@ checkout, and nothing points at pages outside it."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from tests.conftest import REPO
 

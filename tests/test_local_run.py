@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from common.exitcodes import EXIT_RESUMABLE
+
 from common.net import free_port
 from tests.conftest import REPO
 
@@ -103,7 +105,7 @@ def test_a_killed_actor_is_restarted_and_sigint_stops_cleanly(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
-    assert p.returncode == 0, out[-3000:]
+    assert p.returncode == EXIT_RESUMABLE, out[-3000:]  # stopped by a signal: resumable
     assert "actor-0 exited with code -9; restart 1" in out and "outcome: interrupted" in out
     assert (run_dir / "checkpoints" / "latest").exists(), "the learner checkpointed on the way out"
     assert not _children_of_run(run_dir)
@@ -128,7 +130,7 @@ def test_two_learner_ranks_train_checkpoint_and_stop_on_sigint(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
-    assert p.returncode == 0, out[-3000:]
+    assert p.returncode == EXIT_RESUMABLE, out[-3000:]
     steps = trained()
     assert len(steps) >= 3 and all(r["tokens"] > 0 for r in steps)
     rounds = [json.loads(x) for x in (run_dir / "logs" / "learner-0.jsonl").read_text().splitlines()
