@@ -36,7 +36,8 @@ class SlurmCluster:
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         r = self.root
         self.conf.write_text("\n".join([
-            "ClusterName=computerrl-test", f"SlurmctldHost={self.host}", "AuthType=auth/munge",
+            # Loopback addresses: the node's name need not resolve (a CI container's often does not).
+            "ClusterName=computerrl-test", f"SlurmctldHost={self.host}(127.0.0.1)", "AuthType=auth/munge",
             "CredType=cred/munge", "SlurmUser=root", "SlurmdUser=root",
             f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
             f"StateSaveLocation={r}/state", f"SlurmdSpoolDir={r}/spool",
@@ -46,7 +47,7 @@ class SlurmCluster:
             "AccountingStorageType=accounting_storage/none", "SchedulerType=sched/backfill",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "ReturnToService=2", "MpiDefault=none",
             "JobRequeue=1", "KillWait=30", "SchedulerParameters=sched_interval=1",
-            f"NodeName={self.host} CPUs={os.cpu_count()} State=UNKNOWN",
+            f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
             f"PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES", ""]))
         if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
             Path("/run/munge").mkdir(parents=True, exist_ok=True)
