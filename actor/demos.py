@@ -25,7 +25,7 @@ class OraclePolicy:
 
     def __init__(self, backend: Any, tokenizer: Any, route: str, demo: Any, rng: random.Random):
         self.backend, self.tok, self.route, self.demo, self.rng = backend, tokenizer, route, demo, rng
-        self.end = tokenizer.special("<|end|>") if tokenizer is not None else None
+        self.end = tokenizer.special("<|end|>")
         self.actions = None
         self.seen: list[tuple[dict, str]] = []  # (observation, action) per turn
 
@@ -37,7 +37,7 @@ class OraclePolicy:
         if action is None:
             return None
         self.seen.append((obs, action))
-        ids = [*self.tok.encode(action), self.end] if self.tok is not None else []
+        ids = [*self.tok.encode(action), self.end]
         return Generation(ids, [0.0] * len(ids), [0] * len(ids), "stop", action)
 
 
