@@ -136,16 +136,25 @@ def demos(config: str | None, run_dir: str | None, overrides: tuple[str, ...]) -
 @click.option("--resume", is_flag=True, help="continue the run in --run-dir from its latest checkpoint")
 def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bool) -> None:
     """Run every role on this machine, supervised, with a live view (e.g. configs/local.yaml learner.lr=3e-4)."""
-    from launch.local import Supervisor, fit_to_local_run
+    from launch.local import Supervisor
 
     cfg = _load(config, overrides)
     if resume and not run_dir:
         raise click.UsageError("--resume needs the --run-dir of the run to continue")
+    rd = _prepare_run(cfg, run_dir)
+    sys.exit(Supervisor(cfg, rd.config, rd, resume).run())
+
+
+def _prepare_run(cfg: RunConfig, run_dir: str | None) -> Any:
+    """The run directory of a whole run (every role on the machine, or in one Slurm job), with the config it
+    runs with, fitted to that shape, saved as its config.yaml."""
+    from launch.local import fit_to_local_run
+
     rd = resolve_run_dir(cfg, run_dir)
     for note in fit_to_local_run(cfg):
         click.echo(note)
     configlib.dump(cfg, rd.config)
-    sys.exit(Supervisor(cfg, rd.config, rd, resume).run())
+    return rd
 
 
 @main.group()
@@ -160,15 +169,10 @@ def slurm() -> None:
 @click.option("--dry-run", is_flag=True, help="print the sbatch script and the resolved config; submit nothing")
 def slurm_submit(config: str, overrides: tuple[str, ...], run_dir: str | None, dry_run: bool) -> None:
     """Render the run's sbatch script from its `slurm` section and submit it (e.g. slurm.partition=gpu)."""
-    from launch.config import resolve_run_dir
     from launch.local import fit_to_local_run
     from launch.slurm import render_script, submit
 
-    cfg = _load(config, overrides)
-    try:
-        cfg.slurm.validate()
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+    cfg = _load(config, overrides)  # the slurm section is validated with the rest of the config
     if dry_run:
         root = Path(run_dir or cfg.run.run_dir.format(run_id=cfg.run.run_id or "<run id>")).absolute()
         fit_to_local_run(cfg)
@@ -176,10 +180,7 @@ def slurm_submit(config: str, overrides: tuple[str, ...], run_dir: str | None, d
         click.echo("# the resolved config:")
         click.echo(yaml.safe_dump(configlib.to_dict(cfg), sort_keys=False))
         return
-    rd = resolve_run_dir(cfg, run_dir)
-    for note in fit_to_local_run(cfg):
-        click.echo(note)
-    configlib.dump(cfg, rd.config)
+    rd = _prepare_run(cfg, run_dir)
     script = rd.root / "slurm.sbatch"
     script.write_text(render_script(cfg.slurm, rd.root, rd.config))
     try:
