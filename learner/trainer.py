@@ -44,6 +44,7 @@ class MetricSums:
         self.weighted: dict[str, float] = {}
         self.maxima: dict[str, float] = {}
         self.sums: dict[str, float] = {}
+        self.loss = 0.0  # the summed loss, weighted by each update's tokens
         self.tokens = 0
 
     def add(self, res: Any, tokens: int) -> None:
@@ -58,19 +59,19 @@ class MetricSums:
 
     def add_loss(self, loss: float, chunk_tokens: int, tokens: int) -> None:
         """A micro-batch's summed loss (already divided by its chunk's tokens) and its own loss tokens."""
-        self.weighted["__loss__"] = self.weighted.get("__loss__", 0.0) + loss * chunk_tokens
+        self.loss += loss * chunk_tokens
         self.tokens += tokens
 
     def reduce(self, dist: DistContext, loss_key: str | None) -> dict[str, float]:
         """Collective with several ranks (every rank calls it with the same keys)."""
         keys, mkeys, skeys = sorted(self.weighted), sorted(self.maxima), sorted(self.sums)
-        total, *values = dist.sum([self.tokens, *(self.weighted[k] for k in keys), *(self.sums[k] for k in skeys)])
+        total, loss, *values = dist.sum([self.tokens, self.loss, *(self.weighted[k] for k in keys),
+                                         *(self.sums[k] for k in skeys)])
         out = {k: v / max(total, 1) for k, v in zip(keys, values)}
         out.update(zip(skeys, values[len(keys):]))
         out.update(zip(mkeys, dist.max([self.maxima[k] for k in mkeys])))
-        loss = out.pop("__loss__", None)
-        if loss_key is not None and loss is not None:
-            out[loss_key] = loss
+        if loss_key is not None:
+            out[loss_key] = loss / max(total, 1)
         return out
 
 

@@ -224,7 +224,7 @@ def _files_call(method: str, a: dict, fs) -> Any:
 def app_for_file(path: str) -> str | None:
     """The app Files.open starts on a file, by its extension (None: no app opens it)."""
     ext = posixpath.splitext(path)[1].lower()
-    return {".ods": "Calc", ".xlsx": "Calc", ".csv": "Calc", ".sheet": "Sheet", ".odt": "Writer", ".docx": "Writer",
+    return {".ods": "Calc", ".xlsx": "Calc", ".csv": "Calc", ".odt": "Writer", ".docx": "Writer",
             ".txt": "Editor", ".md": "Editor", "": "Editor"}.get(ext)
 
 
