@@ -173,6 +173,11 @@ def slurm_submit(config: str, overrides: tuple[str, ...], run_dir: str | None, d
     from launch.slurm import render_script, submit
 
     cfg = _load(config, overrides)  # the slurm section is validated with the rest of the config
+    if cfg.slurm.signal_grace_s < cfg.local.learner_stop_timeout_s:
+        click.echo(f"note: slurm.signal_grace_s {cfg.slurm.signal_grace_s} s is shorter than "
+                   f"local.learner_stop_timeout_s {cfg.local.learner_stop_timeout_s:g} s: at the time limit the "
+                   "learner may be killed before it checkpoints (the run then resumes from its last checkpoint)",
+                   err=True)
     if dry_run:
         root = Path(run_dir or cfg.run.run_dir.format(run_id=cfg.run.run_id or "<run id>")).absolute()
         fit_to_local_run(cfg)

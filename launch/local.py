@@ -9,7 +9,8 @@ does; then the learner and the actors, which wait for their peers themselves. Wh
 - a role that keeps crashing ends the run with the reason and the tail of its stderr; the run directory
   stays resumable (learner checkpoints, broker spill log): ``computerrl run ... --resume``;
 - SIGINT/SIGTERM stop the learner first (it checkpoints), then actors, env_server and broker; whatever
-  has not exited after ``stop_timeout_s`` is killed, and every child dies with the supervisor (PDEATHSIG).
+  has not exited after ``stop_timeout_s`` (the learner: ``learner_stop_timeout_s``, time to finish its step and
+  checkpoint) is killed, and every child dies with the supervisor (PDEATHSIG).
 The terminal shows a progress view built from the roles' metrics files; their logs go to the run dir.
 """
 
@@ -45,7 +46,9 @@ class LocalConfig:
     ready_timeout_s: float = 120.0
     """how long the broker and env_server may take to answer their first Hello"""
     stop_timeout_s: float = 30.0
-    """how long each role may take to exit after SIGTERM before it is killed"""
+    """how long each role but the learner may take to exit after SIGTERM before it is killed"""
+    learner_stop_timeout_s: float = 240.0
+    """how long the learner may take after SIGTERM to finish its step and checkpoint before it is killed"""
     view_interval_s: float = 1.0
     """refresh period of the terminal view"""
     torch_threads: int = 1
@@ -64,6 +67,8 @@ class LocalConfig:
     def validate(self) -> None:
         if self.actors < 1 or self.learner_ranks < 1:
             raise ValueError("local.actors and local.learner_ranks must be >= 1")
+        if self.stop_timeout_s <= 0 or self.learner_stop_timeout_s <= 0:
+            raise ValueError("local.stop_timeout_s and local.learner_stop_timeout_s must be > 0")
 
 
 def fit_to_local_run(cfg: Any) -> list[str]:
@@ -215,7 +220,9 @@ class Supervisor:
             group = [r for r in self.roles if r.name == name and r.proc is not None and r.proc.poll() is None]
             for r in group:
                 r.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + self.local.stop_timeout_s
+            # The learner finishes the step it is in, then checkpoints: a step can outlast other roles' exits.
+            timeout = self.local.learner_stop_timeout_s if name == "learner" else self.local.stop_timeout_s
+            deadline = time.monotonic() + timeout
             for r in group:
                 try:
                     r.proc.wait(max(0.1, deadline - time.monotonic()))
