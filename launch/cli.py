@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -94,12 +95,21 @@ def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[s
 @main.command()
 @role_options
 @click.option("--resume", is_flag=True, help="continue from the run directory's latest checkpoint")
-def learner(config: str | None, run_dir: str | None, resume: bool, overrides: tuple[str, ...]) -> None:
+@click.option("--ranks-from-slurm", is_flag=True,
+              help="take RANK, WORLD_SIZE, LOCAL_RANK from SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID (srun, a task per rank)")
+def learner(config: str | None, run_dir: str | None, resume: bool, ranks_from_slurm: bool,
+            overrides: tuple[str, ...]) -> None:
     """Run the learner: batches from the broker, training steps, weights to the actors, checkpoints.
 
     Several ranks (FSDP2): start every rank with torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
     from learner.process import main as learner_main
 
+    if ranks_from_slurm:
+        from learner.distributed import ranks_from_slurm as slurm_ranks
+        try:
+            os.environ.update(slurm_ranks(dict(os.environ)))
+        except RuntimeError as exc:
+            raise click.UsageError(str(exc)) from None
     cfg, rd, log = _start_role("learner", config, run_dir, overrides, int(os.environ.get("RANK", "0")))
     sys.exit(learner_main(cfg, rd, log, resume, _anchor_demos(cfg, rd)))
 
@@ -134,7 +144,10 @@ def demos(config: str | None, run_dir: str | None, overrides: tuple[str, ...]) -
 @click.argument("overrides", nargs=-1)
 @click.option("--run-dir", type=click.Path(file_okay=False), help="run directory (default: run.run_dir)")
 @click.option("--resume", is_flag=True, help="continue the run in --run-dir from its latest checkpoint")
-def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bool) -> None:
+@click.option("--srun", is_flag=True,
+              help="start each role as a job step of this Slurm allocation, spread over its nodes (what the batch "
+                   "job of `computerrl slurm submit` runs)")
+def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bool, srun: bool) -> None:
     """Run every role on this machine, supervised, with a live view (e.g. configs/local.yaml learner.lr=3e-4)."""
     from launch.local import Supervisor
 
@@ -142,7 +155,22 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
     if resume and not run_dir:
         raise click.UsageError("--resume needs the --run-dir of the run to continue")
     rd = _prepare_run(cfg, run_dir)
-    sys.exit(Supervisor(cfg, rd.config, rd, resume).run())
+    if not srun:
+        sys.exit(Supervisor(cfg, rd.config, rd, resume).run())
+    from launch import slurm as S
+    from launch.placement import allocation_roles, describe
+
+    try:
+        nodes = S.allocation_nodes()
+        roles = allocation_roles(cfg, nodes, ["--config", str(rd.config), "--run-dir", str(rd.root)], resume)
+        S.check_cpus(roles, cfg.slurm, nodes, dict(os.environ))
+    except (RuntimeError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    for line in describe(roles):
+        click.echo(f"[computerrl] placement: {line}")
+    supervisor = Supervisor(cfg, rd.config, rd, resume, roles=roles, launcher=lambda r: S.srun_argv(r, cfg.slurm),
+                            log_suffix=S.log_suffix(dict(os.environ)))
+    sys.exit(supervisor.run())
 
 
 def _prepare_run(cfg: RunConfig, run_dir: str | None) -> Any:
@@ -169,30 +197,102 @@ def slurm() -> None:
 @click.option("--dry-run", is_flag=True, help="print the sbatch script and the resolved config; submit nothing")
 def slurm_submit(config: str, overrides: tuple[str, ...], run_dir: str | None, dry_run: bool) -> None:
     """Render the run's sbatch script from its `slurm` section and submit it (e.g. slurm.partition=gpu)."""
+    from launch import slurm as S
     from launch.local import fit_to_local_run
-    from launch.slurm import render_script, submit
 
     cfg = _load(config, overrides)  # the slurm section is validated with the rest of the config
+    root = Path(run_dir or cfg.run.run_dir.format(run_id=cfg.run.run_id or "<run id>")).absolute()
+    try:  # everything checked before anything is written or submitted
+        warnings = S.check_submission(cfg, root)
+        if not dry_run:
+            S.require_tool("sbatch")
+    except (RuntimeError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
     if cfg.slurm.signal_grace_s < cfg.local.learner_stop_timeout_s:
-        click.echo(f"note: slurm.signal_grace_s {cfg.slurm.signal_grace_s} s is shorter than "
-                   f"local.learner_stop_timeout_s {cfg.local.learner_stop_timeout_s:g} s: at the time limit the "
-                   "learner may be killed before it checkpoints (the run then resumes from its last checkpoint)",
-                   err=True)
+        warnings.append(f"slurm.signal_grace_s {cfg.slurm.signal_grace_s} s is shorter than "
+                        f"local.learner_stop_timeout_s {cfg.local.learner_stop_timeout_s:g} s: at the time limit the "
+                        "learner may be killed before it checkpoints (the run then resumes from its last checkpoint)")
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
     if dry_run:
-        root = Path(run_dir or cfg.run.run_dir.format(run_id=cfg.run.run_id or "<run id>")).absolute()
         fit_to_local_run(cfg)
-        click.echo(render_script(cfg.slurm, root, root / "config.yaml"))
+        click.echo(S.render_script(cfg, root, root / "config.yaml"))
         click.echo("# the resolved config:")
         click.echo(yaml.safe_dump(configlib.to_dict(cfg), sort_keys=False))
         return
     rd = _prepare_run(cfg, run_dir)
-    script = rd.root / "slurm.sbatch"
-    script.write_text(render_script(cfg.slurm, rd.root, rd.config))
+    files = S.job_files(rd.root)
+    files["script"].parent.mkdir(exist_ok=True)
+    files["script"].write_text(S.render_script(cfg, rd.root, rd.config))
+    _submit_job(rd.root, f"partition {cfg.slurm.partition or 'default'}, {cfg.slurm.nodes} node(s)")
+
+
+def _submit_job(root: Path, context: str) -> None:
+    """Submit the run's rendered script as a new job: its requeue count starts over, no cancel mark."""
+    from launch import slurm as S
+
+    files = S.job_files(root)
+    files["cancelled"].unlink(missing_ok=True)
+    files["requeues"].write_text("0\n")
     try:
-        job = submit(script)
+        job = S.submit(files["script"], root, context)
     except RuntimeError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"submitted job {job}; run directory {rd.root} (log: {rd.logs}/slurm-{job}.out)")
+    click.echo(f"submitted job {job}; run directory {root} (log: {root / 'logs'}/slurm-{job}.out)")
+
+
+@slurm.command("resume")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+def slurm_resume(run_dir: str) -> None:
+    """Submit a stopped run's job again (after `cancel`, a failure, or the requeue limit): it resumes from the
+    run directory's latest checkpoint and the broker's spill log."""
+    from launch import slurm as S
+
+    root = Path(run_dir).absolute()
+    if not S.job_files(root)["script"].exists():
+        raise click.ClickException(f"{root} has no slurm/job.sbatch: submit it with computerrl slurm submit")
+    try:
+        job = S.run_job_id(root)
+        state = S.job_state(job).get("state", "")
+    except RuntimeError:
+        job, state = "", ""
+    if state in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED"):
+        raise click.ClickException(f"job {job} of this run is still {state.lower()}: one job per run directory")
+    _submit_job(root, "resubmitting the run's script")
+
+
+@slurm.command("status")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def slurm_status(run_dir: str, as_json: bool) -> None:
+    """The run's job (state, attempt, requeues), the learner's step and checkpoint, each role's last metrics line."""
+    from launch import slurm as S
+
+    try:
+        status = S.job_status(Path(run_dir))
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(status))
+        return
+    metrics = status.pop("metrics")
+    _emit(status, False)
+    for name, line in metrics.items():
+        click.echo(f"{name:>24}: {line}")
+
+
+@slurm.command("cancel")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--timeout", "timeout_s", default=600.0, show_default=True,
+              help="seconds to wait for the checkpoint and clean stop before cancelling outright")
+def slurm_cancel(run_dir: str, timeout_s: float) -> None:
+    """Stop the run's job cleanly (the learner checkpoints first) without requeueing it; `resume` continues it."""
+    from launch import slurm as S
+
+    try:
+        click.echo(S.cancel(Path(run_dir), timeout_s))
+    except (RuntimeError, subprocess.CalledProcessError) as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @main.command()

@@ -23,12 +23,13 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from common.exitcodes import EXIT_RESUMABLE
 from common.rundir import RunDir
+from launch.placement import Role, local_roles
 
 PR_SET_PDEATHSIG = 1
 
@@ -94,25 +95,6 @@ def _die_with_parent() -> None:
         pass
 
 
-@dataclass
-class Role:
-    name: str
-    rank: int
-    args: list[str]
-    restartable: bool
-    proc: subprocess.Popen | None = None
-    restarts: int = 0
-    next_start: float = 0.0
-    started_at: float = 0.0
-    stderr_path: Path | None = None
-    done: bool = False  # exited cleanly when told to: not restarted
-    env: dict[str, str] = field(default_factory=dict)  # extra environment (a learner rank's place)
-
-    @property
-    def label(self) -> str:
-        return f"{self.name}-{self.rank}"
-
-
 def probe(host: str, port: int, timeout_s: float, net: Any, keys_dir: Path, alive: Callable[[], bool]) -> None:
     """Wait until a server answers Hello with Ready (its sockets are bound and its loop runs), through the
     same handshake every role's link does."""
@@ -141,24 +123,20 @@ def probe(host: str, port: int, timeout_s: float, net: Any, keys_dir: Path, aliv
 
 
 class Supervisor:
-    def __init__(self, cfg: Any, config_path: Path, run_dir: RunDir, resume: bool, out: Any = None):
+    def __init__(self, cfg: Any, config_path: Path, run_dir: RunDir, resume: bool, out: Any = None,
+                 roles: list[Role] | None = None, launcher: Callable[[Role], list[str]] | None = None,
+                 log_suffix: str = ""):
+        """``roles`` default to every role on this machine; ``launcher`` gives the command a role runs under
+        (``srun ...`` in a Slurm allocation; nothing locally), ``log_suffix`` marks its stderr file's name."""
         self.cfg, self.local = cfg, cfg.local
         self.local.validate()
         self.run_dir = run_dir
         self.out = out or sys.stdout
         self.tty = hasattr(self.out, "isatty") and self.out.isatty()
-        base = [sys.executable, "-m", "launch.cli"]
         common_args = ["--config", str(config_path), "--run-dir", str(run_dir.root)]
-        self.roles = [Role("broker", 0, [*base, "broker", *common_args], False),
-                      Role("env_server", 0, [*base, "env-server", *common_args], True)]
-        ranks = self.local.learner_ranks
-        for r in range(ranks):
-            dist_env = {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(self.local.learner_dist_port)} if ranks > 1 else {}
-            self.roles.append(Role("learner", r, [*base, "learner", *common_args, *(["--resume"] if resume else [])],
-                                   False, env=dist_env))
-        self.roles += [Role("actor", i, [*base, "actor", *common_args, "--rank", str(i)], True)
-                       for i in range(self.local.actors)]
+        self.roles = roles if roles is not None else local_roles(cfg, common_args, resume)
+        self.launcher = launcher or (lambda role: [])
+        self.log_suffix = log_suffix
         self.config_path = config_path
         self.eval_proc: subprocess.Popen | None = None
         self.eval_step = -1  # checkpoint version being (or last) evaluated
@@ -173,16 +151,15 @@ class Supervisor:
     # ----- processes -----------------------------------------------------------------------------
 
     def _spawn(self, role: Role) -> None:
-        role.stderr_path = self.run_dir.logs / f"{role.label}.stderr"
+        where = f"@{'+'.join(n.name for n in role.nodes)}" if role.nodes else ""
+        role.stderr_path = self.run_dir.logs / f"{role.label}{where}{self.log_suffix}.stderr"
         env = {**os.environ, "COMPUTERRL_QUIET": "1", "PYTHONUNBUFFERED": "1",
                "OMP_NUM_THREADS": str(self.local.torch_threads), **role.env}
+        argv = [*self.launcher(role), sys.executable, "-m", "launch.cli", *role.args]
         with open(role.stderr_path, "ab") as err:
-            role.proc = subprocess.Popen(role.args, stdout=subprocess.DEVNULL, stderr=err, env=env,
+            role.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env,
                                          start_new_session=True, preexec_fn=_die_with_parent)
         role.started_at = time.monotonic()
-
-    def _role(self, name: str) -> Role:
-        return next(r for r in self.roles if r.name == name)
 
     def _stderr_tail(self, role: Role, n: int = 15) -> str:
         try:
@@ -198,14 +175,12 @@ class Supervisor:
             t0 = time.monotonic()
             n = record_anchor_demos(self.cfg, self.run_dir)
             self._event(f"anchor demonstrations: {n} in {self.run_dir.anchor_demos} ({time.monotonic() - t0:.1f} s)")
-        broker = self._role("broker")
-        self._spawn(broker)
-        probe(net.broker_host, net.broker_front_port, self.local.ready_timeout_s, net, self.run_dir.keys,
-              lambda: broker.proc.poll() is None)
-        env = self._role("env_server")
-        self._spawn(env)
-        es = self.cfg.env_server
-        probe(es.host, es.port, self.local.ready_timeout_s, net, self.run_dir.keys, lambda: env.proc.poll() is None)
+        # Servers first, each answering Hello before the next starts; the learner and actors then find them.
+        for server in [r for r in self.roles if r.ready is not None]:
+            self._spawn(server)
+            host, port = server.ready
+            probe(host, port, self.local.ready_timeout_s, net, self.run_dir.keys,
+                  lambda: server.proc.poll() is None)
         for role in self.roles:
             if role.proc is None:
                 self._spawn(role)
@@ -297,7 +272,8 @@ class Supervisor:
         try:
             self._event(f"run directory: {self.run_dir.root}")
             self.start()
-            self._event(f"started: broker, env_server, learner, {self.local.actors} actor(s)")
+            counts = {name: sum(r.name == name for r in self.roles) for name in ("env_server", "actor")}
+            self._event(f"started: broker, {counts['env_server']} env_server(s), learner, {counts['actor']} actor(s)")
             next_view = next_curve = 0.0
             while self._check():
                 now = time.monotonic()
@@ -428,11 +404,15 @@ def _fmt(x: Any, nd: int = 2) -> str:
     return str(x)
 
 
+def _total(records: list[dict], key: str) -> float:
+    return sum(r.get(key) or 0 for r in records)
+
+
 def render_view(run_dir: RunDir, cfg: Any, elapsed: float, roles: dict[str, tuple[bool, int]]) -> list[str]:
     m = run_dir.metrics
     lr = _last_record(m / "learner.jsonl") or {}
     br = _last_record(m / "broker.jsonl") or {}
-    es = _last_record(m / "env_server-0.jsonl") or {}
+    servers = [e for e in (_last_record(p) for p in sorted(m.glob("env_server-*.jsonl"))) if e]
     actors = [a for a in (_last_record(p) for p in sorted(m.glob("actor-*.jsonl"))) if a]
     step = lr.get("step", 0)
     total = cfg.learner.total_steps
@@ -450,7 +430,7 @@ def render_view(run_dir: RunDir, cfg: Any, elapsed: float, roles: dict[str, tupl
         f"learner {_fmt(lr.get('tokens_per_s'), 0)} tok/s",
         f"broker queue {_fmt(br.get('queue_depth'))}  running {_fmt(br.get('running'))}  "
         f"dropped stale {_fmt(br.get('dropped_stale', 0))}  in {_fmt(br.get('mb_in_per_s'))} MB/s",
-        f"actors gen {gen:.0f} tok/s  episodes {eps}  env {_fmt(es.get('steps_per_s'), 0)} steps/s  "
-        f"sessions {_fmt(es.get('sessions'))}",
+        f"actors gen {gen:.0f} tok/s  episodes {eps}  env {_total(servers, 'steps_per_s'):.0f} steps/s  "
+        f"sessions {_total(servers, 'sessions'):.0f}",
         f"roles {alive}",
     ]

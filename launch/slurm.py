@@ -1,33 +1,89 @@
-"""``computerrl slurm submit``: a run as one Slurm batch job that survives preemption and time limits.
+"""``computerrl slurm``: a run as one Slurm batch job that spans nodes, survives preemption and resumes.
 
-The job is one sbatch script rendered from the run config's ``slurm`` section. Inside the allocation it runs the
-local supervisor (``computerrl run``: every role, readiness handshakes, restarts) on the job's node. Preemption and
-the time limit are handled with Slurm's own conventions:
+``submit`` renders one sbatch script from the run config's ``slurm`` section. The job's batch shell runs the
+supervisor (``computerrl run --srun``) on the first node; the supervisor starts every role as its own job step,
+``srun --nodes=… --ntasks=… --nodelist=<node> --kill-on-bad-exit=1``, placed by ``launch/placement.py`` (broker
+and learner ranks on the first nodes, an env_server and the actors on each other node), in the same order and
+with the same readiness handshake (Hello → Ready) as on one machine, and restarts a step that dies. A role that
+reserves CPUs runs ``--exact --cpus-per-task=N``; one that does not shares its node's CPUs with the others
+(``--overlap``), as processes on one machine do. Node addresses are Slurm's own (``scontrol show hostnames`` of
+``SLURM_JOB_NODELIST``, then each node's ``NodeAddr``); CURVE keys live in the run directory, on the shared
+file system.
+
+Preemption and time limits follow Slurm's conventions:
 
 - ``--signal=B:USR2@<grace>`` sends the batch shell USR2 ``grace`` seconds before the end; the script forwards it
   to the supervisor as SIGTERM, which stops the learner first (it checkpoints), then the other roles (the broker's
-  spill log is durable). The supervisor then exits 75 (resumable);
+  spill log is durable), and exits 75 (resumable);
 - ``--requeue`` with ``scontrol requeue $SLURM_JOB_ID``: the job goes back to the queue and its next attempt
-  continues the same run directory with ``--resume`` (same run id, continuing policy versions, the broker
-  reloading its unconsumed groups). ``--open-mode=append`` keeps one job log across attempts.
-
-This first increment places every role on one node (``slurm.nodes`` must be 1); roles spread over several nodes
-with ``srun`` are the next one.
+  continues the same run directory with ``--resume``. ``<run>/slurm/requeues`` counts these requeues and caps
+  them at ``max_requeues``; a run that failed (exit 1) is never requeued;
+- ``computerrl slurm cancel`` marks the run cancelled, then signals the batch shell the same way: the run
+  checkpoints and stops, and the job is not requeued. ``computerrl slurm resume`` submits it again.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from common.exitcodes import EXIT_RESUMABLE
+from launch.placement import Node, Role, allocation_roles, check_shape
 
 REPO = Path(__file__).resolve().parents[1]
+# File systems that live on one node: a run directory there is invisible to the job's other nodes.
+NODE_LOCAL_FS = {"ext2/ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlayfs", "zfs", "ramfs", "squashfs"}
+
+
+@dataclass
+class SrunConfig:
+    """The job step one role runs in."""
+
+    cpus: int = 0
+    """CPUs reserved per task (srun --exact --cpus-per-task); 0 = share the node's CPUs with its other roles (--overlap)"""
+    gpus: int = 0
+    """GPUs per task (srun --gpus-per-task); the job must hold them (gres)"""
+    mem: str = ""
+    """memory of the step (srun --mem), e.g. 32G ("" = Slurm's default)"""
+    args: list[str] = field(default_factory=list)
+    """extra srun options, verbatim (e.g. --cpu-bind=cores)"""
+
+    def argv(self) -> list[str]:
+        out = ["--exact", f"--cpus-per-task={self.cpus}"] if self.cpus else ["--overlap"]
+        if self.gpus:
+            out.append(f"--gpus-per-task={self.gpus}")
+        if self.mem:
+            out.append(f"--mem={self.mem}")
+        return out + list(self.args)
+
+
+@dataclass
+class RolloutNodesConfig:
+    """The rollout nodes (env_servers and actors) as their own heterogeneous job component."""
+
+    separate: bool = False
+    """give the rollout nodes their own job component (#SBATCH hetjob) with the settings below"""
+    partition: str = ""
+    """their partition ("" = the job's)"""
+    cpus_per_task: int = 0
+    """their CPUs per node (0 = the cluster's default)"""
+    mem: str = ""
+    """their memory per node ("" = the cluster's default)"""
+    gres: str = ""
+    """their GRES per node ("" = none, e.g. CPU-only nodes beside a GPU learner node)"""
+    exclusive: bool = False
+    """whole rollout nodes (--exclusive)"""
+    sbatch_lines: list[str] = field(default_factory=list)
+    """extra sbatch options of their component, verbatim"""
 
 
 @dataclass
@@ -45,17 +101,23 @@ class SlurmConfig:
     time: str = "04:00:00"
     """sbatch --time: the job's limit (the run is requeued and resumed when it is reached)"""
     nodes: int = 1
-    """nodes of the allocation (this version runs every role on one node)"""
+    """nodes of the allocation: the learner's first, then one rollout node per env_server"""
+    learner_nodes: int = 1
+    """of those, nodes for the broker and the learner's ranks (local.learner_ranks split evenly over them)"""
+    exclusive: bool = False
+    """whole nodes (sbatch --exclusive): every CPU, GPU and byte of memory of each node"""
     cpus_per_task: int = 0
-    """sbatch --cpus-per-task (0 = the cluster's default)"""
+    """CPUs per node of the allocation (sbatch --cpus-per-task with one task per node; 0 = the cluster's default)"""
     mem: str = ""
-    """sbatch --mem, e.g. 64G ("" = the cluster's default)"""
+    """sbatch --mem (per node), e.g. 64G ("" = the cluster's default)"""
     gres: str = ""
-    """sbatch --gres, e.g. gpu:1 ("" = none)"""
+    """sbatch --gres (per node), e.g. gpu:1 ("" = none)"""
     signal_grace_s: int = 300
     """seconds before the time limit at which the job is told to checkpoint and stop (--signal=B:USR2@N)"""
     requeue: bool = True
     """put the job back in the queue after a preemption or time-limit stop, to resume the run"""
+    max_requeues: int = 20
+    """requeues of one submission; past them the job stops and waits for `computerrl slurm resume`"""
     sbatch_lines: list[str] = field(default_factory=list)
     """extra '#SBATCH ...' options, verbatim (e.g. "--constraint=a100")"""
     modules: list[str] = field(default_factory=list)
@@ -66,52 +128,139 @@ class SlurmConfig:
     """environment variables exported for every role"""
     python: str = ""
     """the python that runs computerrl on the nodes ("" = the one submitting)"""
+    rollout: RolloutNodesConfig = field(default_factory=RolloutNodesConfig)
+    """the rollout nodes' own job component, when they need another partition or other GRES than the learner's"""
+    broker: SrunConfig = field(default_factory=SrunConfig)
+    """the broker's job step"""
+    env_server: SrunConfig = field(default_factory=SrunConfig)
+    """each env_server's job step"""
+    learner: SrunConfig = field(default_factory=SrunConfig)
+    """the learner's job step (one task per rank)"""
+    actor: SrunConfig = field(default_factory=SrunConfig)
+    """each actor's job step"""
 
     def validate(self) -> None:
-        if self.nodes != 1:
-            raise ValueError("slurm.nodes: this version runs every role on one node (nodes: 1)")
+        if self.nodes < 1 or self.learner_nodes < 1:
+            raise ValueError("slurm.nodes and slurm.learner_nodes must be >= 1")
+        if self.learner_nodes > self.nodes:
+            raise ValueError(f"slurm.learner_nodes {self.learner_nodes} > slurm.nodes {self.nodes}")
         if self.signal_grace_s < 0 or self.signal_grace_s > 65535:
             raise ValueError("slurm.signal_grace_s must be in 0..65535 (sbatch --signal)")
-        if self.cpus_per_task < 0:
-            raise ValueError("slurm.cpus_per_task must be >= 0")
-        for line in self.sbatch_lines:
+        if self.cpus_per_task < 0 or self.max_requeues < 0:
+            raise ValueError("slurm.cpus_per_task and slurm.max_requeues must be >= 0")
+        if self.rollout.separate and self.nodes == self.learner_nodes:
+            raise ValueError("slurm.rollout.separate needs rollout nodes: slurm.nodes > slurm.learner_nodes")
+        for line in self.sbatch_lines + self.rollout.sbatch_lines + [a for s in self._steps() for a in s.args]:
             if "\n" in line or not line.strip().startswith("-"):
-                raise ValueError(f"slurm.sbatch_lines: {line!r} is not one sbatch option such as --constraint=a100")
+                raise ValueError(f"slurm: {line!r} is not one sbatch/srun option such as --constraint=a100")
+        for step in self._steps():
+            if step.cpus < 0 or step.gpus < 0:
+                raise ValueError("slurm.<role>.cpus and .gpus must be >= 0")
+
+    def _steps(self) -> list[SrunConfig]:
+        return [self.broker, self.env_server, self.learner, self.actor]
+
+    def step(self, role: str) -> SrunConfig:
+        return getattr(self, role)
+
+
+# ----- the run directory's Slurm files --------------------------------------------------------------------------
+
+
+def job_files(run_root: Path) -> dict[str, Path]:
+    """``<run>/slurm/``: the rendered script, the current job id, the requeue count, the cancel mark."""
+    d = Path(run_root) / "slurm"
+    return {"script": d / "job.sbatch", "job_id": d / "job_id", "requeues": d / "requeues",
+            "cancelled": d / "cancelled"}
 
 
 def _q(value: Any) -> str:
     return shlex.quote(str(value))
 
 
-def render_script(cfg: SlurmConfig, run_dir: Path, config_path: Path) -> str:
+# ----- the batch script ------------------------------------------------------------------------------------------
+
+
+def srun_argv(role: Role, cfg: SlurmConfig, srun: str = "srun") -> list[str]:
+    """The ``srun`` that starts ``role`` on its node(s), a task per process (the learner: per rank)."""
+    n = len(role.nodes)
+    argv = [srun, f"--nodes={n}", f"--ntasks={role.tasks}", f"--nodelist={','.join(x.name for x in role.nodes)}",
+            "--kill-on-bad-exit=1", f"--job-name={role.label}"]
+    if n > 1:
+        argv.append(f"--ntasks-per-node={role.tasks // n}")
+    if role.nodes[0].group is not None:
+        argv.append(f"--het-group={role.nodes[0].group}")
+    return argv + cfg.step(role.name).argv()
+
+
+def placement_preview(run_cfg: Any) -> list[str]:
+    """The placement of ``slurm.nodes`` symbolic nodes as the script's comment shows it (checks the shape too)."""
+    cfg = run_cfg.slurm
+    nodes = [Node(f"<node {i}>", f"<node {i}>", int(i >= cfg.learner_nodes) if cfg.rollout.separate else None)
+             for i in range(cfg.nodes)]
+    roles = allocation_roles(run_cfg, nodes, [], resume=False)
+    return [f"{r.label:<12} " + " ".join(srun_argv(r, run_cfg.slurm)) for r in roles]
+
+
+def _node_options(partition: str, cpus_per_task: int, mem: str, gres: str, exclusive: bool) -> list[str]:
+    """The sbatch options that say what each node of a job component is."""
+    out = [f"--{k}={v}" for k, v in (("partition", partition), ("mem", mem), ("gres", gres)) if v]
+    if cpus_per_task:
+        out.append(f"--cpus-per-task={cpus_per_task}")
+    return out + (["--exclusive"] if exclusive else [])
+
+
+def render_script(run_cfg: Any, run_dir: Path, config_path: Path) -> str:
     """The sbatch script of a run whose resolved config is ``config_path`` in ``run_dir``."""
+    cfg: SlurmConfig = run_cfg.slurm
     cfg.validate()
     python = cfg.python or sys.executable
-    options = [f"--job-name={cfg.job_name}", f"--nodes={cfg.nodes}", "--ntasks=1", f"--time={cfg.time}",
+    files = job_files(run_dir)
+    first = cfg.learner_nodes if cfg.rollout.separate else cfg.nodes
+    options = [f"--job-name={cfg.job_name}", f"--nodes={first}", "--ntasks-per-node=1", f"--time={cfg.time}",
                f"--output={run_dir / 'logs' / 'slurm-%j.out'}", "--open-mode=append",
                f"--signal=B:USR2@{cfg.signal_grace_s}"]
     options += ["--requeue"] if cfg.requeue else ["--no-requeue"]
-    for key, value in (("partition", cfg.partition), ("account", cfg.account), ("qos", cfg.qos),
-                       ("mem", cfg.mem), ("gres", cfg.gres)):
+    for key, value in (("account", cfg.account), ("qos", cfg.qos)):
         if value:
             options.append(f"--{key}={value}")
-    if cfg.cpus_per_task:
-        options.append(f"--cpus-per-task={cfg.cpus_per_task}")
+    options += _node_options(cfg.partition, cfg.cpus_per_task, cfg.mem, cfg.gres, cfg.exclusive)
     options += [line.strip() for line in cfg.sbatch_lines]
+    if cfg.rollout.separate:
+        r = cfg.rollout
+        # The second component: the rollout nodes. The batch script runs on the first component's first node.
+        options += ["hetjob", f"--nodes={cfg.nodes - cfg.learner_nodes}", "--ntasks-per-node=1",
+                    *_node_options(r.partition or cfg.partition, r.cpus_per_task, r.mem, r.gres, r.exclusive),
+                    *(line.strip() for line in r.sbatch_lines)]
     lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in options), "",
              "# Rendered by `computerrl slurm submit` from the run's config (its `slurm` section).",
+             "# The supervisor (`computerrl run --srun`) starts each role as a job step on its node:",
+             *(f"#   {line}" for line in placement_preview(run_cfg)),
              "set -u"]
     lines += [f"module load {_q(m)}" for m in cfg.modules]
     lines += list(cfg.setup)
     lines += [f"export {k}={_q(v)}" for k, v in sorted(cfg.env.items())]
-    run_cmd = f"{_q(python)} -m launch.cli run {_q(config_path)} --run-dir {_q(run_dir)}"
+    run_cmd = f"{_q(python)} -m launch.cli run {_q(config_path)} --run-dir {_q(run_dir)} --srun"
+    if cfg.requeue:
+        requeue = [
+            f"  n=$(cat {_q(files['requeues'])} 2>/dev/null || echo 0)",
+            f"  if [ \"$n\" -ge {cfg.max_requeues} ]; then",
+            f"    echo \"[computerrl] not requeued: $n requeues already (slurm.max_requeues {cfg.max_requeues});"
+            f" continue with: computerrl slurm resume {run_dir}\"",
+            "  else",
+            f"    echo $((n + 1)) > {_q(files['requeues'])}",
+            "    echo \"[computerrl] requeueing job $SLURM_JOB_ID to resume the run (requeue $((n + 1)))\"",
+            "    scontrol requeue \"$SLURM_JOB_ID\"",
+            "  fi"]
+    else:
+        requeue = [f"  echo \"[computerrl] stopped; continue with: computerrl slurm resume {run_dir}\""]
     lines += [
         f"cd {_q(REPO)}",
         'echo "[computerrl] job $SLURM_JOB_ID attempt $((${SLURM_RESTART_COUNT:-0} + 1)) on $(hostname)"',
         # A later attempt (requeued) continues the run from its checkpoints and the broker's spill log.
         f"resume=(); [ -e {_q(run_dir / 'checkpoints' / 'latest')} ] && resume=(--resume)",
-        # Slurm's notice (USR2 before the limit, or a preemption's TERM): the supervisor checkpoints and stops.
-        # The trap is set before the run starts, so a notice that comes at once is not lost either.
+        # Slurm's notice (USR2 before the limit, a preemption's TERM, `computerrl slurm cancel`): the supervisor
+        # checkpoints and stops. The trap is set before the run starts, so a notice that comes at once counts too.
         "stopping=0; child=",
         "trap 'stopping=1; [ -n \"$child\" ] && kill -TERM $child 2>/dev/null' USR2 TERM",
         f'{run_cmd} "${{resume[@]}}" &',
@@ -123,10 +272,11 @@ def render_script(cfg: SlurmConfig, run_dir: Path, config_path: Path) -> str:
         "  [ $rc -le 128 ] && break",
         "  kill -0 $child 2>/dev/null || { wait $child; rc=$?; break; }",
         "done",
-        f"if [ $rc -eq {EXIT_RESUMABLE} ] && [ $stopping -eq 1 ]; then",
-        *(["  echo \"[computerrl] requeueing job $SLURM_JOB_ID to resume the run\"",
-           "  scontrol requeue \"$SLURM_JOB_ID\""] if cfg.requeue else ["  echo \"[computerrl] stopped; resume with"
-                                                                         " computerrl run --resume\""]),
+        f"if [ -e {_q(files['cancelled'])} ]; then",
+        f"  echo \"[computerrl] cancelled (computerrl slurm cancel); continue with: computerrl slurm resume {run_dir}\"",
+        f"  [ $rc -eq {EXIT_RESUMABLE} ] && rc=0  # stopped as asked, state saved",
+        f"elif [ $rc -eq {EXIT_RESUMABLE} ] && [ $stopping -eq 1 ]; then",
+        *requeue,
         "fi",
         "exit $rc",
         "",
@@ -134,12 +284,208 @@ def render_script(cfg: SlurmConfig, run_dir: Path, config_path: Path) -> str:
     return "\n".join(lines)
 
 
-def submit(script: Path) -> str:
-    """``sbatch --parsable script``: the job id."""
-    sbatch = shutil.which("sbatch")
-    if sbatch is None:
-        raise RuntimeError("sbatch not found: submit from a Slurm login node (or print the script with --dry-run)")
-    out = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True)
+# ----- submitting -------------------------------------------------------------------------------------------------
+
+
+def require_tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise RuntimeError(f"{name} not found on PATH: run this on a Slurm login node (or print the script with "
+                           "`computerrl slurm submit --dry-run`)")
+    return path
+
+
+def check_submission(run_cfg: Any, run_dir: Path) -> list[str]:
+    """Everything a submission must get right before anything is written: the placement fits the nodes, the
+    desktop image exists. Returns warnings (a run directory on a node-local file system with nodes > 1)."""
+    run_cfg.slurm.validate()
+    check_shape(run_cfg, run_cfg.slurm.nodes)
+    es = run_cfg.env_server
+    if es.backend == "apptainer" and not Path(es.desktop.image).is_file():
+        raise ValueError(f"env_server.desktop.image {es.desktop.image!r} is not a file: build it from "
+                         "configs/desktop.def and put it where every node reads it")
+    warnings = []
+    if run_cfg.slurm.nodes > 1:
+        fs = filesystem_type(run_dir)
+        if fs in NODE_LOCAL_FS:
+            warnings.append(f"the run directory {run_dir} is on {fs}, a node-local file system: the job's other "
+                            "nodes will not see its config, keys and checkpoints; use a shared one (NFS, Lustre, ...)")
+    return warnings
+
+
+def filesystem_type(path: Path) -> str:
+    """``stat -f`` of the nearest existing parent of ``path`` ("" when unknown)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    out = subprocess.run(["stat", "-f", "-c", "%T", str(p)], capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def submit(script: Path, run_root: Path, context: str = "") -> str:
+    """``sbatch --parsable script``: the job id, also kept in ``<run>/slurm/job_id``."""
+    out = subprocess.run([require_tool("sbatch"), "--parsable", str(script)], capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"sbatch failed ({out.returncode}): {out.stderr.strip()}")
-    return out.stdout.strip().split(";")[0]
+        raise RuntimeError(f"sbatch refused the job{f' ({context})' if context else ''}: "
+                           f"{out.stderr.strip() or out.stdout.strip()}")
+    job = out.stdout.strip().split(";")[0]
+    job_files(run_root)["job_id"].write_text(job + "\n")
+    return job
+
+
+# ----- inside the job ---------------------------------------------------------------------------------------------
+
+
+def allocation_nodes(environ: dict[str, str] | None = None) -> list[Node]:
+    """The job's nodes in Slurm's order (a heterogeneous job's components one after the other, each node
+    marked with its component), each at its ``NodeAddr`` (the address Slurm itself reaches it at)."""
+    environ = dict(os.environ if environ is None else environ)
+    groups = int(environ.get("SLURM_HET_SIZE", "0") or 0)
+    lists = [(g, environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{g}", "")) for g in range(groups)] if groups else \
+        [(None, environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", ""))]
+    if not all(nodelist for _, nodelist in lists):
+        raise RuntimeError("--srun needs a Slurm allocation (SLURM_JOB_NODELIST is not set)")
+    scontrol = require_tool("scontrol")
+    nodes = []
+    for group, nodelist in lists:
+        names = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True,
+                               check=True).stdout.split()
+        shown = subprocess.run([scontrol, "show", "node", "-o", ",".join(names)], capture_output=True,
+                               text=True).stdout
+        addrs = dict(re.findall(r"NodeName=(\S+).*?NodeAddr=(\S+)", shown))
+        nodes += [Node(n, addrs.get(n, n), group) for n in names]
+    return nodes
+
+
+def check_cpus(roles: list[Role], cfg: SlurmConfig, nodes: list[Node], environ: dict[str, str]) -> None:
+    """Refuse (before any step starts) roles that reserve more CPUs on a node than the job holds there: such
+    steps would wait for each other forever."""
+    groups = sorted({n.group for n in nodes if n.group is not None})
+    counts = [c for g in groups for c in _cpus_per_node(environ, f"_HET_GROUP_{g}")] if groups else \
+        _cpus_per_node(environ)
+    have = dict(zip((n.name for n in nodes), counts))
+    want: dict[str, int] = {}
+    for r in roles:
+        for node in r.nodes:
+            want[node.name] = want.get(node.name, 0) + cfg.step(r.name).cpus * r.tasks // len(r.nodes)
+    for node, cpus in want.items():
+        if node in have and cpus > have[node]:
+            raise RuntimeError(f"the roles placed on {node} reserve {cpus} CPUs (slurm.<role>.cpus) but the job holds "
+                               f"{have[node]} there: lower them, or ask for more (slurm.cpus_per_task, exclusive)")
+
+
+def _cpus_per_node(environ: dict[str, str], suffix: str = "") -> list[int]:
+    """SLURM_JOB_CPUS_PER_NODE ("4(x2),2"; of one heterogeneous component with ``suffix``) as one count per node."""
+    counts = []
+    for part in environ.get(f"SLURM_JOB_CPUS_PER_NODE{suffix}", "").split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m:
+            counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def attempt(environ: dict[str, str]) -> int:
+    """This job's attempt (1 = first start; a requeue adds one)."""
+    return int(environ.get("SLURM_RESTART_COUNT", "0") or 0) + 1
+
+
+def log_suffix(environ: dict[str, str]) -> str:
+    """What a role's stderr file name carries inside a job: ``.job<id>.attempt<n>`` (one file per role, node,
+    job and attempt; a resubmitted run is a new job)."""
+    return f".job{environ.get('SLURM_JOB_ID', '?')}.attempt{attempt(environ)}"
+
+
+# ----- watching and stopping ----------------------------------------------------------------------------------------
+
+
+def run_job_id(run_root: Path) -> str:
+    f = job_files(run_root)["job_id"]
+    if not f.exists():
+        raise RuntimeError(f"{run_root} has no Slurm job (no slurm/job_id): was it submitted with computerrl slurm?")
+    return f.read_text().strip()
+
+
+def job_state(job: str) -> dict[str, str]:
+    """The job's state from squeue while it is queued or running, else from scontrol (recently ended jobs) or
+    sacct (accounting); {} when nobody knows it."""
+    out = subprocess.run([require_tool("squeue"), "-h", "-j", job, "-o", "%T|%M|%l|%R"], capture_output=True, text=True)
+    if out.returncode == 0 and out.stdout.strip():
+        # A heterogeneous job shows a line per component; the first (the batch script's) speaks for the job.
+        state, elapsed, limit, where = out.stdout.strip().splitlines()[0].split("|", 3)
+        return {"state": state, "elapsed": elapsed, "time_limit": limit, "nodes_or_reason": where, "source": "squeue"}
+    out = subprocess.run([require_tool("scontrol"), "show", "job", "-o", job], capture_output=True, text=True)
+    if out.returncode == 0 and "JobState=" in out.stdout:
+        f = dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+        return {"state": f.get("JobState", ""), "elapsed": f.get("RunTime", ""), "exit_code": f.get("ExitCode", ""),
+                "source": "scontrol"}
+    if shutil.which("sacct"):
+        out = subprocess.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", "State,ExitCode,Elapsed"],
+                             capture_output=True, text=True)
+        rows = [r for r in out.stdout.splitlines() if r.strip()]
+        if out.returncode == 0 and rows:
+            state, code, elapsed = rows[-1].split("|")
+            return {"state": state, "exit_code": code, "elapsed": elapsed, "source": "sacct"}
+    return {}
+
+
+def _last_line(path: Path, max_bytes: int = 65536) -> str:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - max_bytes))
+        lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
+    return lines[-1] if lines else ""
+
+
+def job_status(run_root: Path) -> dict[str, Any]:
+    """What ``computerrl slurm status`` shows: the job, its attempt, the learner's progress, each role's last
+    metrics line."""
+    run_root = Path(run_root)
+    files = job_files(run_root)
+    job = run_job_id(run_root)
+    status: dict[str, Any] = {"job": job, **job_state(job)}
+    log = run_root / "logs" / f"slurm-{job}.out"
+    attempts = re.findall(r"\[computerrl\] job \S+ attempt (\d+)", log.read_text(errors="replace")) \
+        if log.exists() else []
+    status["attempt"] = int(attempts[-1]) if attempts else 0
+    status["requeues"] = int(files["requeues"].read_text().strip() or 0) if files["requeues"].exists() else 0
+    status["cancelled"] = files["cancelled"].exists()
+    latest = run_root / "checkpoints" / "latest"
+    status["checkpoint"] = latest.read_text().strip() if latest.exists() else ""
+    learner = run_root / "metrics" / "learner.jsonl"
+    if learner.exists():
+        try:
+            record = json.loads(_last_line(learner) or "{}")
+            status["learner"] = {k: record.get(k) for k in ("step", "version", "phase", "success_rate", "loss")}
+        except ValueError:
+            pass
+    status["metrics"] = {p.stem: _last_line(p)[:400] for p in sorted((run_root / "metrics").glob("*.jsonl"))}
+    return status
+
+
+def cancel(run_root: Path, timeout_s: float) -> str:
+    """Stop the run cleanly: mark it cancelled (so the job does not requeue), then give the batch shell the same
+    notice a preemption does (the learner checkpoints first) and wait for the job to end; a job still waiting
+    in the queue is just removed."""
+    run_root = Path(run_root)
+    job = run_job_id(run_root)
+    job_files(run_root)["cancelled"].write_text(f"{time.time():.0f}\n")
+    state = job_state(job).get("state", "")
+    scancel = require_tool("scancel")
+    if state in ("RUNNING", "COMPLETING"):
+        subprocess.run([scancel, "--batch", "--signal=TERM", job], check=True, capture_output=True)
+        deadline = time.monotonic() + timeout_s
+        while job_state(job).get("state", "") in ("RUNNING", "COMPLETING"):
+            if time.monotonic() > deadline:
+                subprocess.run([scancel, job], capture_output=True)
+                return f"job {job} did not stop within {timeout_s:.0f} s: cancelled outright"
+            time.sleep(1)
+        return f"job {job} stopped (the learner checkpointed: {_checkpoint(run_root)})"
+    if state in ("PENDING", "REQUEUED", "CONFIGURING", "SUSPENDED"):
+        subprocess.run([scancel, job], check=True, capture_output=True)
+        return f"job {job} was {state.lower()}: removed from the queue"
+    return f"job {job} is not running ({state or 'unknown to Slurm'}): nothing to stop"
+
+
+def _checkpoint(run_root: Path) -> str:
+    latest = run_root / "checkpoints" / "latest"
+    return latest.read_text().strip() if latest.exists() else "none yet"

@@ -2,7 +2,8 @@
 
 Launch every rank with the usual torch.distributed variables (``torchrun --nproc-per-node N computerrl
 learner ...`` sets them; so does ``computerrl run`` with ``local.learner_ranks: N``): ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``. Rank 0 is the learner the rest of the
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``. Under ``srun`` (one task per rank),
+``--ranks-from-slurm`` takes the first three from ``SLURM_PROCID``, ``SLURM_NTASKS`` and ``SLURM_LOCALID``. Rank 0 is the learner the rest of the
 system sees: it holds the broker link, decides every step (RL batch, SFT batch, empty step, checkpoint,
 stop), sends the step's input to the other ranks as msgpack frames over a gloo group (``JobChannel``), and
 broadcasts the gathered full weights to the actors. Every rank then runs the same step on its share of the
@@ -88,6 +89,17 @@ class DistContext:
             return
         torch.distributed.barrier(group=self.job_group)
         torch.distributed.destroy_process_group()
+
+
+def ranks_from_slurm(environ: dict[str, str]) -> dict[str, str]:
+    """torch.distributed's rank variables for a learner rank that ``srun`` started (one task per rank):
+    RANK, WORLD_SIZE and LOCAL_RANK from SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID. MASTER_ADDR and
+    MASTER_PORT come from whoever started the step (the supervisor: the first learner node)."""
+    missing = [v for v in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID") if v not in environ]
+    if missing:
+        raise RuntimeError(f"--ranks-from-slurm outside a Slurm step: {', '.join(missing)} not set")
+    return {"RANK": environ["SLURM_PROCID"], "WORLD_SIZE": environ["SLURM_NTASKS"],
+            "LOCAL_RANK": environ["SLURM_LOCALID"]}
 
 
 def from_environment(device: str, timeout_s: float) -> DistContext:

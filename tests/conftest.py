@@ -162,7 +162,8 @@ def desktop(work_dir):
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
-    """A one-node Slurm cluster of our own (root and the slurm-wlm packages needed, else the test skips)."""
+    """A three-node Slurm cluster of our own on this machine (root and the slurm-wlm packages needed, else the test
+    skips)."""
     from tests.slurm_cluster import SlurmCluster, missing
 
     why = missing()
@@ -170,7 +171,7 @@ def slurm_cluster(tmp_path_factory):
         pytest.skip(why)
     root = Path(tempfile.mkdtemp(prefix="computerrl-slurm-"))
     root.chmod(0o755)
-    cluster = SlurmCluster(root)
+    cluster = SlurmCluster(root, nodes=3)
     try:
         cluster.start()
         yield cluster

@@ -1,5 +1,9 @@
-"""A throwaway one-node Slurm cluster for tests: munged, slurmctld and slurmd started as root from a private
-slurm.conf on free ports (the machine's own Slurm, if any, is not touched), stopped afterwards."""
+"""A throwaway Slurm cluster for tests: munged, slurmctld and one slurmd per node started as root from a private
+slurm.conf on free ports (the machine's own Slurm, if any, is not touched), stopped afterwards.
+
+Its nodes are all this machine: node ``cnI`` is a slurmd started with ``-N cnI`` on its own port, at the loopback
+address ``127.0.0.I``. Roles placed on different nodes so bind different addresses, as on a real cluster, and
+``srun --nodelist`` really goes through each node's slurmd."""
 
 from __future__ import annotations
 
@@ -24,12 +28,12 @@ def missing() -> str:
 
 
 class SlurmCluster:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, nodes: int = 1):
         self.root = root
         self.host = socket.gethostname().split(".")[0]
+        self.nodes = [f"cn{i + 1}" for i in range(nodes)]
         self.conf = root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
-        self.procs: list[str] = []
 
     def start(self, timeout_s: float = 60.0) -> None:
         for sub in ("state", "spool", "log"):
@@ -39,35 +43,37 @@ class SlurmCluster:
             # Loopback addresses: the node's name need not resolve (a CI container's often does not).
             "ClusterName=computerrl-test", f"SlurmctldHost={self.host}(127.0.0.1)", "AuthType=auth/munge",
             "CredType=cred/munge", "SlurmUser=root", "SlurmdUser=root",
-            f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
-            f"StateSaveLocation={r}/state", f"SlurmdSpoolDir={r}/spool",
-            f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd.pid",
-            f"SlurmctldLogFile={r}/log/slurmctld.log", f"SlurmdLogFile={r}/log/slurmd.log",
+            f"SlurmctldPort={free_port()}",
+            f"StateSaveLocation={r}/state", f"SlurmdSpoolDir={r}/spool/%n",
+            f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd-%n.pid",
+            f"SlurmctldLogFile={r}/log/slurmctld.log", f"SlurmdLogFile={r}/log/slurmd-%n.log",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none", "SchedulerType=sched/backfill",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "ReturnToService=2", "MpiDefault=none",
             "JobRequeue=1", "KillWait=30", "SchedulerParameters=sched_interval=1",
-            f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
-            f"PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES", ""]))
+            *(f"NodeName={n} NodeHostname={n} NodeAddr=127.0.0.{i + 1} Port={free_port()} CPUs={os.cpu_count()} "
+              "State=UNKNOWN" for i, n in enumerate(self.nodes)),
+            f"PartitionName=test Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
+            ""]))
         if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
             Path("/run/munge").mkdir(parents=True, exist_ok=True)
             shutil.chown("/run/munge", "munge", "munge")
             subprocess.run(["su", "-s", "/bin/sh", "munge", "-c", "/usr/sbin/munged"], check=True)
-        for daemon in ("slurmctld", "slurmd"):
-            subprocess.run([shutil.which(daemon) or f"/usr/sbin/{daemon}", "-f", str(self.conf)], env=self.env,
-                           check=True)
-            self.procs.append(daemon)
+        subprocess.run([shutil.which("slurmctld") or "/usr/sbin/slurmctld", "-f", str(self.conf)], env=self.env,
+                       check=True)
+        for node in self.nodes:
+            subprocess.run([shutil.which("slurmd") or "/usr/sbin/slurmd", "-f", str(self.conf), "-N", node],
+                           env=self.env, check=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            out = subprocess.run(["sinfo", "-h", "-o", "%t"], env=self.env, capture_output=True, text=True)
-            if out.stdout.strip() == "idle":
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=self.env, capture_output=True, text=True)
+            if out.stdout.split() == ["idle"] * len(self.nodes):
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"the test Slurm node never became idle:\n{self.log_tail()}")
+        raise RuntimeError(f"the test Slurm nodes never became idle:\n{self.log_tail()}")
 
     def log_tail(self) -> str:
-        return "\n".join((self.root / "log" / f).read_text(errors="replace")[-2000:]
-                         for f in ("slurmctld.log", "slurmd.log") if (self.root / "log" / f).exists())
+        return "\n".join(f.read_text(errors="replace")[-2000:] for f in sorted((self.root / "log").glob("*.log")))
 
     def run(self, *argv: str, check: bool = True) -> str:
         out = subprocess.run(list(argv), env=self.env, capture_output=True, text=True, check=False)
@@ -80,8 +86,7 @@ class SlurmCluster:
         return self.run("squeue", "-h", "-j", job, "-o", "%T", check=False)
 
     def stop(self) -> None:
-        for daemon in ("slurmd", "slurmctld"):
-            pid_file = self.root / f"{daemon}.pid"
+        for pid_file in [*sorted(self.root.glob("slurmd-*.pid")), self.root / "slurmctld.pid"]:
             if pid_file.exists():
                 try:
                     os.kill(int(pid_file.read_text().strip()), 15)

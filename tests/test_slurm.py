@@ -1,11 +1,13 @@
-"""Slurm: the sbatch script a run renders, its preemption handling (a signal checkpoints and requeues), and — on a
-real one-node Slurm cluster of our own — a run preempted mid-way that resumes in its next attempt and finishes
-with every acked group trained once or dropped with a reason."""
+"""Slurm: the sbatch script a run renders and the placement it shows, bad submissions refused before anything is
+written, preemption handling (a signal checkpoints and requeues, a cap on requeues, a cancel that does not requeue),
+and — on a real three-node Slurm cluster of our own — runs spread over the nodes that are preempted, resumed,
+watched and cancelled with every acked group trained once or dropped with a reason."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -13,42 +15,211 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from common.exitcodes import EXIT_RESUMABLE
 from common.net import free_port
-from launch.slurm import SlurmConfig, render_script
+from launch.cli import main
+from launch.config import load_run_config
+from launch.placement import Node, allocation_roles
+from launch.slurm import SrunConfig, check_cpus, job_files, render_script
+from learner.distributed import ranks_from_slurm
 from tests.conftest import REPO
 
 
+def _run_cfg(*overrides: str):
+    return load_run_config(str(REPO / "configs" / "local.yaml"), overrides)
+
+
 def test_the_script_carries_the_slurm_section_and_slurms_preemption_conventions(tmp_path):
-    cfg = SlurmConfig(partition="gpu", account="proj7", qos="high", time="02:00:00", gres="gpu:1", mem="64G",
-                      cpus_per_task=16, signal_grace_s=240, sbatch_lines=["--constraint=a100"],
-                      modules=["cuda/12.4"], setup=["source /opt/venv/bin/activate"], env={"NCCL_DEBUG": "WARN"},
-                      python="/opt/venv/bin/python")
+    cfg = _run_cfg("slurm.partition=gpu", "slurm.account=proj7", "slurm.qos=high", "slurm.time=02:00:00",
+                   "slurm.gres=gpu:1", "slurm.mem=64G", "slurm.cpus_per_task=16", "slurm.signal_grace_s=240",
+                   "slurm.sbatch_lines=['--constraint=a100']", "slurm.modules=['cuda/12.4']",
+                   "slurm.setup=['source /opt/venv/bin/activate']", "slurm.python=/opt/venv/bin/python",
+                   "slurm.max_requeues=3")
+    cfg.slurm.env = {"NCCL_DEBUG": "WARN"}
     script = render_script(cfg, tmp_path / "run", tmp_path / "run" / "config.yaml")
     for line in ("#SBATCH --partition=gpu", "#SBATCH --account=proj7", "#SBATCH --qos=high", "#SBATCH --time=02:00:00",
                  "#SBATCH --gres=gpu:1", "#SBATCH --mem=64G", "#SBATCH --cpus-per-task=16", "#SBATCH --requeue",
                  "#SBATCH --signal=B:USR2@240", "#SBATCH --open-mode=append", "#SBATCH --constraint=a100",
-                 "module load cuda/12.4", "source /opt/venv/bin/activate", "export NCCL_DEBUG=WARN"):
+                 "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1",
+                 "module load cuda/12.4", "source /opt/venv/bin/activate", "export NCCL_DEBUG=WARN",
+                 '  if [ "$n" -ge 3 ]; then'):
         assert line in script.splitlines(), line
-    assert "/opt/venv/bin/python -m launch.cli run" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
-    assert "--no-requeue" in render_script(SlurmConfig(requeue=False), tmp_path, tmp_path / "c.yaml")
-    for bad, match in [(SlurmConfig(nodes=2), "one node"), (SlurmConfig(sbatch_lines=["rm -rf /"]), "sbatch option"),
-                       (SlurmConfig(signal_grace_s=70000), "0..65535")]:
+    assert "/opt/venv/bin/python -m launch.cli run" in script and "--srun" in script
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script
+    cfg.slurm.requeue = False
+    assert "--no-requeue" in render_script(cfg, tmp_path, tmp_path / "c.yaml")
+    for bad, match in [({"learner_nodes": 2}, "learner_nodes 2 > slurm.nodes 1"),
+                       ({"sbatch_lines": ["rm -rf /"]}, "sbatch/srun option"),
+                       ({"signal_grace_s": 70000}, "0..65535"),
+                       ({"actor": SrunConfig(args=["; reboot"])}, "sbatch/srun option")]:
+        c = _run_cfg().slurm
+        for k, v in bad.items():
+            setattr(c, k, v)
+        with pytest.raises(ValueError, match=re.escape(match)):
+            c.validate()
+
+
+def test_a_dry_run_renders_the_multi_node_placement(tmp_path):
+    """1 GPU node (broker + learner) and 3 CPU nodes (an env_server each, 6 actors dealt round-robin)."""
+    r = CliRunner().invoke(main, ["slurm", "submit", "configs/local.yaml", "slurm.nodes=4", "local.actors=6",
+                                  "slurm.gres=gpu:1", "slurm.learner.gpus=1", "slurm.learner.cpus=8",
+                                  "slurm.learner.mem=64G", "slurm.env_server.cpus=4", "--dry-run",
+                                  "--run-dir", str(tmp_path / "run")])
+    assert r.exit_code == 0, r.output
+    placed = {m.group(1): m.group(2) for m in re.finditer(r"^#   (\S+)\s+(srun .*)$", r.output, re.M)}
+    assert list(placed) == ["broker-0", "env_server-0", "env_server-1", "env_server-2", "learner-0",
+                            *(f"actor-{i}" for i in range(6))]
+    node = {k: re.search(r"--nodelist=<node (\d)>", v).group(1) for k, v in placed.items()}
+    assert node == {"broker-0": "0", "learner-0": "0", "env_server-0": "1", "env_server-1": "2", "env_server-2": "3",
+                    "actor-0": "1", "actor-1": "2", "actor-2": "3", "actor-3": "1", "actor-4": "2", "actor-5": "3"}
+    assert placed["learner-0"].endswith("--exact --cpus-per-task=8 --gpus-per-task=1 --mem=64G")
+    assert placed["env_server-1"].endswith("--exact --cpus-per-task=4")
+    assert placed["actor-4"].endswith("--overlap") and placed["broker-0"].endswith("--overlap")
+    assert all("--nodes=1 --ntasks=1 " in v and "--kill-on-bad-exit=1" in v for v in placed.values())
+    assert "#SBATCH --nodes=4" in r.output and "#SBATCH --gres=gpu:1" in r.output
+    assert not (tmp_path / "run").exists(), "a dry run writes nothing"
+
+
+def test_rollout_nodes_as_their_own_heterogeneous_component(tmp_path):
+    """A GPU node for the learner, CPU-only nodes from another partition for the desktops and actors."""
+    r = CliRunner().invoke(main, ["slurm", "submit", "configs/local.yaml", "slurm.nodes=3", "local.actors=4",
+                                  "slurm.partition=gpu", "slurm.gres=gpu:1", "slurm.learner.gpus=1",
+                                  "slurm.rollout.separate=true", "slurm.rollout.partition=cpu",
+                                  "slurm.rollout.exclusive=true", "--dry-run", "--run-dir", str(tmp_path / "run")])
+    assert r.exit_code == 0, r.output
+    sbatch = [line for line in r.output.splitlines() if line.startswith("#SBATCH")]
+    split = sbatch.index("#SBATCH hetjob")
+    assert {"#SBATCH --nodes=1", "#SBATCH --partition=gpu", "#SBATCH --gres=gpu:1"} <= set(sbatch[:split])
+    assert sbatch[split + 1:] == ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=cpu",
+                                  "#SBATCH --exclusive"]
+    placed = dict(re.findall(r"^#   (\S+)\s+srun .*--nodelist=<node \d> .*?(--het-group=\d)", r.output, re.M))
+    assert placed == {"broker-0": "--het-group=0", "learner-0": "--het-group=0", "env_server-0": "--het-group=1",
+                      "env_server-1": "--het-group=1", **{f"actor-{i}": "--het-group=1" for i in range(4)}}
+
+
+def test_the_allocation_is_read_from_slurms_variables(tmp_path, monkeypatch):
+    """Node names from `scontrol show hostnames`, addresses from `scontrol show node` (stand-in scontrol here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("""#!/bin/bash
+case "$1 $2" in
+  "show hostnames") case "$3" in gpu1) echo gpu1;; "cpu[1-2]") printf 'cpu1\\ncpu2\\n';; esac;;
+  "show node") for n in ${4//,/ }; do echo "NodeName=$n Arch=x86_64 NodeAddr=10.1.0.${n: -1} NodeHostName=$n"; done;;
+esac
+""")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    from launch.slurm import allocation_nodes
+    het = {"SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu1", "SLURM_JOB_NODELIST_HET_GROUP_1": "cpu[1-2]"}
+    assert allocation_nodes(het) == [Node("gpu1", "10.1.0.1", 0), Node("cpu1", "10.1.0.1", 1),
+                                     Node("cpu2", "10.1.0.2", 1)]
+    assert allocation_nodes({"SLURM_JOB_NODELIST": "cpu[1-2]"}) == [Node("cpu1", "10.1.0.1"), Node("cpu2", "10.1.0.2")]
+    with pytest.raises(RuntimeError, match="needs a Slurm allocation"):
+        allocation_nodes({})
+    cfg = _run_cfg("local.actors=2", "slurm.nodes=3", "slurm.rollout.separate=true", "slurm.env_server.cpus=3")
+    nodes = allocation_nodes(het)
+    roles = allocation_roles(cfg, nodes, [], False)
+    with pytest.raises(RuntimeError, match="reserve 3 CPUs .* holds 2 there"):
+        check_cpus(roles, cfg.slurm, nodes, {"SLURM_JOB_CPUS_PER_NODE_HET_GROUP_0": "8",
+                                             "SLURM_JOB_CPUS_PER_NODE_HET_GROUP_1": "2(x2)"})
+
+
+def test_allocation_roles_wire_addresses_and_learner_ranks():
+    cfg = _run_cfg("local.actors=3", "local.learner_ranks=4", "slurm.nodes=4", "slurm.learner_nodes=2")
+    nodes = [Node(f"n{i}", f"10.0.0.{i}") for i in range(4)]
+    roles = {r.label: r for r in allocation_roles(cfg, nodes, ["--config", "c.yaml"], resume=True)}
+    assert list(roles) == ["broker-0", "env_server-0", "env_server-1", "learner-0", "actor-0", "actor-1", "actor-2"]
+    learner = roles["learner-0"]
+    assert [n.name for n in learner.nodes] == ["n0", "n1"] and learner.tasks == 4
+    assert learner.env == {"MASTER_ADDR": "10.0.0.0", "MASTER_PORT": str(cfg.local.learner_dist_port)}
+    assert "--ranks-from-slurm" in learner.args and "--resume" in learner.args
+    assert "env_server.host=10.0.0.3" in roles["env_server-1"].args and roles["env_server-1"].ready[0] == "10.0.0.3"
+    assert "actor.env_servers=['10.0.0.2:25558']" in roles["actor-2"].args
+    assert all("net.broker_host=10.0.0.0" in r.args and "weights.host=10.0.0.0" in r.args for r in roles.values())
+    from launch.slurm import srun_argv
+    assert srun_argv(learner, cfg.slurm)[:7] == ["srun", "--nodes=2", "--ntasks=4", "--nodelist=n0,n1",
+                                                 "--kill-on-bad-exit=1", "--job-name=learner-0", "--ntasks-per-node=2"]
+    for bad, match in [(("local.learner_ranks=2", "slurm.nodes=6"), "more than the run can use"),
+                       (("local.learner_ranks=3", "slurm.nodes=4"), "do not split evenly")]:
         with pytest.raises(ValueError, match=match):
-            bad.validate()
+            allocation_roles(_run_cfg("local.actors=3", "slurm.learner_nodes=2", *bad),
+                             [Node(f"n{i}", "a") for i in range(int(bad[-1].split("=")[1]))], [], False)
+
+
+def test_learner_ranks_come_from_the_slurm_step():
+    assert ranks_from_slurm({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}) == \
+        {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}
+    with pytest.raises(RuntimeError, match="SLURM_LOCALID"):
+        ranks_from_slurm({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
+
+
+def test_roles_reserving_more_cpus_than_the_job_holds_on_a_node_are_refused():
+    cfg = _run_cfg("local.actors=2", "slurm.nodes=2", "slurm.actor.cpus=3")
+    nodes = [Node("a", "a"), Node("b", "b")]
+    roles = allocation_roles(cfg, nodes, [], False)
+    check_cpus(roles, cfg.slurm, nodes, {"SLURM_JOB_CPUS_PER_NODE": "2,6"})  # both actors on b: 6 of 6
+    with pytest.raises(RuntimeError, match="reserve 6 CPUs .* holds 4 there"):
+        check_cpus(roles, cfg.slurm, nodes, {"SLURM_JOB_CPUS_PER_NODE": "4(x2)"})
+
+
+@pytest.mark.parametrize("args, match", [
+    (["slurm.nodes=5", "local.actors=2"], "more than the run can use"),
+    (["local.learner_ranks=3", "slurm.nodes=3", "slurm.learner_nodes=2"], "do not split evenly"),
+    (["env_server.backend=apptainer", "env_server.desktop.image=/nonexistent/desktop.sif"], "is not a file"),
+    (["slurm.nodes=0"], "must be >= 1"),
+])
+def test_bad_submissions_are_refused_before_anything_is_written(tmp_path, args, match):
+    r = CliRunner().invoke(main, ["slurm", "submit", "configs/local.yaml", *args, "--run-dir", str(tmp_path / "r")])
+    assert r.exit_code != 0 and match in r.output, r.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_submitting_without_sbatch_says_so_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no Slurm tools here
+    r = CliRunner().invoke(main, ["slurm", "submit", "configs/local.yaml", "--run-dir", str(tmp_path / "r")])
+    assert r.exit_code != 0 and "sbatch not found on PATH" in r.output, r.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_sbatchs_own_refusal_is_passed_on_with_context(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: nope' >&2\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    r = CliRunner().invoke(main, ["slurm", "submit", "configs/local.yaml", "slurm.partition=nope",
+                                  "--run-dir", str(tmp_path / "r")])
+    assert r.exit_code != 0, r.output
+    assert "sbatch refused the job (partition nope, 1 node(s)): sbatch: error: invalid partition specified" in r.output
 
 
 def _fake_tools(bin_dir: Path, log: Path) -> Path:
     """A stand-in for `computerrl run` (exits 75 on SIGTERM, as the supervisor does) and a recording scontrol."""
     bin_dir.mkdir()
     run = bin_dir / "fake-python"
-    run.write_text(f"#!/bin/bash\necho \"run $*\" >> {log}\nsleep 30 & pid=$!\n"
-                   f"trap 'kill $pid; echo stopped >> {log}; exit {EXIT_RESUMABLE}' TERM\nwait $pid\n")
+    # The trap comes first and the sleep holds no pipe: a notice at any moment ends it cleanly.
+    run.write_text(f"#!/bin/bash\ntrap 'kill $pid 2>/dev/null; echo stopped >> {log}; exit {EXIT_RESUMABLE}' TERM\n"
+                   f"sleep 30 >/dev/null 2>&1 & pid=$!\necho \"run $*\" >> {log}\nwait $pid\n")
     (bin_dir / "scontrol").write_text(f"#!/bin/bash\necho \"scontrol $*\" >> {log}\n")
     for f in bin_dir.iterdir():
         f.chmod(f.stat().st_mode | stat.S_IXUSR)
     return run
+
+
+def _job(script: Path, bin_dir: Path, log: Path, notice: int | None = 12) -> tuple[int, str]:
+    """Run the batch script as Slurm would; once the run started, send the batch shell ``notice``."""
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    starts = sum(line.startswith("run ") for line in log.read_text().splitlines()) if log.exists() else 0
+    job = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 10
+    while not (log.exists() and sum(line.startswith("run ") for line in log.read_text().splitlines()) > starts):
+        assert time.monotonic() < deadline, "the run never started"
+        time.sleep(0.05)
+    job.send_signal(notice)
+    out, _ = job.communicate(timeout=20)
+    return job.returncode, out
 
 
 @pytest.mark.parametrize("requeue", [True, False])
@@ -57,65 +228,144 @@ def test_a_preemption_notice_stops_the_run_resumably_and_requeues_the_job(tmp_pa
     python = _fake_tools(tmp_path / "bin", log)
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "slurm").mkdir()
+    cfg = _run_cfg(f"slurm.python={python}", f"slurm.requeue={requeue}", "slurm.max_requeues=2")
     script = tmp_path / "job.sbatch"
-    script.write_text(render_script(SlurmConfig(python=str(python), requeue=requeue), run_dir, run_dir / "config.yaml"))
-    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
-    job = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 10
-    while not (log.exists() and log.read_text().startswith("run ")):
-        assert time.monotonic() < deadline, "the run never started"
-        time.sleep(0.05)
-    job.send_signal(12)  # SIGUSR2: Slurm's notice before the time limit (--signal=B:USR2@grace)
-    out, _ = job.communicate(timeout=20)
+    script.write_text(render_script(cfg, run_dir, run_dir / "config.yaml"))
+    rc, out = _job(script, tmp_path / "bin", log, notice=12)  # SIGUSR2: Slurm's notice before the time limit
     calls = log.read_text().splitlines()
-    assert job.returncode == EXIT_RESUMABLE, out
-    assert calls[0].startswith(f"run -m launch.cli run {run_dir / 'config.yaml'} --run-dir {run_dir}")
+    assert rc == EXIT_RESUMABLE, out
+    assert calls[0].startswith(f"run -m launch.cli run {run_dir / 'config.yaml'} --run-dir {run_dir} --srun")
     assert "--resume" not in calls[0], "no checkpoint yet: a fresh start"
     assert calls[1] == "stopped", "the run got the notice (it checkpoints and stops)"
     assert (calls[2:] == ["scontrol requeue 4242"]) == requeue, calls
-    # The next attempt, with a checkpoint on disk, resumes.
+    # The next attempts, with a checkpoint on disk, resume; a preemption's SIGTERM is a notice too.
     (run_dir / "checkpoints" / "latest").write_text("step-00000002")
-    job = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, text=True)
-    while sum(line.startswith("run ") for line in log.read_text().splitlines()) < 2:
-        time.sleep(0.05)
-    job.terminate()  # a preemption's SIGTERM is a notice too
-    job.communicate(timeout=20)
-    assert log.read_text().splitlines()[-1 if not requeue else -2] == "stopped"
-    assert "--resume" in [c for c in log.read_text().splitlines() if c.startswith("run ")][1]
+    for _ in range(2):
+        rc, out = _job(script, tmp_path / "bin", log, notice=15)
+    calls = log.read_text().splitlines()
+    assert all("--resume" in c for c in [c for c in calls if c.startswith("run ")][1:])
+    if requeue:
+        assert sum(c == "scontrol requeue 4242" for c in calls) == 2, "slurm.max_requeues caps the requeues"
+        assert (run_dir / "slurm" / "requeues").read_text().strip() == "2"
+        assert "not requeued: 2 requeues already" in out
+    else:
+        assert not any(c.startswith("scontrol") for c in calls)
+
+
+def test_a_cancelled_run_stops_cleanly_and_is_not_requeued(tmp_path):
+    log = tmp_path / "calls.log"
+    python = _fake_tools(tmp_path / "bin", log)
+    run_dir = tmp_path / "run"
+    (run_dir / "slurm").mkdir(parents=True)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_script(_run_cfg(f"slurm.python={python}"), run_dir, run_dir / "config.yaml"))
+    job_files(run_dir)["cancelled"].write_text("1\n")  # what `computerrl slurm cancel` leaves before signalling
+    rc, out = _job(script, tmp_path / "bin", log, notice=15)
+    assert rc == 0 and "cancelled (computerrl slurm cancel)" in out, out
+    assert log.read_text().splitlines()[1:] == ["stopped"], "the run stopped; nothing requeued"
+
+
+def _submit(cluster, run_dir: Path, *overrides: str) -> str:
+    """Submit a small run spread over the test cluster's three nodes (CURVE on, as across real nodes)."""
+    args = [f"net.broker_front_port={free_port()}", f"net.broker_back_port={free_port()}",
+            f"net.broker_control_port={free_port()}", f"env_server.port={free_port()}", f"weights.port={free_port()}",
+            f"local.learner_dist_port={free_port()}", "net.curve=on", "slurm.nodes=3", "local.actors=2",
+            "weights.join_window_s=0.5", "local.eval_episodes=0", "learner.checkpoint_every=1",
+            "slurm.signal_grace_s=60", "slurm.time=00:30:00", *overrides]
+    out = _cli(cluster, "slurm", "submit", "configs/local.yaml", *args, "--run-dir", str(run_dir))
+    return out.split("submitted job ")[1].split(";")[0]
+
+
+def _cli(cluster, *argv: str, check: bool = True) -> str:
+    out = subprocess.run([sys.executable, "-m", "launch.cli", *argv], cwd=REPO, capture_output=True, text=True,
+                         env={**cluster.env, "PYTHONPATH": str(REPO)}, timeout=900)
+    assert out.returncode == 0 or not check, out.stdout + out.stderr
+    return out.stdout
+
+
+def _learner_steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics" / "learner.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def _wait(cluster, job: str, what, deadline: float, message: str) -> None:
+    while not what():
+        assert time.monotonic() < deadline, f"{message}:\n{cluster.log_tail()}"
+        time.sleep(1)
+
+
+def _audited(cluster, run_dir: Path) -> dict:
+    result = json.loads(_cli(cluster, "audit", str(run_dir), "--json"))
+    assert result["lost"] == 0 and result["trained_twice"] == 0, result
+    return result
 
 
 @pytest.mark.slow
-def test_a_run_preempted_on_a_real_slurm_resumes_in_its_next_attempt_and_loses_nothing(slurm_cluster, tmp_path):
+def test_a_run_over_three_nodes_preempted_on_a_real_slurm_resumes_in_its_next_attempt_and_loses_nothing(
+        slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
-    env_port = free_port()
-    overrides = [f"net.broker_front_port={free_port()}", f"net.broker_back_port={free_port()}",
-                 f"net.broker_control_port={free_port()}", f"env_server.port={env_port}",
-                 f"actor.env_servers=['127.0.0.1:{env_port}']", f"weights.port={free_port()}",
-                 "weights.join_window_s=0.5", "local.eval_episodes=0", "learner.total_steps=6",
-                 "learner.checkpoint_every=1", "slurm.signal_grace_s=60", "slurm.time=00:30:00"]
-    env = {**slurm_cluster.env, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "launch.cli", "slurm", "submit", "configs/local.yaml", *overrides,
-                          "--run-dir", str(run_dir)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
-    job = out.stdout.split("submitted job ")[1].split(";")[0]
-    metrics = run_dir / "metrics" / "learner.jsonl"
-    deadline = time.monotonic() + 600
+    t_submit = time.monotonic()
+    job = _submit(slurm_cluster, run_dir, "learner.total_steps=6")
+    deadline = t_submit + 900
     try:
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-            assert time.monotonic() < deadline and slurm_cluster.job_state(job), "the job never trained"
-            time.sleep(1)
+        _wait(slurm_cluster, job, lambda: _learner_steps(run_dir), deadline, "the job never trained")
+        t_first_step = time.monotonic()
+        _wait(slurm_cluster, job, lambda: len(_learner_steps(run_dir)) >= 2, deadline, "no second step")
+        step_at_notice = _learner_steps(run_dir)[-1]["step"]
+        t_notice = time.monotonic()
         slurm_cluster.run("scancel", "--batch", "--signal=USR2", job)  # what a preemption notice does
-        while slurm_cluster.job_state(job):  # requeued (Slurm holds a requeued job ~2 min), then run again
-            assert time.monotonic() < deadline, f"the job did not finish:\n{slurm_cluster.log_tail()}"
-            time.sleep(2)
+        _wait(slurm_cluster, job, lambda: any(r["step"] > step_at_notice + 1 for r in _learner_steps(run_dir)),
+              deadline, "the requeued attempt never trained")
+        t_resumed = time.monotonic()
+        _wait(slurm_cluster, job, lambda: not slurm_cluster.job_state(job), deadline, "the job did not finish")
     finally:
         slurm_cluster.run("scancel", job, check=False)
+    print(f"\nslurm timings: submit -> first learner step {t_first_step - t_submit:.0f} s; "
+          f"USR2 -> requeued attempt's first new step {t_resumed - t_notice:.0f} s")
     job_log = (run_dir / "logs" / f"slurm-{job}.out").read_text()
     assert "attempt 1" in job_log and f"requeueing job {job}" in job_log and "attempt 2" in job_log, job_log[-3000:]
     assert "outcome: finished" in job_log, job_log[-3000:]
     assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000006"
-    audit = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(run_dir), "--json"], cwd=REPO,
-                           env=env, capture_output=True, text=True, timeout=120)
-    result = json.loads(audit.stdout)
-    assert audit.returncode == 0 and result["lost"] == 0 and result["trained_twice"] == 0, result
+    assert (run_dir / "slurm" / "requeues").read_text().strip() == "1"
+    # Each role ran on its node (a stderr file per role, node, job and attempt), at that node's address.
+    logs = {p.name for p in (run_dir / "logs").glob("*.stderr")}
+    for attempt in (1, 2):
+        for label, node in (("broker-0", "cn1"), ("learner-0", "cn1"), ("env_server-0", "cn2"), ("actor-0", "cn2"),
+                            ("env_server-1", "cn3"), ("actor-1", "cn3")):
+            assert f"{label}@{node}.job{job}.attempt{attempt}.stderr" in logs, sorted(logs)
+    assert "host: 127.0.0.3" in (run_dir / "config.env_server-1.yaml").read_text()
+    assert "127.0.0.3:" in (run_dir / "config.actor-1.yaml").read_text()
+    ready = [json.loads(x) for x in (run_dir / "logs" / "broker-0.jsonl").read_text().splitlines()
+             if '"broker_ready"' in x]
+    assert len(ready) == 2 and all(r["curve"] for r in ready), ready
+    result = _audited(slurm_cluster, run_dir)
     assert result["learner_starts"] == 2, "the second attempt resumed the learner from its checkpoint"
+
+
+@pytest.mark.slow
+def test_status_and_cancel_on_a_live_job_then_resume(slurm_cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    job = _submit(slurm_cluster, run_dir, "learner.total_steps=3")
+    deadline = time.monotonic() + 900
+    try:
+        _wait(slurm_cluster, job, lambda: _learner_steps(run_dir), deadline, "the job never trained")
+        status = json.loads(_cli(slurm_cluster, "slurm", "status", str(run_dir), "--json"))
+        assert status["job"] == job and status["state"] == "RUNNING" and status["attempt"] == 1, status
+        assert status["learner"]["step"] >= 1 and status["checkpoint"].startswith("step-"), status
+        assert {"broker", "learner", "env_server-0", "env_server-1", "actor-0", "actor-1"} <= set(status["metrics"])
+        assert "stopped (the learner checkpointed" in _cli(slurm_cluster, "slurm", "cancel", str(run_dir))
+        assert not slurm_cluster.job_state(job), "a cancelled job is not requeued"
+        status = json.loads(_cli(slurm_cluster, "slurm", "status", str(run_dir), "--json"))
+        assert status["state"] == "COMPLETED" and status["cancelled"], status
+        job_log = (run_dir / "logs" / f"slurm-{job}.out").read_text()
+        assert "cancelled (computerrl slurm cancel)" in job_log and "requeueing" not in job_log, job_log[-2000:]
+        resumed = _cli(slurm_cluster, "slurm", "resume", str(run_dir)).split("submitted job ")[1].split(";")[0]
+        assert resumed != job
+        _wait(slurm_cluster, resumed, lambda: not slurm_cluster.job_state(resumed), deadline,
+              "the resumed job did not finish")
+    finally:
+        slurm_cluster.run("scancel", job, check=False)
+    assert "outcome: finished" in (run_dir / "logs" / f"slurm-{resumed}.out").read_text()
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000003"
+    assert _audited(slurm_cluster, run_dir)["learner_starts"] == 2
