@@ -415,7 +415,7 @@ def job_state(job: str) -> dict[str, str]:
         return {"state": state, "elapsed": elapsed, "time_limit": limit, "nodes_or_reason": where, "source": "squeue"}
     out = subprocess.run([require_tool("scontrol"), "show", "job", "-o", job], capture_output=True, text=True)
     if out.returncode == 0 and "JobState=" in out.stdout:
-        f = dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+        f = dict(re.findall(r"(\w+)=(\S*)", out.stdout.strip().splitlines()[0]))  # the first component
         return {"state": f.get("JobState", ""), "elapsed": f.get("RunTime", ""), "exit_code": f.get("ExitCode", ""),
                 "source": "scontrol"}
     if shutil.which("sacct"):

@@ -346,7 +346,8 @@ def test_a_run_over_three_nodes_preempted_on_a_real_slurm_resumes_in_its_next_at
 @pytest.mark.slow
 def test_status_and_cancel_on_a_live_job_then_resume(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
-    job = _submit(slurm_cluster, run_dir, "learner.total_steps=3")
+    # Two heterogeneous components: broker and learner on cn1, the env_servers and actors on cn2 and cn3.
+    job = _submit(slurm_cluster, run_dir, "learner.total_steps=3", "slurm.rollout.separate=true")
     deadline = time.monotonic() + 900
     try:
         _wait(slurm_cluster, job, lambda: _learner_steps(run_dir), deadline, "the job never trained")
@@ -354,6 +355,7 @@ def test_status_and_cancel_on_a_live_job_then_resume(slurm_cluster, tmp_path):
         assert status["job"] == job and status["state"] == "RUNNING" and status["attempt"] == 1, status
         assert status["learner"]["step"] >= 1 and status["checkpoint"].startswith("step-"), status
         assert {"broker", "learner", "env_server-0", "env_server-1", "actor-0", "actor-1"} <= set(status["metrics"])
+        assert any(p.name.startswith("actor-1@cn3.") for p in (run_dir / "logs").glob("*.stderr"))
         assert "stopped (the learner checkpointed" in _cli(slurm_cluster, "slurm", "cancel", str(run_dir))
         assert not slurm_cluster.job_state(job), "a cancelled job is not requeued"
         status = json.loads(_cli(slurm_cluster, "slurm", "status", str(run_dir), "--json"))
