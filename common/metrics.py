@@ -3,9 +3,28 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Sequence
+
+
+def last_record(path: Path, max_bytes: int = 65536) -> dict | None:
+    """The newest whole JSON record of a metrics file (read from its end), or None."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            tail = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(tail):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
 
 
 class MetricsWriter:

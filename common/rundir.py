@@ -61,6 +61,11 @@ class RunDir:
     def curve_png(self) -> Path:
         return self.root / "learning_curve.png"
 
+    def latest_checkpoint(self) -> str:
+        """The name of the newest checkpoint (``step-N``), as the learner's ``latest`` pointer says; "" if none."""
+        pointer = self.checkpoints / "latest"
+        return pointer.read_text().strip() if pointer.exists() else ""
+
 
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]

@@ -27,12 +27,12 @@ case "${1:-}" in
         echo "[bootstrap] real-desktop packages missing and not root: those tests will skip (sudo bash launch/desktop-packages.sh)" >&2
       fi
     fi
-    # The Slurm tests run a one-node cluster of their own: Slurm and munge, where we can install them.
+    # The Slurm tests run a cluster of their own (three slurmds on this machine): Slurm and munge, where we can install them.
     if ! command -v slurmctld >/dev/null && [ ! -x /usr/sbin/slurmctld ]; then
       if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
         bash launch/slurm-packages.sh
       else
-        echo "[bootstrap] Slurm missing and not root: the Slurm cluster test will skip (sudo bash launch/slurm-packages.sh)" >&2
+        echo "[bootstrap] Slurm missing and not root: the Slurm cluster tests will skip (sudo bash launch/slurm-packages.sh)" >&2
       fi
     fi
     set +e

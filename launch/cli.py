@@ -96,7 +96,8 @@ def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[s
 @role_options
 @click.option("--resume", is_flag=True, help="continue from the run directory's latest checkpoint")
 @click.option("--ranks-from-slurm", is_flag=True,
-              help="take RANK, WORLD_SIZE, LOCAL_RANK from SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID (srun, a task per rank)")
+              help="take RANK, WORLD_SIZE, LOCAL_RANK from SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID "
+                   "(srun, a task per rank)")
 def learner(config: str | None, run_dir: str | None, resume: bool, ranks_from_slurm: bool,
             overrides: tuple[str, ...]) -> None:
     """Run the learner: batches from the broker, training steps, weights to the actors, checkpoints.
@@ -256,7 +257,7 @@ def slurm_resume(run_dir: str) -> None:
         state = S.job_state(job).get("state", "")
     except RuntimeError:
         job, state = "", ""
-    if state in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED"):
+    if state in S.WAITING_STATES + S.RUNNING_STATES:
         raise click.ClickException(f"job {job} of this run is still {state.lower()}: one job per run directory")
     _submit_job(root, "resubmitting the run's script")
 
@@ -277,8 +278,8 @@ def slurm_status(run_dir: str, as_json: bool) -> None:
         return
     metrics = status.pop("metrics")
     _emit(status, False)
-    for name, line in metrics.items():
-        click.echo(f"{name:>24}: {line}")
+    for name, record in metrics.items():
+        click.echo(f"{name:>24}: {json.dumps(record)[:300]}")
 
 
 @slurm.command("cancel")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common.exitcodes import EXIT_RESUMABLE
+from common.metrics import last_record
 from common.rundir import RunDir
 from launch.placement import Role, local_roles
 
@@ -326,15 +327,15 @@ class Supervisor:
             except (ValueError, IndexError, KeyError):
                 self._event(f"held-out eval at step {self.eval_step} failed (see {out})")
             self.eval_proc = None
-        pointer = self.run_dir.checkpoints / "latest"
         if self.stopping and not final:
             return
+        latest = self.run_dir.latest_checkpoint()
         if self.start_policy is not None and self.eval_step < 0:
             ckpt, step = self.start_policy, 0
-        elif not pointer.exists():
+        elif not latest:
             return
         else:
-            ckpt = self.run_dir.checkpoints / pointer.read_text().strip()
+            ckpt = self.run_dir.checkpoints / latest
             try:
                 step = int(ckpt.name.split("-")[-1])
             except ValueError:
@@ -379,23 +380,6 @@ class Supervisor:
         self.out.flush()
 
 
-def _last_record(path: Path, max_bytes: int = 65536) -> dict | None:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            tail = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(tail):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
-    return None
-
-
 def _fmt(x: Any, nd: int = 2) -> str:
     if x is None:
         return "-"
@@ -410,10 +394,10 @@ def _total(records: list[dict], key: str) -> float:
 
 def render_view(run_dir: RunDir, cfg: Any, elapsed: float, roles: dict[str, tuple[bool, int]]) -> list[str]:
     m = run_dir.metrics
-    lr = _last_record(m / "learner.jsonl") or {}
-    br = _last_record(m / "broker.jsonl") or {}
-    servers = [e for e in (_last_record(p) for p in sorted(m.glob("env_server-*.jsonl"))) if e]
-    actors = [a for a in (_last_record(p) for p in sorted(m.glob("actor-*.jsonl"))) if a]
+    lr = last_record(m / "learner.jsonl") or {}
+    br = last_record(m / "broker.jsonl") or {}
+    servers = [e for e in (last_record(p) for p in sorted(m.glob("env_server-*.jsonl"))) if e]
+    actors = [a for a in (last_record(p) for p in sorted(m.glob("actor-*.jsonl"))) if a]
     step = lr.get("step", 0)
     total = cfg.learner.total_steps
     eta = "-"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs Slurm (slurmctld, slurmd, the client commands) and munge, for the tests' own one-node cluster
+# Installs Slurm (slurmctld, slurmd, the client commands) and munge, for the tests' own cluster
 # (tests/slurm_cluster.py). Not needed to submit runs: a Slurm login node has its own.
 set -euo pipefail
 SUDO=""

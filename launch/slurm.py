@@ -24,7 +24,6 @@ Preemption and time limits follow Slurm's conventions:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -37,11 +36,16 @@ from pathlib import Path
 from typing import Any
 
 from common.exitcodes import EXIT_RESUMABLE
+from common.metrics import last_record
+from common.rundir import RunDir
 from launch.placement import Node, Role, allocation_roles, check_shape
 
 REPO = Path(__file__).resolve().parents[1]
 # File systems that live on one node: a run directory there is invisible to the job's other nodes.
 NODE_LOCAL_FS = {"ext2/ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlayfs", "zfs", "ramfs", "squashfs"}
+# Job states in which the job holds (or waits for) an allocation: one job per run directory at a time.
+WAITING_STATES = ("PENDING", "REQUEUED", "CONFIGURING", "SUSPENDED")
+RUNNING_STATES = ("RUNNING", "COMPLETING")
 
 
 @dataclass
@@ -49,7 +53,7 @@ class SrunConfig:
     """The job step one role runs in."""
 
     cpus: int = 0
-    """CPUs reserved per task (srun --exact --cpus-per-task); 0 = share the node's CPUs with its other roles (--overlap)"""
+    """CPUs reserved per task (srun --exact --cpus-per-task); 0 = share the node's CPUs (--overlap)"""
     gpus: int = 0
     """GPUs per task (srun --gpus-per-task); the job must hold them (gres)"""
     mem: str = ""
@@ -181,10 +185,10 @@ def _q(value: Any) -> str:
 # ----- the batch script ------------------------------------------------------------------------------------------
 
 
-def srun_argv(role: Role, cfg: SlurmConfig, srun: str = "srun") -> list[str]:
+def srun_argv(role: Role, cfg: SlurmConfig) -> list[str]:
     """The ``srun`` that starts ``role`` on its node(s), a task per process (the learner: per rank)."""
     n = len(role.nodes)
-    argv = [srun, f"--nodes={n}", f"--ntasks={role.tasks}", f"--nodelist={','.join(x.name for x in role.nodes)}",
+    argv = ["srun", f"--nodes={n}", f"--ntasks={role.tasks}", f"--nodelist={','.join(x.name for x in role.nodes)}",
             "--kill-on-bad-exit=1", f"--job-name={role.label}"]
     if n > 1:
         argv.append(f"--ntasks-per-node={role.tasks // n}")
@@ -273,7 +277,8 @@ def render_script(run_cfg: Any, run_dir: Path, config_path: Path) -> str:
         "  kill -0 $child 2>/dev/null || { wait $child; rc=$?; break; }",
         "done",
         f"if [ -e {_q(files['cancelled'])} ]; then",
-        f"  echo \"[computerrl] cancelled (computerrl slurm cancel); continue with: computerrl slurm resume {run_dir}\"",
+        f"  echo \"[computerrl] cancelled (computerrl slurm cancel); continue with: computerrl slurm resume"
+        f" {run_dir}\"",
         f"  [ $rc -eq {EXIT_RESUMABLE} ] && rc=0  # stopped as asked, state saved",
         f"elif [ $rc -eq {EXIT_RESUMABLE} ] && [ $stopping -eq 1 ]; then",
         *requeue,
@@ -428,14 +433,6 @@ def job_state(job: str) -> dict[str, str]:
     return {}
 
 
-def _last_line(path: Path, max_bytes: int = 65536) -> str:
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        f.seek(max(0, f.tell() - max_bytes))
-        lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
-    return lines[-1] if lines else ""
-
-
 def job_status(run_root: Path) -> dict[str, Any]:
     """What ``computerrl slurm status`` shows: the job, its attempt, the learner's progress, each role's last
     metrics line."""
@@ -449,16 +446,12 @@ def job_status(run_root: Path) -> dict[str, Any]:
     status["attempt"] = int(attempts[-1]) if attempts else 0
     status["requeues"] = int(files["requeues"].read_text().strip() or 0) if files["requeues"].exists() else 0
     status["cancelled"] = files["cancelled"].exists()
-    latest = run_root / "checkpoints" / "latest"
-    status["checkpoint"] = latest.read_text().strip() if latest.exists() else ""
-    learner = run_root / "metrics" / "learner.jsonl"
-    if learner.exists():
-        try:
-            record = json.loads(_last_line(learner) or "{}")
-            status["learner"] = {k: record.get(k) for k in ("step", "version", "phase", "success_rate", "loss")}
-        except ValueError:
-            pass
-    status["metrics"] = {p.stem: _last_line(p)[:400] for p in sorted((run_root / "metrics").glob("*.jsonl"))}
+    rd = RunDir(run_root)
+    status["checkpoint"] = rd.latest_checkpoint()
+    learner = last_record(rd.metrics / "learner.jsonl")
+    if learner is not None:
+        status["learner"] = {k: learner.get(k) for k in ("step", "version", "phase", "success_rate", "loss")}
+    status["metrics"] = {p.stem: last_record(p) for p in sorted(rd.metrics.glob("*.jsonl"))}
     return status
 
 
@@ -471,21 +464,17 @@ def cancel(run_root: Path, timeout_s: float) -> str:
     job_files(run_root)["cancelled"].write_text(f"{time.time():.0f}\n")
     state = job_state(job).get("state", "")
     scancel = require_tool("scancel")
-    if state in ("RUNNING", "COMPLETING"):
+    if state in RUNNING_STATES:
         subprocess.run([scancel, "--batch", "--signal=TERM", job], check=True, capture_output=True)
         deadline = time.monotonic() + timeout_s
-        while job_state(job).get("state", "") in ("RUNNING", "COMPLETING"):
+        while job_state(job).get("state", "") in RUNNING_STATES:
             if time.monotonic() > deadline:
                 subprocess.run([scancel, job], capture_output=True)
                 return f"job {job} did not stop within {timeout_s:.0f} s: cancelled outright"
             time.sleep(1)
-        return f"job {job} stopped (the learner checkpointed: {_checkpoint(run_root)})"
-    if state in ("PENDING", "REQUEUED", "CONFIGURING", "SUSPENDED"):
+        return f"job {job} stopped (the learner checkpointed: {RunDir(run_root).latest_checkpoint() or 'none yet'})"
+    if state in WAITING_STATES:
         subprocess.run([scancel, job], check=True, capture_output=True)
         return f"job {job} was {state.lower()}: removed from the queue"
     return f"job {job} is not running ({state or 'unknown to Slurm'}): nothing to stop"
 
-
-def _checkpoint(run_root: Path) -> str:
-    latest = run_root / "checkpoints" / "latest"
-    return latest.read_text().strip() if latest.exists() else "none yet"

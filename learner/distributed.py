@@ -3,9 +3,9 @@
 Launch every rank with the usual torch.distributed variables (``torchrun --nproc-per-node N computerrl
 learner ...`` sets them; so does ``computerrl run`` with ``local.learner_ranks: N``): ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``. Under ``srun`` (one task per rank),
-``--ranks-from-slurm`` takes the first three from ``SLURM_PROCID``, ``SLURM_NTASKS`` and ``SLURM_LOCALID``. Rank 0 is the learner the rest of the
-system sees: it holds the broker link, decides every step (RL batch, SFT batch, empty step, checkpoint,
-stop), sends the step's input to the other ranks as msgpack frames over a gloo group (``JobChannel``), and
+``--ranks-from-slurm`` takes the first three from ``SLURM_PROCID``, ``SLURM_NTASKS`` and ``SLURM_LOCALID``.
+Rank 0 is the learner the rest of the system sees: it holds the broker link, decides every step (RL batch,
+SFT batch, empty step, checkpoint, stop), sends the step's input to the other ranks as msgpack frames over a gloo group (``JobChannel``), and
 broadcasts the gathered full weights to the actors. Every rank then runs the same step on its share of the
 samples; FSDP2 all-gathers parameters and reduce-scatters gradients, so all ranks end every step with the
 same (sharded) weights and the same version.

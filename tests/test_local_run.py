@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from common.exitcodes import EXIT_RESUMABLE
-
 from common.net import free_port
 from tests.conftest import REPO
 

@@ -112,7 +112,8 @@ esac
     (bin_dir / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     from launch.slurm import allocation_nodes
-    het = {"SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu1", "SLURM_JOB_NODELIST_HET_GROUP_1": "cpu[1-2]"}
+    het = {"SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu1",
+           "SLURM_JOB_NODELIST_HET_GROUP_1": "cpu[1-2]"}
     assert allocation_nodes(het) == [Node("gpu1", "10.1.0.1", 0), Node("cpu1", "10.1.0.1", 1),
                                      Node("cpu2", "10.1.0.2", 1)]
     assert allocation_nodes({"SLURM_JOB_NODELIST": "cpu[1-2]"}) == [Node("cpu1", "10.1.0.1"), Node("cpu2", "10.1.0.2")]
@@ -289,7 +290,7 @@ def _learner_steps(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
-def _wait(cluster, job: str, what, deadline: float, message: str) -> None:
+def _wait(cluster, what, deadline: float, message: str) -> None:
     while not what():
         assert time.monotonic() < deadline, f"{message}:\n{cluster.log_tail()}"
         time.sleep(1)
@@ -309,16 +310,16 @@ def test_a_run_over_three_nodes_preempted_on_a_real_slurm_resumes_in_its_next_at
     job = _submit(slurm_cluster, run_dir, "learner.total_steps=6")
     deadline = t_submit + 900
     try:
-        _wait(slurm_cluster, job, lambda: _learner_steps(run_dir), deadline, "the job never trained")
+        _wait(slurm_cluster, lambda: _learner_steps(run_dir), deadline, "the job never trained")
         t_first_step = time.monotonic()
-        _wait(slurm_cluster, job, lambda: len(_learner_steps(run_dir)) >= 2, deadline, "no second step")
+        _wait(slurm_cluster, lambda: len(_learner_steps(run_dir)) >= 2, deadline, "no second step")
         step_at_notice = _learner_steps(run_dir)[-1]["step"]
         t_notice = time.monotonic()
         slurm_cluster.run("scancel", "--batch", "--signal=USR2", job)  # what a preemption notice does
-        _wait(slurm_cluster, job, lambda: any(r["step"] > step_at_notice + 1 for r in _learner_steps(run_dir)),
+        _wait(slurm_cluster, lambda: any(r["step"] > step_at_notice + 1 for r in _learner_steps(run_dir)),
               deadline, "the requeued attempt never trained")
         t_resumed = time.monotonic()
-        _wait(slurm_cluster, job, lambda: not slurm_cluster.job_state(job), deadline, "the job did not finish")
+        _wait(slurm_cluster, lambda: not slurm_cluster.job_state(job), deadline, "the job did not finish")
     finally:
         slurm_cluster.run("scancel", job, check=False)
     print(f"\nslurm timings: submit -> first learner step {t_first_step - t_submit:.0f} s; "
@@ -350,7 +351,7 @@ def test_status_and_cancel_on_a_live_job_then_resume(slurm_cluster, tmp_path):
     job = _submit(slurm_cluster, run_dir, "learner.total_steps=3", "slurm.rollout.separate=true")
     deadline = time.monotonic() + 900
     try:
-        _wait(slurm_cluster, job, lambda: _learner_steps(run_dir), deadline, "the job never trained")
+        _wait(slurm_cluster, lambda: _learner_steps(run_dir), deadline, "the job never trained")
         status = json.loads(_cli(slurm_cluster, "slurm", "status", str(run_dir), "--json"))
         assert status["job"] == job and status["state"] == "RUNNING" and status["attempt"] == 1, status
         assert status["learner"]["step"] >= 1 and status["checkpoint"].startswith("step-"), status
@@ -364,7 +365,7 @@ def test_status_and_cancel_on_a_live_job_then_resume(slurm_cluster, tmp_path):
         assert "cancelled (computerrl slurm cancel)" in job_log and "requeueing" not in job_log, job_log[-2000:]
         resumed = _cli(slurm_cluster, "slurm", "resume", str(run_dir)).split("submitted job ")[1].split(";")[0]
         assert resumed != job
-        _wait(slurm_cluster, resumed, lambda: not slurm_cluster.job_state(resumed), deadline,
+        _wait(slurm_cluster, lambda: not slurm_cluster.job_state(resumed), deadline,
               "the resumed job did not finish")
     finally:
         slurm_cluster.run("scancel", job, check=False)
