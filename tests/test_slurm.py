@@ -372,3 +372,26 @@ def test_status_and_cancel_on_a_live_job_then_resume(slurm_cluster, tmp_path):
     assert "outcome: finished" in (run_dir / "logs" / f"slurm-{resumed}.out").read_text()
     assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000003"
     assert _audited(slurm_cluster, run_dir)["learner_starts"] == 2
+
+
+@pytest.mark.slow
+def test_two_learner_ranks_on_two_nodes_train_as_one_learner(slurm_cluster, tmp_path):
+    """One learner step of two tasks over cn1 and cn2 (RANK from SLURM_PROCID, MASTER_ADDR the first node, gloo),
+    the actor on cn3: the run trains with both ranks and finishes."""
+    run_dir = tmp_path / "run"
+    job = _submit(slurm_cluster, run_dir, "learner.total_steps=2", "local.learner_ranks=2", "slurm.learner_nodes=2",
+                  "local.actors=1", "learner.advantage.drop_zero_variance=false")
+    try:
+        _wait(slurm_cluster, lambda: not slurm_cluster.job_state(job), time.monotonic() + 900,
+              "the job did not finish")
+    finally:
+        slurm_cluster.run("scancel", job, check=False)
+    job_log = (run_dir / "logs" / f"slurm-{job}.out").read_text()
+    assert "outcome: finished" in job_log, job_log[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000002"
+    logs = {p.name for p in (run_dir / "logs").glob("*.stderr")}
+    assert f"learner-0@cn1+cn2.job{job}.attempt1.stderr" in logs and f"actor-0@cn3.job{job}.attempt1.stderr" in logs
+    assert (run_dir / "logs" / "learner-0.jsonl").read_text().count('"train_step"') >= 2
+    # Rank 1 (on cn2) joined rank 0's process group — or rank 0 could not have started — followed every step,
+    # and left when rank 0 said stop.
+    assert '"learner_rank_stopping"' in (run_dir / "logs" / "learner-1.jsonl").read_text()
