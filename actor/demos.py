@@ -21,11 +21,11 @@ ROUTES = ("api", "gui", "mixed")
 
 class OraclePolicy:
     """The task's scripted solver as a policy: reads the live sim desktop, answers with its next action (as the
-    ids the tokenizer gives it plus the end token); None once the script is over. Keeps what it saw."""
+    ids the tokenizer gives it plus the token that ends a turn); None once the script is over. Keeps what it saw."""
 
     def __init__(self, backend: Any, tokenizer: Any, route: str, demo: Any, rng: random.Random):
         self.backend, self.tok, self.route, self.demo, self.rng = backend, tokenizer, route, demo, rng
-        self.end = tokenizer.special("<|end|>")
+        self.end = tokenizer.eos_id
         self.actions = None
         self.seen: list[tuple[dict, str]] = []  # (observation, action) per turn
 

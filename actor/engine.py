@@ -226,7 +226,7 @@ class HFEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         gens = [Generation([], [], [], "length") for _ in range(n)]
         done = [False] * n
-        eos = self.tokenizer.eos_id
+        stops = self.tokenizer.stop_ids
         tails = [""] * n
         with torch.no_grad():
             res = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
@@ -245,7 +245,7 @@ class HFEngine:
                     g.token_ids.append(tok_list[r])
                     g.logprobs.append(lp_list[r])
                     g.versions.append(self.version)
-                    if tok_list[r] == eos:
+                    if tok_list[r] in stops:
                         done[r], g.finish = True, "eos"
                     elif params.stop:
                         tails[r] = (tails[r] + self.tokenizer.decode([tok_list[r]]))[-256:]
@@ -264,7 +264,7 @@ class HFEngine:
                                  past_key_values=cache, use_cache=True)
                 cache, logits = res.past_key_values, res.logits[:, -1, :vocab]
         for g in gens:
-            g.text = self.tokenizer.decode([t for t in g.token_ids if t != eos])
+            g.text = self.tokenizer.decode([t for t in g.token_ids if t not in stops])
         st = self.stats
         st.generated_tokens += sum(len(g.token_ids) for g in gens)
         st.prompt_tokens += sum(len(p) for p in prompts)

@@ -1,21 +1,40 @@
-"""Prompts as token ids, assembled from segments that are each tokenized once.
+"""Prompts as token ids: what an episode says (this conversation) and how a model reads it (a renderer).
 
-Layout of turn t (role tokens are special ids, never text)::
+The conversation of turn t::
 
-    <|system|> rules and GUI actions <|end|>
-    <|user|> Task: instruction <|end|>
+    system: rules and GUI actions                      (style "full" only)
+    user: Task: instruction
     for each of the last ``history_turns`` turns:
-        <|user|> Step k. <|end|> <|assistant|> sampled ids <|end|> <|user|> Result: ... <|end|>
-    <|user|> Step t. observation text, focused app's API <|end|> <|assistant|>
+        user: Step k.    assistant: its sampled ids, verbatim    user: Result: ...
+    user: Step t. observation text, focused app's API
+    (assistant: the generation prompt)
 
-Past turns keep the exact ids the engine sampled (never re-tokenized) and show only their result, so a
-prompt grows by a few dozen tokens per turn; the current observation is shown in full. Over
-``max_prompt_tokens``, the oldest history goes first, then the observation text is shortened.
+Past turns keep the exact ids the engine sampled (never re-tokenized) and show only their result, so a prompt grows
+by a few dozen tokens per turn; the current observation is shown in full. Over ``max_prompt_tokens``, the oldest
+history goes first, then the observation text is shortened.
+
+Two renderers turn the conversation into ids (``prompt.format``):
+
+- ``roles``: our role tokens around each message (``<|user|> text <|end|>``), for the byte-level policies and
+  any tokenizer without a chat template (the role tokens are added to it).
+- ``chat_template``: the tokenizer's own chat template, as a pretrained instruct model was trained to read it. The
+  template renders the conversation as text with a marker in place of each past assistant turn; the text between
+  markers is tokenized (special tokens by name) and each marker is replaced by that turn's sampled ids. Where the
+  sampled ids end with a stop token and the template closes the turn with that same token, it is not added twice.
+  Consecutive messages of one role are joined with a blank line, as many templates require alternating roles.
+
+The ids this gives equal the template's own tokenization of the same conversation (with each assistant turn
+written as the decoded text of its ids) except where keeping sampled ids verbatim must differ, which is by design:
+a sampled token sequence that is not the tokenizer's canonical encoding of its text; a template that rewrites past
+assistant turns (Qwen3's strips earlier ``<think>`` reasoning: here the reasoning stays, as sampled); and a turn
+cut at ``max_new_tokens`` or a stop string, which the template's closing tokens follow. A trajectory records the
+prompt ids exactly as the engine was fed them, so the learner scores what was sampled from.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from common.tokenizer import Tokenizer
 from env_server.actions import gui_action_help
@@ -24,6 +43,7 @@ DEFAULT_RULES = ("You operate a computer desktop to complete the task. Each turn
                  "accessibility tree: [id] role \"name\" = value (states). Reply with exactly one action, "
                  "a single Python-style call, then stop. Target elements by name or id. Call done() when the "
                  "task is complete and fail() if it is impossible.")
+FORMATS = ("auto", "roles", "chat_template")
 
 
 @dataclass
@@ -32,6 +52,10 @@ class PromptConfig:
 
     style: str = "full"
     """full: rules, GUI action list and the focused app's API | minimal: instruction and screen only"""
+    format: str = "auto"
+    """auto (the tokenizer's chat template when it has one, else roles) | roles | chat_template"""
+    template_kwargs: dict = field(default_factory=dict)
+    """extra variables for the chat template (e.g. {enable_thinking: false} for Qwen3)"""
     history_turns: int = 4
     """past turns shown (their action and its result)"""
     max_prompt_tokens: int = 4096
@@ -44,60 +68,159 @@ class PromptConfig:
     def validate(self) -> None:
         if self.style not in ("full", "minimal"):
             raise ValueError("prompt style must be full or minimal")
+        if self.format not in FORMATS:
+            raise ValueError(f"prompt format must be one of {', '.join(FORMATS)}")
         if self.max_prompt_tokens < 64 or self.history_turns < 0:
             raise ValueError("need max_prompt_tokens >= 64 and history_turns >= 0")
 
 
+@dataclass(frozen=True)
+class Message:
+    """One message of the conversation: text, or (an assistant turn) the ids the engine sampled."""
+
+    role: str  # system | user | assistant
+    text: str = ""
+    ids: tuple[int, ...] | None = None
+
+
+class Renderer(Protocol):
+    def render(self, messages: list[Message]) -> list[int]:
+        """The conversation as prompt ids, ending with the generation prompt of the assistant's next turn."""
+        ...
+
+
+class RoleTokenRenderer:
+    """``<|role|> text <|end|>`` per message; an assistant turn is ``<|assistant|> ids`` (+ ``<|end|>`` when the
+    turn was cut before it); the generation prompt is ``<|assistant|>``."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.role = {r: tok.special(f"<|{r}|>") for r in ("system", "user", "assistant")}
+        self.end = tok.special("<|end|>")
+        self._encoded: dict[str, list[int]] = {}  # each text is tokenized once per episode
+
+    def _encode(self, text: str) -> list[int]:
+        if text not in self._encoded:
+            self._encoded[text] = self.tok.encode(text)
+        return self._encoded[text]
+
+    def render(self, messages: list[Message]) -> list[int]:
+        ids: list[int] = []
+        for m in messages:
+            if m.ids is not None:
+                ids += [self.role[m.role], *m.ids]
+                if not m.ids or m.ids[-1] != self.end:
+                    ids.append(self.end)  # a turn cut at max_new_tokens still needs its end marker
+            else:
+                ids += [self.role[m.role], *self._encode(m.text), self.end]
+        ids.append(self.role["assistant"])
+        return ids
+
+
+class ChatTemplateRenderer:
+    """The tokenizer's chat template, with past assistant turns spliced in as their sampled ids (module doc)."""
+
+    MARKER = "\u27e6computerrl-turn-{}\u27e7"  # text no template changes (no whitespace to strip, no tags)
+
+    def __init__(self, tok: Any, template_kwargs: dict | None = None):
+        self.tok, self.kwargs = tok, dict(template_kwargs or {})
+
+    @staticmethod
+    def merged(messages: list[Message]) -> list[Message]:
+        """Consecutive text messages of one role joined with a blank line (sampled turns are never joined)."""
+        out: list[Message] = []
+        for m in messages:
+            if out and m.ids is None and out[-1].ids is None and out[-1].role == m.role:
+                out[-1] = Message(m.role, out[-1].text + "\n\n" + m.text)
+            else:
+                out.append(m)
+        return out
+
+    def render(self, messages: list[Message]) -> list[int]:
+        chat, sampled = [], []
+        for m in self.merged(messages):
+            if m.ids is not None:
+                chat.append({"role": m.role, "content": self.MARKER.format(len(sampled))})
+                sampled.append(m.ids)
+            else:
+                chat.append({"role": m.role, "content": m.text})
+        text = self.tok.render_chat(chat, add_generation_prompt=True, **self.kwargs)
+        ids: list[int] = []
+        pos = 0
+        for k, turn in enumerate(sampled):
+            marker = self.MARKER.format(k)
+            at = text.find(marker, pos)
+            if at < 0:
+                continue  # the template leaves this turn out
+            ids += self.tok.encode(text[pos:at])
+            ids += turn
+            pos = at + len(marker)
+            if turn and turn[-1] in self.tok.stop_ids:
+                closing = self.tok.token_text(turn[-1])
+                if text.startswith(closing, pos):
+                    pos += len(closing)  # the sampled stop token already closes the turn
+        return ids + self.tok.encode(text[pos:])
+
+
+def make_renderer(tok: Tokenizer, cfg: PromptConfig) -> Renderer:
+    fmt = cfg.format
+    if fmt == "auto":
+        fmt = "chat_template" if tok.chat_template else "roles"
+    if fmt == "chat_template":
+        if not tok.chat_template:
+            raise ValueError("prompt.format is chat_template but the tokenizer has no chat template "
+                             "(tokenizer_config.json chat_template, or chat_template.jinja, in the model directory)")
+        return ChatTemplateRenderer(tok, cfg.template_kwargs)
+    if tok.chat_template:
+        raise ValueError("prompt.format roles needs our role tokens, and this tokenizer has a chat template (no "
+                         "token is added to a pretrained vocabulary): use prompt.format auto or chat_template")
+    return RoleTokenRenderer(tok)
+
+
 class EpisodePrompt:
-    """The growing prompt of one episode."""
+    """The growing conversation of one episode, rendered for the current turn by ``build``."""
 
     def __init__(self, tok: Tokenizer, cfg: PromptConfig, instruction: str):
         self.tok, self.cfg = tok, cfg
-        sys_, user, self.assistant, self.end = (tok.special(t) for t in
-                                                ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"))
-        self.user = user
-        head: list[int] = []
+        self.renderer = make_renderer(tok, cfg)
+        head: list[Message] = []
         if cfg.style == "full":
-            rules = DEFAULT_RULES + "\nGUI actions:\n" + "\n".join(gui_action_help())
-            head += [sys_, *tok.encode(rules), self.end]
-        head += [user, *tok.encode(f"Task: {instruction}"), self.end]
+            head.append(Message("system", DEFAULT_RULES + "\nGUI actions:\n" + "\n".join(gui_action_help())))
+        head.append(Message("user", f"Task: {instruction}"))
         self.head = head
-        self.history: list[list[int]] = []  # one segment per past turn: result + sampled ids
+        self.history: list[list[Message]] = []  # per past turn: its step, its sampled ids, its result
         self.step = 0
 
-    def _observation_ids(self, obs: dict, max_chars: int) -> list[int]:
+    def _observation(self, obs: dict, max_chars: int) -> Message:
         text = obs.get("text", "")
         if len(text) > max_chars:
             text = text[:max_chars] + "\n[... cut]"
         body = f"Step {self.step}.\n{text}"
         if self.cfg.style == "full" and obs.get("apis"):
             body += "\nAPI of the focused app: " + ", ".join(obs["apis"])
-        return [self.user, *self.tok.encode(body), self.end, self.assistant]
+        return Message("user", body)
 
     def build(self, obs: dict) -> list[int]:
         """The prompt for the current turn."""
         max_chars = self.cfg.max_obs_chars
-        current = self._observation_ids(obs, max_chars)
+        current = self._observation(obs, max_chars)
         history = self.history[-self.cfg.history_turns:] if self.cfg.history_turns else []
         budget = self.cfg.max_prompt_tokens
-        while len(self.head) + sum(map(len, history)) + len(current) > budget:
+        while True:
+            ids = self.renderer.render([*self.head, *(m for turn in history for m in turn), current])
+            if len(ids) <= budget:
+                return ids
             if history:
                 history = history[1:]
             elif max_chars > 200:
                 max_chars //= 2
-                current = self._observation_ids(obs, max_chars)
+                current = self._observation(obs, max_chars)
             else:
-                # Nothing left to cut but the task itself: keep the end, where the newest text is.
-                ids = [*self.head, *current]
-                return ids[-budget:]
-        return [*self.head, *(t for seg in history for t in seg), *current]
+                return ids[-budget:]  # nothing left to cut but the task itself: keep the end, the newest text
 
     def record(self, output_ids: list[int], result: str) -> None:
         """Remember a finished turn: its sampled ids verbatim, then the result the desktop reported."""
-        ids = list(output_ids)
-        if not ids or ids[-1] != self.end:
-            ids.append(self.end)  # a turn cut at max_new_tokens still needs its end marker
         res = result if len(result) <= self.cfg.max_result_chars else result[:self.cfg.max_result_chars] + "..."
-        self.history.append([self.user, *self.tok.encode(f"Step {self.step}."), self.end, self.assistant, *ids,
-                             self.user, *self.tok.encode(f"Result: {res}"), self.end])
+        self.history.append([Message("user", f"Step {self.step}."), Message("assistant", ids=tuple(output_ids)),
+                             Message("user", f"Result: {res}")])
         self.step += 1

@@ -134,7 +134,7 @@ class VLLMEngine:
     def _sampling(self, params: SamplingParams, max_tokens: int) -> Any:
         return self.vllm.SamplingParams(temperature=params.temperature, top_p=params.top_p, max_tokens=max_tokens,
                                         stop=list(params.stop) or None, logprobs=0, include_stop_str_in_output=True,
-                                        stop_token_ids=[self.tokenizer.eos_id])
+                                        stop_token_ids=sorted(self.tokenizer.stop_ids))
 
     async def _one(self, prompt: list[int], params: SamplingParams) -> Partial:
         from vllm.inputs import TokensPrompt
@@ -162,7 +162,7 @@ class VLLMEngine:
                         reason = comp.finish_reason or "length"
                         if reason != "abort":
                             part.finish = {"stop": "stop", "length": "length"}.get(reason, reason)
-                            if part.token_ids and part.token_ids[-1] == self.tokenizer.eos_id:
+                            if part.token_ids and part.token_ids[-1] in self.tokenizer.stop_ids:
                                 part.finish = "eos"
                             return part
             finally:
@@ -178,7 +178,7 @@ class VLLMEngine:
         t0 = time.perf_counter()
         parts = self._run(self._batch(prompts, params))
         gens = [Generation(p.token_ids, p.logprobs, p.versions, p.finish or "length",
-                           self.tokenizer.decode([t for t in p.token_ids if t != self.tokenizer.eos_id]))
+                           self.tokenizer.decode([t for t in p.token_ids if t not in self.tokenizer.stop_ids]))
                 for p in parts]
         self.stats.generated_tokens += sum(len(g.token_ids) for g in gens)
         self.stats.prompt_tokens += sum(len(p) for p in prompts)

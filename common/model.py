@@ -20,8 +20,8 @@ class ModelConfig:
 
     path: str = ""
     """local checkpoint directory (HF format); empty = build a random model from the fields below"""
-    tokenizer: str = "byte"
-    """byte (no files needed) | hf (from path, or tokenizer_path)"""
+    tokenizer: str = "auto"
+    """auto (hf when the checkpoint has tokenizer files, else byte) | byte (no files needed) | hf"""
     tokenizer_path: str = ""
     """tokenizer directory when it differs from path"""
     arch: str = "llama"
@@ -46,8 +46,8 @@ class ModelConfig:
     """seed of a config-built model's random weights (the actor and the learner must agree)"""
 
     def validate(self) -> None:
-        if self.tokenizer not in ("byte", "hf"):
-            raise ValueError("tokenizer must be byte or hf")
+        if self.tokenizer not in ("auto", "byte", "hf"):
+            raise ValueError("tokenizer must be auto, byte or hf")
         if self.arch not in ("llama", "qwen2"):
             raise ValueError("arch must be llama or qwen2")
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -69,7 +69,7 @@ def torch_dtype(cfg: ModelConfig, device: str) -> Any:
 def build_tokenizer(cfg: ModelConfig):
     from common.tokenizer import load_tokenizer
 
-    return load_tokenizer(cfg.tokenizer, cfg.tokenizer_path or cfg.path)
+    return load_tokenizer(cfg.tokenizer, cfg.tokenizer_path or cfg.path, cfg.path)
 
 
 def attention_implementation(device: str, dtype: Any) -> str:

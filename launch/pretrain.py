@@ -87,7 +87,9 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
     if cfg.init == "scratch":
         # A scratch model still needs an hf tokenizer's files; a byte tokenizer needs none, so no host path is
         # recorded in the checkpoint (the shipped base policy must not name the machine that made it).
-        tok_path = (model_cfg.tokenizer_path or model_cfg.path) if model_cfg.tokenizer != "byte" else ""
+        from common.tokenizer import resolved_kind
+        tok_path = model_cfg.tokenizer_path or model_cfg.path
+        tok_path = tok_path if resolved_kind(model_cfg.tokenizer, tok_path) == "hf" else ""
         model_cfg = dataclasses.replace(model_cfg, path="", tokenizer_path=tok_path)
     # Continuing from an earlier pretrain output: its record goes into ours, so the checkpoint says every stage.
     started_from = None

@@ -28,9 +28,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_dir(final: Path, model: Any, weights: dict, state: dict, trainer: dict | None) -> Path:
-    """HF config + safetensors + state.json (+ trainer.pt) written into a temporary sibling, synced, then
-    renamed over ``final``: a kill at any moment leaves either the old directory or the new one."""
+def _write_dir(final: Path, model: Any, weights: dict, state: dict, trainer: dict | None, tokenizer: Any) -> Path:
+    """HF config + safetensors + state.json (+ trainer.pt, + a Hugging Face tokenizer's files) written into a
+    temporary sibling, synced, then renamed over ``final``: a kill at any moment leaves either the old directory
+    or the new one."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     if tmp.exists():
@@ -38,6 +39,8 @@ def _write_dir(final: Path, model: Any, weights: dict, state: dict, trainer: dic
     model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
     if trainer is not None:
         torch.save(trainer, tmp / TRAINER_FILE)
+    if hasattr(tokenizer, "save_pretrained"):  # the byte tokenizer has no files
+        tokenizer.save_pretrained(tmp)
     (tmp / STATE_FILE).write_text(json.dumps(state))
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
@@ -50,14 +53,15 @@ def _write_dir(final: Path, model: Any, weights: dict, state: dict, trainer: dic
 
 
 def save(root: Path, version: int, model: Any, weights: dict, optimizer_state: dict, scheduler: Any, state: dict,
-         keep: int = 3) -> Path:
+         keep: int = 3, tokenizer: Any = None) -> Path:
     """Write one checkpoint from full (unsharded) state dicts; ``model`` supplies the HF config.
 
     The optimizer state is keyed by parameter name, so a checkpoint resumes on any number of learner ranks.
     """
     trainer = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
-    final = _write_dir(root / f"step-{version:08d}", model, weights, {"version": version, **state}, trainer)
+    final = _write_dir(root / f"step-{version:08d}", model, weights, {"version": version, **state}, trainer,
+                       tokenizer)
     latest_tmp = root / ".latest.tmp"
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, root / "latest")
@@ -68,10 +72,10 @@ def save(root: Path, version: int, model: Any, weights: dict, optimizer_state: d
     return final
 
 
-def export_policy(out: Path, model: Any, weights: dict, state: dict) -> Path:
+def export_policy(out: Path, model: Any, weights: dict, state: dict, tokenizer: Any = None) -> Path:
     """A weights-only policy directory (HF config + safetensors + state.json) for ``model.path`` and
     ``computerrl eval``: no optimizer state, so small enough to ship; replaced atomically."""
-    return _write_dir(Path(out), model, weights, state, None)
+    return _write_dir(Path(out), model, weights, state, None, tokenizer)
 
 
 def latest(root: Path) -> Path | None:

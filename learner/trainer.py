@@ -76,6 +76,32 @@ class MetricSums:
 
 
 
+class Mismatch:
+    """How far the learner's log-probs of sampled tokens are from the engine's behaviour log-probs where both come
+    from the same weights (tokens sampled at the learner's current version, scored before its first update):
+    numerics only (kernels, dtype, batching, and for a VLM the rebuilt image inputs), zero in exact arithmetic."""
+
+    def __init__(self):
+        self.total = self.worst = 0.0
+        self.tokens = 0
+
+    def add(self, inp: LossInputs, tb: Any, version: int) -> None:
+        same = (tb.versions == version) & (tb.mask > 0)
+        if bool(same.any()):
+            diff = (inp.logprobs.detach() - tb.behav_logprobs).abs()[same]
+            self.total += float(diff.sum())
+            self.worst = max(self.worst, float(diff.max()))
+            self.tokens += int(same.sum())
+
+    def reduce(self, dist: DistContext) -> dict[str, float]:
+        """Collective with several ranks; empty when no rank scored a same-weights token."""
+        total, tokens = dist.sum([self.total, self.tokens])
+        if not tokens:
+            return {}
+        return {"mismatch_abs_mean": total / tokens, "mismatch_abs_max": dist.max([self.worst])[0],
+                "mismatch_tokens": int(tokens)}
+
+
 class Trainer:
     """Model, optimizer and one training step; no sockets (the ``Learner`` below adds those).
 
@@ -213,6 +239,7 @@ class Trainer:
         # FSDP2 averages gradients over ranks; scaling the loss by the world size makes that average a sum.
         loss_scale = float(dist.world_size)
         acc = {kind: MetricSums() for kind in split}
+        mismatch = Mismatch()
         entropy_sum = grad_norm = 0.0
         for j in range(k):
             if split[BATCH][1][j] == 0:
@@ -234,6 +261,8 @@ class Trainer:
                     acc[kind].add_loss(float(total.detach()), tokens_all[j], tb.num_tokens)
                     if kind == BATCH:
                         entropy_sum += float((token_entropy(inp.logits) * tb.mask).sum())
+                        if j == 0:
+                            mismatch.add(inp, tb, self.version)
             self.net.grads_to_master()
             params = [p for p in self.model.parameters() if p.grad is not None]
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
@@ -254,6 +283,7 @@ class Trainer:
         if anchor_tokens:
             metrics.update(acc[ANCHOR].reduce(dist, None), anchor_tokens=anchor_tokens)
         tokens = int(dist.sum([acc[BATCH].tokens])[0])
+        metrics.update(mismatch.reduce(dist))
         metrics.update(entropy=dist.sum([entropy_sum])[0] / max(tokens, 1), grad_norm=grad_norm, tokens=tokens,
                        lr=self.optimizer.param_groups[0]["lr"], version=self.version, micro_batches=len(mbs))
         if cfg.broadcast_weights:
@@ -346,7 +376,7 @@ class Trainer:
         state = {"entropulse": self.entropulse.state_dict(), "counters": self.counters,
                  "content_version": self.content_version, "model_config": self._model_record(), **(extra or {})}
         return ckpt.save(Path(root), self.version, self.model, weights, optim, self.scheduler, state,
-                       self.cfg.keep_checkpoints)
+                       self.cfg.keep_checkpoints, self.tokenizer)
 
     def export(self, out: Any, extra: dict | None = None) -> Any:
         """Collective with several ranks: the weights alone as a policy directory (rank 0 writes)."""
@@ -354,7 +384,8 @@ class Trainer:
         if not self.dist.is_main:
             return None
         return ckpt.export_policy(Path(out), self.model, weights,
-                                {"version": self.version, "model_config": self._model_record(), **(extra or {})})
+                                {"version": self.version, "model_config": self._model_record(), **(extra or {})},
+                                self.tokenizer)
 
     def _model_record(self) -> dict:
         """What eval needs to rebuild the policy from a checkpoint (the weights are next to it)."""

@@ -32,7 +32,7 @@ def test_demo_samples_are_what_an_actor_would_have_prompted():
     second = t.turn(1).prompt_ids.tolist()
     ids = first.output_ids.tolist()
     assert any(second[i:i + len(ids)] == ids for i in range(len(second)))
-    assert EpisodePrompt(tok, pc, "x").head[0] == tok.special("<|user|>"), "minimal style: no system block"
+    assert EpisodePrompt(tok, pc, "x").head[0].role == "user", "minimal style: no system block"
 
 
 def test_recorded_demos_follow_the_suite_and_reject_bad_arguments():
