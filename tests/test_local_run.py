@@ -139,3 +139,45 @@ def test_two_learner_ranks_train_checkpoint_and_stop_on_sigint(tmp_path):
     assert int(latest.split("-")[1]) >= 3, "rank 0 checkpointed with rank 1 on SIGINT"
     assert (run_dir / "logs" / "learner-1.jsonl").exists()
     assert not _children_of_run(run_dir)
+
+
+def test_a_pretrained_chat_checkpoint_trains_through_its_own_template(tmp_path):
+    """`model.path` at a chat model (tiny, built here: BPE tokenizer, ChatML template, generation_config end ids):
+    actors prompt it through its template, the learner trains on those ids and scores the sampled tokens as the
+    engine did, weights go back, checkpoints carry the tokenizer, and eval reads them."""
+    from common import demofile
+    from launch.tiny_checkpoints import chat_checkpoint
+
+    chat = chat_checkpoint(tmp_path / "chat", corpus_episodes=30)
+    run_dir = tmp_path / "run"
+    p = _run(run_dir, f"model.path={chat}", "model.tokenizer=auto", "learner.total_steps=3",
+             "learner.checkpoint_every=0", "learner.advantage.drop_zero_variance=false", "local.eval_episodes=0",
+             "broker.tasks.suite=sim:train:files_delete")
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-3000:]
+    recs = [json.loads(x) for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    same = [r for r in recs if r.get("mismatch_tokens")]
+    assert same and max(r["mismatch_abs_max"] for r in same) < 1e-4, "learner and engine score tokens alike"
+    actor = [json.loads(x) for x in (run_dir / "metrics" / "actor-0.jsonl").read_text().splitlines()]
+    assert actor[-1]["counters"]["weight_updates"] >= 2, "trained weights reached the actor"
+    ck = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
+    assert (ck / "tokenizer.json").exists() and (ck / "chat_template.jinja").exists()
+    start = (chat / "chat_template.jinja").read_text()
+    assert (ck / "chat_template.jinja").read_text() == start
+    from common.rundir import RunDir
+    from common.tokenizer import load_tokenizer
+    from launch.config import load_run_config
+
+    settings = demofile.anchor_settings(load_run_config(run_dir / "config.yaml"))
+    demos = demofile.load(RunDir(run_dir).anchor_demos, settings)
+    tok = load_tokenizer("auto", str(chat), str(chat))
+    assert demos
+    for d in demos[:3]:
+        assert tok.tok.decode(d.turn(0).prompt_ids.tolist()).startswith("<|im_start|>"), "anchor demos use the template"
+    ev = subprocess.run([sys.executable, "-m", "launch.cli", "eval", "--checkpoint", str(run_dir / "checkpoints"),
+                         "--suite", "sim:heldout:files_delete", "--episodes", "2", "--json"],
+                        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                        timeout=300)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    assert json.loads(ev.stdout.strip().splitlines()[-1])["episodes"] == 2
