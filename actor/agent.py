@@ -30,6 +30,7 @@ from common import protocol as P
 from common.metrics import MetricsWriter, percentile
 from common.net import NetConfig
 from common.rundir import RunDir
+from common.vision import Image, ImageStore
 from common.weightsync import RoundFailed, WeightReceiver, WeightSyncConfig
 from env_server.client import EnvClient, EnvError
 
@@ -130,7 +131,8 @@ class Actor:
         self.env = EnvLinks(clients, cfg.env_timeout_s)
         self.receiver = WeightReceiver(weights, log) if weights is not None else None
         self.max_groups_total = max_groups_total  # stop after this many groups (0 = until told to stop)
-        self.gen_queue: list[tuple[list[int], asyncio.Future]] = []
+        self.gen_queue: list[tuple[list[int], list[Image], asyncio.Future]] = []
+        self.images = ImageStore(run_dir.images) if run_dir is not None else None  # a VLM's screenshots
         self.gen_wakeup: asyncio.Event | None = None
         self.engine_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.weights_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="weights")
@@ -157,9 +159,9 @@ class Actor:
 
     # ----- generation ----------------------------------------------------------------------------
 
-    async def generate(self, prompt: list[int]) -> Generation:
+    async def generate(self, prompt: list[int], images: list[Image]) -> Generation:
         fut = asyncio.get_running_loop().create_future()
-        self.gen_queue.append((prompt, fut))
+        self.gen_queue.append((prompt, images, fut))
         self.gen_wakeup.set()
         return await fut
 
@@ -174,16 +176,17 @@ class Actor:
                 t0 = time.perf_counter()
                 try:
                     gens = await loop.run_in_executor(self.engine_thread, self.engine.generate,
-                                                      [p for p, _ in batch], self.cfg.sampling)
+                                                      [p for p, _, _ in batch], self.cfg.sampling,
+                                                      [im for _, im, _ in batch])
                 except Exception as exc:  # an engine failure fails these episodes, not the actor
                     self.log.exception("generation_failed")
-                    for _, fut in batch:
+                    for _, _, fut in batch:
                         if not fut.done():
                             fut.set_exception(exc)
                     continue
                 finally:
                     self.engine_busy_s += time.perf_counter() - t0
-                for (_, fut), g in zip(batch, gens):
+                for (_, _, fut), g in zip(batch, gens):
                     if not fut.done():
                         fut.set_result(g)
 
@@ -207,8 +210,13 @@ class Actor:
         self.stats["successes"] += int(ep.evaluation["success"])
         return ep.trajectory(uuid.uuid4().hex[:12])
 
-    async def policy(self, prompt_ids: list[int], obs: dict) -> Generation:
-        return await self.generate(prompt_ids)
+    async def policy(self, prompt_ids: list[int], obs: dict, images: list[Image]) -> Generation:
+        if images:
+            if self.images is None:
+                raise RuntimeError("a VLM actor needs a run directory: its images go to the run's image store")
+            for img in images:  # durable before any group that names it is sent (common/vision.py)
+                self.images.put(img)
+        return await self.generate(prompt_ids, images)
 
     async def episode_with_rerolls(self, ticket: P.Ticket) -> P.Trajectory | None:
         attempts = 1 + (self.cfg.max_rerolls if self.cfg.env_error == "reroll" else 0)
@@ -349,7 +357,8 @@ class Actor:
             "episode_len_mean": round(sum(lens) / len(lens), 2) if lens else None,
             "success_rate": round(self.stats["successes"] / eps, 4) if eps else None,
             "format_error_rate": round(self.stats["format_errors"] / max(self.stats["turns"], 1), 4),
-            "counters": {**self.stats, "env_pool_waits": self.env.pool_waits},
+            "counters": {**self.stats, "env_pool_waits": self.env.pool_waits,
+                         **(self.images.stats if self.images is not None else {})},
         })
 
     def close(self) -> None:

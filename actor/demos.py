@@ -29,7 +29,7 @@ class OraclePolicy:
         self.actions = None
         self.seen: list[tuple[dict, str]] = []  # (observation, action) per turn
 
-    async def __call__(self, prompt_ids: list[int], obs: dict) -> Generation | None:
+    async def __call__(self, prompt_ids: list[int], obs: dict, images: list) -> Generation | None:
         from env_server.sim import tasks as sim_tasks
         if self.actions is None:
             self.actions = sim_tasks.oracle(self.backend.task, self.backend.desk, self.route, self.demo, self.rng)

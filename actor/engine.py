@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from common.model import ModelConfig, build_model, build_tokenizer
+from common.model import ModelConfig, ban, build_model, build_tokenizer
 
 
 @dataclass
@@ -55,7 +55,11 @@ class Engine(Protocol):
     version: int  # stamped on every token sampled from now on
     content_version: int  # the learner version these weights came from (relabels keep it)
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]: ...
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 images: Sequence[Sequence[Any]] | None = None) -> list[Generation]:
+        """One generation per prompt; ``images[i]`` (``common.vision.Image``) fill prompt i's image placeholders
+        in order (a VLM's)."""
+        ...
 
     def load_weights(self, named: Mapping[str, Any], version: int) -> None: ...
 
@@ -125,6 +129,8 @@ class HFEngine:
         self.tokenizer = build_tokenizer(model_cfg)
         self.model = build_model(model_cfg, self.tokenizer.vocab_size, self.cfg.device).eval()
         self.device = self.cfg.device
+        self.vision = self.tokenizer.vision  # a VLM's image processor, else None
+        self.banned = torch.tensor(self.vision.banned_ids, dtype=torch.long) if self.vision else None
         self.version = 0
         self.content_version = 0  # the learner version these weights came from (relabels keep it)
         self.stats = EngineStats()
@@ -205,15 +211,19 @@ class HFEngine:
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 images: Sequence[Sequence[Any]] | None = None,
                  on_step: Callable[[], None] | None = None) -> list[Generation]:
         if params.temperature < 0:
             raise ValueError("temperature must be >= 0 (0 = greedy, for evaluation)")
+        if images is not None and any(images) and self.vision is None:
+            raise ValueError("prompts with images need a vision-language model (model.kind vlm)")
         out: list[Generation] = []
         for i in range(0, len(prompts), self.cfg.max_batch):
-            out.extend(self._generate_batch(prompts[i:i + self.cfg.max_batch], params, on_step))
+            rows = images[i:i + self.cfg.max_batch] if images is not None else None
+            out.extend(self._generate_batch(prompts[i:i + self.cfg.max_batch], params, rows, on_step))
         return out
 
-    def _generate_batch(self, prompts, params, on_step) -> list[Generation]:
+    def _generate_batch(self, prompts, params, images, on_step) -> list[Generation]:
         import time
 
         torch = self.torch
@@ -223,16 +233,21 @@ class HFEngine:
         n = len(prompts)
         ids, mask = left_pad(prompts, self.tokenizer.pad_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        if self.vision is not None:  # image inputs and multimodal positions [3, n, width]
+            extra = self.vision.model_inputs(self.model, ids, mask, images or [[] for _ in range(n)])
+            positions = extra["position_ids"]
+        else:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            extra = {"position_ids": positions}
         gens = [Generation([], [], [], "length") for _ in range(n)]
         done = [False] * n
         stops = self.tokenizer.stop_ids
         tails = [""] * n
         with torch.no_grad():
-            res = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            res = self.model(input_ids=ids, attention_mask=mask, use_cache=True, **extra)
             vocab = self.tokenizer.vocab_size  # padding rows of the embedding are never sampled (nor scored)
-            cache, logits = res.past_key_values, res.logits[:, -1, :vocab]
-            last_pos = positions[:, -1]
+            cache, logits = res.past_key_values, ban(res.logits[:, -1, :vocab], self.banned)
+            last_pos = positions[..., -1]  # a sampled token continues at +1 (on every axis of a VLM's positions)
             for _ in range(params.max_new_tokens):
                 tokens, logps = self._sample(logits, params)
                 # one device-to-host copy per step (token ids < 2**24 are exact in float32)
@@ -260,9 +275,9 @@ class HFEngine:
                     self._swap_if_staged()  # the KV cache so far stays: tokens keep the version that drew them
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=self.device)], dim=1)
                 last_pos = last_pos + 1
-                res = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=last_pos[:, None],
+                res = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=last_pos[..., None],
                                  past_key_values=cache, use_cache=True)
-                cache, logits = res.past_key_values, res.logits[:, -1, :vocab]
+                cache, logits = res.past_key_values, ban(res.logits[:, -1, :vocab], self.banned)
         for g in gens:
             g.text = self.tokenizer.decode([t for t in g.token_ids if t not in stops])
         st = self.stats

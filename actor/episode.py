@@ -18,6 +18,7 @@ import numpy as np
 from actor.engine import Generation
 from actor.prompt import EpisodePrompt, PromptConfig
 from common import protocol as P
+from common.vision import Image
 
 OBS_TEXT_KEEP = 2000  # observation text kept per turn in a trajectory (debugging only)
 
@@ -33,9 +34,10 @@ class EpisodeEnv(Protocol):
 
 
 class Policy(Protocol):
-    """Maps the prompt ids (and the observation they render) to one generation; None ends the episode."""
+    """Maps the prompt ids and its images (and the observation they render) to one generation; None ends the
+    episode. A policy that keeps images for the learner stores them here, before the trajectory is sent."""
 
-    async def __call__(self, prompt_ids: list[int], obs: dict) -> Generation | None: ...
+    async def __call__(self, prompt_ids: list[int], obs: dict, images: list[Image]) -> Generation | None: ...
 
 
 @dataclass
@@ -71,7 +73,8 @@ async def play_episode(env: EpisodeEnv, policy: Policy, task_id: str, tokenizer:
     finish = "truncated"
     while not max_steps or len(turns) < max_steps:
         ids = prompt.build(obs)
-        gen = await policy(ids, obs)
+        images = list(prompt.images)
+        gen = await policy(ids, obs, images)
         if gen is None:
             finish = "policy_stopped"
             break
@@ -82,7 +85,8 @@ async def play_episode(env: EpisodeEnv, policy: Policy, task_id: str, tokenizer:
         turns.append(P.TurnView(np.asarray(ids, np.int32), np.asarray(gen.token_ids, np.int32),
                                 np.asarray(gen.logprobs, np.float32), np.asarray(gen.versions, np.int32),
                                 np.ones(n, np.uint8), 0.0, bool(step.format_error),
-                                str(obs.get("text", ""))[:OBS_TEXT_KEEP], gen.text))
+                                str(obs.get("text", ""))[:OBS_TEXT_KEEP], gen.text,
+                                tuple(img.digest for img in images)))
         prompt.record(gen.token_ids, str(step.obs.get("last_result", "")))
         obs = step.obs
         if step.done:
@@ -113,11 +117,11 @@ class LockstepPolicy:
 
     def __init__(self, engine: Any, sampling: Any, live: int):
         self.engine, self.sampling, self.live = engine, sampling, live
-        self.waiting: list[tuple[list[int], asyncio.Future]] = []
+        self.waiting: list[tuple[list[int], list[Image], asyncio.Future]] = []
 
-    async def __call__(self, prompt_ids: list[int], obs: dict) -> Generation:
+    async def __call__(self, prompt_ids: list[int], obs: dict, images: list[Image]) -> Generation:
         fut = asyncio.get_running_loop().create_future()
-        self.waiting.append((prompt_ids, fut))
+        self.waiting.append((prompt_ids, images, fut))
         self._maybe_generate()
         return await fut
 
@@ -131,12 +135,12 @@ class LockstepPolicy:
             return
         batch, self.waiting = self.waiting, []
         try:
-            gens = self.engine.generate([ids for ids, _ in batch], self.sampling)
+            gens = self.engine.generate([ids for ids, _, _ in batch], self.sampling, [im for _, im, _ in batch])
         except Exception as exc:  # every waiting episode fails with the engine's error
-            for _, fut in batch:
+            for _, _, fut in batch:
                 fut.set_exception(exc)
             return
-        for (_, fut), g in zip(batch, gens):
+        for (_, _, fut), g in zip(batch, gens):
             fut.set_result(g)
 
 

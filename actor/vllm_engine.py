@@ -132,13 +132,32 @@ class VLLMEngine:
     # ----- generation ----------------------------------------------------------------------------
 
     def _sampling(self, params: SamplingParams, max_tokens: int) -> Any:
+        # A VLM's image placeholders are never sampled: vLLM clamps a logit bias to [-100, 100], and exp(-100) is
+        # below float32's resolution next to any other token, as the learner's banned columns are.
+        vision = self.tokenizer.vision
+        bias = {int(t): -100.0 for t in vision.banned_ids} if vision is not None else None
         return self.vllm.SamplingParams(temperature=params.temperature, top_p=params.top_p, max_tokens=max_tokens,
                                         stop=list(params.stop) or None, logprobs=0, include_stop_str_in_output=True,
-                                        stop_token_ids=sorted(self.tokenizer.stop_ids))
+                                        stop_token_ids=sorted(self.tokenizer.stop_ids), logit_bias=bias)
 
-    async def _one(self, prompt: list[int], params: SamplingParams) -> Partial:
+    def _inputs(self, ids: list[int], images: Sequence[Any]) -> Any:
+        """vLLM's token prompt; a VLM's images go in ``multi_modal_data`` as PIL images. Our ids already hold each
+        image's placeholder tokens, expanded: vLLM detects an applied prompt update and does not expand them again
+        (docs/design/mm_processing.md, "Prompt Update Detection"). The pixel limits match the learner's processor."""
         from vllm.inputs import TokensPrompt
 
+        if not images:
+            return TokensPrompt(prompt_token_ids=ids)
+        from common.vision import decode_image
+
+        kwargs = {k: v for k, v in (("min_pixels", self.model_cfg.min_pixels),
+                                    ("max_pixels", self.model_cfg.max_pixels)) if v}
+        prompt = TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": [decode_image(i.data) for i in images]})
+        if kwargs:
+            prompt["mm_processor_kwargs"] = kwargs
+        return prompt
+
+    async def _one(self, prompt: list[int], params: SamplingParams, images: Sequence[Any] = ()) -> Partial:
         part = Partial(list(prompt))
         while True:
             await self._gate.wait()
@@ -151,8 +170,7 @@ class VLLMEngine:
             seen = 0
             self._running.add(rid)
             try:
-                async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), self._sampling(params, budget),
-                                                   rid):
+                async for out in self.llm.generate(self._inputs(ids, images), self._sampling(params, budget), rid):
                     comp = out.outputs[0]
                     new_ids = list(comp.token_ids[seen:])
                     new_lps = [entry[tok].logprob for tok, entry in zip(new_ids, (comp.logprobs or [])[seen:])]
@@ -169,14 +187,16 @@ class VLLMEngine:
                 self._running.discard(rid)
             # aborted for a weight swap: loop, and continue from where it stopped with the new weights
 
-    async def _batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Partial]:
-        return list(await asyncio.gather(*(self._one(list(p), params) for p in prompts)))
+    async def _batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                     images: Sequence[Sequence[Any]]) -> list[Partial]:
+        return list(await asyncio.gather(*(self._one(list(p), params, im) for p, im in zip(prompts, images))))
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_step: Any = None) -> list[Generation]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 images: Sequence[Sequence[Any]] | None = None, on_step: Any = None) -> list[Generation]:
         import time
 
         t0 = time.perf_counter()
-        parts = self._run(self._batch(prompts, params))
+        parts = self._run(self._batch(prompts, params, images or [()] * len(prompts)))
         gens = [Generation(p.token_ids, p.logprobs, p.versions, p.finish or "length",
                            self.tokenizer.decode([t for t in p.token_ids if t not in self.tokenizer.stop_ids]))
                 for p in parts]

@@ -8,6 +8,7 @@ from a small architecture config with random weights. torch and transformers are
 from __future__ import annotations
 
 import importlib.util
+import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,12 @@ class ModelConfig:
 
     path: str = ""
     """local checkpoint directory (HF format); empty = build a random model from the fields below"""
+    kind: str = "auto"
+    """auto (vlm when the checkpoint has a vision tower) | causal (text in, text out) | vlm (screenshots in)"""
+    min_pixels: int = 0
+    """a VLM's smallest image area in pixels after resizing (0 = the checkpoint's image processor's)"""
+    max_pixels: int = 0
+    """a VLM's largest image area in pixels after resizing (0 = the checkpoint's; fewer = fewer image tokens)"""
     tokenizer: str = "auto"
     """auto (hf when the checkpoint has tokenizer files, else byte) | byte (no files needed) | hf"""
     tokenizer_path: str = ""
@@ -46,6 +53,13 @@ class ModelConfig:
     """seed of a config-built model's random weights (the actor and the learner must agree)"""
 
     def validate(self) -> None:
+        if self.kind not in ("auto", "causal", "vlm"):
+            raise ValueError("model.kind must be auto, causal or vlm")
+        if self.kind == "vlm" and not self.path:
+            raise ValueError("model.kind vlm needs model.path (a checkpoint with its image processor; "
+                             "launch.tiny_checkpoints.vlm_checkpoint builds a tiny one)")
+        if self.min_pixels < 0 or self.max_pixels < 0 or (self.max_pixels and self.min_pixels > self.max_pixels):
+            raise ValueError("model.min_pixels and max_pixels must be >= 0 and min <= max")
         if self.tokenizer not in ("auto", "byte", "hf"):
             raise ValueError("tokenizer must be auto, byte or hf")
         if self.arch not in ("llama", "qwen2"):
@@ -66,10 +80,32 @@ def torch_dtype(cfg: ModelConfig, device: str) -> Any:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
 
 
+def model_kind(cfg: ModelConfig) -> str:
+    """``causal`` or ``vlm``: ``auto`` is vlm when the checkpoint's config has a vision tower."""
+    if cfg.kind != "auto":
+        return cfg.kind
+    if not cfg.path:
+        return "causal"
+    try:
+        config = json.loads((Path(cfg.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "causal"  # build_model says what is wrong with the directory
+    return "vlm" if "vision_config" in config else "causal"
+
+
 def build_tokenizer(cfg: ModelConfig):
+    """The policy's tokenizer; a VLM's also carries its image processor (``.vision``), as a HF processor would."""
     from common.tokenizer import load_tokenizer
 
-    return load_tokenizer(cfg.tokenizer, cfg.tokenizer_path or cfg.path, cfg.path)
+    tok = load_tokenizer(cfg.tokenizer, cfg.tokenizer_path or cfg.path, cfg.path)
+    if model_kind(cfg) == "vlm":
+        from common.vision import VisionProcessor
+
+        if not tok.chat_template:
+            raise ValueError(f"model.kind vlm: the tokenizer at {cfg.tokenizer_path or cfg.path} has no chat template "
+                             "(images enter prompts through the template's image placeholders)")
+        tok.vision = VisionProcessor(cfg.path, cfg.min_pixels, cfg.max_pixels)
+    return tok
 
 
 def attention_implementation(device: str, dtype: Any) -> str:
@@ -97,7 +133,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu", dtype: A
     ``torch_dtype(cfg, device)``); attention is chosen for the compute dtype either way.
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, LlamaConfig, Qwen2Config
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # role logs are JSON lines; a progress bar on stderr is noise there
@@ -109,7 +145,8 @@ def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu", dtype: A
         if not (Path(cfg.path) / "config.json").exists():
             raise FileNotFoundError(f"model.path {cfg.path!r}: no checkpoint there (a directory with config.json and "
                                     "*.safetensors; `computerrl pretrain --out DIR` makes one)")
-        model = AutoModelForCausalLM.from_pretrained(cfg.path, local_files_only=True, dtype=dtype, **extra)
+        auto = AutoModelForImageTextToText if model_kind(cfg) == "vlm" else AutoModelForCausalLM
+        model = auto.from_pretrained(cfg.path, local_files_only=True, dtype=dtype, **extra)
         if model.get_input_embeddings().num_embeddings < vocab_size:
             model.resize_token_embeddings(vocab_size)  # role tokens added to the tokenizer
     else:
@@ -126,29 +163,45 @@ def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu", dtype: A
     return model.to(device)
 
 
+BANNED_LOGIT = -1e9  # a column no token may be sampled from: exp() is 0 in float32, and no inf makes a NaN
+
+
+def ban(logits: Any, banned: Any) -> Any:
+    """``logits`` with the ``banned`` columns (a LongTensor, may be None) set to ``BANNED_LOGIT``; out of place."""
+    if banned is None or not len(banned):
+        return logits
+    return logits.index_fill(-1, banned.to(logits.device), BANNED_LOGIT)
+
+
 def token_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, temperature: float = 1.0,
-                   vocab: int = 0) -> tuple[Any, Any]:
+                   vocab: int = 0, vision: dict | None = None, banned: Any = None) -> tuple[Any, Any]:
     """Teacher-forced log-probs of each token given its prefix, and the (float, tempered) logits they came
     from: ``lp[:, t]`` scores ``input_ids[:, t + 1]``.
 
     ``temperature`` must be the sampling temperature: behaviour log-probs are recorded under it. ``vocab``
     (the tokenizer's size) drops embedding rows no token maps to (real checkpoints pad their vocabulary:
-    Qwen2.5 has 151,936 rows for 151,665 tokens); engines sample over the same ``vocab`` columns.
+    Qwen2.5 has 151,936 rows for 151,665 tokens); engines sample over the same ``vocab`` columns, without the
+    ``banned`` ones (a VLM's image placeholders). ``vision``: a VLM's image inputs and multimodal positions
+    (``common.vision.VisionProcessor.model_inputs``).
     """
     import torch
 
-    position_ids = None
-    if attention_mask is not None:
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    if vision is not None:
+        extra = vision
+    elif attention_mask is not None:
+        extra = {"position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0)}
+    else:
+        extra = {}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
     logits = logits[:, :-1, :vocab or None].float()
     if temperature != 1.0:  # one full-vocabulary copy fewer in the common case
         logits = logits / temperature
+    logits = ban(logits, banned)
     lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     return lp, logits
 
 
 def sequence_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, temperature: float = 1.0,
-                      vocab: int = 0) -> Any:
+                      vocab: int = 0, vision: dict | None = None, banned: Any = None) -> Any:
     """``token_logprobs`` without the logits."""
-    return token_logprobs(model, input_ids, attention_mask, temperature, vocab)[0]
+    return token_logprobs(model, input_ids, attention_mask, temperature, vocab, vision, banned)[0]

@@ -48,6 +48,11 @@ class RunDir:
         return self.root / "audit"
 
     @property
+    def images(self) -> Path:
+        """a VLM run's screenshots by content hash (``common.vision.ImageStore``)"""
+        return self.root / "images"
+
+    @property
     def anchor_demos(self) -> Path:
         """the oracle demonstrations the learner's anchor replays (``computerrl demos``)"""
         return self.root / "demos" / "anchor.msgpack"

@@ -25,6 +25,7 @@ class Tokenizer(Protocol):
     stop_ids: frozenset[int]  # every id that ends generation (eos_id among them)
     pad_id: int
     chat_template: bool  # whether prompts are rendered by the tokenizer's own chat template
+    vision: Any  # a VLM's image processor (common.vision.VisionProcessor), else None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -38,6 +39,7 @@ class ByteTokenizer:
 
     SPECIALS = ("<pad>", "<bos>", "<eos>", *ROLE_TOKENS)
     chat_template = False
+    vision = None  # a text-only policy
 
     def __init__(self) -> None:
         self._special = {t: 256 + i for i, t in enumerate(self.SPECIALS)}
@@ -74,6 +76,7 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self.vision = None  # set by common.model.build_tokenizer for a VLM
         self.chat_template = bool(getattr(self.tok, "chat_template", None))
         if self.chat_template:
             # The end of a turn is what generation stops at: generation_config's eos ids (Qwen2.5-Instruct names
@@ -107,6 +110,8 @@ class HFTokenizer:
     def save_pretrained(self, directory: str | Path) -> None:
         """Its files (vocabulary, chat template) next to a checkpoint's weights: the checkpoint is a ``model.path``."""
         self.tok.save_pretrained(str(directory))
+        if self.vision is not None:
+            self.vision.image_processor.save_pretrained(str(directory))
 
     def token_text(self, token_id: int) -> str:
         """A token's text as a chat template writes it (special tokens by name)."""

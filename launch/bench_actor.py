@@ -102,9 +102,9 @@ def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int
     recorded: list[tuple[list, Any]] = []
     real_generate = engine.generate
 
-    def recording_generate(prompts, params, on_step=None):
+    def recording_generate(prompts, params, images=None, on_step=None):
         recorded.append(([list(p) for p in prompts], params))
-        return real_generate(prompts, params, on_step)
+        return real_generate(prompts, params, images, on_step)
 
     engine.generate = recording_generate  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory(prefix="bench-actor-") as tmp:

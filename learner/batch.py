@@ -8,7 +8,8 @@ advantage are placed. Nothing is re-tokenized.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -27,11 +28,17 @@ class Sample:
     task_id: str
     traj_id: str
     turn: int
+    images: tuple[str, ...] = ()  # content hashes of the prompt's images, in order (a VLM's)
 
 
-def group_defect(g: P.TrajectoryGroup, vocab_size: int) -> str:
-    """Why a group must not be trained on ("" when it may): a counted reason, never an exception."""
+def group_defect(g: P.TrajectoryGroup, vocab_size: int, image_available: Callable[[str], bool] | None = None) -> str:
+    """Why a group must not be trained on ("" when it may): a counted reason, never an exception.
+    ``image_available``: whether an image the group names can be read (None: a text policy's learner)."""
     for t in g.trajectories:
+        if t.images and image_available is None:
+            return "images_for_a_text_policy"
+        if t.images and not all(image_available(d) for refs in t.images for d in refs):
+            return "image_missing"
         if len(t.logprobs) and not np.isfinite(t.logprobs).all():
             return "nonfinite_logprobs"
         if len(t.logprobs) and t.logprobs.max() > 1e-4:
@@ -45,7 +52,7 @@ def group_defect(g: P.TrajectoryGroup, vocab_size: int) -> str:
 
 
 def build_samples(groups: list[P.TrajectoryGroup], adv_cfg: AdvantageConfig, vocab_size: int,
-                  version: int) -> tuple[list[Sample], dict]:
+                  version: int, image_available: Callable[[str], bool] | None = None) -> tuple[list[Sample], dict]:
     """Samples with advantages, and what became of each group: ``stats["dropped"]`` maps a group id to the
     reason it was left out (a defect, zero variance), ``stats["kept"]`` lists the others.
 
@@ -56,7 +63,7 @@ def build_samples(groups: list[P.TrajectoryGroup], adv_cfg: AdvantageConfig, voc
     dropped: dict[str, str] = {}
     usable = []
     for g in groups:
-        defect = group_defect(g, vocab_size)
+        defect = group_defect(g, vocab_size, image_available)
         if defect:
             dropped[g.group_id] = defect
         else:
@@ -107,7 +114,8 @@ def turn_samples(traj: P.Trajectory, task_id: str, advantages: list[float] | Non
         if len(tv.output_ids):
             out.append(Sample(np.concatenate([tv.prompt_ids, tv.output_ids]).astype(np.int64), len(tv.prompt_ids),
                               tv.logprobs, tv.versions, tv.loss_mask,
-                              float(advantages[k]) if advantages is not None else 0.0, task_id, traj.traj_id, k))
+                              float(advantages[k]) if advantages is not None else 0.0, task_id, traj.traj_id, k,
+                              tuple(tv.images)))
     return out
 
 
@@ -135,6 +143,8 @@ class TensorBatch:
     mask: "object"  # [N, L - 1] float32
     advantages: "object"  # [N, L - 1] float32
     num_tokens: int
+    images: list = field(default_factory=list)  # per row, the content hashes of its images (a VLM's)
+    vision: dict | None = None  # a VLM's image inputs and positions, filled in by the trainer
 
 
 def collate(samples: list[Sample], pad_id: int, device: str = "cpu") -> TensorBatch:
@@ -157,7 +167,8 @@ def collate(samples: list[Sample], pad_id: int, device: str = "cpu") -> TensorBa
         mask[r, sl] = s.loss_mask
         adv[r, sl] = s.advantage
     t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
-    return TensorBatch(t(ids), t(attn), t(behav), t(versions), t(mask), t(adv), int(mask.sum()))
+    return TensorBatch(t(ids), t(attn), t(behav), t(versions), t(mask), t(adv), int(mask.sum()),
+                       [list(s.images) for s in samples])
 
 
 def loglinear_prox(behav: "object", theta: "object", versions: "object", v_prox: float, v_theta: float) -> "object":

@@ -16,6 +16,7 @@ from common.audit import AuditLog
 from common.exitcodes import EXIT_RESUMABLE
 from common.metrics import MetricsWriter
 from common.model import ModelConfig
+from common.vision import ImageStore
 from common.rundir import RunDir
 from learner import checkpoint as ckpt
 from learner.config import LearnerConfig
@@ -37,7 +38,7 @@ class Learner:
         from common.weightsync import WeightSender
 
         self.cfg, self.run_dir, self.log = cfg, run_dir, log
-        self.trainer = Trainer(cfg, model_cfg, temperature, seed, dist, anchor_demos)
+        self.trainer = Trainer(cfg, model_cfg, temperature, seed, dist, anchor_demos, ImageStore(run_dir.images))
         self.jobs = JobChannel(self.trainer.dist, self.trainer)
         self.client = LearnerBrokerClient(net, run_dir.keys, log)
         self.sender = WeightSender(weights, log) if (weights is not None and cfg.broadcast_weights) else None
@@ -268,6 +269,7 @@ def main(cfg: Any, run_dir: RunDir, log: Any, resume: bool, anchor_demos: list[P
     # first and needs this rank for it; this rank leaves when rank 0 says stop or its connection drops.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
         signal.signal(sig, lambda *_: log.info("signal_left_to_rank0"))
-    JobChannel(dist, Trainer(cfg.learner, cfg.model, temperature, cfg.run.seed, dist, anchor_demos)).follow(log)
+    JobChannel(dist, Trainer(cfg.learner, cfg.model, temperature, cfg.run.seed, dist, anchor_demos,
+                             ImageStore(run_dir.images))).follow(log)
     dist.close()
     return 0

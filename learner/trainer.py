@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from common import protocol as P
 from common.model import ModelConfig, build_model, build_tokenizer, token_logprobs, torch_dtype
+from common.vision import Image, ImageStore, ImageStoreError
 from learner import checkpoint as ckpt
 from learner.batch import (Sample, build_samples, collate, loglinear_prox, micro_batches, token_entropy,
                            turn_samples)
@@ -111,13 +112,18 @@ class Trainer:
     """
 
     def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, temperature: float = 1.0, seed: int = 0,
-                 dist: DistContext | None = None, anchor_demos: list[P.Trajectory] | None = None):
+                 dist: DistContext | None = None, anchor_demos: list[P.Trajectory] | None = None,
+                 images: ImageStore | None = None):
         cfg.validate()  # resolves the loss and advantage names: a bad one fails before any batch is consumed
         self.cfg, self.model_cfg, self.temperature = cfg, model_cfg, temperature
         self.dist = dist or DistContext()
         self.device = self.dist.device(cfg.device)
         torch.manual_seed(seed)  # the same on every rank: all shards come from one initialisation
         self.tokenizer = build_tokenizer(model_cfg)
+        # A VLM's samples name their images by content hash; they are read from ``images`` (the run's image store)
+        # and become the same pixel inputs and positions the engine used (common/vision.py).
+        self.vision, self.images = self.tokenizer.vision, images
+        self.banned = torch.tensor(self.vision.banned_ids, dtype=torch.long) if self.vision is not None else None
         # Master weights (what AdamW steps and checkpoints hold) are float32 whatever the compute dtype: at
         # fine-tuning learning rates (~1e-6) most bf16 updates would round away. ``net`` runs the passes.
         self.compute_dtype = torch_dtype(model_cfg, self.device)
@@ -149,7 +155,25 @@ class Trainer:
         self.counters: dict[str, int] = {}
 
     def _logprobs(self, model: Any, tb: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_logprobs(model, tb.input_ids, tb.attention_mask, self.temperature, self.tokenizer.vocab_size)
+        return token_logprobs(model, tb.input_ids, tb.attention_mask, self.temperature, self.tokenizer.vocab_size,
+                              tb.vision, self.banned)
+
+    def _image_available(self, dig: str) -> bool:
+        if self.images is None:
+            return False
+        try:
+            self.images.get(dig)
+            return True
+        except ImageStoreError:
+            return False
+
+    def _with_vision(self, tb: Any) -> Any:
+        """A VLM's micro-batch with its image inputs and positions (computed once, used by every pass over it)."""
+        if self.vision is not None:
+            rows = [[Image(d, self.images.get(d)) for d in row] for row in tb.images] if any(tb.images) else \
+                [[] for _ in tb.images]
+            tb.vision = self.vision.model_inputs(self.model, tb.input_ids, tb.attention_mask, rows)
+        return tb
 
     def _frozen_copy(self) -> Any:
         ref = copy.deepcopy(self.model).eval()
@@ -186,7 +210,8 @@ class Trainer:
                 outcomes[g.group_id] = "incomplete"
             else:
                 fresh.append(g)
-        samples, stats = build_samples(fresh, self.cfg.advantage, self.tokenizer.vocab_size, self.version)
+        samples, stats = build_samples(fresh, self.cfg.advantage, self.tokenizer.vocab_size, self.version,
+                                       self._image_available if self.vision is not None else None)
         outcomes.update(stats["dropped"])
         for reason in outcomes.values():
             self._count(f"groups_dropped_{reason}")
@@ -224,7 +249,7 @@ class Trainer:
         groups = micro_batches(samples, self.cfg.micro_batch_tokens)
         n = dist.max_int(len(groups))
         groups += [padding_micro_batch(pad) for _ in range(n - len(groups))]
-        return [collate(mb, pad, self.device) for mb in groups]
+        return [self._with_vision(collate(mb, pad, self.device)) for mb in groups]
 
     def _update(self, samples: list[Sample], terms: list[Term], updates: int, anchor: list[Sample] = ()) -> dict | None:
         """``updates`` optimizer steps on ``samples`` (and the anchor's demo turns) minimising ``terms``; None

@@ -9,6 +9,8 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
+from common.vision import is_digest
+
 CONTROL_TOPIC = b"ctl"
 """ZeroMQ topic of the broker's published ``Control`` messages (frame 0 before the message's frames)"""
 
@@ -132,6 +134,7 @@ class TurnView:
     format_error: bool
     observation: str
     action: str
+    images: tuple[str, ...] = ()  # content hashes of the images in the prompt, in order (common/vision.py)
 
 
 @dataclass
@@ -172,6 +175,8 @@ class Trajectory(Record):
     finish_reason: str = ""
     env_error: str = ""
     timings: dict = field(default_factory=dict)
+    images: list = field(default_factory=list)
+    """per turn, the content hashes of the images in its prompt, in order (a VLM's; empty for text policies)"""
 
     @property
     def num_turns(self) -> int:
@@ -198,6 +203,7 @@ class Trajectory(Record):
             format_errors=np.array([t.format_error for t in turns], np.uint8),
             observations=[t.observation for t in turns],
             actions=[t.action for t in turns],
+            images=[list(t.images) for t in turns] if any(t.images for t in turns) else [],
             **extra,
         )
 
@@ -211,6 +217,7 @@ class Trajectory(Record):
             self.loss_mask[o0:o1], float(self.turn_rewards[i]), bool(self.format_errors[i]),
             self.observations[i] if i < len(self.observations) else "",
             self.actions[i] if i < len(self.actions) else "",
+            tuple(self.images[i]) if self.images else (),
         )
 
     def validate(self) -> None:
@@ -238,6 +245,12 @@ class Trajectory(Record):
             raise ProtocolError("bad_trajectory", "turn lengths do not sum to the token arrays")
         if not (len(self.logprobs) == len(self.versions) == len(self.loss_mask) == n_out):
             raise ProtocolError("bad_trajectory", "per-token arrays differ in length")
+        if self.images:
+            if len(self.images) != t:
+                raise ProtocolError("bad_trajectory", "images: one list per turn expected")
+            for refs in self.images:
+                if not isinstance(refs, list) or not all(is_digest(r) for r in refs):
+                    raise ProtocolError("bad_trajectory", "images: each turn's entry must be a list of content hashes")
 
 
 @dataclass

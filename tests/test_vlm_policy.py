@@ -1,0 +1,155 @@
+"""Vision-language policies: screenshots in prompts by content hash, stored once, rebuilt by the learner into the same
+model inputs the engine used. The checkpoint is a tiny Qwen2-VL built here (``launch.tiny_checkpoints``)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from actor.engine import EngineConfig, HFEngine, SamplingParams  # noqa: E402
+from actor.episode import LocalEnv, LockstepPolicy, play_episode  # noqa: E402
+from actor.prompt import EpisodePrompt, PromptConfig  # noqa: E402
+from common import protocol as P  # noqa: E402
+from common.model import ModelConfig, model_kind  # noqa: E402
+from common.vision import Image, ImageStore, ImageStoreError  # noqa: E402
+from env_server.sim.backend import SimBackend, SimConfig  # noqa: E402
+from launch.tiny_checkpoints import vlm_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return vlm_checkpoint(tmp_path_factory.mktemp("vlm"), corpus_episodes=20)
+
+
+@pytest.fixture(scope="module")
+def engine(vlm_dir):
+    return HFEngine(ModelConfig(path=str(vlm_dir)), EngineConfig(seed=1))
+
+
+def screen(task: str = "sim:train:files_delete/1") -> tuple[SimBackend, dict]:
+    backend = SimBackend(SimConfig(screenshot="png"))
+    return backend, backend.reset(task)
+
+
+def test_the_image_store_keeps_each_image_once_and_checks_what_it_reads(tmp_path):
+    store = ImageStore(tmp_path / "images")
+    img = Image.of(b"\x89PNG fake bytes")
+    assert store.put(img) and not store.put(img) and not ImageStore(tmp_path / "images").put(img)
+    assert store.stats["images_written"] == 1 and store.get(img.digest) == img.data
+    store.path(img.digest).write_bytes(b"tampered")
+    with pytest.raises(ImageStoreError, match="corrupt"):
+        ImageStore(tmp_path / "images").get(img.digest)
+    with pytest.raises(ImageStoreError, match="not in the store"):
+        store.get("0" * 64)
+    with pytest.raises(ImageStoreError, match="not an image digest"):
+        store.get("../../etc/passwd")
+
+
+def test_prompts_hold_screenshots_as_expanded_placeholders(engine):
+    tok = engine.tokenizer
+    vision = tok.vision
+    _, obs = screen()
+    prompt = EpisodePrompt(tok, PromptConfig(style="minimal", observation="screenshot", history_images=2),
+                           obs["instruction"])
+    ids = prompt.build(obs)
+    shot = Image.of(obs["screenshot"])
+    assert [i.digest for i in prompt.images] == [shot.digest]
+    assert ids.count(vision.image_token_id) == vision.tokens_for(shot) > 0
+    assert "taskbar button" not in tok.tok.decode(ids), "screenshot only: no tree text"
+    for k in range(3):  # past turns keep their screenshot while within history_images
+        prompt.record([*tok.encode('click("Files")'), tok.eos_id], "ok")
+        ids = prompt.build(obs)
+        assert len(prompt.images) == 2 and ids.count(vision.image_token_id) == 2 * vision.tokens_for(shot)
+    both = EpisodePrompt(tok, PromptConfig(style="minimal", observation="both"), obs["instruction"]).build(obs)
+    assert "taskbar button" in tok.tok.decode(both)
+    from common.tokenizer import ByteTokenizer
+    with pytest.raises(ValueError, match="vision-language model"):
+        EpisodePrompt(ByteTokenizer(), PromptConfig(observation="screenshot"), "x")
+    with pytest.raises(ValueError, match="no screenshot"):
+        EpisodePrompt(tok, PromptConfig(observation="screenshot"), "x").build({"text": "tree only"})
+
+
+def test_the_engine_never_samples_an_image_placeholder(engine):
+    tok = engine.tokenizer
+    _, obs = screen()
+    prompt = EpisodePrompt(tok, PromptConfig(style="minimal", observation="screenshot"), obs["instruction"])
+    ids = prompt.build(obs)
+    gens = engine.generate([ids] * 8, SamplingParams(max_new_tokens=24, temperature=1.5), [prompt.images] * 8)
+    assert not {t for g in gens for t in g.token_ids} & set(tok.vision.banned_ids)
+
+
+def _episodes(engine, store: ImageStore, n: int = 4, task: str = "sim:train:files_delete/2") -> list:
+    """n sampled episodes from one screen, their images put in ``store`` as an actor does."""
+    pc = PromptConfig(style="minimal", observation="both", history_images=2, max_prompt_tokens=2048)
+    backends = [SimBackend(SimConfig(screenshot="png")) for _ in range(n)]
+    policy = LockstepPolicy(engine, SamplingParams(max_new_tokens=24), n)
+
+    async def storing(ids, obs, images):
+        for img in images:
+            store.put(img)
+        return await policy(ids, obs, images)
+
+    async def one(backend):
+        try:
+            return await play_episode(LocalEnv(backend), storing, task, engine.tokenizer, pc, 3)
+        finally:
+            policy.finished()
+
+    async def main():
+        return await asyncio.gather(*(one(b) for b in backends))
+
+    return asyncio.run(main())
+
+
+def _group(episodes) -> P.TrajectoryGroup:
+    trajs = [ep.trajectory(uuid.uuid4().hex[:8]) for ep in episodes]
+    return P.TrajectoryGroup(group_id=uuid.uuid4().hex, ticket_id="t", task_id="sim:train:files_delete/2",
+                             actor_id="a", trajectories=trajs, behavior_version_min=0, behavior_version_max=0)
+
+
+def test_the_learner_rebuilds_image_inputs_and_scores_tokens_as_the_engine_did(vlm_dir, engine, tmp_path):
+    from learner.config import LearnerConfig
+    from learner.trainer import Trainer
+
+    store = ImageStore(tmp_path / "images")
+    episodes = _episodes(engine, store)
+    group = _group(episodes)
+    assert all(len(t.images) == t.num_turns and t.images[0] for t in group.trajectories)
+    shots = {d for t in group.trajectories for refs in t.images for d in refs}
+    assert store.stats["images_written"] == len(shots), "each distinct screenshot stored once"
+    assert len(shots) < sum(len(refs) for t in group.trajectories for refs in t.images), "rollouts share a screen"
+    wire = P.decode(P.encode(group))
+    assert wire.trajectories[0].images == group.trajectories[0].images
+
+    cfg = LearnerConfig(lr=1e-4)
+    cfg.advantage.drop_zero_variance = False
+    trainer = Trainer(cfg, ModelConfig(path=str(vlm_dir)), images=ImageStore(tmp_path / "images"))
+    out = trainer.train_step([wire])
+    assert out.get("mismatch_tokens", 0) > 0, out
+    assert out["mismatch_abs_max"] < 1e-4, out["mismatch_abs_max"]
+    print(f"log-prob agreement with images: mean {out['mismatch_abs_mean']:.2e}, max {out['mismatch_abs_max']:.2e} "
+          f"over {out['mismatch_tokens']} tokens")
+
+    # a group naming an image the store does not have is dropped and counted, nothing raised
+    missing = P.decode(P.encode(group))
+    missing.group_id = "missing-image"
+    missing.trajectories[1].images[0][0] = "f" * 64
+    res = trainer.train_step([missing])
+    assert res["outcomes"][missing.group_id] == "image_missing" and trainer.counters["groups_dropped_image_missing"]
+
+
+def test_model_kind_is_read_from_the_checkpoint(vlm_dir, tmp_path):
+    assert model_kind(ModelConfig(path=str(vlm_dir))) == "vlm"
+    assert model_kind(ModelConfig()) == "causal"
+    with pytest.raises(ValueError, match="needs model.path"):
+        ModelConfig(kind="vlm").validate()
+    bad = P.Trajectory.from_turns("x", 0.0, False, [P.TurnView(np.zeros(3, np.int32), np.zeros(1, np.int32),
+                                                               np.zeros(1, np.float32), np.zeros(1, np.int32),
+                                                               np.ones(1, np.uint8), 0.0, False, "", "", ("zz",))])
+    with pytest.raises(P.ProtocolError, match="content hashes"):
+        bad.validate()
