@@ -23,14 +23,20 @@ class OraclePolicy:
     """The task's scripted solver as a policy: reads the live sim desktop, answers with its next action (as the
     ids the tokenizer gives it plus the token that ends a turn); None once the script is over. Keeps what it saw."""
 
-    def __init__(self, backend: Any, tokenizer: Any, route: str, demo: Any, rng: random.Random):
+    def __init__(self, backend: Any, tokenizer: Any, route: str, demo: Any, rng: random.Random,
+                 images: Any = None):
         self.backend, self.tok, self.route, self.demo, self.rng = backend, tokenizer, route, demo, rng
+        self.images = images  # where a VLM's screenshots go (common.vision.ImageStore), for whoever trains on them
         self.end = tokenizer.eos_id
         self.actions = None
         self.seen: list[tuple[dict, str]] = []  # (observation, action) per turn
 
     async def __call__(self, prompt_ids: list[int], obs: dict, images: list) -> Generation | None:
         from env_server.sim import tasks as sim_tasks
+        if images and self.images is None:
+            raise ValueError("demonstrations with screenshots need an image store to put them in")
+        for img in images:
+            self.images.put(img)
         if self.actions is None:
             self.actions = sim_tasks.oracle(self.backend.task, self.backend.desk, self.route, self.demo, self.rng)
         action = next(self.actions, None)
@@ -42,35 +48,40 @@ class OraclePolicy:
 
 
 def demonstrate(backend: Any, task_id: str, route: str = "gui", demo: Any = None, seed: int = 0,
-                tokenizer: Any = None, prompt_cfg: Any = None) -> tuple[Episode, list[tuple[dict, str]]]:
-    """One oracle episode of ``task_id`` on a sim ``backend``: the episode, and the (observation, action) pairs."""
+                tokenizer: Any = None, prompt_cfg: Any = None,
+                images: Any = None) -> tuple[Episode, list[tuple[dict, str]]]:
+    """One oracle episode of ``task_id`` on a sim ``backend``: the episode, and the (observation, action) pairs.
+    ``images``: the store a VLM prompt's screenshots are put in."""
     from actor.prompt import PromptConfig
     from common.tokenizer import ByteTokenizer
     tok = tokenizer or ByteTokenizer()
-    policy = OraclePolicy(backend, tok, route, demo, random.Random(f"demo/{task_id}/{route}/{seed}"))
+    policy = OraclePolicy(backend, tok, route, demo, random.Random(f"demo/{task_id}/{route}/{seed}"), images)
     episode = asyncio.run(play_episode(LocalEnv(backend), policy, task_id, tok, prompt_cfg or PromptConfig()))
     return episode, policy.seen
 
 
 def record_demos(suite: str, count: int, prompt_cfg: Any, tokenizer: Any, route: str = "api",
-                 detour_prob: float = 0.0, wrong_choice_prob: float = 0.0, seed: int = 0) -> list[P.Trajectory]:
+                 detour_prob: float = 0.0, wrong_choice_prob: float = 0.0, seed: int = 0,
+                 images: Any = None) -> list[P.Trajectory]:
     """Demonstrations of the first ``count`` task seeds of ``suite`` (``sim:<split>[:fam,...]``).
 
     ``route``: api | gui | mixed (a random one per demo); ``detour_prob`` and ``wrong_choice_prob`` make
-    demos imperfect (harmless detours, the wrong item on ambiguous screens). Deterministic for its arguments."""
+    demos imperfect (harmless detours, the wrong item on ambiguous screens). Deterministic for its arguments.
+    A prompt that shows screenshots (``prompt_cfg.observation``) gets them rendered, and put in ``images``."""
     from env_server.sim import tasks as sim_tasks
-    from env_server.sim.backend import SimBackend
+    from env_server.sim.backend import SimBackend, SimConfig
 
     sim_tasks.parse_suite(suite)  # a clear error for a bad suite before any work
     if route not in ROUTES:
         raise ValueError(f"demo route must be api, gui or mixed, not {route!r}")
     demo = sim_tasks.DemoConfig(detour_prob, wrong_choice_prob)
     rng = random.Random(seed)
-    backend = SimBackend()
+    backend = SimBackend(SimConfig(screenshot="png" if prompt_cfg.observation != "tree" else "none"))
     out = []
     for task_seed in range(count):
         task_route = route if route != "mixed" else rng.choice(("api", "gui"))
-        episode, _ = demonstrate(backend, f"{suite}/{task_seed}", task_route, demo, seed, tokenizer, prompt_cfg)
+        episode, _ = demonstrate(backend, f"{suite}/{task_seed}", task_route, demo, seed, tokenizer, prompt_cfg,
+                                 images)
         if episode.turns:
             out.append(episode.trajectory(f"demo-{task_seed}"))
     return out
@@ -89,8 +100,10 @@ def record_anchor_demos(cfg: Any, run_dir: Any, log: Any = None) -> int:
     except demofile.DemoFileError:
         pass  # absent, or recorded for other settings: record anew
     t0 = time.monotonic()
+    from common.vision import ImageStore
+
     demos = record_demos(anchor.suite, anchor.demos, cfg.actor.prompt, build_tokenizer(cfg.model), anchor.route,
-                         seed=anchor.seed)
+                         seed=anchor.seed, images=ImageStore(run_dir.images))
     demofile.save(path, demos, settings)
     if log is not None:
         log.info("anchor_demos_recorded", path=str(path), suite=anchor.suite, demos=len(demos),

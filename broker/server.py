@@ -509,6 +509,7 @@ class Broker:
             "lag_hist": self.lag_hist.as_dict(),
             "fsyncs": self.spill.fsyncs,
             "phase": self.control.phase,
+            "loop_stalled_s": round(self.actors.deaf_s, 2),  # own stalls credited to peers' liveness
         }
 
     def write_metrics(self, now: float) -> None:

@@ -95,12 +95,15 @@ def model_kind(cfg: ModelConfig) -> str:
 
 def build_tokenizer(cfg: ModelConfig):
     """The policy's tokenizer; a VLM's also carries its image processor (``.vision``), as a HF processor would."""
-    from common.tokenizer import load_tokenizer
+    from common.tokenizer import ByteTokenizer, load_tokenizer
 
     tok = load_tokenizer(cfg.tokenizer, cfg.tokenizer_path or cfg.path, cfg.path)
     if model_kind(cfg) == "vlm":
         from common.vision import VisionProcessor
 
+        if isinstance(tok, ByteTokenizer):
+            raise ValueError("model.tokenizer is byte, and a vision-language model reads its own tokenizer: set "
+                             "model.tokenizer to auto (or hf)")
         if not tok.chat_template:
             raise ValueError(f"model.kind vlm: the tokenizer at {cfg.tokenizer_path or cfg.path} has no chat template "
                              "(images enter prompts through the template's image placeholders)")

@@ -411,6 +411,7 @@ class EnvServer:
             "steps_per_s": round((steps - steps0) / max(now - t0, 1e-9), 1),
             "step_ms_p50": round(percentile(lat, 50), 3) if lat else None,
             "step_ms_p99": round(percentile(lat, 99), 3) if lat else None,
+            "loop_stalled_s": round(self.peers.deaf_s, 2),  # own stalls credited to peers' liveness
             "counters": dict(self.counters),
         })
         self._metrics_t0 = (now, steps)

@@ -74,6 +74,10 @@ def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> R
             found = here if here.exists() else beside if beside is not None and beside.exists() else None
             if found is not None:  # not there at all: left as written (pretrain may be about to make it)
                 setattr(cfg.model, attr, str(found.resolve()))
+    shows = cfg.actor.prompt.observation
+    if shows != "tree" and cfg.env_server.backend == "sim" and cfg.env_server.sim.screenshot == "none":
+        raise configlib.ConfigError(f"actor.prompt.observation {shows} shows screenshots, and "
+                                    "env_server.sim.screenshot is none: set it to png (or jpeg)")
     return cfg
 
 

@@ -42,7 +42,8 @@ def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sa
     try:
         for i in range(0, len(task_ids), chunk):
             ids = task_ids[i:i + chunk]
-            envs = pool[:len(ids)] if real else [SimBackend(SimConfig()) for _ in ids]
+            shots = "png" if prompt_cfg.observation != "tree" else "none"
+            envs = pool[:len(ids)] if real else [SimBackend(SimConfig(screenshot=shots)) for _ in ids]
             episodes = asyncio.run(play_lockstep(envs, ids, engine, sampling, engine.tokenizer, prompt_cfg, max_steps))
             for ep in episodes:
                 steps += len(ep.turns)

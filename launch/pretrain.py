@@ -15,12 +15,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from common import protocol as P
+from common.vision import ImageStore
 
 
 @dataclass
@@ -65,14 +67,16 @@ class PretrainConfig:
             raise ValueError("seeds, steps and batch_samples must be >= 1")
 
 
-def demo_trajectories(cfg: PretrainConfig, prompt_cfg: Any, tokenizer: Any, log: Any = None) -> list[P.Trajectory]:
-    """Record demonstrations as token-in/token-out trajectories (one turn per demo step)."""
+def demo_trajectories(cfg: PretrainConfig, prompt_cfg: Any, tokenizer: Any, log: Any = None,
+                      images: Any = None) -> list[P.Trajectory]:
+    """Record demonstrations as token-in/token-out trajectories (one turn per demo step); a VLM prompt's screenshots
+    go to ``images`` (an ImageStore)."""
     from actor.demos import record_demos
     from env_server.sim import tasks as sim_tasks
 
     suite = f"sim:train:{','.join(cfg.families or sim_tasks.FAMILY_NAMES)}"
     out = record_demos(suite, cfg.seeds, prompt_cfg, tokenizer, cfg.route, cfg.detour_prob, cfg.wrong_choice_prob,
-                       cfg.seed)
+                       cfg.seed, images)
     if log is not None:
         log.info("demos_recorded", trajectories=len(out), steps=sum(t.num_turns for t in out))
     return out
@@ -98,9 +102,11 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
     # The learner's own LR schedule: linear warm-up, then cosine decay to 0 at the last step.
     schedule = LearnerConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule="cosine", total_steps=cfg.steps,
                              min_lr_ratio=0.0, keep_checkpoints=1)
-    trainer = Trainer(schedule, model_cfg, seed=cfg.seed)
+    # A VLM's demo screenshots live in a store beside the output while it trains (the policy needs none after).
+    images = ImageStore(Path(out_dir).with_name(f".{Path(out_dir).name}-images"))
+    trainer = Trainer(schedule, model_cfg, seed=cfg.seed, images=images)
     t0 = time.monotonic()
-    trajs = demo_trajectories(cfg, prompt_cfg, trainer.tokenizer, log)
+    trajs = demo_trajectories(cfg, prompt_cfg, trainer.tokenizer, log, images)
     # One sample per demo step: split trajectories into single-turn pieces so batches mix tasks and steps.
     pieces = []
     for tr in trajs:
@@ -123,6 +129,7 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
     path = trainer.export(out_dir, {"pretrain": {**dataclasses.asdict(cfg), **result, "started_from": started_from},
                                     "prompt": dataclasses.asdict(prompt_cfg)})  # eval rebuilds the same prompts
     result["checkpoint"] = str(path)
+    shutil.rmtree(images.root, ignore_errors=True)
     if cfg.eval_episodes:
         result["heldout"] = evaluate_base(path, cfg, model_cfg, prompt_cfg)
     return result

@@ -16,6 +16,7 @@ from common.audit import AuditLog
 from common.exitcodes import EXIT_RESUMABLE
 from common.metrics import MetricsWriter
 from common.model import ModelConfig
+from common.signals import StopSignals
 from common.vision import ImageStore
 from common.rundir import RunDir
 from learner import checkpoint as ckpt
@@ -122,9 +123,7 @@ class Learner:
         broker think the learner died."""
         import concurrent.futures as cf
 
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
-                signal.signal(sig, lambda *_: self.request_stop(True))
+        signalled = StopSignals().install((signal.SIGTERM, signal.SIGUSR2, signal.SIGINT))
         t, c = self.trainer, self.client
         ready = c.connect(60)
         t.eta = int(ready.info.get("eta", 0)) if ready.info else None
@@ -140,6 +139,9 @@ class Learner:
         sft_requested = False
         try:
             while not self._stop.is_set():
+                if signalled.requested:
+                    self.request_stop(True)
+                    break
                 c.poll(0.05)
                 if job is not None:
                     if not job.done():

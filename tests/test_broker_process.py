@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import pytest
 
 from broker.client import ActorBrokerClient, LearnerBrokerClient
+from common.exitcodes import EXIT_RESUMABLE
 from tests.conftest import broker_process, kill9, make_group, make_net, pump
 
 pytestmark = pytest.mark.slow
@@ -124,3 +126,19 @@ def test_kill9_mid_write_torn_tail_recovers(tmp_path, quiet_log):
         proc.terminate()
         proc.wait(10)
     actor.close()
+
+
+def test_a_burst_of_stop_signals_stops_the_broker_cleanly(tmp_path):
+    """Signals delivered while a handler (or the loop) is inside a lock must not deadlock: the handlers only set
+    a flag (common/signals.py). Before, two SIGTERMs in a row could hang a role in Event.set forever."""
+    net = make_net()
+    proc = broker_process(tmp_path / "run", net)
+    log = tmp_path / "run" / "logs" / "broker-0.jsonl"
+    deadline = time.monotonic() + 60
+    while not (log.exists() and '"broker_ready"' in log.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None, "the broker did not come up"
+        time.sleep(0.1)
+    for _ in range(200):
+        proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == EXIT_RESUMABLE, "stopped by a signal: resumable"
+    assert any(json.loads(x)["event"] == "broker_stopped" for x in log.read_text().splitlines())

@@ -248,3 +248,22 @@ def test_a_blocking_call_keeps_other_answers_for_poll(env_server, quiet_log):
     got = c.poll(1.0)
     assert [m.request_id for m in got] == [rid] and got[0].obs["step"] == 0
     c.close()
+
+
+def test_a_servers_own_stall_does_not_count_as_its_peers_silence():
+    """A loop held up longer than the liveness window (heartbeats waiting unread) expires nobody; real silence
+    while the server listens still does."""
+    from common.net.server import PeerTable
+
+    peers = PeerTable(dead_after_s=3.0)
+    peers.touch(b"a", 0.0, "actor-a")
+    assert peers.expire(0.25) == []
+    assert peers.expire(10.0) == [], "a 9.75 s stall of the server's own loop is not the actor's silence"
+    assert peers.deaf_s == 9.75
+    now = 10.0
+    while now < 14.0:  # now the server listens, and the actor says nothing
+        now += 0.25
+        dead = peers.expire(now)
+        if dead:
+            break
+    assert [p.peer_id for p in dead] == ["actor-a"] and 12.9 < now < 13.6

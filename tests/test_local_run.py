@@ -181,3 +181,40 @@ def test_a_pretrained_chat_checkpoint_trains_through_its_own_template(tmp_path):
                         timeout=300)
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert json.loads(ev.stdout.strip().splitlines()[-1])["episodes"] == 2
+
+
+def test_a_vision_language_checkpoint_trains_on_screenshots(tmp_path):
+    """`model.path` at a VLM (tiny Qwen2-VL built here): actors show it screenshots only, the images go to the
+    run's store once, the learner rebuilds them into the same inputs (tokens scored as the engine did), weights go
+    back, and the checkpoint (with its image processor) evaluates on screenshots."""
+    from launch.tiny_checkpoints import vlm_checkpoint
+
+    vlm = vlm_checkpoint(tmp_path / "vlm", corpus_episodes=20)
+    run_dir = tmp_path / "run"
+    p = _run(run_dir, f"model.path={vlm}", "model.tokenizer=auto", "actor.prompt.observation=screenshot",
+             "env_server.sim.screenshot=png", "learner.total_steps=2", "learner.checkpoint_every=0",
+             "learner.advantage.drop_zero_variance=false", "learner.anchor.demos=8", "local.eval_episodes=0",
+             "broker.tasks.suite=sim:train:files_delete")
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out[-3000:]
+    recs = [json.loads(x) for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2]
+    same = [r for r in recs if r.get("mismatch_tokens")]
+    assert same and max(r["mismatch_abs_max"] for r in same) < 1e-4, "images rebuilt as the engine saw them"
+    actors = [[json.loads(x) for x in (run_dir / "metrics" / f"actor-{i}.jsonl").read_text().splitlines()][-1]
+              for i in (0, 1)]
+    assert all(a["counters"]["weight_updates"] >= 1 for a in actors)
+    stored = [f for f in (run_dir / "images").rglob("*") if f.is_file()]
+    written = sum(a["counters"].get("images_written", 0) for a in actors)
+    seen = written + sum(a["counters"].get("images_deduplicated", 0) for a in actors)
+    assert stored and written <= len(stored) and seen > written, "each screenshot stored once, most seen again"
+    env = [json.loads(x) for x in (run_dir / "metrics" / "env_server-0.jsonl").read_text().splitlines()]
+    assert env[-1]["counters"].get("sessions_reclaimed", 0) == 0, "no live actor was taken for dead"
+    ck = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
+    assert (ck / "preprocessor_config.json").exists() and (ck / "tokenizer.json").exists()
+    ev = subprocess.run([sys.executable, "-m", "launch.cli", "eval", "--checkpoint", str(run_dir / "checkpoints"),
+                         "--suite", "sim:heldout:files_delete", "--episodes", "2", "--json"],
+                        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                        timeout=300)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    assert json.loads(ev.stdout.strip().splitlines()[-1])["episodes"] == 2

@@ -4,7 +4,6 @@ peers heartbeat every ``heartbeat_s``; one silent for ``liveness x heartbeat_s``
 from __future__ import annotations
 
 import dataclasses
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from typing import Any, Callable
 import zmq
 
 from common import protocol as P
+from common.signals import StopSignals
 from common.net.config import NetConfig
 from common.net.security import AuthMonitor, RateLimitedLog, Security, tune
 
@@ -90,11 +90,17 @@ class PeerState:
 
 
 class PeerTable:
-    """Who is alive: a peer silent for ``dead_after_s`` is expired (its leases are then reclaimed)."""
+    """Who is alive: a peer silent for ``dead_after_s`` is expired (its leases are then reclaimed).
+
+    Silence counts only while this server listened: when its own loop was held up between two checks (a long
+    step, a starved CPU), every peer is credited the gap, since their heartbeats may be waiting unread in the
+    socket. Otherwise one slow iteration would declare every live peer dead at once."""
 
     def __init__(self, dead_after_s: float):
         self.dead_after_s = dead_after_s
         self.peers: dict[bytes, PeerState] = {}
+        self.last_check: float | None = None
+        self.deaf_s = 0.0  # time credited to peers for this server's own stalls
 
     def touch(self, ident: bytes, now: float, peer_id: str = "", role: str = "") -> PeerState:
         p = self.peers.get(ident)
@@ -108,6 +114,12 @@ class PeerTable:
         return p
 
     def expire(self, now: float) -> list[PeerState]:
+        gap = now - self.last_check if self.last_check is not None else 0.0
+        self.last_check = now
+        if gap > self.dead_after_s / 3:
+            self.deaf_s += gap
+            for p in self.peers.values():
+                p.last_seen = min(now, p.last_seen + gap)
         dead = [p for p in self.peers.values() if now - p.last_seen > self.dead_after_s]
         for p in dead:
             del self.peers[p.ident]
@@ -133,13 +145,13 @@ def serve(step: Callable[[], None], stop: threading.Event, log: Any, counters: d
     An exception in one step is counted (``internal_errors``) and logged, and the loop goes on: a bug in
     one handler must not take a server down with all the state it holds.
     """
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-    while not stop.is_set() and not done():
+    signalled = StopSignals().install()
+    while not stop.is_set() and not signalled.requested and not done():
         try:
             step()
         except Exception:
             counters["internal_errors"] = counters.get("internal_errors", 0) + 1
             log.exception(f"{role}_internal_error")
             time.sleep(0.01)
+    if signalled.requested:
+        stop.set()  # outside the handler: whoever else watches ``stop`` sees it too

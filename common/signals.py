@@ -1,0 +1,33 @@
+"""Stop requests from signals (SIGTERM, SIGINT, Slurm's SIGUSR2), made without taking a lock.
+
+A Python signal handler runs in the main thread between two bytecodes, possibly in the middle of code that holds a
+lock (``threading.Event.set`` holds its condition's lock; a second signal can arrive while the first handler is in
+there). A handler that takes the same lock waits for itself forever: a learner hit by two SIGTERMs hung that way.
+So the handler only writes an attribute, and the role's loop, which polls anyway, acts on it outside the handler.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Iterable
+
+
+class StopSignals:
+    """Set by the first of ``signals`` delivered to this process; read with ``requested`` (no lock either way)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signum = 0
+
+    def install(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> "StopSignals":
+        """Install the handlers (only the main thread may; elsewhere this does nothing and ``requested`` stays
+        False)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in signals:
+                signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.signum = self.signum or signum
+        self.requested = True
