@@ -285,3 +285,76 @@ def run_bench(payload_bytes: int, persist: bool, num_actors: int, groups: int, r
         "raw_runs_mb_per_s": [round(mbps(r), 1) for r in raw_runs],
         "dropped_stale": sum(r["dropped_stale"] for r in our_runs),  # stragglers past η: counted, not delivered
     }
+
+
+# ----- screenshot-bearing groups ---------------------------------------------------------------
+
+
+def screenshot_groups(groups: int = 8, turns: int = 5, history_images: int = 2, image_tokens: int = 60,
+                      seed: int = 0) -> tuple[list, dict]:
+    """VLM-shaped groups from real sim screenshots: G rollouts per task from the same start screen, each turn's prompt
+    holding the current and the last ``history_images - 1`` screenshots (``image_tokens`` placeholders each, as the
+    tiny Qwen2-VL's 1280x720 screenshots take). Returns the groups (images by content hash) and the PNG bytes of
+    every distinct image."""
+    import random
+
+    from common import protocol as P
+    from common.vision import Image
+    from env_server.sim.backend import SimBackend, SimConfig
+
+    rng = random.Random(seed)
+    backend = SimBackend(SimConfig(screenshot="png"))
+    blobs: dict[str, bytes] = {}
+    out = []
+    actions = ('open_app("Files")', 'open_app("Sheet")', 'open_app("Editor")', 'click(x=100, y=700)', "wait()")
+    for g in range(groups):
+        trajs = []
+        for r in range(GROUP_SIZE):
+            obs = backend.reset(f"sim:train/{g}")
+            shots: list[str] = []
+            views = []
+            for t in range(turns):
+                img = Image.of(obs["screenshot"])
+                blobs[img.digest] = img.data
+                shots.append(img.digest)
+                shown = shots[-history_images:]
+                prompt = np.concatenate([np.arange(200 + 40 * t, dtype=np.int32) % 256,
+                                         np.full(image_tokens * len(shown), 1000, np.int32)])
+                out_len = rng.randint(8, 24)
+                views.append(P.TurnView(prompt, np.arange(out_len, dtype=np.int32), np.full(out_len, -0.5, np.float32),
+                                        np.zeros(out_len, np.int32), np.ones(out_len, np.uint8), 0.0, False, "",
+                                        "", tuple(shown)))
+                obs = backend.step(rng.choice(actions)).obs
+            trajs.append(P.Trajectory.from_turns(f"{g}-{r}", 0.0, False, views))
+        out.append(P.TrajectoryGroup(group_id=uuid.uuid4().hex, ticket_id="t", task_id=f"sim:train/{g}",
+                                     actor_id="a", trajectories=trajs, behavior_version_min=0,
+                                     behavior_version_max=0, created_at=time.monotonic()))
+    return out, blobs
+
+
+def screenshot_traffic(groups: int = 8, turns: int = 5, history_images: int = 2) -> dict:
+    """Bytes per trajectory of screenshot-bearing groups: with content addressing (the group's wire bytes, plus each
+    distinct image once in the store, amortized) against the same turns carrying their images inline (every image
+    reference replaced by its PNG bytes: what a trajectory weighs without content addressing)."""
+    from common import protocol as P
+
+    gs, blobs = screenshot_groups(groups, turns, history_images)
+    trajs = sum(len(g.trajectories) for g in gs)
+    wire = sum(P.frames_nbytes(P.encode(g)) for g in gs)
+    refs = [d for g in gs for t in g.trajectories for turn in t.images for d in turn]
+    inline = wire - sum(len(d) for d in refs) + sum(len(blobs[d]) for d in refs)
+    stored = sum(len(b) for b in blobs.values())
+    return {
+        "screenshot_trajectories": trajs,
+        "image_references": len(refs),
+        "distinct_images": len(blobs),
+        "png_bytes_mean": round(stored / max(len(blobs), 1)),
+        "bytes_per_trajectory_wire": round(wire / trajs),
+        "bytes_per_trajectory_stored": round(stored / trajs),
+        "bytes_per_trajectory_content_addressed": round((wire + stored) / trajs),
+        "bytes_per_trajectory_inline": round(inline / trajs),
+        "content_addressing_saving": round(inline / max(wire + stored, 1), 2),
+        # the worst case for content addressing: every turn a screen never seen before (still stored once; the
+        # later turns that show it again as history only name it)
+        "bytes_per_trajectory_all_distinct": round(wire / trajs + turns * stored / max(len(blobs), 1)),
+    }

@@ -418,12 +418,16 @@ def bench() -> None:
 @click.option("--actors", "num_actors", default=2, show_default=True, help="K actor processes")
 @click.option("--groups", default=0, help="groups per actor (0 = about 384 MiB in total)")
 @click.option("--repeats", default=3, show_default=True, help="alternate raw/ours this many times, report medians")
+@click.option("--screenshots", is_flag=True, help="also: bytes per VLM trajectory with and without content addressing")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def bench_broker(payload_bytes: int, persist: str, num_actors: int, groups: int, repeats: int, as_json: bool) -> None:
+def bench_broker(payload_bytes: int, persist: str, num_actors: int, groups: int, repeats: int, screenshots: bool,
+                 as_json: bool) -> None:
     """K actor processes -> broker -> one consumer, vs bare ZeroMQ through a zmq.proxy."""
-    from launch.bench_broker import run_bench
+    from launch.bench_broker import run_bench, screenshot_traffic
 
     result = run_bench(payload_bytes, persist == "on", num_actors, groups, repeats)
+    if screenshots:
+        result.update(screenshot_traffic())
     _emit(result, as_json)
 
 
@@ -455,13 +459,15 @@ def bench_env(backend: str, sessions: int, desktops: int, steps: int, clients: i
 @click.option("--max-new-tokens", default=48, show_default=True, help="tokens per turn")
 @click.option("--hidden", default=64, show_default=True, help="width of the tiny model")
 @click.option("--device", default="cpu", show_default=True, help="engine device: cpu | cuda | cuda:N")
+@click.option("--model", "kind", default="tiny", show_default=True, type=click.Choice(["tiny", "vlm"]),
+              help="tiny: byte-level text model | vlm: tiny Qwen2-VL on screenshots")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: int, hidden: int, device: str,
-                as_json: bool) -> None:
+                kind: str, as_json: bool) -> None:
     """A whole actor against the sim desktop vs its engine alone on the same prompts."""
     from launch.bench_actor import run_bench
 
-    result = run_bench(groups, group_size, max_groups, max_new_tokens, hidden, device)
+    result = run_bench(groups, group_size, max_groups, max_new_tokens, hidden, device, kind)
     _emit(result, as_json)
 
 
