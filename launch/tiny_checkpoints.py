@@ -6,8 +6,9 @@ safetensors weights, generation_config.json, a tokenizer with its chat template)
 and a ChatML-style template (``<|im_start|>role ... <|im_end|>``) that closes turns with ``<|im_end|>``, the
 token ``generation_config.json`` names first among its end-of-sequence ids, as Qwen2.5-Instruct's does.
 
-``vlm_checkpoint``: a Qwen2-VL-architecture model (a two-block vision tower, patch 14, merge 2, and a two-layer
-language model with multimodal RoPE), the same kind of tokenizer with Qwen2-VL's vision tokens
+``vlm_checkpoint``: a Qwen2-VL-architecture model, or Qwen2.5-VL's (``arch="qwen2_5_vl"``) — a two-block vision
+tower, patch 14, merge 2, and a two-layer language model with multimodal RoPE —, the same kind of tokenizer with
+Qwen2-VL's vision tokens
 (``<|vision_start|><|image_pad|><|vision_end|>``), a ChatML template that writes them for image content parts, and
 Qwen2-VL's image processor capped at ``max_pixels`` (the PIL backend: no torchvision needed).
 """
@@ -102,10 +103,12 @@ def chat_checkpoint(out: str | Path, vocab_size: int = 1024, hidden_size: int = 
 
 def vlm_checkpoint(out: str | Path, vocab_size: int = 1024, hidden_size: int = 64, num_layers: int = 2,
                    vision_dim: int = 32, vision_depth: int = 2, max_pixels: int = 28 * 28 * 64, seed: int = 0,
-                   corpus_episodes: int = 60) -> Path:
-    """A tiny vision-language model at ``out`` (see the module docstring); returns ``out``."""
+                   corpus_episodes: int = 60, arch: str = "qwen2_vl") -> Path:
+    """A tiny vision-language model at ``out`` (see the module docstring); returns ``out``. ``arch``: qwen2_vl, or
+    qwen2_5_vl (Qwen2.5-VL's vision tower: windowed attention blocks, an MLP merger; same tokens and positions)."""
     import torch
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import (GenerationConfig, PreTrainedTokenizerFast, Qwen2_5_VLConfig,
+                              Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig, Qwen2VLForConditionalGeneration)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.utils import logging as hf_logging
 
@@ -120,22 +123,30 @@ def vlm_checkpoint(out: str | Path, vocab_size: int = 1024, hidden_size: int = 6
     ids = {t: tok.convert_tokens_to_ids(t) for t in CHAT_SPECIALS + VISION_SPECIALS}
     end, eot = ids["<|im_end|>"], ids["<|endoftext|>"]
     head_dim = hidden_size // 4
-    cfg = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=8192, tie_word_embeddings=True, eos_token_id=end, pad_token_id=eot,
-                         bos_token_id=None,
-                         # temporal, height, width shares of the rotary half-dimension (Qwen2-VL: 16/24/24 of 64)
-                         rope_scaling={"type": "mrope", "mrope_section": [head_dim // 8, 3 * head_dim // 16,
-                                                                          3 * head_dim // 16]}),
-        vision_config=dict(depth=vision_depth, embed_dim=vision_dim, hidden_size=hidden_size, num_heads=2,
-                           mlp_ratio=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True)
+    text = dict(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=8192, tie_word_embeddings=True, eos_token_id=end, pad_token_id=eot,
+                bos_token_id=None,
+                # temporal, height, width shares of the rotary half-dimension (Qwen2-VL: 16/24/24 of 64)
+                rope_scaling={"type": "mrope", "mrope_section": [head_dim // 8, 3 * head_dim // 16,
+                                                                 3 * head_dim // 16]})
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                  tie_word_embeddings=True)
+    if arch == "qwen2_vl":
+        vision = dict(depth=vision_depth, embed_dim=vision_dim, hidden_size=hidden_size, num_heads=2, mlp_ratio=2,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+        cfg, cls = Qwen2VLConfig(text_config=text, vision_config=vision, **tokens), Qwen2VLForConditionalGeneration
+    elif arch == "qwen2_5_vl":
+        vision = dict(depth=vision_depth, hidden_size=vision_dim, intermediate_size=2 * vision_dim, num_heads=2,
+                      out_hidden_size=hidden_size, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                      window_size=56, fullatt_block_indexes=[vision_depth - 1], in_channels=3)
+        cfg, cls = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens), Qwen2_5_VLForConditionalGeneration
+    else:
+        raise ValueError(f"arch must be qwen2_vl or qwen2_5_vl, not {arch!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(cfg)
+        model = cls(cfg)
     model.generation_config = GenerationConfig(eos_token_id=[end, eot], pad_token_id=eot)
     model.save_pretrained(out)
     (out / "state.json").write_text(json.dumps({"version": 0, "built_by": "launch.tiny_checkpoints.vlm_checkpoint"}))

@@ -153,3 +153,19 @@ def test_model_kind_is_read_from_the_checkpoint(vlm_dir, tmp_path):
                                                                np.ones(1, np.uint8), 0.0, False, "", "", ("zz",))])
     with pytest.raises(P.ProtocolError, match="content hashes"):
         bad.validate()
+
+
+def test_a_qwen2_5_vl_shaped_model_takes_the_same_path(tmp_path):
+    """Qwen2.5-VL's vision tower (windowed attention, MLP merger) behind the same tokens and RoPE index."""
+    from learner.config import LearnerConfig
+    from learner.trainer import Trainer
+
+    path = vlm_checkpoint(tmp_path / "vlm25", corpus_episodes=10, arch="qwen2_5_vl")
+    engine = HFEngine(ModelConfig(path=str(path)), EngineConfig(seed=2))
+    assert type(engine.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    store = ImageStore(tmp_path / "images")
+    group = _group(_episodes(engine, store, n=2))
+    cfg = LearnerConfig()
+    cfg.advantage.drop_zero_variance = False
+    out = Trainer(cfg, ModelConfig(path=str(path)), images=store).train_step([group])
+    assert out.get("mismatch_tokens", 0) > 0 and out["mismatch_abs_max"] < 1e-4, out
