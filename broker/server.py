@@ -474,6 +474,7 @@ class Broker:
                 self.request_ticket.pop(t.request_id, None)
             for key in [k for k in self.parked if k[0] == peer.ident]:
                 del self.parked[key]
+            self.counters["actors_dead"] += 1
             self.log.warning("actor_dead", actor=peer.peer_id, tickets_reclaimed=len(lost))
         expired = self.ledger.reclaim(older_than=now - self.cfg.lease_s)
         for t in expired:

@@ -120,7 +120,12 @@ def test_stalled_actor_rehandshakes_and_keeps_its_requests(start_broker, quiet_l
     learner.set_control(0)
     (t,) = take_tickets(actor, 1, expect=1)
     actor.request_ticket()  # parked: no capacity
-    time.sleep(tb.net.dead_after_s * 3)  # a long generation step without polling: declared dead
+    # A long generation step without polling: the broker declares the actor dead (after dead_after_s of silence
+    # while it listened, however loaded this machine is).
+    deadline = time.monotonic() + 30
+    while tb.broker.counters["actors_dead"] < 1:
+        assert time.monotonic() < deadline, "the silent actor was never declared dead"
+        time.sleep(0.05)
     actor.submit(make_group(t))
     learner.grant(1)
     pump([actor, learner], 5, until=lambda: len(learner.batches) == 1)

@@ -259,11 +259,11 @@ def test_a_servers_own_stall_does_not_count_as_its_peers_silence():
     peers.touch(b"a", 0.0, "actor-a")
     assert peers.expire(0.25) == []
     assert peers.expire(10.0) == [], "a 9.75 s stall of the server's own loop is not the actor's silence"
-    assert peers.deaf_s == 9.75
+    assert peers.deaf_s == 9.75 - 1.0, "credited beyond the third of the window a loop may take between checks"
     now = 10.0
     while now < 14.0:  # now the server listens, and the actor says nothing
         now += 0.25
         dead = peers.expire(now)
         if dead:
             break
-    assert [p.peer_id for p in dead] == ["actor-a"] and 12.9 < now < 13.6
+    assert [p.peer_id for p in dead] == ["actor-a"] and 11.9 < now < 12.6

@@ -93,8 +93,9 @@ class PeerTable:
     """Who is alive: a peer silent for ``dead_after_s`` is expired (its leases are then reclaimed).
 
     Silence counts only while this server listened: when its own loop was held up between two checks (a long
-    step, a starved CPU), every peer is credited the gap, since their heartbeats may be waiting unread in the
-    socket. Otherwise one slow iteration would declare every live peer dead at once."""
+    step, a starved CPU) for more than a third of ``dead_after_s``, every peer is credited the excess, since their
+    heartbeats may be waiting unread in the socket. Otherwise one slow iteration would declare every live peer
+    dead at once."""
 
     def __init__(self, dead_after_s: float):
         self.dead_after_s = dead_after_s
@@ -116,10 +117,11 @@ class PeerTable:
     def expire(self, now: float) -> list[PeerState]:
         gap = now - self.last_check if self.last_check is not None else 0.0
         self.last_check = now
-        if gap > self.dead_after_s / 3:
-            self.deaf_s += gap
+        credit = gap - self.dead_after_s / 3  # a loop that checks this often hears every peer in time
+        if credit > 0:
+            self.deaf_s += credit
             for p in self.peers.values():
-                p.last_seen = min(now, p.last_seen + gap)
+                p.last_seen = min(now, p.last_seen + credit)
         dead = [p for p in self.peers.values() if now - p.last_seen > self.dead_after_s]
         for p in dead:
             del self.peers[p.ident]
