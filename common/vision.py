@@ -136,11 +136,12 @@ class VisionProcessor:
         if config.model_type not in SUPPORTED_FAMILIES:
             raise ValueError(f"model.kind vlm: model type {config.model_type!r} is not supported; supported "
                              f"families: {', '.join(SUPPORTED_FAMILIES)} (Qwen2-VL's image tokens and RoPE index)")
-        overrides = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
-        if overrides:  # the processors read them from ``size`` (shortest/longest edge = min/max pixels)
-            overrides = {**overrides, "size": {"shortest_edge": min_pixels or None, "longest_edge": max_pixels or None}}
-            overrides["size"] = {k: v for k, v in overrides["size"].items() if v}
-        self.image_processor = AutoImageProcessor.from_pretrained(str(path), local_files_only=True, **overrides)
+        self.image_processor = AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
+        if min_pixels or max_pixels:  # the processors read both from ``size`` (shortest/longest edge = min/max pixels)
+            saved = self.image_processor.size
+            size = {"shortest_edge": min_pixels or int(saved["shortest_edge"]),
+                    "longest_edge": max_pixels or int(saved["longest_edge"])}
+            self.image_processor = AutoImageProcessor.from_pretrained(str(path), local_files_only=True, size=size)
         self.merge = int(getattr(self.image_processor, "merge_size", 2))
         self.image_token_id = int(config.image_token_id)
         # Tokens a policy must never sample (the learner scores with the same columns removed): a placeholder in an
@@ -165,8 +166,17 @@ class VisionProcessor:
         return hit
 
     def tokens_for(self, image: Image) -> int:
-        """Placeholder tokens the image takes in the prompt ids."""
-        return int(self.pixels(image)[1].prod()) // (self.merge ** 2)
+        """Placeholder tokens the image takes in the prompt ids: from its size alone (read from the PNG/JPEG header)
+        where the image processor can say (``get_number_of_image_patches``, as vLLM uses it), so building a prompt
+        on the actor's event loop never decodes pixels; the engine's ``model_inputs`` checks the count."""
+        count = getattr(self.image_processor, "get_number_of_image_patches", None)
+        if count is None:
+            return int(self.pixels(image)[1].prod()) // (self.merge ** 2)
+        from PIL import Image as PILImage
+
+        with PILImage.open(io.BytesIO(image.data)) as header:
+            width, height = header.size
+        return int(count(height, width)) // (self.merge ** 2)
 
     def model_inputs(self, model: Any, input_ids: Any, attention_mask: Any,
                      images: Sequence[Sequence[Image]]) -> dict[str, Any]:

@@ -171,3 +171,16 @@ def test_a_qwen2_5_vl_shaped_model_takes_the_same_path(tmp_path):
     assert out.get("mismatch_tokens", 0) > 0 and out["mismatch_abs_max"] < 1e-4, out
     print(f"qwen2.5-vl log-prob agreement: mean {out['mismatch_abs_mean']:.2e}, max {out['mismatch_abs_max']:.2e} "
           f"over {out['mismatch_tokens']} tokens")
+
+
+@pytest.mark.parametrize("pixels", [{}, {"max_pixels": 28 * 28 * 200},
+                                    {"min_pixels": 28 * 28 * 8, "max_pixels": 28 * 28 * 30}])
+def test_image_token_counts_come_from_the_size_alone_and_match_the_processor(vlm_dir, pixels):
+    """A prompt is built on the actor's event loop from the image's size only (no pixel decoding); the count is what
+    the processor then produces, with model.min_pixels / max_pixels alone or together."""
+    from common.vision import VisionProcessor
+
+    _, obs = screen()
+    img = Image.of(obs["screenshot"])
+    vision = VisionProcessor(vlm_dir, **pixels)
+    assert vision.tokens_for(img) == int(vision.pixels(img)[1].prod()) // vision.merge ** 2
