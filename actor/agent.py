@@ -133,6 +133,8 @@ class Actor:
         self.max_groups_total = max_groups_total  # stop after this many groups (0 = until told to stop)
         self.gen_queue: list[tuple[list[int], list[Image], asyncio.Future]] = []
         self.images = ImageStore(run_dir.images) if run_dir is not None else None  # a VLM's screenshots
+        # one writer thread: the store is not locked
+        self.images_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="images")
         self.gen_wakeup: asyncio.Event | None = None
         self.engine_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.weights_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="weights")
@@ -214,8 +216,10 @@ class Actor:
         if images:
             if self.images is None:
                 raise RuntimeError("a VLM actor needs a run directory: its images go to the run's image store")
-            for img in images:  # durable before any group that names it is sent (common/vision.py)
-                self.images.put(img)
+            # Durable before any group that names it is sent (common/vision.py); the fsyncs run on the store's own
+            # thread, not on the loop every episode and link shares.
+            for img in images:
+                await asyncio.get_running_loop().run_in_executor(self.images_thread, self.images.put, img)
         return await self.generate(prompt_ids, images)
 
     async def episode_with_rerolls(self, ticket: P.Ticket) -> P.Trajectory | None:
@@ -364,6 +368,7 @@ class Actor:
     def close(self) -> None:
         self.engine_thread.shutdown(wait=False, cancel_futures=True)
         self.weights_thread.shutdown(wait=False, cancel_futures=True)
+        self.images_thread.shutdown(wait=True)  # an image being written finishes: a group may already name it
         self.broker.close()
         for c in self.env.clients:
             c.close()

@@ -72,33 +72,51 @@ def train_bpe(corpus: list[str], vocab_size: int, specials: tuple[str, ...]) -> 
     return raw
 
 
+def chat_tokenizer(out: Path, specials: tuple[str, ...], template: str, vocab_size: int, corpus_episodes: int,
+                   seed: int) -> object:
+    """A BPE tokenizer trained on sim text, with ``template`` as its chat template and <|im_end|> as its eos, saved
+    to ``out``."""
+    from transformers import PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    raw = train_bpe(sim_corpus(corpus_episodes, seed), vocab_size, specials)
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = template
+    tok.save_pretrained(out)
+    return tok
+
+
+def save_seeded(out: Path, cls: type, cfg: object, seed: int, end: int, eot: int, builder: str) -> Path:
+    """``cls(cfg)`` with weights seeded by ``seed``, saved to ``out`` with a generation config ending turns at
+    ``end`` (then ``eot``), as an instruct checkpoint ships; returns ``out``."""
+    import torch
+    from transformers import GenerationConfig
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(cfg)
+    model.generation_config = GenerationConfig(eos_token_id=[end, eot], pad_token_id=eot)
+    model.save_pretrained(out)
+    (out / "state.json").write_text(json.dumps({"version": 0, "built_by": f"launch.tiny_checkpoints.{builder}"}))
+    return out
+
+
 def chat_checkpoint(out: str | Path, vocab_size: int = 1024, hidden_size: int = 64, num_layers: int = 2,
                     num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0, template: str = CHATML_TEMPLATE,
                     corpus_episodes: int = 60) -> Path:
     """A tiny chat model at ``out`` (see the module docstring); returns ``out``."""
-    import torch
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    raw = train_bpe(sim_corpus(corpus_episodes, seed), vocab_size, CHAT_SPECIALS)
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.chat_template = template
-    tok.save_pretrained(out)
+    tok = chat_tokenizer(out, CHAT_SPECIALS, template, vocab_size, corpus_episodes, seed)
     end, eot = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                       num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                       max_position_embeddings=8192, tie_word_embeddings=True, eos_token_id=end,
                       pad_token_id=eot, bos_token_id=None)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(cfg)
-    model.generation_config = GenerationConfig(eos_token_id=[end, eot], pad_token_id=eot)
-    model.save_pretrained(out)
-    (out / "state.json").write_text(json.dumps({"version": 0, "built_by": "launch.tiny_checkpoints.chat_checkpoint"}))
-    return out
+    return save_seeded(out, Qwen2ForCausalLM, cfg, seed, end, eot, "chat_checkpoint")
 
 
 def vlm_checkpoint(out: str | Path, vocab_size: int = 1024, hidden_size: int = 64, num_layers: int = 2,
@@ -106,19 +124,15 @@ def vlm_checkpoint(out: str | Path, vocab_size: int = 1024, hidden_size: int = 6
                    corpus_episodes: int = 60, arch: str = "qwen2_vl") -> Path:
     """A tiny vision-language model at ``out`` (see the module docstring); returns ``out``. ``arch``: qwen2_vl, or
     qwen2_5_vl (Qwen2.5-VL's vision tower: windowed attention blocks, an MLP merger; same tokens and positions)."""
-    import torch
-    from transformers import (GenerationConfig, PreTrainedTokenizerFast, Qwen2_5_VLConfig,
-                              Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig, Qwen2VLForConditionalGeneration)
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    raw = train_bpe(sim_corpus(corpus_episodes, seed), vocab_size, CHAT_SPECIALS + VISION_SPECIALS)
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.chat_template = CHATML_VISION_TEMPLATE
-    tok.save_pretrained(out)
+    tok = chat_tokenizer(out, CHAT_SPECIALS + VISION_SPECIALS, CHATML_VISION_TEMPLATE, vocab_size, corpus_episodes,
+                         seed)
     Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=max_pixels).save_pretrained(out)
     ids = {t: tok.convert_tokens_to_ids(t) for t in CHAT_SPECIALS + VISION_SPECIALS}
     end, eot = ids["<|im_end|>"], ids["<|endoftext|>"]
@@ -141,13 +155,8 @@ def vlm_checkpoint(out: str | Path, vocab_size: int = 1024, hidden_size: int = 6
         vision = dict(depth=vision_depth, hidden_size=vision_dim, intermediate_size=2 * vision_dim, num_heads=2,
                       out_hidden_size=hidden_size, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
                       window_size=56, fullatt_block_indexes=[vision_depth - 1], in_channels=3)
-        cfg, cls = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens), Qwen2_5_VLForConditionalGeneration
+        cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+        cls = Qwen2_5_VLForConditionalGeneration
     else:
         raise ValueError(f"arch must be qwen2_vl or qwen2_5_vl, not {arch!r}")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = cls(cfg)
-    model.generation_config = GenerationConfig(eos_token_id=[end, eot], pad_token_id=eot)
-    model.save_pretrained(out)
-    (out / "state.json").write_text(json.dumps({"version": 0, "built_by": "launch.tiny_checkpoints.vlm_checkpoint"}))
-    return out
+    return save_seeded(out, cls, cfg, seed, end, eot, "vlm_checkpoint")

@@ -42,6 +42,16 @@ def _wait_until(p: subprocess.Popen, cond, deadline: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def _eval(run_dir: Path, suite: str, episodes: int) -> dict:
+    """`computerrl eval --json` of a run's newest checkpoint."""
+    ev = subprocess.run([sys.executable, "-m", "launch.cli", "eval", "--checkpoint", str(run_dir / "checkpoints"),
+                         "--suite", suite, "--episodes", str(episodes), "--json"],
+                        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                        timeout=300)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    return json.loads(ev.stdout.strip().splitlines()[-1])
+
+
 def _children_of_run(run_dir: Path) -> list[int]:
     pids = []
     for proc in Path("/proc").iterdir():
@@ -79,12 +89,7 @@ def test_run_trains_checkpoints_and_leaves_no_process(tmp_path):
     assert evals and evals[-1]["step"] == 4 and evals[-1]["per_family"].keys() == {"files_delete"}
     assert evals[0]["step"] == 0 and evals[0]["checkpoint"].endswith("base-policy"), "the curve starts at the base"
     assert (run_dir / "learning_curve.png").stat().st_size > 1000
-    ev = subprocess.run([sys.executable, "-m", "launch.cli", "eval", "--checkpoint", str(run_dir / "checkpoints"),
-                         "--suite", "sim:heldout:files_rename,sheet_sum", "--episodes", "2", "--json"],
-                        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                        timeout=300)
-    assert ev.returncode == 0, ev.stderr[-2000:]
-    result = json.loads(ev.stdout.strip().splitlines()[-1])
+    result = _eval(run_dir, "sim:heldout:files_rename,sheet_sum", 2)
     assert result["episodes"] == 4 and set(result["per_family"]) == {"files_rename", "sheet_sum"}
     assert 0.0 <= result["success_rate"] <= 1.0
 
@@ -175,12 +180,7 @@ def test_a_pretrained_chat_checkpoint_trains_through_its_own_template(tmp_path):
     assert demos
     for d in demos[:3]:
         assert tok.tok.decode(d.turn(0).prompt_ids.tolist()).startswith("<|im_start|>"), "anchor demos use the template"
-    ev = subprocess.run([sys.executable, "-m", "launch.cli", "eval", "--checkpoint", str(run_dir / "checkpoints"),
-                         "--suite", "sim:heldout:files_delete", "--episodes", "2", "--json"],
-                        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                        timeout=300)
-    assert ev.returncode == 0, ev.stderr[-2000:]
-    assert json.loads(ev.stdout.strip().splitlines()[-1])["episodes"] == 2
+    assert _eval(run_dir, "sim:heldout:files_delete", 2)["episodes"] == 2
 
 
 def test_a_vision_language_checkpoint_trains_on_screenshots(tmp_path):
@@ -212,9 +212,4 @@ def test_a_vision_language_checkpoint_trains_on_screenshots(tmp_path):
     assert env[-1]["counters"].get("sessions_reclaimed", 0) == 0, "no live actor was taken for dead"
     ck = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
     assert (ck / "preprocessor_config.json").exists() and (ck / "tokenizer.json").exists()
-    ev = subprocess.run([sys.executable, "-m", "launch.cli", "eval", "--checkpoint", str(run_dir / "checkpoints"),
-                         "--suite", "sim:heldout:files_delete", "--episodes", "2", "--json"],
-                        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                        timeout=300)
-    assert ev.returncode == 0, ev.stderr[-2000:]
-    assert json.loads(ev.stdout.strip().splitlines()[-1])["episodes"] == 2
+    assert _eval(run_dir, "sim:heldout:files_delete", 2)["episodes"] == 2
