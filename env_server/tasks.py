@@ -7,7 +7,8 @@ from the agent's claim) and ``solve`` (a scripted solver in the action space a m
 
 Task ids are ``<kind>:<split>[:family[*weight],...]/<seed>``, e.g. ``sim:train/17`` or
 ``desk:heldout:calc_sum,files_move/3``. The seed picks the family (round robin over the suite's, a family weighted
-N times owning N slots) and the instance. Splits:
+N times owning N slots) and the instance; a suite naming no family holds every family but the pixel-only ones
+(``TaskFamily.pixels``), which must be named. Splits:
 
 - ``train``: instances from the training stream, worded with any phrasing but the last;
 - ``heldout``: instances from a disjoint stream (never trained on), worded as in training;
@@ -46,6 +47,9 @@ class TaskFamily:
     ambiguous: bool = False
     """the screen offers a wrong choice; ``wrong`` is a solver that takes it (imperfect demonstrations)"""
     wrong: Callable[..., Iterator[str]] | None = None
+    pixels: bool = False
+    """solvable only from the screenshot (nothing in the tree names what it asks for): a suite that names no
+    family leaves it out, so a text policy's default suite never holds a task it cannot see"""
 
 
 @dataclass
@@ -79,7 +83,8 @@ class TaskRegistry:
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(self.families)
+        """The families of a suite that names none: every family but the pixel-only ones."""
+        return tuple(n for n, f in self.families.items() if not f.pixels)
 
     def grammar(self) -> str:
         return f"{self.kind}:<{'|'.join(SPLITS)}>[:family[*weight],...]"
@@ -101,7 +106,8 @@ class TaskRegistry:
         for item in parts[2].split(","):
             name, star, weight_s = item.partition("*")
             if name not in self.families:
-                raise ActionError(f"bad {what} {suite!r}: unknown family {name!r}; families: {', '.join(self.names)}")
+                raise ActionError(f"bad {what} {suite!r}: unknown family {name!r}; families: "
+                                  f"{', '.join(self.families)}")
             weight = 1 if not star else int(weight_s) if weight_s.isdigit() else 0
             if not 1 <= weight <= 100:
                 raise ActionError(f"bad {what} {suite!r}: weight of {name!r} must be an integer in 1..100")

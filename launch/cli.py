@@ -392,6 +392,36 @@ def pretrain(config: str | None, out: str, overrides: tuple[str, ...]) -> None:
     click.echo(json.dumps(result))
 
 
+@main.command("tiny-checkpoint")
+@click.argument("kind", type=click.Choice(["chat", "vlm"]))
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--arch", type=click.Choice(["qwen2_vl", "qwen2_5_vl"]), default="qwen2_vl", show_default=True,
+              help="the VLM's architecture")
+@click.option("--hidden", default=64, show_default=True, help="language model width")
+@click.option("--layers", default=2, show_default=True, help="language model layers")
+@click.option("--vision-dim", default=32, show_default=True, help="vision tower width (vlm)")
+@click.option("--vision-depth", default=2, show_default=True, help="vision tower blocks (vlm)")
+@click.option("--max-pixels", default=28 * 28 * 64, show_default=True,
+              help="the image processor's pixel cap (vlm; 28*28 pixels per image token)")
+@click.option("--rope-theta", default=1_000_000.0, show_default=True,
+              help="the VLM's rotary base (small models need a small one to resolve screen positions)")
+@click.option("--seed", default=0, show_default=True, help="weights and tokenizer corpus seed")
+def tiny_checkpoint(kind: str, out: str, arch: str, hidden: int, layers: int, vision_dim: int, vision_depth: int,
+                    max_pixels: int, rope_theta: float, seed: int) -> None:
+    """A randomly initialised checkpoint shaped like a pretrained instruct model (tokenizer with chat template,
+    generation config; a VLM's image processor), built here with nothing downloaded: for tests, the pixel-only
+    learning check, and trying a real-model setup on a laptop."""
+    from launch import tiny_checkpoints as tc
+
+    if kind == "chat":
+        path = tc.chat_checkpoint(out, hidden_size=hidden, num_layers=layers, seed=seed)
+    else:
+        path = tc.vlm_checkpoint(out, hidden_size=hidden, num_layers=layers, vision_dim=vision_dim,
+                                 vision_depth=vision_depth, max_pixels=max_pixels, seed=seed, arch=arch,
+                                 rope_theta=rope_theta)
+    click.echo(str(path))
+
+
 @main.command("config")
 @click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
 @click.option("--describe", is_flag=True, help="list every key with its type, default and meaning")

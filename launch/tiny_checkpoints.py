@@ -121,9 +121,15 @@ def chat_checkpoint(out: str | Path, vocab_size: int = 1024, hidden_size: int = 
 
 def vlm_checkpoint(out: str | Path, vocab_size: int = 1024, hidden_size: int = 64, num_layers: int = 2,
                    vision_dim: int = 32, vision_depth: int = 2, max_pixels: int = 28 * 28 * 64, seed: int = 0,
-                   corpus_episodes: int = 60, arch: str = "qwen2_vl") -> Path:
+                   corpus_episodes: int = 60, arch: str = "qwen2_vl", rope_theta: float = 1_000_000.0) -> Path:
     """A tiny vision-language model at ``out`` (see the module docstring); returns ``out``. ``arch``: qwen2_vl, or
-    qwen2_5_vl (Qwen2.5-VL's vision tower: windowed attention blocks, an MLP merger; same tokens and positions)."""
+    qwen2_5_vl (Qwen2.5-VL's vision tower: windowed attention blocks, an MLP merger; same tokens and positions).
+
+    ``rope_theta``: the language model's rotary base (Qwen2-VL's is 1e6). Multimodal RoPE gives the temporal axis
+    the highest rotary frequencies and the width axis the lowest; with this few frequencies and base 1e6 the width
+    axis's fastest one turns by under 0.002 rad across a 10-token-wide screenshot, so a model this small cannot
+    tell left from right. A small base (10 in ``configs/vlm-pixels.yaml``) gives both screen axes usable
+    frequencies (what a policy that must click from pixels needs; docs/policies.md says what it learned)."""
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
                               Qwen2VLForConditionalGeneration)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -140,7 +146,7 @@ def vlm_checkpoint(out: str | Path, vocab_size: int = 1024, hidden_size: int = 6
     text = dict(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                 num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                 max_position_embeddings=8192, tie_word_embeddings=True, eos_token_id=end, pad_token_id=eot,
-                bos_token_id=None,
+                bos_token_id=None, rope_theta=rope_theta,
                 # temporal, height, width shares of the rotary half-dimension (Qwen2-VL: 16/24/24 of 64)
                 rope_scaling={"type": "mrope", "mrope_section": [head_dim // 8, 3 * head_dim // 16,
                                                                  3 * head_dim // 16]})

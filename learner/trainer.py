@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from common import protocol as P
-from common.model import ModelConfig, build_model, build_tokenizer, token_logprobs, torch_dtype
+from common.model import ModelConfig, build_model, build_tokenizer, freeze_vision, token_logprobs, torch_dtype
 from common.vision import Image, ImageStore, ImageStoreError
 from learner import checkpoint as ckpt
 from learner.batch import (Sample, build_samples, collate, loglinear_prox, micro_batches, token_entropy,
@@ -128,6 +128,8 @@ class Trainer:
         # fine-tuning learning rates (~1e-6) most bf16 updates would round away. ``net`` runs the passes.
         self.compute_dtype = torch_dtype(model_cfg, self.device)
         self.model = build_model(model_cfg, self.tokenizer.vocab_size, self.device, dtype=torch.float32).train()
+        if not model_cfg.train_vision:
+            freeze_vision(self.model)  # before the optimizer, the reference copy and sharding see the parameters
         if cfg.activation_checkpointing:  # before any copy (twin, reference): they share the setting
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The objective's terms (learner/objective.py); a reference model exists because a term needs one.

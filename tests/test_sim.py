@@ -314,3 +314,48 @@ def test_demonstrations_record_what_the_policy_saw():
     assert 0.3 < rate < 0.7, rate
     assert demonstrate(b, "sim:train:sheet_sort/3", "api", sim_tasks.DemoConfig(wrong_choice_prob=0.5), seed=1)[1] == \
         demonstrate(b, "sim:train:sheet_sort/3", "api", sim_tasks.DemoConfig(wrong_choice_prob=0.5), seed=1)[1]
+
+
+def test_the_pixel_only_family_shows_its_markers_in_the_screenshot_and_nowhere_else():
+    import io
+    from PIL import Image
+    from env_server.sim.markers import COLORS
+
+    fam = "screen_click_marker"
+    assert fam not in sim_tasks.parse_suite("sim:train")[1], "a suite naming no family leaves pixel-only ones out"
+    assert sim_tasks.parse_suite(f"sim:heldout:{fam}") == ("heldout", (fam,))
+    with pytest.raises(ActionError, match="only be solved from a screenshot"):
+        SimBackend(SimConfig()).reset(f"sim:train:{fam}/0")
+    for route in ("gui", "api"):  # no API can see a marker: both routes click it on the 0-1000 grid
+        for split in SPLITS:
+            for seed in range(40):
+                task = sim_tasks.make_task(f"sim:{split}:{fam}/{seed}")
+                assert run_actions(task, lambda d, t=task, r=route: sim_tasks.oracle(t, d, r)), task.task_id
+    b = SimBackend(SimConfig(screenshot="png"))
+    obs = b.reset(f"sim:train:{fam}/5")
+    markers, target = b.desk.markers, b.task.params["target"]
+    empty = SimBackend(SimConfig(screenshot="png"))
+    empty.reset("sim:train:files_create_folder/5")
+    assert obs["text"] == empty.observation()["text"] and obs["tree"] == empty.observation()["tree"]
+    shot = Image.open(io.BytesIO(obs["screenshot"])).convert("RGB")
+    for m in markers:
+        assert shot.getpixel(m.center) == COLORS[m.color], "each marker is drawn where a click selects it"
+        assert m.color in b.task.instruction or m is not markers[target]
+    other = markers[(target + 1) % len(markers)]
+    r = b.step(f"click(x={other.center[0]}, y={other.center[1]})")
+    assert other.color not in r.obs["last_result"] + r.obs["text"], "the result names a point, not a marker"
+    assert not b.evaluate()["success"], "the wrong marker"
+    x, y = markers[target].grid_center()
+    b.step(f"click(x={x}, y={y}, grid=1000)")
+    assert not b.evaluate()["success"], "the right marker after a wrong one"
+    b.reset(f"sim:train:{fam}/5")
+    b.step('open_app("Files")')
+    covered = b.step(f"click(x={x}, y={y}, grid=1000)")
+    shot = Image.open(io.BytesIO(covered.obs["screenshot"])).convert("RGB")
+    assert shot.getpixel(markers[target].center) != COLORS[markers[target].color], "a window covers the markers"
+    assert not b.evaluate()["success"], "a click on a window does not reach the marker under it"
+    b.step('hotkey("alt+f4")')
+    b.step(f"right_click(x={x}, y={y}, grid=1000)")
+    assert not b.evaluate()["success"], "only a left click selects"
+    b.step(f"double_click(x={x}, y={y}, grid=1000)")
+    assert b.step("done()").done and b.evaluate()["success"]

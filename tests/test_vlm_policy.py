@@ -143,6 +143,26 @@ def test_the_learner_rebuilds_image_inputs_and_scores_tokens_as_the_engine_did(v
     assert res["outcomes"][missing.group_id] == "image_missing" and trainer.counters["groups_dropped_image_missing"]
 
 
+def test_a_frozen_vision_tower_stays_as_loaded_while_the_language_model_learns(vlm_dir, engine, tmp_path):
+    from learner.config import LearnerConfig
+    from learner.trainer import Trainer
+
+    store = ImageStore(tmp_path / "images")
+    group = _group(_episodes(engine, store, n=2))
+    cfg = LearnerConfig(lr=1e-3)
+    cfg.advantage.drop_zero_variance = False
+    trainer = Trainer(cfg, ModelConfig(path=str(vlm_dir), train_vision=False), images=store)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    group.trajectories[0].reward = 1.0  # a reward spread: the policy-gradient step moves the weights
+    out = trainer.train_step([group])
+    assert out.get("mismatch_tokens", 0) > 0, out
+    moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and not any(".visual." in n for n in moved), sorted(moved)[:5]
+    assert any("language_model" in n for n in moved), sorted(moved)[:5]
+    with pytest.raises(ValueError, match="no vision tower"):
+        Trainer(LearnerConfig(), ModelConfig(train_vision=False))
+
+
 def test_model_kind_is_read_from_the_checkpoint(vlm_dir, tmp_path):
     assert model_kind(ModelConfig(path=str(vlm_dir))) == "vlm"
     assert model_kind(ModelConfig()) == "causal"
@@ -156,11 +176,19 @@ def test_model_kind_is_read_from_the_checkpoint(vlm_dir, tmp_path):
 
 
 def test_a_qwen2_5_vl_shaped_model_takes_the_same_path(tmp_path):
-    """Qwen2.5-VL's vision tower (windowed attention, MLP merger) behind the same tokens and RoPE index."""
+    """Qwen2.5-VL's vision tower (windowed attention, MLP merger) behind the same tokens and RoPE index; the
+    checkpoint is made by the command a user would run."""
+    from click.testing import CliRunner
+
+    from launch.cli import main
     from learner.config import LearnerConfig
     from learner.trainer import Trainer
 
-    path = vlm_checkpoint(tmp_path / "vlm25", corpus_episodes=10, arch="qwen2_5_vl")
+    made = CliRunner().invoke(main, ["tiny-checkpoint", "vlm", str(tmp_path / "vlm25"), "--arch", "qwen2_5_vl",
+                                     "--vision-depth", "2"])
+    assert made.exit_code == 0, made.output
+    path = tmp_path / "vlm25"
+    assert made.output.strip().endswith(str(path)) and model_kind(ModelConfig(path=str(path))) == "vlm"
     engine = HFEngine(ModelConfig(path=str(path)), EngineConfig(seed=2))
     assert type(engine.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
     store = ImageStore(tmp_path / "images")

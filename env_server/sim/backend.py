@@ -15,6 +15,7 @@ from env_server.backend import Backend, BackendError, StepResult
 from env_server.sim import tasks as sim_tasks
 from env_server.sim.app import SCREEN_H, SCREEN_W, TREE_FIELDS
 from env_server.sim.desktop import Desktop
+from env_server.sim.markers import draw_markers
 
 
 @dataclass
@@ -89,7 +90,11 @@ class SimBackend(Backend):
         self.last_result = ""
 
     def reset(self, task_id: str) -> dict:
-        self.task = sim_tasks.make_task(task_id)
+        task = sim_tasks.make_task(task_id)
+        if sim_tasks.FAMILIES[task.family].pixels and self.cfg.screenshot == "none":
+            raise ActionError(f"task {task_id!r} ({task.family}) can only be solved from a screenshot: "
+                              "set env_server.sim.screenshot to png or jpeg")
+        self.task = task
         self.desk = sim_tasks.setup_desktop(self.task)
         self.steps, self.format_errors, self.last_result = 0, 0, ""
         self.max_steps = self.cfg.default_max_steps or self.task.max_steps
@@ -161,6 +166,7 @@ def render_screenshot(desk: Desktop, fmt: str = "png") -> bytes:
     img = Image.new("RGB", (SCREEN_W, SCREEN_H), (236, 239, 244))
     draw = ImageDraw.Draw(img)
     draw.rectangle((0, 688, SCREEN_W, SCREEN_H), fill=(40, 44, 52))
+    draw_markers(draw, desk.markers)
     fills = {"window": (250, 250, 250), "dialog": (225, 230, 240), "button": (210, 215, 225),
              "taskbar button": (70, 76, 90), "cell": (255, 255, 255), "entry": (255, 255, 255)}
     for e in desk.elements():

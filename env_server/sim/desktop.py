@@ -17,6 +17,7 @@ from env_server.sim.app import App, Element, SCREEN_H, SCREEN_W, TASKBAR_Y
 from env_server.sim.editor_app import EditorApp
 from env_server.sim.files_app import FilesApp
 from env_server.sim.filesystem import FileSystem
+from env_server.sim.markers import Marker, marker_at
 from env_server.sim.settings_app import SettingsApp
 from env_server.sim.sheet_app import SheetApp
 
@@ -38,6 +39,8 @@ class Desktop:
         self._elements: list[Element] | None = None
         self.initial_files: dict[str, str] = {}  # the state right after task setup
         self.initial_dirs: set[str] = set()
+        self.markers: list[Marker] = []  # drawn only in screenshots (env_server/sim/markers.py)
+        self.marker_clicks: list[Marker] = []  # markers left-clicked, in order
 
     # ---- windows
     def open_app(self, name: str) -> None:
@@ -140,6 +143,7 @@ class Desktop:
                 try:
                     e = self.at(x, y)
                 except ActionError:  # a click on bare desktop does nothing, as on a real screen
+                    self._click_marker(x, y, n, p.get("button", "left"))
                     return result_text(a, point_text(x, y))
             else:
                 e = self.find(p["target"])
@@ -203,6 +207,13 @@ class Desktop:
         if n in ("done", "fail"):
             self.outcome = n
         return result_text(a)  # wait, done, fail
+
+    def _click_marker(self, x: int, y: int, name: str, button: str) -> None:
+        """A left click on the bare desktop selects the marker under it, if no window covers the markers. The
+        result text stays the point's: nothing but the pixels tells which marker was hit."""
+        hit = marker_at(self.markers, x, y) if self.focused is None else None
+        if hit is not None and name != "right_click" and button == "left":
+            self.marker_clicks.append(hit)
 
     def _api(self, a: Action) -> str:
         app = self._app_named(a.app)

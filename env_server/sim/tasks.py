@@ -3,7 +3,9 @@
 
 Each family's instruction templates are its phrasings (the last one held out for the paraphrase split).
 Verifiers read the final state of files and apps, never the agent's ``done()``; only the infeasible family asks
-for ``fail()``, which is its right answer.
+for ``fail()``, which is its right answer. ``screen_click_marker`` is pixel-only: its markers are drawn in the
+screenshot and nowhere else (``env_server/sim/markers.py``), so only a vision-language policy can solve it, and
+only a suite that names it holds it.
 
 Oracles are scripted policies: generators that yield one action string at a time and may look at the live
 desktop between actions (as a person watching the screen would). ``route`` is ``gui`` or ``api``.
@@ -19,6 +21,7 @@ from typing import Any, Iterator
 
 from env_server.sim.desktop import Desktop
 from env_server.sim.filesystem import HOME
+from env_server.sim.markers import COLORS, GRID_COLS, GRID_ROWS, SHAPES, Marker
 from env_server.sim.settings_app import CHOICES
 from env_server.sim.sheet_app import COLS, ROWS, format_sheet
 from env_server.tasks import Task, TaskFamily, TaskRegistry
@@ -488,6 +491,43 @@ def _solve_infeasible(desk, p, route):
     yield f"fail({'the requested item does not exist'!r})"
 
 
+MARKERS_SHOWN = 3
+
+
+def _gen_marker(rng):
+    cells = rng.sample([(c, r) for c in range(GRID_COLS) for r in range(GRID_ROWS)], MARKERS_SHOWN)
+    colors = rng.sample(sorted(COLORS), MARKERS_SHOWN)
+    shapes = [rng.choice(SHAPES) for _ in range(MARKERS_SHOWN)]
+    markers = [[color, shape, c, r] for color, shape, (c, r) in zip(colors, shapes, cells)]
+    return {"markers": markers, "target": rng.randrange(MARKERS_SHOWN)}
+
+
+def _markers(p) -> list[Marker]:
+    return [Marker(*m) for m in p["markers"]]
+
+
+def _setup_marker(desk, p):
+    desk.markers = _markers(p)
+
+
+def _verify_marker(desk, p):
+    """Success: the named marker was clicked, and no other one."""
+    return desk.marker_clicks and set(desk.marker_clicks) == {_markers(p)[p["target"]]}
+
+
+def _solve_marker_pick(pick: str):
+    """Clicks the named marker ("target") on the 0-1000 grid, a model family's convention; the imperfect
+    demonstrator sometimes clicks another one ("other"). There is no API route: the marker is only pixels."""
+    def solve(desk, p, route):
+        while desk.focused is not None:  # a window covers the markers
+            yield 'hotkey("alt+f4")'
+        markers = _markers(p)
+        target = markers[p["target"]] if pick == "target" else markers[(p["target"] + 1) % len(markers)]
+        x, y = target.grid_center()
+        yield f"click(x={x}, y={y}, grid=1000)"
+    return solve
+
+
 def _family(name: str, templates: tuple[str, ...], generate, setup, verify, solve, **kw) -> TaskFamily:
     """A sim family whose phrasings are format templates over its params (the last one held out)."""
     return TaskFamily(name, generate, lambda p: tuple(_instruction(name, t, p) for t in templates), setup, verify,
@@ -572,6 +612,13 @@ for _f in [
                                "Copy the number from Documents/{file} into {sheet}, cell {cell}."),
            _gen_doc_to_sheet, _setup_sheet_and_doc, _verify_doc_to_sheet, _solve_doc_to_sheet, max_steps=20,
            tags=("sheet", "editor")),
+    _family("screen_click_marker", ("Click the {color} {shape}.",
+                                   "On the desktop, click the {color} {shape}.",
+                                   "Find the {color} {shape} on the screen and click it.",
+                                   "There is a {color} {shape} on the screen: click it.",
+                                   "Press the {color} {shape} with the mouse."),
+           _gen_marker, _setup_marker, _verify_marker, _solve_marker_pick("target"), max_steps=4, ambiguous=True,
+           wrong=_solve_marker_pick("other"), pixels=True, tags=("pixels",)),
     _family("infeasible", ("{request}", "Please do this: {request}", "{request} Thanks."),
            _gen_infeasible, lambda d, p: None, _verify_infeasible, _solve_infeasible, feasible=False, max_steps=10,
            tags=("files", "settings")),
@@ -590,6 +637,8 @@ def _instruction(family: str, template: str, p: dict) -> str:
     if family == "settings_display":
         extra["dark_word"] = "Enable" if p["dark"] else "Disable"
         extra["dark_verb"] = "turn on" if p["dark"] else "turn off"
+    if family == "screen_click_marker":
+        extra["color"], extra["shape"] = p["markers"][p["target"]][:2]
     if family == "infeasible":
         extra["request"] = {
             "rename_missing": f"Rename {p['file']} in Documents to {p['new']}.",
