@@ -168,9 +168,9 @@ def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu", dtype: A
     return model.to(device)
 
 
-def freeze_vision(model: Any) -> int:
+def freeze_vision(model: Any) -> None:
     """Stop training a VLM's vision tower and merger (``model.visual`` in transformers' Qwen2-VL family): no
-    gradient reaches them, so the optimizer leaves them as loaded. Returns how many parameters were frozen.
+    gradient reaches them, so the optimizer leaves them as loaded.
 
     Why a user wants it: fine-tuning a pretrained VLM often keeps its vision encoder fixed (cheaper, and the encoder
     already sees well). Why a tiny VLM trained from scratch needs it: measured on the pixel-only sim family, training
@@ -179,11 +179,8 @@ def freeze_vision(model: Any) -> int:
     visual = getattr(getattr(model, "model", model), "visual", None)
     if visual is None:
         raise ValueError("model.train_vision false: the model has no vision tower (model.visual)")
-    frozen = 0
     for p in visual.parameters():
         p.requires_grad_(False)
-        frozen += p.numel()
-    return frozen
 
 
 BANNED_LOGIT = -1e9  # a column no token may be sampled from: exp() is 0 in float32, and no inf makes a NaN

@@ -2,10 +2,10 @@
 
 Requests (``SessionOpen``, ``EnvReset``, ``EnvStep``, ``EnvEvaluate``, ``SessionClose``) carry request ids.
 A session remembers its last answer, so a request the actor re-sends after a reconnect or timeout gets the
-same answer again instead of acting twice. Fast backends (sim without injected latency) run inline in the
-loop; blocking backends (real desktops, or sim with latency) run on worker threads, one per desktop, under
-``step_timeout_s``. A desktop that raises, hangs or fails its health check is retired and replaced; the
-session's episode is aborted with an ``Error`` and the session stays usable after a new reset.
+same answer again instead of acting twice. Fast backends (sim without injected latency or screenshots) run
+inline in the loop; blocking backends (real desktops, sim with latency or screenshots) run on worker threads, one
+per desktop, under ``step_timeout_s``. A desktop that raises, hangs or fails its health check is retired and
+replaced; the session's episode is aborted with an ``Error`` and the session stays usable after a new reset.
 """
 
 from __future__ import annotations

@@ -81,7 +81,9 @@ class SimBackend(Backend):
         self.cfg = cfg or SimConfig()
         self.cfg.validate()
         self.latency = LatencyModel(self.cfg, seed)
-        self.blocking = self.cfg.latency != "none" and self.cfg.latency_mean_s > 0
+        # Injected delays sleep, and a screenshot takes ~10-40 ms to draw and encode: either would hold the server's
+        # loop (and the heartbeats it answers), so such a desktop runs on the server's worker threads.
+        self.blocking = (self.cfg.latency != "none" and self.cfg.latency_mean_s > 0) or self.cfg.screenshot != "none"
         self.task: sim_tasks.Task | None = None
         self.desk: Desktop | None = None
         self.steps = 0

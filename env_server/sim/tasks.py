@@ -512,7 +512,7 @@ def _setup_marker(desk, p):
 
 def _verify_marker(desk, p):
     """Success: the named marker was clicked, and no other one."""
-    return desk.marker_clicks and set(desk.marker_clicks) == {_markers(p)[p["target"]]}
+    return set(desk.marker_clicks) == {_markers(p)[p["target"]]}
 
 
 def _solve_marker_pick(pick: str):
