@@ -273,6 +273,7 @@ def test_screenshot_and_latency():
     fixed = LatencyModel(SimConfig(latency="fixed", latency_mean_s=0.01, latency_desktop_sigma=0.5), seed=2)
     assert fixed.sample() == fixed.sample() != 0.01, "each desktop has its own speed"
     assert SimBackend(SimConfig(latency="fixed", latency_mean_s=0.01)).blocking
+    assert b.blocking and not SimBackend().blocking, "drawing screenshots runs off the env_server's loop"
     with pytest.raises(ValueError):
         SimConfig(latency="weird").validate()
 
