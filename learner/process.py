@@ -127,12 +127,16 @@ class Learner:
         t, c = self.trainer, self.client
         ready = c.connect(60)
         t.eta = int(ready.info.get("eta", 0)) if ready.info else None
+        # Each start-up stage leaves a line: a learner that once grew without bound between "resumed" and its first
+        # broadcast (docs/status.md) left no trace of where it was.
+        self.log.info("broker_linked", eta=t.eta, broker_epoch=c.link.epoch)
         worker = cf.ThreadPoolExecutor(1, thread_name_prefix="train")
         job: cf.Future | None = None
         job_kind = ""
         if self.sender is not None:  # the first round needs full weights on rank 0
             self.jobs.run("gather")
         if self.publish(paused=t.entropulse.phase == "sft") is not None:
+            self.log.info("weights_round_opened", round=self.sender.round, epoch=self.sender.epoch)
             job, job_kind = self._start_broadcast(), "broadcast"
         c.grant(self.cfg.prefetch)
         finished = False
