@@ -44,6 +44,7 @@ class EnvLinks:
         self._rr = itertools.cycle(range(len(clients)))
         self.idle_sessions: list[collections.deque[str]] = [collections.deque() for _ in clients]
         self.pool_waits = 0  # SessionOpen answered "pool_exhausted" and retried
+        self.closing: set[str] = set()  # SessionClose requests not answered yet
 
     def pick(self) -> int:
         return next(self._rr)
@@ -61,6 +62,7 @@ class EnvLinks:
         n = 0
         for c in self.clients:
             for msg in c.poll(0):
+                self.closing.discard(msg.request_id)
                 entry = self.waiting.pop(msg.request_id, None)
                 if entry is not None and not entry[0].done():
                     entry[0].set_result(msg)
@@ -96,7 +98,20 @@ class EnvLinks:
         if healthy:
             self.idle_sessions[i].append(sid)
         else:  # let the env_server retire it; nobody waits for the answer
-            self.clients[i].send(P.SessionClose, session_id=sid)
+            self.closing.add(self.clients[i].send(P.SessionClose, session_id=sid))
+
+    def close_sessions(self, timeout_s: float) -> int:
+        """Give every session back before this actor leaves, so the env_server frees its desktops now rather
+        than reclaiming them as a dead actor's once the heartbeats stop. Returns how many went unanswered."""
+        for i, idle in enumerate(self.idle_sessions):
+            while idle:
+                self.closing.add(self.clients[i].send(P.SessionClose, session_id=idle.popleft()))
+        deadline = time.monotonic() + timeout_s
+        while self.closing and time.monotonic() < deadline:
+            for c in self.clients:
+                for msg in c.poll(0.02):
+                    self.closing.discard(msg.request_id)
+        return len(self.closing)
 
 
 class RemoteEnv:
@@ -370,6 +385,9 @@ class Actor:
         self.weights_thread.shutdown(wait=False, cancel_futures=True)
         self.images_thread.shutdown(wait=True)  # an image being written finishes: a group may already name it
         self.broker.close()
+        unanswered = self.env.close_sessions(self.cfg.close_sessions_s)
+        if unanswered:
+            self.log.warning("sessions_not_closed", unanswered=unanswered)
         for c in self.env.clients:
             c.close()
         self.metrics.close()

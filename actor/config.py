@@ -34,6 +34,8 @@ class ActorConfig:
     """seconds between actor metric records"""
     stop_grace_s: float = 30.0
     """after a stop, how long in-flight groups may finish and be acked"""
+    close_sessions_s: float = 5.0
+    """on exit, how long to wait for the env_servers to confirm this actor's sessions are closed"""
 
     def validate(self) -> None:
         if self.env_error not in ("reroll", "incomplete"):

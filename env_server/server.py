@@ -252,15 +252,15 @@ class EnvServer:
             self.counters["replayed_replies"] += 1
             self.sock.send_frames(ident, sess.last_reply)
             return
+        if isinstance(msg, P.SessionClose):  # also mid-call (an actor leaving): the desktop returns when it ends
+            self._close_session(sess, "closed")
+            self.sock.send(ident, P.SessionClosed(request_id=msg.request_id, session_id=sess.session_id))
+            return
         if sess.busy_job:
             job = self.jobs.get(sess.busy_job)
             if job is not None and job.request.request_id == msg.request_id:
                 return  # the same request is running; its answer will come
             self._error(ident, "session_busy", "the previous request on this session is still running", msg)
-            return
-        if isinstance(msg, P.SessionClose):
-            self._close_session(sess, "closed")
-            self.sock.send(ident, P.SessionClosed(request_id=msg.request_id, session_id=sess.session_id))
             return
         if isinstance(msg, (P.EnvStep, P.EnvEvaluate)) and not sess.episode:
             self._error(ident, "no_episode", "reset the session with a task first (or again, after an abort)",

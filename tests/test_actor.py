@@ -171,6 +171,11 @@ def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, p
                 assert engine.tokenizer.decode(turn.output_ids.tolist()).startswith(tr.actions[0][:5])
         metrics = (tb.run_dir.metrics / "actor-0.jsonl").read_text()
         assert '"gen_tokens_per_s"' in metrics and '"engine_idle_ratio"' in metrics
+        opened = server.counters["sessions_opened"]
+        actor.close()
+        # Leaving gives every session back at once; none waits to be reclaimed as a dead actor's.
+        assert server.pool_stats()["sessions"] == 0 and server.counters["sessions_closed"] == opened
+        assert server.counters["sessions_reclaimed"] == 0
     finally:
         actor.close()
         learner.close()

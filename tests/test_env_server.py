@@ -170,6 +170,20 @@ def test_dead_actor_sessions_are_reclaimed(env_server, quiet_log):
     alive.close()
 
 
+def test_a_session_closes_mid_step_and_its_desktop_returns_when_the_step_ends(env_server, quiet_log):
+    server, net = env_server(pool_size=1, sim=SimConfig(latency="fixed", latency_mean_s=0.5))
+    c = client_for(server, net, quiet_log)
+    sid = c.open()
+    c.reset(sid, "sim:train/0")
+    c.send(P.EnvStep, session_id=sid, action="wait()")  # runs on a worker for 0.5 s
+    wait(lambda: server.pool_stats()["busy_sessions"] == 1, seconds=5)
+    assert isinstance(c.call(P.SessionClose, session_id=sid), P.SessionClosed), "a leaving actor is not told busy"
+    assert server.pool_stats()["sessions"] == 0 and server.counters["sessions_closed"] == 1
+    wait(lambda: server.pool_stats()["idle_desktops"] == 1, seconds=5)  # back in the pool once the step ended
+    assert c.open() and server.counters["desktops_started"] == 1
+    c.close()
+
+
 def test_slow_step_times_out_and_the_desktop_is_replaced(env_server, quiet_log):
     server, net = env_server(pool_size=2, step_timeout_s=0.3,
                              sim=SimConfig(latency="fixed", latency_mean_s=1.0))
