@@ -15,9 +15,13 @@ Every update is a *round* on the current epoch, announced to actors on Control w
    learner), and each engine casts into its own dtype as it swaps the weights in.
 
 The backend is agreed when an epoch forms, not guessed on each side: every joiner files where its tensors
-live (``cpu`` or ``cuda:<GPU uuid>``), and the learner picks NCCL only when every member, itself included,
-is on a GPU of its own (NCCL refuses two ranks on one device), gloo otherwise (``auto``); an explicit
-``nccl`` that cannot work is refused with the reason. Receivers read the choice from the store.
+live (``cpu`` or ``cuda:<GPU uuid>``), and the learner picks (``auto``) NCCL when every member, itself
+included, is on a GPU of its own (NCCL refuses two ranks on one device), ``cuda_ipc`` when every member is on
+the learner's own GPU, gloo otherwise; an explicit choice that cannot work is refused with the reason.
+Receivers read the choice from the store. ``cuda_ipc`` sends no tensor data through a group at all: the
+header, then the buckets' CUDA IPC handles (``common/cuda_ipc.py``) go over a gloo group, each receiver copies
+device to device out of the learner's memory, and a closing all-reduce tells the learner every receiver is
+done with it (and which failed).
 
 Every collective runs under ``timeout_s`` with a CPU-blocking wait (an NCCL ``wait()`` without a timeout
 only orders streams and would never see a dead peer), on groups built with NCCL's asynchronous error
@@ -51,7 +55,7 @@ class WeightSyncConfig:
     port: int = 25559
     """port of the rendezvous store"""
     backend: str = "auto"
-    """gloo | nccl | auto (nccl when every member's weights are on a GPU of its own, else gloo)"""
+    """gloo | nccl | cuda_ipc | auto (nccl: each member on a GPU of its own; cuda_ipc: all on the learner's)"""
     bucket_mb: float = 512.0
     """parameters travel in flat buckets of about this size"""
     join_window_s: float = 5.0
@@ -60,8 +64,8 @@ class WeightSyncConfig:
     """a round step (rendezvous or one bucket) slower than this abandons the round"""
 
     def validate(self) -> None:
-        if self.backend not in ("gloo", "nccl", "auto"):
-            raise ValueError("weights backend must be gloo, nccl or auto")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"weights backend must be one of {BACKENDS}")
         if self.bucket_mb <= 0 or self.timeout_s <= 0 or self.join_window_s < 0:
             raise ValueError("bucket_mb and timeout_s must be > 0, join_window_s >= 0")
 
@@ -69,6 +73,8 @@ class WeightSyncConfig:
 class RoundFailed(RuntimeError):
     """A round could not complete (a peer died, a timeout, a layout mismatch); weights are unchanged."""
 
+
+BACKENDS = ("auto", "gloo", "nccl", "cuda_ipc")
 
 # Wire dtypes by code (the header carries the code; both sides must know the table).
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
@@ -162,9 +168,15 @@ def placement(device: Any) -> str:
 
 def choose_backend(configured: str, places: Sequence[str]) -> str:
     """The epoch's backend from every member's placement (the learner's first); raises ``ValueError``
-    with the reason when ``nccl`` is asked for and cannot work."""
+    with the reason when ``nccl`` or ``cuda_ipc`` is asked for and cannot work."""
     all_gpu = all(p.startswith("cuda:") for p in places)
     distinct = len(set(places)) == len(places)
+    one_gpu = all_gpu and len(set(places)) == 1
+    if configured == "cuda_ipc" or (configured == "auto" and one_gpu and len(places) > 1):
+        if not one_gpu:
+            raise ValueError("weights.backend=cuda_ipc but not every member holds its weights on the learner's GPU "
+                             f"({', '.join(sorted(set(places)))}); use auto")
+        return "cuda_ipc"
     if configured == "gloo" or (configured == "auto" and not (all_gpu and distinct)):
         return "gloo"
     if not all_gpu:
@@ -245,10 +257,16 @@ class WeightSender:
                                  version=version, waited_s=self.cfg.join_window_s)
                 return 0
             plan = buckets(named, int(self.cfg.bucket_mb * (1 << 20)), named[0][1].element_size())
+            ipc = self.backend == "cuda_ipc"
             header = torch.tensor([version, layout_hash(named), len(plan), len(named), self.round, wire],
-                                  dtype=torch.int64, device=device)
+                                  dtype=torch.int64, device="cpu" if ipc else device)
             _wait(self._pg.broadcast(header, 0), self.cfg)
-            for idx in plan:
+            if ipc:
+                failed = self._send_handles(self._pack_shared(named, plan), device)
+                if failed:
+                    self.log.warning("weights_ipc_receivers_failed", round=self.round, epoch=self.epoch,
+                                     failed=failed, members=self.members)
+            for idx in plan if not ipc else []:
                 parts = [named[i][1].detach().reshape(-1) for i in idx]
                 # A bucket of one contiguous tensor goes as is; only small tensors are packed (one copy).
                 flat = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -264,6 +282,44 @@ class WeightSender:
                       receivers=self.members, backend=self.backend, seconds=round(time.monotonic() - t0, 3))
         return self.members
 
+    @staticmethod
+    def _pack_shared(named: Sequence[tuple[str, Any]], plan: list[list[int]]) -> list[Any]:
+        """cuda_ipc: the round's buckets in fresh buffers that die with the round. Receivers never map the
+        model's own parameters: torch wraps a storage's memory in new IPC bookkeeping (a reference-counter
+        slot in shared memory) at every export and keeps it for the storage's whole life."""
+        import torch
+
+        out = []
+        with torch.no_grad():
+            for idx in plan:
+                buf = torch.empty(sum(named[i][1].numel() for i in idx), dtype=named[0][1].dtype,
+                                  device=named[0][1].device)
+                pos = 0
+                for i in idx:
+                    t = named[i][1].detach().reshape(-1)
+                    buf[pos:pos + t.numel()].copy_(t)
+                    pos += t.numel()
+                out.append(buf)
+        return out
+
+    def _send_handles(self, flats: list[Any], device: Any) -> int:
+        """cuda_ipc: the buckets' IPC handles to every member, then wait until all copied; returns how many
+        members failed to (they leave the epoch and keep their old weights)."""
+        import torch
+
+        from common import cuda_ipc
+
+        torch.cuda.synchronize(device)  # the packed buckets are written before anyone maps them
+        # One export per receiver, as torch.multiprocessing does per send: an export's reference count expects
+        # one consumer, and a block two consumers opened under one export is never freed (measured on an H100).
+        data = cuda_ipc.pack([[cuda_ipc.export(f) for f in flats] for _ in range(self.members)])
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        _wait(self._pg.broadcast(size, 0), self.cfg)
+        _wait(self._pg.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0), self.cfg)
+        failed = torch.zeros(1, dtype=torch.int64)
+        _wait(self._pg.allreduce(failed), self.cfg)  # the closing barrier: each receiver adds 1 if it failed
+        return int(failed.item())
+
     def close(self) -> None:
         _release(self._pg, failed=False)
         self._pg = None
@@ -278,6 +334,8 @@ class WeightReceiver:
         self.cfg, self.log = cfg, log
         self._store: Any = None
         self._epoch = 0
+        self._backend = ""
+        self._rank = 0
         self._pg: Any = None
         self._buffers: list[Any] = []  # receive buffers kept between rounds (no page faults after the first)
 
@@ -320,7 +378,7 @@ class WeightReceiver:
             raise RoundFailed(f"the learner refused epoch {epoch}'s backend: {backend.removeprefix('refused: ')}")
         _release(self._pg, failed=False)
         self._pg = _group(store, f"e{epoch}/pg/", rank, world, backend, self.cfg)
-        self._epoch = epoch
+        self._epoch, self._backend, self._rank = epoch, backend, rank
 
     def receive(self, r: int, epoch: int, like: Sequence[tuple[str, Any]],
                 reuse: bool = False) -> tuple[int, dict[str, Any]]:
@@ -335,8 +393,9 @@ class WeightReceiver:
         device = like[0][1].device if like else "cpu"
         if self._pg is None or epoch != self._epoch:
             self._join(epoch, device)
+        ipc = self._backend == "cuda_ipc"
         try:
-            header = torch.zeros(6, dtype=torch.int64, device=device)
+            header = torch.zeros(6, dtype=torch.int64, device="cpu" if ipc else device)
             _wait(self._pg.broadcast(header, 0), self.cfg)
             version, lhash, n_buckets, n_params, round_no, wire = (int(x) for x in header.tolist())
             if round_no != r:
@@ -353,8 +412,11 @@ class WeightReceiver:
                     [(sum(like[i][1].numel() for i in idx), dtype) for idx in plan]:
                 self._buffers = [torch.empty(sum(like[i][1].numel() for i in idx), dtype=dtype, device=device)
                                  for idx in plan]
+            if ipc:
+                self._copy_from_handles(device)
             for idx, flat in zip(plan, self._buffers):
-                _wait(self._pg.broadcast(flat, 0), self.cfg)
+                if not ipc:
+                    _wait(self._pg.broadcast(flat, 0), self.cfg)
                 pos = 0
                 for i in idx:
                     name, t = like[i]
@@ -365,3 +427,32 @@ class WeightReceiver:
         except Exception as exc:
             raise self._lost(f"round {r}: {exc}") from exc
         return version, out
+
+    def _copy_from_handles(self, device: Any) -> None:
+        """cuda_ipc: map the learner's buckets, copy them into our buffers, then join the closing barrier
+        (reporting a failure there, so the learner is not left waiting, before raising it here)."""
+        import torch
+
+        from common import cuda_ipc
+
+        size = torch.zeros(1, dtype=torch.int64)
+        _wait(self._pg.broadcast(size, 0), self.cfg)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        _wait(self._pg.broadcast(data, 0), self.cfg)
+        error: Exception | None = None
+        try:
+            descs = cuda_ipc.unpack(data.numpy().tobytes(), self._rank)
+            if len(descs) != len(self._buffers):
+                raise ValueError(f"{len(descs)} buckets announced, {len(self._buffers)} planned")
+            for desc, buf in zip(descs, self._buffers):
+                src = cuda_ipc.open_tensor(desc, device)
+                if src.numel() != buf.numel() or src.dtype != buf.dtype:
+                    raise ValueError("a shared bucket's size or dtype differs from the plan")
+                buf.copy_(src)
+                del src
+            torch.cuda.synchronize(device)  # copied before the learner may free or overwrite its buckets
+        except Exception as exc:
+            error = exc
+        _wait(self._pg.allreduce(torch.tensor([int(error is not None)], dtype=torch.int64)), self.cfg)
+        if error is not None:
+            raise self._lost(f"cuda_ipc copy: {error}")

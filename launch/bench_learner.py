@@ -206,13 +206,13 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
 
 # ----- weights -----------------------------------------------------------------------------------------
 
-def _our_receiver(cfg_dict: dict, numel: int, rounds, results) -> None:
+def _our_receiver(cfg_dict: dict, numel: int, device: str, rounds, results) -> None:
     import torch
 
     from common.weightsync import WeightReceiver, WeightSyncConfig
 
     rx = WeightReceiver(WeightSyncConfig(**cfg_dict), None)
-    like = [("w", torch.empty(numel))]
+    like = [("w", torch.empty(numel, device=device))]
     while True:
         item = rounds.get()
         if item is None:
@@ -242,7 +242,28 @@ def _raw_member(port: int, rank: int, world: int, numel: int, repeats: int, resu
         results.put(times[1:])
 
 
-def run_weights_bench(params: int, receivers: int, repeats: int, bucket_mb: float) -> dict:
+def _raw_device_copies(params: int, receivers: int, repeats: int, device: str) -> list[float]:
+    """The fastest same-GPU delivery without our code: one process copying the bytes device to device into
+    one buffer per receiver (what every receiver's copy out of the learner's memory adds up to)."""
+    import torch
+
+    src = torch.ones(params, dtype=torch.bfloat16, device=device)
+    dsts = [torch.empty_like(src) for _ in range(receivers)]
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for d in dsts:
+            d.copy_(src)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
+def run_weights_bench(params: int, receivers: int, repeats: int, bucket_mb: float, device: str = "cpu",
+                      backend: str = "auto") -> dict:
+    """CPU: our rounds vs a raw gloo broadcast of the same float32 bytes between the same processes. A GPU
+    (learner and receivers sharing it, bf16 as a GPU learner sends): vs raw device-to-device copies."""
     import torch
 
     from common import log as L
@@ -250,24 +271,29 @@ def run_weights_bench(params: int, receivers: int, repeats: int, bucket_mb: floa
     from common.weightsync import WeightSender, WeightSyncConfig
 
     ctx = mp.get_context("spawn")
-    # raw: a group built once, one flat broadcast per repeat
-    port = free_port()
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_raw_member, args=(port, r, receivers + 1, params, repeats, results), daemon=True)
-             for r in range(receivers + 1)]
-    for p in procs:
-        p.start()
-    raw_times = await_result(results, procs, 600)
-    reap(procs, 30)
+    on_gpu = device.startswith("cuda")
+    if on_gpu:
+        raw_times = _raw_device_copies(params, receivers, repeats, device)
+    else:  # raw: a group built once, one flat broadcast per repeat
+        port = free_port()
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_raw_member, args=(port, r, receivers + 1, params, repeats, results),
+                             daemon=True) for r in range(receivers + 1)]
+        for p in procs:
+            p.start()
+        raw_times = await_result(results, procs, 600)
+        reap(procs, 30)
     # ours: a round per repeat (rendezvous, fresh group, header, buckets)
-    cfg = WeightSyncConfig(port=free_port(), join_window_s=30.0, timeout_s=120.0, bucket_mb=bucket_mb)
+    cfg = WeightSyncConfig(port=free_port(), join_window_s=30.0, timeout_s=120.0, bucket_mb=bucket_mb,
+                           backend=backend)
     log = L.setup("learner", "bench", 0, None, "warning", quiet=True)
     sender = WeightSender(cfg, log)
-    named = [("w", torch.ones(params))]
+    named = [("w", torch.ones(params, dtype=torch.bfloat16 if on_gpu else torch.float32, device=device))]
     rounds = [ctx.Queue() for _ in range(receivers)]
     done = ctx.Queue()
     cfg_dict = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
-    procs = [ctx.Process(target=_our_receiver, args=(cfg_dict, params, q, done), daemon=True) for q in rounds]
+    procs = [ctx.Process(target=_our_receiver, args=(cfg_dict, params, device, q, done), daemon=True)
+             for q in rounds]
     for p in procs:
         p.start()
     ours = []
@@ -284,8 +310,12 @@ def run_weights_bench(params: int, receivers: int, repeats: int, bucket_mb: floa
         q.put(None)
     for p in procs:
         p.join(30)
+    sender.close()
     ours_s, raw_s = statistics.median(ours[1:]), statistics.median(raw_times)
-    return {"params": params, "megabytes": round(params * 4 / 1e6, 1), "receivers": receivers, "repeats": repeats,
+    nbytes = params * named[0][1].element_size()
+    return {"params": params, "megabytes": round(nbytes / 1e6, 1), "receivers": receivers, "repeats": repeats,
+            "device": device, "backend": sender.backend,
+            "baseline": "device-to-device copies" if on_gpu else "gloo broadcast",
             "seconds": round(ours_s, 6), "raw_seconds": round(raw_s, 6), "ratio": round(raw_s / ours_s, 3),
             "first_round_seconds": round(ours[0], 4),  # forms the epoch (rendezvous + group), not in the median
-            "gb_per_s_per_receiver": round(params * 4 / 1e9 / ours_s, 3)}
+            "gb_per_s_per_receiver": round(nbytes / 1e9 / ours_s, 3)}

@@ -530,12 +530,18 @@ def bench_learner(hidden: int, layers: int, groups: int, group_size: int, prompt
 @click.option("--receivers", default=2, show_default=True, help="K receiver processes")
 @click.option("--repeats", default=3, show_default=True, help="timed rounds (median reported)")
 @click.option("--bucket-mb", default=512.0, show_default=True, help="bucket size of our rounds")
+@click.option("--device", default="cpu", show_default=True,
+              help="where sender and receivers hold weights: cpu, or cuda (all on one GPU, bf16)")
+@click.option("--backend", default="auto", show_default=True, type=click.Choice(["auto", "gloo", "cuda_ipc"]),
+              help="weights.backend of our rounds")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def bench_weights(params: int, receivers: int, repeats: int, bucket_mb: float, as_json: bool) -> None:
-    """Seconds per weight round to K receivers vs a raw torch.distributed broadcast of the same bytes."""
+def bench_weights(params: int, receivers: int, repeats: int, bucket_mb: float, device: str, backend: str,
+                  as_json: bool) -> None:
+    """Seconds per weight round to K receivers vs the raw baseline moving the same bytes: a torch.distributed
+    broadcast on CPU, device-to-device copies on a GPU."""
     from launch.bench_learner import run_weights_bench
 
-    _emit(run_weights_bench(params, receivers, repeats, bucket_mb), as_json)
+    _emit(run_weights_bench(params, receivers, repeats, bucket_mb, device, backend), as_json)
 
 
 @bench.command("async")

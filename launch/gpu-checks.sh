@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks (docs/gpu.md records their figures): CUDA tests, learner benches on real model shapes,
 # the actor bench on CUDA, and a whole run with the learner and two actors sharing one GPU.
-#   bash launch/gpu-checks.sh tests|bench-learner|bench-actor|run OUT_DIR
+#   bash launch/gpu-checks.sh tests|bench-learner|bench-actor|bench-weights|run OUT_DIR
 # Uses the current python (torch + transformers with CUDA); pyzmq/structlog/... must be importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +30,16 @@ case "$what" in
       echo "== bench actor --hidden $hidden"
       crl bench actor --device cuda --groups 4 --hidden $hidden --json 2>>"$out/bench-err.txt" \
         | tee -a "$out/bench-actor.jsonl" || tail -5 "$out/bench-err.txt"
+    done
+    ;;
+  bench-weights)
+    # Qwen2.5-0.5B's and 1.5B's parameter counts in bf16 to two receivers on the learner's GPU.
+    for params in 494032768 1543714304; do
+      for backend in cuda_ipc gloo; do
+        echo "== bench weights --params $params --backend $backend"
+        crl bench weights --device cuda --params $params --receivers 2 --repeats 3 --backend $backend --json \
+          2>>"$out/bench-err.txt" | tee -a "$out/bench-weights.jsonl" || tail -5 "$out/bench-err.txt"
+      done
     done
     ;;
   run)

@@ -255,6 +255,8 @@ class Learner:
 
     def close(self) -> None:
         self.client.close()
+        if self.sender is not None:
+            self.sender.close()
         self.metrics.close()
         self.audit.close()
 

@@ -1,6 +1,6 @@
 """The GPU paths on a real GPU (skipped without one): bf16 compute on float32 masters, the HF engine's
 log-probs against the learner's scoring, a padded vocabulary, and a weight round between two processes that
-share one GPU (the backend agreement must pick gloo: NCCL refuses two ranks on a device)."""
+share one GPU (the backend agreement picks CUDA IPC: NCCL refuses two ranks on a device)."""
 
 from __future__ import annotations
 
@@ -51,24 +51,41 @@ def test_engine_on_cuda_samples_only_real_tokens_with_the_learners_logprobs():
 
 
 def _receive(port: int, q) -> None:
-    cfg = WeightSyncConfig(port=port, join_window_s=20.0, timeout_s=60.0)
-    like = [("w", torch.empty(1000, 1000, device="cuda")), ("b", torch.empty(1000, device="cuda"))]
-    version, tensors = WeightReceiver(cfg, None).receive(1, 1, like)
-    q.put((version, float(tensors["w"].float().sum()), str(tensors["w"].dtype), placement("cuda")))
+    cfg = WeightSyncConfig(port=port, join_window_s=20.0, timeout_s=60.0, bucket_mb=1.0)
+    like = [("w", torch.empty(1000, 1000, device="cuda")), ("b", torch.empty(1000, device="cuda")),
+            ("c", torch.empty(10, device="cuda"))]
+    rx = WeightReceiver(cfg, None)
+    for r in (1, 2):
+        version, tensors = rx.receive(r, 1, like)
+        q.put((version, {n: t.float().cpu() for n, t in tensors.items()}, str(tensors["w"].dtype), placement("cuda")))
 
 
-def test_a_round_between_two_processes_on_one_gpu_agrees_on_gloo(quiet_log):
+@pytest.mark.parametrize("backend,expected", [("auto", "cuda_ipc"), ("gloo", "gloo")])
+def test_a_round_between_two_processes_on_one_gpu(quiet_log, backend, expected):
+    """Learner and engine on one GPU: auto agrees on CUDA IPC (NCCL refuses two ranks on a device), gloo when
+    asked; two rounds on one epoch, a 2 MB tensor in a bucket of its own and two small ones packed."""
     port = free_port()
-    sender = WeightSender(WeightSyncConfig(port=port, join_window_s=20.0, timeout_s=60.0), quiet_log)
+    sender = WeightSender(WeightSyncConfig(port=port, join_window_s=20.0, timeout_s=60.0, bucket_mb=1.0,
+                                           backend=backend), quiet_log)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_receive, args=(port, q), daemon=True)
     p.start()
-    r, e = sender.open_round()
-    assert (r, e) == (1, 1)
-    w = torch.ones(1000, 1000, device="cuda", dtype=torch.bfloat16)
-    assert sender.broadcast([("w", w), ("b", torch.zeros(1000, device="cuda", dtype=torch.bfloat16))], 3, 1) == 1
-    version, total, dtype, place = q.get(timeout=120)
+    base = torch.cuda.memory_allocated()
+    for version in (3, 4):
+        r, e = sender.open_round()
+        assert e == 1
+        g = torch.Generator(device="cuda").manual_seed(version)
+        sent = {"w": torch.randn(1000, 1000, device="cuda", generator=g).bfloat16(),
+                "b": torch.randn(1000, device="cuda", generator=g).bfloat16(),
+                "c": torch.randn(10, device="cuda", generator=g).bfloat16()}
+        assert sender.broadcast(list(sent.items()), version, 1) == 1
+        got_version, got, dtype, place = q.get(timeout=120)
+        assert got_version == version and dtype == "torch.bfloat16" and place == placement("cuda")
+        for n, t in sent.items():
+            assert torch.equal(got[n], t.float().cpu()), n
+        del sent
+        # (a generator keeps a few hundred bytes; one bucket here is 2 MB)
+        assert torch.cuda.memory_allocated() - base < 1 << 20, "the round's shared buffers are freed once it closes"
     p.join(30)
-    assert sender.backend == "gloo" and place == placement("cuda")
-    assert version == 3 and total == 1e6 and dtype == "torch.bfloat16"
+    assert sender.backend == expected

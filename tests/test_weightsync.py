@@ -154,8 +154,13 @@ def test_backend_is_agreed_from_every_members_placement():
     gpus = ["cuda:GPU-a", "cuda:GPU-b", "cuda:GPU-c"]
     assert choose_backend("auto", gpus) == "nccl"
     assert choose_backend("auto", gpus[:2] + ["cpu"]) == "gloo", "a CPU engine: gloo for everyone"
-    assert choose_backend("auto", ["cuda:GPU-a", "cuda:GPU-a"]) == "gloo", "learner and engine share a GPU"
-    assert choose_backend("gloo", gpus) == "gloo"
+    assert choose_backend("auto", ["cuda:GPU-a", "cuda:GPU-a"]) == "cuda_ipc", "learner and engines share a GPU"
+    assert choose_backend("auto", ["cuda:GPU-a", "cuda:GPU-a", "cuda:GPU-b"]) == "gloo", "some share, some do not"
+    assert choose_backend("gloo", gpus) == "gloo" and choose_backend("gloo", ["cuda:GPU-a"] * 2) == "gloo"
+    with pytest.raises(ValueError, match="learner's GPU"):
+        choose_backend("cuda_ipc", ["cuda:GPU-a", "cuda:GPU-b"])
+    with pytest.raises(ValueError, match="learner's GPU"):
+        choose_backend("cuda_ipc", ["cuda:GPU-a", "cpu"])
     with pytest.raises(ValueError, match="on the CPU"):
         choose_backend("nccl", ["cuda:GPU-a", "cpu"])
     with pytest.raises(ValueError, match="share one GPU"):
@@ -207,3 +212,75 @@ def test_a_restarted_learner_is_a_new_sender_and_its_rounds_reach_the_receiver(q
     assert second.broadcast(params(2), version=5, expected=1) == 1
     t.join(10)
     assert [v for v, _ in got] == [7, 5] and torch.equal(got[1][1]["a.weight"], params(2)[0][1])
+
+
+def test_a_cuda_ipc_round_passes_handles_copies_and_closes_with_a_barrier_that_counts_failures(
+        quiet_log, monkeypatch, tmp_path):
+    """The cuda_ipc round's control plane on CPU: CUDA IPC itself is replaced by files standing in for mapped
+    allocations (tests/test_gpu.py runs the real one). A receiver that cannot open a handle still joins the
+    closing barrier, so the learner is told instead of waiting, and that receiver keeps its weights."""
+    import common.cuda_ipc as ipc
+    import common.weightsync as ws
+
+    exported = []
+
+    def export(t):
+        path = tmp_path / f"alloc-{len(exported)}.pt"
+        torch.save(t.clone(), path)
+        exported.append(path)
+        return {**{f: 0 for f in ipc._FIELDS}, "handle": str(path).encode(), "numel": t.numel(),
+                "tensor_offset": 0, "dtype": str(t.dtype).removeprefix("torch.")}
+
+    def open_tensor(desc, device):
+        if b"broken" in desc["handle"]:
+            raise RuntimeError("cudaIpcOpenMemHandle failed")
+        return torch.load(desc["handle"].decode())
+
+    monkeypatch.setattr(ipc, "export", export)
+    monkeypatch.setattr(ipc, "open_tensor", open_tensor)
+    monkeypatch.setattr(ws, "placement", lambda device: "cuda:GPU-same")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    cfg = WeightSyncConfig(port=free_port(), join_window_s=3.0, timeout_s=5.0, bucket_mb=0.001)
+    sender = WeightSender(cfg, quiet_log)
+    rx = [WeightReceiver(cfg, quiet_log) for _ in range(2)]
+    got = {}
+
+    def receive(i, r, e):
+        try:
+            got[i] = rx[i].receive(r, e, params(0))
+        except RoundFailed as exc:
+            got[i] = exc
+
+    def one_round(version):
+        r, e = sender.open_round()
+        threads = [threading.Thread(target=receive, args=(i, r, e)) for i in range(2)]
+        [t.start() for t in threads]
+        n = sender.broadcast(params(version), version=version, expected=2)
+        [t.join(10) for t in threads]
+        return n
+
+    assert one_round(5) == 2 and sender.backend == "cuda_ipc" and len(exported) == 6, "per bucket and receiver"
+    for i in range(2):
+        version, tensors = got[i]
+        assert version == 5 and all(torch.equal(tensors[n], t) for n, t in params(5))
+
+    real_unpack = ipc.unpack
+    calls = {"n": 0}
+
+    def unpack_breaking_the_first(data, rank):  # receiver 0 or 1, whichever unpacks first, gets a dead handle
+        descs = real_unpack(data, rank)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            descs[0]["handle"] = b"broken"
+        return descs
+
+    monkeypatch.setattr(ipc, "unpack", unpack_breaking_the_first)
+    warnings = []
+    monkeypatch.setattr(sender, "log", type("L", (), {"warning": lambda self, e, **kw: warnings.append((e, kw)),
+                                                      "info": lambda self, e, **kw: None})())
+    t0 = time.monotonic()
+    assert one_round(6) == 2
+    assert time.monotonic() - t0 < 3, "no one waits for a timeout"
+    assert warnings and warnings[0][0] == "weights_ipc_receivers_failed" and warnings[0][1]["failed"] == 1
+    results = sorted(got.values(), key=lambda g: isinstance(g, RoundFailed))
+    assert results[0][0] == 6 and isinstance(results[1], RoundFailed) and "cudaIpcOpenMemHandle" in str(results[1])
