@@ -303,6 +303,9 @@ class Actor:
             except RoundFailed as exc:
                 self.stats["weight_rounds_missed"] += 1
                 self.log.warning("weights_round_missed", round=r, error=str(exc)[:300])
+            except Exception as exc:  # an engine bug, not a lost peer: still logged and counted, never lost
+                self.stats["weight_round_errors"] += 1
+                self.log.error("weights_round_error", round=r, error=repr(exc)[:300])
             finally:
                 self.weights_busy = False
 

@@ -80,6 +80,25 @@ class Engine(Protocol):
 
 
 @dataclass
+class VLLMConfig:
+    """Settings only the ``vllm`` engine reads (vLLM's own engine arguments of the same names)."""
+
+    gpu_memory_utilization: float = 0.85
+    """share of the GPU vLLM takes for weights and KV cache; the rest holds a weight round's buckets"""
+    max_model_len: int = 0
+    """longest prompt + output in tokens (0 = the checkpoint's); smaller leaves more KV cache"""
+    enforce_eager: bool = False
+    """no CUDA graphs: starts faster and uses less memory, decodes slower"""
+    tensor_parallel_size: int = 1
+    """GPUs one engine spans; each of its workers joins weight rounds as a receiver of its own"""
+
+    def validate(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1 or self.max_model_len < 0 or self.tensor_parallel_size < 1:
+            raise ValueError("vllm: need 0 < gpu_memory_utilization <= 1, max_model_len >= 0, "
+                             "tensor_parallel_size >= 1")
+
+
+@dataclass
 class EngineConfig:
     """The actor's inference engine."""
 
@@ -95,12 +114,34 @@ class EngineConfig:
     """sampling seed (each actor offsets it by its rank)"""
     threads: int = 0
     """torch CPU threads (0 = leave torch's default)"""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """the vllm engine's own settings"""
 
     def validate(self) -> None:
         if self.kind not in ("hf", "vllm"):
             raise ValueError("engine kind must be hf or vllm")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        self.vllm.validate()
+
+    @property
+    def weight_receivers(self) -> int:
+        """Members one engine adds to a weight round: one, or each tensor-parallel worker of a vLLM engine."""
+        return self.vllm.tensor_parallel_size if self.kind == "vllm" else 1
+
+
+class StopWatch:
+    """Ends a generation once its decoded output contains one of ``stops`` (the string is kept): each token is
+    decoded on its own and appended to a bounded tail, so the check costs the same at every length."""
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str]):
+        self.tokenizer, self.stops, self.tail = tokenizer, list(stops), ""
+
+    def hit(self, token_id: int) -> bool:
+        if not self.stops:
+            return False
+        self.tail = (self.tail + self.tokenizer.decode([token_id]))[-256:]
+        return any(s in self.tail for s in self.stops)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Any, Any]:
@@ -242,7 +283,7 @@ class HFEngine:
         gens = [Generation([], [], [], "length") for _ in range(n)]
         done = [False] * n
         stops = self.tokenizer.stop_ids
-        tails = [""] * n
+        watches = [StopWatch(self.tokenizer, params.stop) for _ in range(n)]
         with torch.no_grad():
             res = self.model(input_ids=ids, attention_mask=mask, use_cache=True, **extra)
             vocab = self.tokenizer.vocab_size  # padding rows of the embedding are never sampled (nor scored)
@@ -262,10 +303,8 @@ class HFEngine:
                     g.versions.append(self.version)
                     if tok_list[r] in stops:
                         done[r], g.finish = True, "eos"
-                    elif params.stop:
-                        tails[r] = (tails[r] + self.tokenizer.decode([tok_list[r]]))[-256:]
-                        if any(s in tails[r] for s in params.stop):
-                            done[r], g.finish = True, "stop"
+                    elif watches[r].hit(tok_list[r]):
+                        done[r], g.finish = True, "stop"
                 if all(done):
                     break
                 if on_step is not None:

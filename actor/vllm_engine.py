@@ -1,34 +1,47 @@
 """The ``vllm`` engine (optional extra ``gpu``): vLLM's AsyncLLM behind the actor's engine interface.
 
-UNVERIFIED: written against vLLM's documented V1 API (``AsyncLLM``, ``TokensPrompt``, ``SamplingParams``
-with ``logprobs=0``, ``worker_extension_cls`` + ``collective_rpc``) and not yet run, because this project's
-CI machine has neither a GPU nor vLLM. The parts that do not need vLLM (continuation bookkeeping, layout,
-the import guard) are unit-tested.
+UNVERIFIED: written against vLLM's V1 API as its source documents it (``AsyncLLM``, ``TokensPrompt``,
+``SamplingParams`` with ``logprobs=0``, ``pause_generation``/``resume_generation``, ``worker_extension_cls`` +
+``collective_rpc``) and never run: the CI machine has neither a GPU nor vLLM, and the lent GPU machine had no
+vLLM. What runs without vLLM is unit-tested (continuation bookkeeping, the layout, stop strings, swap failures,
+the engine arguments, the import guard).
 
 How it works:
 - AsyncLLM runs on an event loop in a background thread; ``generate`` (called from the actor's engine
   thread) submits one request per prompt and waits for all of them, streaming outputs as they come.
-- Log-probs: ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob; the engine is created with
-  ``logprobs_mode="processed_logprobs"`` so it is taken after temperature, matching what the learner scores.
-- Weights: every vLLM worker process loads ``VLLMWeightExtension`` (below). On a new round the actor calls
-  ``collective_rpc("receive_weights", ...)``: each worker joins the learner's round exactly like the HF
-  engine's receiver does (same store, same rank protocol) and feeds the tensors, which travel in Hugging
-  Face names and shapes, to ``model.load_weights``. With ``interrupt`` on, in-flight requests are aborted
-  first and resubmitted afterwards as continuations (prompt + tokens so far), so every token keeps the
-  version that sampled it.
+- Log-probs: ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob, taken after temperature
+  (``logprobs_mode="processed_logprobs"``), as the learner scores. vLLM's processed log-probs are also taken
+  after top-p truncation and renormalised over the nucleus, which the learner cannot reproduce, so this engine
+  refuses ``top_p < 1``.
+- Tokenizer: a checkpoint with a Hugging Face tokenizer gives vLLM its own, and vLLM checks stop strings. A
+  byte-tokenizer checkpoint has none for vLLM to load: the engine starts with ``skip_tokenizer_init`` and
+  ``detokenize=False``, and stop strings are checked here on the streamed tokens, as the HF engine does.
+- Weights: every vLLM worker loads ``VLLMWeightExtension`` (below). On a new round the actor calls
+  ``collective_rpc("receive_weights", ...)``: each worker joins the learner's round as a receiver of its own
+  (so a tensor-parallel engine adds ``tensor_parallel_size`` members) and loads each bucket into the model as it
+  lands (``model.load_weights``), so a round costs one bucket of GPU memory, not a model copy. The layout comes
+  from the checkpoint's config on the meta device: no weight is read or allocated for it.
+- Interrupting swaps: ``pause_generation(mode="abort")`` aborts in-flight requests and schedules nothing until
+  ``resume_generation``, so no request can slip in between; aborted requests are resubmitted as continuations
+  (prompt + tokens so far), and every token keeps the version that sampled it. The gate reopens however the swap
+  ends; a failed round reaches the actor as ``RoundFailed`` (logged and counted, old weights kept, or, when
+  some buckets were already loaded, a mix the next round replaces; tokens sampled meanwhile keep the old label).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from actor.engine import EngineConfig, EngineStats, Generation, SamplingParams
-from common.model import ModelConfig, build_tokenizer
+from actor.engine import EngineConfig, EngineStats, Generation, SamplingParams, StopWatch
+from common.model import ModelConfig, build_tokenizer, parameter_layout
+from common.tokenizer import resolved_kind
+from common.weightsync import RoundFailed
 
 
 def require_vllm() -> Any:
@@ -60,32 +73,57 @@ class Partial:
         return self.prompt + self.token_ids, params.max_new_tokens - len(self.token_ids)
 
 
-def hf_layout(model_cfg: ModelConfig, vocab_size: int) -> list[tuple[str, Any]]:
-    """The learner's parameter names, shapes and dtypes (what a round carries), without allocating weights."""
-    import torch
+def own_tokenizer(model_cfg: ModelConfig) -> bool:
+    """Whether vLLM gets a Hugging Face tokenizer to load (else it starts without one: a byte-tokenizer model)."""
+    return resolved_kind(model_cfg.tokenizer, model_cfg.tokenizer_path or model_cfg.path) == "hf"
 
-    from common.model import build_model
 
-    with torch.device("meta"):
-        model = build_model(model_cfg, vocab_size, device="meta")
-    return list(model.named_parameters())
+def engine_args(model_cfg: ModelConfig, cfg: EngineConfig) -> dict:
+    """vLLM's engine arguments for this actor (keyword arguments of ``AsyncEngineArgs``)."""
+    v, tokenizer = cfg.vllm, own_tokenizer(model_cfg)
+    args = {"model": model_cfg.path, "dtype": "bfloat16" if model_cfg.dtype == "auto" else model_cfg.dtype,
+            "seed": cfg.seed, "max_num_seqs": cfg.max_batch, "gpu_memory_utilization": v.gpu_memory_utilization,
+            "enforce_eager": v.enforce_eager, "tensor_parallel_size": v.tensor_parallel_size,
+            "worker_extension_cls": "actor.vllm_engine.VLLMWeightExtension",
+            "logprobs_mode": "processed_logprobs", "enable_prefix_caching": True,
+            "skip_tokenizer_init": not tokenizer}
+    if tokenizer and model_cfg.tokenizer_path:
+        args["tokenizer"] = model_cfg.tokenizer_path
+    if v.max_model_len:
+        args["max_model_len"] = v.max_model_len
+    return args
+
+
+def visible_device(device: str, visible: str | None) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` that puts ``engine.device`` first for vLLM's workers (they use devices from 0 on);
+    None to leave it. vLLM has no device argument: the environment it starts under is the documented way."""
+    if device in ("cuda", "auto"):
+        return None
+    if not device.startswith("cuda:"):
+        raise ValueError(f"actor.engine.kind=vllm runs on GPUs; engine.device={device!r} (use cuda or cuda:N)")
+    index = int(device.split(":", 1)[1])
+    ids = [x for x in (visible or "").split(",") if x] or [str(i) for i in range(index + 1)]
+    if index >= len(ids):
+        raise ValueError(f"engine.device={device} but only {len(ids)} GPUs are visible ({visible})")
+    return ",".join(ids[index:] + ids[:index])
 
 
 class VLLMWeightExtension:
     """Mixed into every vLLM worker (``worker_extension_cls``); called through ``collective_rpc``."""
 
     def receive_weights(self, round_no: int, epoch: int, weights_cfg: dict,
-                        layout: list[tuple[str, tuple, str]]) -> int:
+                        layout: list[tuple[str, tuple[int, ...]]]) -> int:
         import torch
 
         from common.weightsync import WeightReceiver, WeightSyncConfig
 
-        like = [(n, torch.empty(shape, dtype=getattr(torch, dt), device=self.device)) for n, shape, dt in layout]
+        like = [(n, torch.empty(shape, device="meta")) for n, shape in layout]  # shapes only: nothing allocated
         receiver = getattr(self, "_weights_receiver", None)
         if receiver is None:  # kept on the worker: its epoch's group outlives one round
             receiver = self._weights_receiver = WeightReceiver(WeightSyncConfig(**weights_cfg), log=None)
-        version, tensors = receiver.receive(round_no, epoch, like)
-        self.model_runner.model.load_weights(weights=list(tensors.items()))
+        model = self.model_runner.model
+        version, _ = receiver.receive(round_no, epoch, like, device=self.device,
+                                      on_bucket=lambda items: model.load_weights(weights=items))
         return version
 
     def load_named(self, items: list[tuple[str, Any]]) -> None:
@@ -102,24 +140,24 @@ class VLLMEngine:
         if not model_cfg.path:
             raise ValueError("the vllm engine loads a checkpoint directory: set model.path")
         self.cfg = cfg or EngineConfig()
+        self.cfg.validate()
+        devices = visible_device(self.cfg.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before vLLM starts its workers, which inherit it
         self.vllm = vllm
         self.tokenizer = build_tokenizer(model_cfg)
+        self.own_tokenizer = own_tokenizer(model_cfg)
         self.model_cfg = model_cfg
         self.version = 0
         self.content_version = 0
         self.stats = EngineStats()
-        self._layout = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                        for n, t in hf_layout(model_cfg, self.tokenizer.vocab_size)]
+        self._layout = parameter_layout(model_cfg, self.tokenizer.vocab_size)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
         self._thread.start()
-        args = AsyncEngineArgs(model=model_cfg.path, dtype="bfloat16" if model_cfg.dtype == "auto" else model_cfg.dtype,
-                               seed=self.cfg.seed, max_num_seqs=self.cfg.max_batch,
-                               worker_extension_cls="actor.vllm_engine.VLLMWeightExtension",
-                               logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+        args = AsyncEngineArgs(**engine_args(model_cfg, self.cfg))
         self.llm = self._run(self._make(AsyncLLM, args))
-        self._running: set[str] = set()  # request ids inside vLLM now (aborted on an interrupting swap)
-        self._gate = asyncio.Event()
+        self._gate = asyncio.Event()  # closed while weights are swapped: no new request is submitted
         self._loop.call_soon_threadsafe(self._gate.set)
 
     @staticmethod
@@ -136,7 +174,14 @@ class VLLMEngine:
         # below float32's resolution next to any other token, as the learner's banned columns are.
         vision = self.tokenizer.vision
         bias = {int(t): -100.0 for t in vision.banned_ids} if vision is not None else None
-        return self.vllm.SamplingParams(temperature=params.temperature, top_p=params.top_p, max_tokens=max_tokens,
+        if params.top_p < 1.0:
+            raise ValueError("the vllm engine records log-probs renormalised over the top-p nucleus, which the learner "
+                             "cannot score: use sampling.top_p=1 (or the hf engine)")
+        if not self.own_tokenizer:  # vLLM cannot decode: stop strings are ours (StopWatch in _one)
+            return self.vllm.SamplingParams(temperature=params.temperature, max_tokens=max_tokens, logprobs=0,
+                                            detokenize=False, stop_token_ids=sorted(self.tokenizer.stop_ids),
+                                            logit_bias=bias)
+        return self.vllm.SamplingParams(temperature=params.temperature, max_tokens=max_tokens,
                                         stop=list(params.stop) or None, logprobs=0, include_stop_str_in_output=True,
                                         stop_token_ids=sorted(self.tokenizer.stop_ids), logit_bias=bias)
 
@@ -159,6 +204,7 @@ class VLLMEngine:
 
     async def _one(self, prompt: list[int], params: SamplingParams, images: Sequence[Any] = ()) -> Partial:
         part = Partial(list(prompt))
+        watch = StopWatch(self.tokenizer, params.stop if not self.own_tokenizer else ())
         while True:
             await self._gate.wait()
             ids, budget = part.continuation(params)
@@ -166,26 +212,27 @@ class VLLMEngine:
                 part.finish = "length"
                 return part
             rid = uuid.uuid4().hex
-            version = self.version
-            seen = 0
-            self._running.add(rid)
-            try:
-                async for out in self.llm.generate(self._inputs(ids, images), self._sampling(params, budget), rid):
-                    comp = out.outputs[0]
-                    new_ids = list(comp.token_ids[seen:])
-                    new_lps = [entry[tok].logprob for tok, entry in zip(new_ids, (comp.logprobs or [])[seen:])]
-                    part.add(new_ids, new_lps, version)
-                    seen = len(comp.token_ids)
-                    if out.finished:
-                        reason = comp.finish_reason or "length"
-                        if reason != "abort":
-                            part.finish = {"stop": "stop", "length": "length"}.get(reason, reason)
-                            if part.token_ids and part.token_ids[-1] in self.tokenizer.stop_ids:
-                                part.finish = "eos"
-                            return part
-            finally:
-                self._running.discard(rid)
-            # aborted for a weight swap: loop, and continue from where it stopped with the new weights
+            version, seen = self.version, 0
+            async for out in self.llm.generate(self._inputs(ids, images), self._sampling(params, budget), rid):
+                comp = out.outputs[0]
+                new_ids = list(comp.token_ids[seen:])
+                new_lps = [entry[tok].logprob for tok, entry in zip(new_ids, (comp.logprobs or [])[seen:])]
+                seen = len(comp.token_ids)
+                for k, tok in enumerate(new_ids):
+                    if watch.hit(tok):  # our own stop string: keep up to this token, drop what vLLM drew after it
+                        part.add(new_ids[:k + 1], new_lps[:k + 1], version)
+                        await self.llm.abort(rid)
+                        part.finish = "stop"
+                        return part
+                part.add(new_ids, new_lps, version)
+                if out.finished:
+                    reason = comp.finish_reason or "length"
+                    if reason == "abort":
+                        break  # paused for a weight swap: continue from here with the new weights
+                    part.finish = {"stop": "stop", "length": "length"}.get(reason, reason)
+                    if part.token_ids and part.token_ids[-1] in self.tokenizer.stop_ids:
+                        part.finish = "eos"
+                    return part
 
     async def _batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                      images: Sequence[Sequence[Any]]) -> list[Partial]:
@@ -210,24 +257,38 @@ class VLLMEngine:
 
     def named_parameters(self) -> list[tuple[str, Any]]:
         """The layout a weight round must carry (HF names; tensors on the meta device)."""
-        return hf_layout(self.model_cfg, self.tokenizer.vocab_size)
+        import torch
+
+        return [(n, torch.empty(shape, device="meta")) for n, shape in self._layout]
 
     def receive_round(self, round_no: int, epoch: int, receiver: Any) -> int:
         """Join a weight round inside every vLLM worker (they receive on the GPU themselves, with the
-        receiver's settings); with ``interrupt``, pause in-flight requests first."""
+        receiver's settings); with ``interrupt``, generation pauses first (in-flight requests aborted, to be
+        continued). Any failure, in a worker or here, is a ``RoundFailed``; generation resumes either way."""
         weights_cfg = dataclasses.asdict(receiver.cfg)
 
         async def swap() -> int:
-            if self.cfg.interrupt:
-                self._gate.clear()
-                await self.llm.abort(list(self._running))
-            versions = await self.llm.collective_rpc("receive_weights",
-                                                     args=(round_no, epoch, weights_cfg, self._layout))
-            await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
-            self.version = self.content_version = int(versions[0])
-            self._gate.set()
-            self.stats.weight_swaps += 1
-            return self.version
+            paused = False
+            try:
+                if self.cfg.interrupt:
+                    self._gate.clear()
+                    await self.llm.pause_generation(mode="abort", clear_cache=True)
+                    paused = True
+                versions = await self.llm.collective_rpc("receive_weights",
+                                                         args=(round_no, epoch, weights_cfg, self._layout))
+                if not paused:
+                    await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+                self.version = self.content_version = int(versions[0])
+                self.stats.weight_swaps += 1
+                return self.version
+            except RoundFailed:
+                raise
+            except Exception as exc:  # a worker's RoundFailed arrives wrapped by collective_rpc
+                raise RoundFailed(f"vllm workers: {exc}") from exc
+            finally:
+                if paused:
+                    await self.llm.resume_generation()
+                self._gate.set()
         return self._run(swap())
 
     def load_weights(self, named: Mapping[str, Any], version: int) -> None:

@@ -138,7 +138,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu", dtype: A
     ``torch_dtype(cfg, device)``); attention is chosen for the compute dtype either way.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # role logs are JSON lines; a progress bar on stderr is noise there
@@ -155,17 +155,45 @@ def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu", dtype: A
         if model.get_input_embeddings().num_embeddings < vocab_size:
             model.resize_token_embeddings(vocab_size)  # role tokens added to the tokenizer
     else:
-        if cfg.vocab_size and cfg.vocab_size < vocab_size:
-            raise ValueError(f"model.vocab_size {cfg.vocab_size} is smaller than the tokenizer's {vocab_size}")
-        arch_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[cfg.arch]
-        hf_cfg = arch_cls(vocab_size=cfg.vocab_size or vocab_size, hidden_size=cfg.hidden_size,
-                          intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-                          num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-                          max_position_embeddings=cfg.max_positions, tie_word_embeddings=True)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.init_seed)
-            model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, **extra)
+            model = AutoModelForCausalLM.from_config(_arch_config(cfg, vocab_size), dtype=dtype, **extra)
     return model.to(device)
+
+
+def _arch_config(cfg: ModelConfig, vocab_size: int) -> Any:
+    """The transformers config of a model built from the architecture fields (no ``model.path``)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if cfg.vocab_size and cfg.vocab_size < vocab_size:
+        raise ValueError(f"model.vocab_size {cfg.vocab_size} is smaller than the tokenizer's {vocab_size}")
+    arch_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[cfg.arch]
+    return arch_cls(vocab_size=cfg.vocab_size or vocab_size, hidden_size=cfg.hidden_size,
+                    intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                    num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                    max_position_embeddings=cfg.max_positions, tie_word_embeddings=True)
+
+
+def parameter_layout(cfg: ModelConfig, vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of the parameters ``build_model`` would make (what a weight round carries), from the
+    config alone: no weight is read or allocated. (``from_pretrained`` cannot run on the meta device: transformers
+    >= 4.53 refuses it, so an engine that holds no HF model of its own builds the skeleton from its config.)"""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    cfg.validate()
+    if cfg.path:
+        hf_cfg = AutoConfig.from_pretrained(cfg.path, local_files_only=True)
+        auto = AutoModelForImageTextToText if model_kind(cfg) == "vlm" else AutoModelForCausalLM
+    else:
+        hf_cfg, auto = _arch_config(cfg, vocab_size), AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(hf_cfg)
+    # build_model grows the embeddings (and an untied head) to the tokenizer's size when it has more tokens
+    rows = model.get_input_embeddings().num_embeddings
+    grown = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    return [(n, (vocab_size, *p.shape[1:]) if id(p) in grown and rows < vocab_size else tuple(p.shape))
+            for n, p in model.named_parameters()]
 
 
 def freeze_vision(model: Any) -> None:

@@ -43,7 +43,7 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
 @dataclass
@@ -380,17 +380,22 @@ class WeightReceiver:
         self._pg = _group(store, f"e{epoch}/pg/", rank, world, backend, self.cfg)
         self._epoch, self._backend, self._rank = epoch, backend, rank
 
-    def receive(self, r: int, epoch: int, like: Sequence[tuple[str, Any]],
-                reuse: bool = False) -> tuple[int, dict[str, Any]]:
+    def receive(self, r: int, epoch: int, like: Sequence[tuple[str, Any]], reuse: bool = False,
+                device: Any = None, on_bucket: Callable[[list[tuple[str, Any]]], None] | None = None,
+                ) -> tuple[int, dict[str, Any]]:
         """Take part in round ``r`` of ``epoch``; returns (version, {name: tensor}) shaped ``like``, in the
-        learner's wire dtype (the caller casts as it copies them in).
+        learner's wire dtype (the caller casts as it copies them in). ``like`` gives names and shapes (meta
+        tensors will do); ``device`` is where to receive, by default ``like``'s.
 
         Raises ``RoundFailed`` (weights unchanged). With ``reuse``, the tensors are views into buffers the
         next ``receive`` overwrites: pass it only once the previous result has been copied into the model.
+        With ``on_bucket``, each bucket's (name, view) pairs are handed over as soon as it arrives and the views
+        are overwritten by the next bucket: memory is one bucket, not a model, and nothing is returned; a round
+        that fails part-way has then delivered some buckets (the caller decides what that means for it).
         """
         import torch
 
-        device = like[0][1].device if like else "cpu"
+        device = torch.device(device) if device is not None else (like[0][1].device if like else torch.device("cpu"))
         if self._pg is None or epoch != self._epoch:
             self._join(epoch, device)
         ipc = self._backend == "cuda_ipc"
@@ -407,30 +412,44 @@ class WeightReceiver:
             plan = buckets(like, int(self.cfg.bucket_mb * (1 << 20)), torch.empty(0, dtype=dtype).element_size())
             if len(plan) != n_buckets:
                 raise self._lost("bucket plans differ (weights.bucket_mb must match)")
+            sizes = [sum(like[i][1].numel() for i in idx) for idx in plan]
+            if on_bucket is not None:  # one buffer, as large as the largest bucket, refilled per bucket
+                if not ipc and (len(self._buffers) != 1 or self._buffers[0].numel() < max(sizes)
+                                or self._buffers[0].dtype != dtype or self._buffers[0].device != device):
+                    self._buffers = [torch.empty(max(sizes), dtype=dtype, device=device)]
+            elif not reuse or [(b.numel(), b.dtype) for b in self._buffers] != [(n, dtype) for n in sizes]:
+                self._buffers = [torch.empty(n, dtype=dtype, device=device) for n in sizes]
             out: dict[str, Any] = {}
-            if not reuse or [(b.numel(), b.dtype) for b in self._buffers] != \
-                    [(sum(like[i][1].numel() for i in idx), dtype) for idx in plan]:
-                self._buffers = [torch.empty(sum(like[i][1].numel() for i in idx), dtype=dtype, device=device)
-                                 for idx in plan]
-            if ipc:
-                self._copy_from_handles(device)
-            for idx, flat in zip(plan, self._buffers):
-                if not ipc:
-                    _wait(self._pg.broadcast(flat, 0), self.cfg)
-                pos = 0
-                for i in idx:
+
+            def deliver(b: int, flat: Any) -> None:
+                pos, items = 0, []
+                for i in plan[b]:
                     name, t = like[i]
-                    out[name] = flat[pos:pos + t.numel()].view(t.shape)
+                    items.append((name, flat[pos:pos + t.numel()].view(t.shape)))
                     pos += t.numel()
+                if on_bucket is not None:
+                    on_bucket(items)
+                else:
+                    out.update(items)
+
+            if ipc:
+                self._copy_from_handles(device, sizes, dtype, deliver, streaming=on_bucket is not None)
+            else:
+                for b, n in enumerate(sizes):
+                    flat = self._buffers[0][:n] if on_bucket is not None else self._buffers[b]
+                    _wait(self._pg.broadcast(flat, 0), self.cfg)
+                    deliver(b, flat)
         except RoundFailed:
             raise
         except Exception as exc:
             raise self._lost(f"round {r}: {exc}") from exc
         return version, out
 
-    def _copy_from_handles(self, device: Any) -> None:
-        """cuda_ipc: map the learner's buckets, copy them into our buffers, then join the closing barrier
-        (reporting a failure there, so the learner is not left waiting, before raising it here)."""
+    def _copy_from_handles(self, device: Any, sizes: list[int], dtype: Any, deliver: Callable[[int, Any], None],
+                           streaming: bool) -> None:
+        """cuda_ipc: map the learner's buckets and copy out of them (into our buffers, or straight into the
+        caller's ``on_bucket``), then join the closing barrier (reporting a failure there, so the learner is not
+        left waiting, before raising it here)."""
         import torch
 
         from common import cuda_ipc
@@ -442,13 +461,17 @@ class WeightReceiver:
         error: Exception | None = None
         try:
             descs = cuda_ipc.unpack(data.numpy().tobytes(), self._rank)
-            if len(descs) != len(self._buffers):
-                raise ValueError(f"{len(descs)} buckets announced, {len(self._buffers)} planned")
-            for desc, buf in zip(descs, self._buffers):
+            if len(descs) != len(sizes):
+                raise ValueError(f"{len(descs)} buckets announced, {len(sizes)} planned")
+            for b, desc in enumerate(descs):
                 src = cuda_ipc.open_tensor(desc, device)
-                if src.numel() != buf.numel() or src.dtype != buf.dtype:
+                if src.numel() != sizes[b] or src.dtype != dtype:
                     raise ValueError("a shared bucket's size or dtype differs from the plan")
-                buf.copy_(src)
+                if streaming:  # on_bucket copies out of the mapped bucket itself
+                    deliver(b, src)
+                else:
+                    self._buffers[b].copy_(src)
+                    deliver(b, self._buffers[b])
                 del src
             torch.cuda.synchronize(device)  # copied before the learner may free or overwrite its buckets
         except Exception as exc:

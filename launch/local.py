@@ -79,7 +79,7 @@ def fit_to_local_run(cfg: Any) -> list[str]:
     notes = []
     if cfg.learner.expected_actors == 0:
         # Every actor of this run is known: a weight round closes as soon as they all joined.
-        cfg.learner.expected_actors = cfg.local.actors
+        cfg.learner.expected_actors = cfg.local.actors * cfg.actor.engine.weight_receivers
     # Every episode in flight holds a desktop: a smaller pool makes actors queue for desktops.
     in_flight = cfg.local.actors * cfg.actor.max_groups * cfg.broker.group_size
     if cfg.env_server.pool_size < in_flight:

@@ -122,7 +122,7 @@ class LearnerConfig:
     keep_checkpoints: int = 3
     """checkpoints kept on disk"""
     expected_actors: int = 0
-    """weight rounds close as soon as this many actors joined (0 = wait weights.join_window_s)"""
+    """a weight round closes once this many receivers joined (1 per actor or vLLM TP worker; 0 = join_window_s)"""
     broadcast_weights: bool = True
     """send weights to the actors after every update"""
     dist_timeout_s: float = 600.0

@@ -3,6 +3,8 @@ and a whole actor against a real broker and env_server on loopback."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 
 import numpy as np
@@ -211,11 +213,13 @@ def test_engine_loads_a_local_hf_checkpoint_and_tokenizer(tmp_path):
         assert torch.equal(dict(eng.model.named_parameters())[name][:saved.shape[0]], saved)
 
 
-def test_vllm_engine_parts_that_run_without_vllm():
+def test_vllm_engine_parts_that_run_without_vllm(tmp_path):
     import importlib.util
 
+    from actor.engine import VLLMConfig
     from actor.engines import make_engine
-    from actor.vllm_engine import Partial, hf_layout
+    from actor.vllm_engine import Partial, engine_args, visible_device
+    from common.model import parameter_layout
     from common.weightsync import layout_hash
 
     if importlib.util.find_spec("vllm") is None:
@@ -226,12 +230,128 @@ def test_vllm_engine_parts_that_run_without_vllm():
     part.add([9], [-0.3], version=5)  # resumed with new weights after an interruption
     assert part.continuation(SamplingParams(max_new_tokens=10)) == ([1, 2, 3, 7, 8, 9], 7)
     assert part.versions == [4, 4, 5]
+    # The layout of a model.path checkpoint, from its config on the meta device (from_pretrained cannot run
+    # there), with the embeddings grown to the tokenizer as build_model grows them.
     tok = ByteTokenizer()
-    layout = hf_layout(TINY, tok.vocab_size)
-    real = list(build_model(TINY, tok.vocab_size).named_parameters())
-    assert [n for n, _ in layout] == [n for n, _ in real]
-    assert layout_hash(layout) == layout_hash(real), "a round from the learner fits the vLLM workers' layout"
+    small = dataclasses.replace(TINY, vocab_size=200)
+    build_model(small, 200).save_pretrained(tmp_path / "ckpt")
+    ckpt = ModelConfig(path=str(tmp_path / "ckpt"), tokenizer="byte")
+    layout = parameter_layout(ckpt, tok.vocab_size)
+    real = list(build_model(ckpt, tok.vocab_size).named_parameters())
+    assert [(n, tuple(t.shape)) for n, t in real] == layout and real[0][1].shape[0] == tok.vocab_size > 200
+    meta = [(n, torch.empty(shape, device="meta")) for n, shape in layout]
+    learner_side = [(n, t.to(torch.bfloat16)) for n, t in real]  # a GPU learner sends bf16
+    assert layout_hash(meta) == layout_hash(learner_side), "a round from the learner fits the vLLM workers' layout"
+    # Engine arguments: a byte-tokenizer checkpoint has nothing for vLLM to load; the memory knobs pass through.
+    cfg = EngineConfig(kind="vllm", seed=3, vllm=VLLMConfig(gpu_memory_utilization=0.7, max_model_len=4096,
+                                                            enforce_eager=True, tensor_parallel_size=2))
+    args = engine_args(ckpt, cfg)
+    assert args["skip_tokenizer_init"] and args["gpu_memory_utilization"] == 0.7 and args["max_model_len"] == 4096
+    assert args["enforce_eager"] and args["tensor_parallel_size"] == 2 and args["dtype"] == "bfloat16"
+    assert cfg.weight_receivers == 2 and EngineConfig().weight_receivers == 1
+    assert "max_model_len" not in engine_args(ckpt, EngineConfig(kind="vllm"))
+    # engine.device picks the GPU through CUDA_VISIBLE_DEVICES (vLLM has no device argument)
+    assert visible_device("cuda", None) is None and visible_device("cuda:1", None) == "1,0"
+    assert visible_device("cuda:1", "4,5,6") == "5,6,4"
+    with pytest.raises(ValueError, match="runs on GPUs"):
+        visible_device("cpu", None)
+    with pytest.raises(ValueError, match="only 2 GPUs"):
+        visible_device("cuda:2", "0,1")
 
+
+class _Out:
+    def __init__(self, ids, finished=False, reason=None):
+        from types import SimpleNamespace
+
+        lps = [{t: SimpleNamespace(logprob=-0.01 * (k + 1))} for k, t in enumerate(ids)]
+        self.outputs = [SimpleNamespace(token_ids=list(ids), logprobs=lps, finish_reason=reason)]
+        self.finished = finished
+
+
+class _FakeAsyncLLM:
+    """Stands in for vLLM's AsyncLLM where the engine's own logic is under test (vLLM is not installed here)."""
+
+    def __init__(self, streams, rpc_error=None):
+        self.streams, self.rpc_error, self.calls = list(streams), rpc_error, []
+
+    async def generate(self, inputs, sampling, rid):
+        self.calls.append(("generate", list(inputs), sampling))
+        for out in self.streams.pop(0):
+            yield out
+
+    async def abort(self, rid):
+        self.calls.append(("abort",))
+
+    async def pause_generation(self, mode, clear_cache):
+        self.calls.append(("pause", mode, clear_cache))
+
+    async def resume_generation(self):
+        self.calls.append(("resume",))
+
+    async def reset_prefix_cache(self):
+        self.calls.append(("reset",))
+
+    async def collective_rpc(self, method, args=()):
+        self.calls.append(("rpc", method))
+        if self.rpc_error is not None:
+            raise self.rpc_error
+        return [9, 9]
+
+
+def _vllm_engine_with(llm):
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from actor.engine import EngineStats
+    from actor.vllm_engine import VLLMEngine
+
+    eng = object.__new__(VLLMEngine)  # everything __init__ sets but vLLM itself
+    eng.cfg, eng.tokenizer, eng.own_tokenizer = EngineConfig(kind="vllm"), ByteTokenizer(), False
+    eng.version = eng.content_version = 0
+    eng.stats, eng._layout, eng.llm = EngineStats(), [("w", (2,))], llm
+    eng.vllm = SimpleNamespace(SamplingParams=lambda **kw: kw)
+    eng._inputs = lambda ids, images: ids
+    eng._loop = asyncio.new_event_loop()
+    threading.Thread(target=eng._loop.run_forever, daemon=True).start()
+    eng._gate = asyncio.Event()
+    eng._loop.call_soon_threadsafe(eng._gate.set)
+    return eng
+
+
+def test_vllm_engine_stops_on_its_own_stop_strings_and_continues_after_a_pause():
+    tok = ByteTokenizer()
+    said = tok.encode("click(3)</act> and more")
+    cut = len(tok.encode("click(3)</act>"))
+    llm = _FakeAsyncLLM([[_Out(said[:4]), _Out(said[:4], finished=True, reason="abort")],  # paused for a swap
+                         [_Out(said[4:9]), _Out(said[4:], finished=False)]])
+    eng = _vllm_engine_with(llm)
+    params = SamplingParams(max_new_tokens=40, stop=["</act>"])
+    eng.version = 2
+    gen = eng.generate([[1, 2]], params)[0]
+    assert gen.token_ids == said[:cut] and gen.finish == "stop", "kept up to the stop string, the rest dropped"
+    assert llm.calls[-1] == ("abort",), "vLLM is told to stop drawing tokens nobody will use"
+    sampling = llm.calls[0][2]
+    assert sampling["detokenize"] is False and "stop" not in sampling, "vLLM has no tokenizer to check them with"
+    assert llm.calls[1][1] == [1, 2] + said[:4] and llm.calls[1][2]["max_tokens"] == 36, "a continuation"
+    with pytest.raises(ValueError, match="top_p=1"):
+        eng.generate([[1]], SamplingParams(top_p=0.9))
+
+
+def test_a_failed_vllm_swap_is_a_round_failed_and_generation_resumes():
+    from common.weightsync import RoundFailed, WeightSyncConfig
+
+    llm = _FakeAsyncLLM([], rpc_error=RuntimeError("worker 1: RoundFailed: peer died"))
+    eng = _vllm_engine_with(llm)
+    receiver = type("R", (), {"cfg": WeightSyncConfig()})()
+    with pytest.raises(RoundFailed, match="peer died"):
+        eng.receive_round(3, 1, receiver)
+    assert [c[0] for c in llm.calls] == ["pause", "rpc", "resume"] and llm.calls[0][1:] == ("abort", True)
+    assert eng.version == 0, "old weights, old label"
+    llm.streams.append([_Out([65], finished=True, reason="length")])
+    assert eng.generate([[1]], SamplingParams(max_new_tokens=1))[0].token_ids == [65], "the gate is open again"
+    llm.rpc_error = None
+    assert eng.receive_round(4, 1, receiver) == 9 and eng.version == 9
 
 def test_actor_joins_weight_rounds_announced_on_control(start_broker, quiet_log, tmp_path):
     tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=8, persist=False))

@@ -284,3 +284,29 @@ def test_a_cuda_ipc_round_passes_handles_copies_and_closes_with_a_barrier_that_c
     assert warnings and warnings[0][0] == "weights_ipc_receivers_failed" and warnings[0][1]["failed"] == 1
     results = sorted(got.values(), key=lambda g: isinstance(g, RoundFailed))
     assert results[0][0] == 6 and isinstance(results[1], RoundFailed) and "cudaIpcOpenMemHandle" in str(results[1])
+
+
+def test_a_receiver_can_stream_buckets_from_a_meta_layout_into_one_buffer(quiet_log):
+    """What an engine that holds no model of its own needs (vLLM's workers): shapes from meta tensors, the device
+    named apart, and each bucket handed over as it lands, in one reused buffer rather than a model's worth."""
+    cfg = WeightSyncConfig(port=free_port(), join_window_s=3.0, timeout_s=5.0, bucket_mb=0.001)
+    sender = WeightSender(cfg, quiet_log)
+    rx = WeightReceiver(cfg, quiet_log)
+    meta = [(n, torch.empty(t.shape, device="meta")) for n, t in params(0)]
+    for version in (1, 2):
+        got, calls = {}, []
+
+        def take(items):
+            calls.append([n for n, _ in items])
+            got.update((n, t.clone()) for n, t in items)  # the views are refilled by the next bucket
+
+        r, e = sender.open_round()
+        t = threading.Thread(target=lambda: got.setdefault(
+            "_result", rx.receive(r, e, meta, device="cpu", on_bucket=take)))
+        t.start()
+        assert sender.broadcast(params(version), version=version, expected=1) == 1
+        t.join(10)
+        assert got.pop("_result") == (version, {})
+        assert calls == [["a.weight", "a.bias"], ["b.weight"], ["c.bias"]], "bucket by bucket, in order"
+        assert all(torch.equal(got[n], want) for n, want in params(version))
+        assert len(rx._buffers) == 1 and rx._buffers[0].numel() == 300, "one buffer, the largest bucket's size"
