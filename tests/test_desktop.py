@@ -5,6 +5,7 @@ is detected and its desktop rebuilt while the env_server keeps serving."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -26,7 +27,7 @@ from env_server.config import EnvServerConfig
 from env_server.desktop import apis
 from env_server.desktop import docfiles
 from env_server.desktop import tasks as desk_tasks
-from env_server.desktop.sandbox import (ApptainerSandbox, BwrapSandbox, SandboxSpec, desktop_packages,
+from env_server.desktop.sandbox import (AGENT_DIR, ApptainerSandbox, BwrapSandbox, SandboxSpec, desktop_packages,
                                         missing_packages, require_packages)
 from env_server.server import EnvServer
 from tests.conftest import REPO, make_net, needs_desktop
@@ -208,16 +209,18 @@ def test_the_apptainer_image_installs_exactly_what_the_xvfb_backend_needs():
 def test_apptainer_commands_isolate_the_desktop_and_fail_clearly(tmp_path):
     spec = SandboxSpec(tmp_path, 1280, 720, office=True, start_timeout_s=30, office_call_timeout_s=60)
     box = ApptainerSandbox(spec, str(tmp_path / "desktop.sif"), apptainer="apptainer")
-    start = box.start_argv()
-    assert start[:3] == ["apptainer", "instance", "start"]
-    for flag in ("--containall", "--cleanenv", "--writable-tmpfs", "--no-home"):
-        assert flag in start
-    assert start[start.index("--network") + 1] == "none" and "--net" in start
-    assert f"{tmp_path / 'home'}:/home/user" in start and f"{tmp_path / 'run'}:/run/computerrl" in start
-    assert start[-2:] == [str(tmp_path / "desktop.sif"), box.name]
-    run = box.exec_argv()
-    assert run[:4] == ["apptainer", "exec", "--pwd", "/home/user"] and run[4] == f"instance://{box.name}"
-    assert "dbus-run-session" in run and "--office" in run
+    assert box.name.startswith(f"computerrl-desktop-{os.getpid()}-")
+    # The exact commands: Apptainer refuses HOME through --env (so --home SRC:DEST), and variables given to
+    # `instance start` never reach what `exec instance://` runs (so --cleanenv and --env go on exec).
+    assert box.start_argv() == [
+        "apptainer", "instance", "start", "--containall", "--cleanenv", "--writable-tmpfs", "--net", "--network",
+        "none", "--home", f"{tmp_path / 'home'}:/home/user", "--bind", f"{tmp_path / 'run'}:/run/computerrl",
+        "--bind", f"{AGENT_DIR}:/opt/computerrl-desktop:ro", str(tmp_path / "desktop.sif"), box.name]
+    env = ["--env", "USER=user", "--env", "LOGNAME=user", "--env", "LANG=C.UTF-8", "--env",
+           "PATH=/usr/local/bin:/usr/bin:/bin", "--env", "XDG_RUNTIME_DIR=/tmp/runtime-user", "--env", "GDK_BACKEND=x11"]
+    assert box.exec_argv() == ["apptainer", "exec", "--cleanenv", "--pwd", "/home/user", *env,
+                               f"instance://{box.name}", *spec.agent_argv()]
+    assert "dbus-run-session" in box.exec_argv() and "--office" in box.exec_argv()
     assert box.stop_argv() == ["apptainer", "instance", "stop", "--force", box.name]
     with pytest.raises(BackendError, match="needs the '/nonexistent/apptainer' command"):
         ApptainerSandbox(spec, "x.sif", apptainer="/nonexistent/apptainer").start()
@@ -225,6 +228,28 @@ def test_apptainer_commands_isolate_the_desktop_and_fail_clearly(tmp_path):
         ApptainerSandbox(spec, str(tmp_path / "missing.sif"), apptainer=shutil.which("true")).start()
     assert not box.alive()
     box.stop()  # never started: nothing to stop, no error
+
+
+def test_instances_a_crashed_env_server_left_running_are_stopped(tmp_path):
+    """Instances outlive a killed env_server; the next one's first desktop stops those whose owner is gone."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    listing = {"instances": [{"instance": f"computerrl-desktop-{dead.pid}-aaaa", "pid": 11, "img": "d.sif"},
+                             {"instance": f"computerrl-desktop-{os.getpid()}-bbbb", "pid": 12, "img": "d.sif"},
+                             {"instance": "someone-elses-db", "pid": 13, "img": "db.sif"}]}
+    assert ApptainerSandbox.orphans(json.dumps(listing)) == [f"computerrl-desktop-{dead.pid}-aaaa"]
+    assert ApptainerSandbox.orphans('{"instances": []}') == []
+    log = tmp_path / "calls"
+    fake = tmp_path / "apptainer"
+    fake.write_text(f"""#!/bin/sh
+echo "$@" >> {log}
+if [ "$2" = list ]; then echo '{json.dumps(listing)}'; fi
+""")
+    fake.chmod(0o755)
+    spec = SandboxSpec(tmp_path, 1280, 720, office=False, start_timeout_s=30, office_call_timeout_s=60)
+    assert ApptainerSandbox(spec, "d.sif", apptainer=str(fake)).stop_orphans() == 1
+    assert log.read_text().splitlines() == ["instance list --json",
+                                            f"instance stop --force computerrl-desktop-{dead.pid}-aaaa"]
 
 
 def test_env_server_config_takes_the_real_backends():

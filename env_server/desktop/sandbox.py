@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -185,6 +186,26 @@ SANDBOX_ENV = {"HOME": SANDBOX_HOME, "USER": "user", "LOGNAME": "user", "LANG": 
                "GDK_BACKEND": "x11"}
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+_SWEEP = {"done": False, "lock": threading.Lock()}
+
+
+def _first_apptainer_start() -> bool:
+    """True once per process: the first desktop an env_server starts also clears what a crashed one left."""
+    with _SWEEP["lock"]:
+        first, _SWEEP["done"] = not _SWEEP["done"], True
+    return first
+
+
 def _stop_group(proc: subprocess.Popen | None) -> None:
     """SIGTERM the process group a sandbox runs in, SIGKILL it after 3 s, and reap the leader."""
     if proc is None or proc.poll() is not None:
@@ -321,26 +342,58 @@ class ApptainerSandbox(Sandbox):
 
     kind = "apptainer"
 
+    PREFIX = "computerrl-desktop-"
+
     def __init__(self, spec: SandboxSpec, image: str, apptainer: str = "apptainer"):
         super().__init__(spec)
         self.image, self.apptainer = image, apptainer
-        self.name = f"computerrl-desktop-{uuid.uuid4().hex[:12]}"
+        # The owner's pid in the name lets a later env_server find instances a crashed one left running.
+        self.name = f"{self.PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.started = False
 
     def start_argv(self) -> list[str]:
         s = self.spec
         # --containall: own /tmp, /dev, IPC and PID namespaces, no host home; --cleanenv: no host variables;
         # --net --network none: a network namespace with loopback only; --writable-tmpfs: the image stays
-        # read-only, writes outside the binds go to a tmpfs that dies with the instance.
-        argv = [self.apptainer, "instance", "start", "--containall", "--cleanenv", "--writable-tmpfs",
-                "--net", "--network", "none", "--no-home", "--bind", f"{s.home}:{SANDBOX_HOME}",
-                "--bind", f"{s.run_dir}:{SANDBOX_RUN}", "--bind", f"{AGENT_DIR}:{SANDBOX_AGENT_DIR}:ro"]
-        for key, value in SANDBOX_ENV.items():
-            argv += ["--env", f"{key}={value}"]
-        return argv + [self.image, self.name]
+        # read-only, writes outside the binds go to a tmpfs that dies with the instance. The desktop's home is
+        # --home SRC:DEST (Apptainer refuses HOME through --env). Variables given here would reach only the
+        # instance's start script, not what exec runs in it, so they go on exec_argv.
+        return [self.apptainer, "instance", "start", "--containall", "--cleanenv", "--writable-tmpfs",
+                "--net", "--network", "none", "--home", f"{s.home}:{SANDBOX_HOME}",
+                "--bind", f"{s.run_dir}:{SANDBOX_RUN}", "--bind", f"{AGENT_DIR}:{SANDBOX_AGENT_DIR}:ro",
+                self.image, self.name]
 
     def exec_argv(self) -> list[str]:
-        return [self.apptainer, "exec", "--pwd", SANDBOX_HOME, f"instance://{self.name}"] + self.spec.agent_argv()
+        # exec into an instance takes its environment from this command, not from instance start: --cleanenv
+        # again, and every variable but HOME (set by Apptainer from the instance's --home).
+        argv = [self.apptainer, "exec", "--cleanenv", "--pwd", SANDBOX_HOME]
+        for key, value in SANDBOX_ENV.items():
+            if key != "HOME":
+                argv += ["--env", f"{key}={value}"]
+        return argv + [f"instance://{self.name}"] + self.spec.agent_argv()
+
+    @classmethod
+    def orphans(cls, listing: str, alive=None) -> list[str]:
+        """Our instances in ``apptainer instance list --json`` output whose env_server (pid in the name) is gone."""
+        alive = alive or _pid_alive
+        names = [i.get("instance", "") for i in json.loads(listing or "{}").get("instances", [])]
+        out = []
+        for name in names:
+            owner = name.removeprefix(cls.PREFIX).split("-", 1)[0]
+            if name.startswith(cls.PREFIX) and owner.isdigit() and not alive(int(owner)):
+                out.append(name)
+        return out
+
+    def stop_orphans(self) -> int:
+        """Stop this user's desktop instances that a crashed env_server left running; returns how many."""
+        listed = subprocess.run([self.apptainer, "instance", "list", "--json"], capture_output=True, text=True,
+                                timeout=60)
+        if listed.returncode != 0:
+            return 0
+        names = self.orphans(listed.stdout)
+        for name in names:
+            subprocess.run([self.apptainer, "instance", "stop", "--force", name], capture_output=True, timeout=60)
+        return len(names)
 
     def stop_argv(self) -> list[str]:
         return [self.apptainer, "instance", "stop", "--force", self.name]
@@ -352,6 +405,8 @@ class ApptainerSandbox(Sandbox):
         if not Path(self.image).exists():
             raise BackendError(f"no desktop image {self.image}: build it with "
                                f"apptainer build {self.image} configs/desktop.def")
+        if _first_apptainer_start():
+            self.stop_orphans()
         with open(self.log_path, "ab") as log:
             done = subprocess.run(self.start_argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                   timeout=self.spec.start_timeout_s)
