@@ -131,11 +131,13 @@ def attention_implementation(device: str, dtype: Any) -> str:
     return "flash_attention_2"
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu", dtype: Any = None) -> Any:
+def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu", dtype: Any = None,
+                keep_on_cpu: bool = False) -> Any:
     """A causal LM: loaded from ``cfg.path``, or built from the architecture fields with seeded weights.
 
     ``dtype`` overrides the configured one (the learner keeps float32 master weights and computes in
-    ``torch_dtype(cfg, device)``); attention is chosen for the compute dtype either way.
+    ``torch_dtype(cfg, device)``); attention is chosen for the compute dtype either way. ``keep_on_cpu``:
+    built for ``device`` but left in host memory (FSDP2 then moves only each rank's shard to the GPU).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -158,7 +160,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu", dtype: A
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.init_seed)
             model = AutoModelForCausalLM.from_config(_arch_config(cfg, vocab_size), dtype=dtype, **extra)
-    return model.to(device)
+    return model if keep_on_cpu else model.to(device)
 
 
 def _arch_config(cfg: ModelConfig, vocab_size: int) -> Any:

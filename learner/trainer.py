@@ -127,7 +127,10 @@ class Trainer:
         # Master weights (what AdamW steps and checkpoints hold) are float32 whatever the compute dtype: at
         # fine-tuning learning rates (~1e-6) most bf16 updates would round away. ``net`` runs the passes.
         self.compute_dtype = torch_dtype(model_cfg, self.device)
-        self.model = build_model(model_cfg, self.tokenizer.vocab_size, self.device, dtype=torch.float32).train()
+        # Several ranks: the full model (and the reference copy) stay in host memory until sharding, where FSDP2
+        # moves each rank's shard to its device; a GPU never holds more than its shards.
+        self.model = build_model(model_cfg, self.tokenizer.vocab_size, self.device, dtype=torch.float32,
+                                 keep_on_cpu=self.dist.enabled).train()
         if not model_cfg.train_vision:
             freeze_vision(self.model)  # before the optimizer, the reference copy and sharding see the parameters
         if cfg.activation_checkpointing:  # before any copy (twin, reference): they share the setting
@@ -347,13 +350,19 @@ class Trainer:
                           ref_logits if "ref_logits" in wanted else None)
 
     def gather_weights(self) -> None:
-        """Collective with several ranks: rank 0 keeps the full weights the actors get (on the learner's
-        device, as NCCL needs). One rank broadcasts its parameters as they are: nothing to gather."""
+        """Collective with several ranks: rank 0 keeps the full weights the actors get, in the compute dtype, on
+        its device (each parameter all-gathered there, never through host memory). One rank broadcasts its
+        parameters as they are: nothing to gather."""
         if self.dist.enabled:
-            weights, _ = full_state(self.model)
-            if self.dist.is_main:
-                self._gathered = [(n, weights[n].to(self.device, self.compute_dtype))
-                                  for n, _ in self.model.named_parameters()]
+            from torch.distributed.tensor import DTensor
+
+            gathered = []
+            for n, p in self.model.named_parameters():  # every rank, in the same order: each is a collective
+                full = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+                if self.dist.is_main:
+                    gathered.append((n, full.to(self.compute_dtype)))
+                del full
+            self._gathered = gathered
 
     def weights_for_broadcast(self) -> list[tuple[str, torch.Tensor]]:
         """The current weights as (name, full tensor) in parameter order, in the compute dtype (what the
