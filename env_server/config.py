@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from env_server.backends import BACKENDS
+from env_server.backends import check_backend
 from env_server.sim.backend import SimConfig
 from env_server.desktop.backend import DesktopConfig
 
@@ -18,7 +18,9 @@ class EnvServerConfig:
     port: int = 25558
     """ROUTER port for actor sessions"""
     backend: str = "sim"
-    """desktop backend of the pool: sim | xvfb (bubblewrap sandboxes here) | apptainer (instances of desktop.image)"""
+    """desktops of the pool: sim | xvfb (bubblewrap here) | apptainer (desktop.image) | pkg.module:PLUGIN (yours)"""
+    options: dict = field(default_factory=dict)
+    """settings of a backend from outside the project, handed to (and checked by) its plugin"""
     pool_size: int = 16
     """most desktops (and so sessions) this server runs at once"""
     prestart: int = 0
@@ -39,8 +41,7 @@ class EnvServerConfig:
     """real desktops (backends: xvfb, apptainer)"""
 
     def validate(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"env_server.backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
+        check_backend(self.backend, self.options)
         self.desktop.validate()
         if self.pool_size < 1 or not 0 <= self.prestart <= self.pool_size:
             raise ValueError("need pool_size >= 1 and 0 <= prestart <= pool_size")

@@ -106,7 +106,7 @@ class EnvServer:
     # ----- desktops ------------------------------------------------------------------------------
 
     def _new_backend(self) -> Backend:
-        backend = make_backend(self.cfg.backend, self.cfg, next(self._desk_seeds))
+        backend = make_backend(self.cfg, next(self._desk_seeds))
         self.desktops += 1
         self.counters["desktops_started"] += 1
         return backend

@@ -347,7 +347,8 @@ def chaos(config: str, run_dir: str, steps: int, kills: int, seed: int, sigterm_
 @click.option("--checkpoint", required=True, type=click.Path(exists=True, file_okay=False),
               help="a checkpoint directory (step-N) or a run's checkpoints/ directory (its latest)")
 @click.option("--suite", default="sim:heldout", show_default=True,
-              help="sim:<train|heldout|paraphrase>[:family,...], or desk:<split>[:family,...] for real xvfb desktops")
+              help="sim:<train|heldout|paraphrase>[:family,...]; desk:<split>[:family,...] for real xvfb desktops; "
+                   "an outside backend's <kind>:<split>[:...] (its env_server.backend comes from the config)")
 @click.option("--episodes", default=20, show_default=True, help="episodes per family")
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy")
 @click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False),
@@ -360,16 +361,16 @@ def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, con
 
     from launch.evaluate import evaluate, load_policy, suite_tasks
 
-    try:
-        tasks = suite_tasks(suite, episodes)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
     from launch.config import config_for_checkpoint
 
     run_cfg = _load(config, ()) if config else config_for_checkpoint(checkpoint)
+    try:
+        tasks = suite_tasks(suite, episodes, run_cfg.env_server.backend)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     engine, prompt_cfg, sampling, max_steps = load_policy(checkpoint, run_cfg)
     result = evaluate(engine, tasks, prompt_cfg, dataclasses.replace(sampling, temperature=temperature), max_steps,
-                      desktop=run_cfg.env_server.desktop if config else None)
+                      env=run_cfg.env_server)
     result.update(checkpoint=str(checkpoint), suite=suite)
     _emit(result, as_json)
 

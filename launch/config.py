@@ -74,6 +74,12 @@ def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> R
             found = here if here.exists() else beside if beside is not None and beside.exists() else None
             if found is not None:  # not there at all: left as written (pretrain may be about to make it)
                 setattr(cfg.model, attr, str(found.resolve()))
+    from env_server.backends import task_kind
+
+    suite, kind = cfg.broker.tasks.suite, task_kind(cfg.env_server.backend)
+    if suite.split(":")[0] != kind:
+        raise configlib.ConfigError(f"broker.tasks.suite {suite!r} names {suite.split(':')[0]!r} tasks, and "
+                                    f"env_server.backend {cfg.env_server.backend!r} runs {kind!r} tasks")
     shows = cfg.actor.prompt.observation
     if shows != "tree" and cfg.env_server.backend == "sim" and cfg.env_server.sim.screenshot == "none":
         raise configlib.ConfigError(f"actor.prompt.observation {shows} shows screenshots, and "

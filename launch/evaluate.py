@@ -1,9 +1,10 @@
 """``computerrl eval``: success rate of a checkpoint on a task suite, per family, in one process.
 
 Episodes run on in-process desktops (no broker, no server): sim desktops for ``sim:`` suites, real xvfb
-desktops for ``desk`` suites (a few at a time, reused across chunks); all episodes of a chunk advance
-together so their generations are batched. Decoding is greedy unless a temperature is given. The prompt settings
-are the run's (its config.yaml next to the checkpoints), so a policy is judged on the prompts it saw.
+desktops for ``desk`` suites, an outside backend's for its own kind of task ids (a few at a time, reused across
+chunks); all episodes of a chunk advance together so their generations are batched. Decoding is greedy unless a
+temperature is given. The prompt settings and desktops are the run's (its config.yaml next to the checkpoints), so
+a policy is judged on the prompts it saw.
 """
 
 from __future__ import annotations
@@ -19,26 +20,39 @@ from actor.prompt import PromptConfig
 from env_server.sim.backend import SimBackend, SimConfig
 
 
-def suite_tasks(suite: str, episodes: int) -> list[str]:
-    """``<sim|desk>:<split>[:fam,...]`` -> task ids, ``episodes`` per family (seeds 0..N-1)."""
-    if suite.split(":")[0] == "desk":
-        from env_server.desktop.tasks import TASKS
-    else:
-        from env_server.sim.tasks import TASKS
-    split, fams = TASKS.parse_suite(suite)
-    return [f"{TASKS.kind}:{split}:{fam}/{seed}" for fam in dict.fromkeys(fams) for seed in range(episodes)]
+def suite_tasks(suite: str, episodes: int, backend: str = "") -> list[str]:
+    """``<kind>:<split>[:fam,...]`` -> task ids, ``episodes`` per family (seeds 0..N-1); kinds ``sim``, ``desk``, or
+    that of ``backend`` (an outside env_server.backend)."""
+    from env_server.backends import task_registry
+
+    tasks = task_registry(suite.split(":")[0], backend)
+    split, fams = tasks.parse_suite(suite)
+    return [f"{tasks.kind}:{split}:{fam}/{seed}" for fam in dict.fromkeys(fams) for seed in range(episodes)]
+
+
+def _desktop_pool(kind: str, env: Any, n: int) -> list[Any]:
+    """Reused desktops for ``desk`` suites (xvfb, from ``env.desktop``) or an outside backend's (``env.backend``)."""
+    if kind == "desk":
+        from env_server.desktop.backend import DesktopConfig, XvfbBackend
+        return [XvfbBackend(env.desktop if env is not None else DesktopConfig()) for _ in range(n)]
+    from env_server.backends import make_backend, task_kind
+
+    if env is None or env.backend in ("sim", "xvfb", "apptainer") or task_kind(env.backend) != kind:
+        raise ValueError(f"{kind!r} tasks need the env_server.backend that runs them (pkg.module:PLUGIN)")
+    return [make_backend(env, seed=i) for i in range(n)]
 
 
 def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sampling: SamplingParams,
-             max_steps: int = 0, chunk: int = 64, desktop: Any = None) -> dict:
-    """Greedy (or sampled) episodes of ``task_ids``; ``desktop`` (a DesktopConfig) runs ``desk`` tasks on it."""
+             max_steps: int = 0, chunk: int = 64, env: Any = None) -> dict:
+    """Greedy (or sampled) episodes of ``task_ids``; ``env`` (an EnvServerConfig) makes the desktops of ``desk``
+    tasks (its ``desktop`` section) and of an outside backend's tasks (its ``backend`` and ``options``)."""
     per_family: dict[str, list[int]] = {}
     steps = format_errors = 0
-    real = bool(task_ids) and task_ids[0].startswith("desk")
+    kind = task_ids[0].split(":")[0] if task_ids else "sim"
+    real = kind != "sim"
     if real:
-        from env_server.desktop.backend import DesktopConfig, XvfbBackend
         chunk = min(chunk, 4)  # real desktops cost hundreds of MB each: a few, reused
-        pool = [XvfbBackend(desktop or DesktopConfig()) for _ in range(min(chunk, len(task_ids)))]
+        pool = _desktop_pool(kind, env, min(chunk, len(task_ids)))
     try:
         for i in range(0, len(task_ids), chunk):
             ids = task_ids[i:i + chunk]

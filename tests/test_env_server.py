@@ -13,33 +13,17 @@ import zmq
 from common import protocol as P
 from common.net import free_port
 from common.rundir import RunDir
-from env_server import backends as backend_registry
 from env_server.sim.backend import SimBackend, SimConfig
 from env_server.client import EnvClient, EnvError
 from env_server.config import EnvServerConfig
 from env_server.server import EnvServer
 from env_server.sim import tasks as sim_tasks
 from tests.conftest import make_net
-
-
-class ExplodingBackend(SimBackend):
-    """A desktop whose step raises on the action 'boom()' (a crashed app, a dead X server)."""
-
-    name = "exploding"
-    healthy_flag = True
-
-    def step(self, text):
-        if text == "boom()":
-            raise RuntimeError("the desktop crashed")
-        return super().step(text)
-
-    def healthy(self):
-        return ExplodingBackend.healthy_flag
+from tests.plugins import ExplodingBackend
 
 
 @pytest.fixture
-def env_server(tmp_path, quiet_log, monkeypatch):
-    monkeypatch.setitem(backend_registry.BACKENDS, "exploding", lambda cfg, seed: ExplodingBackend(cfg.sim, seed))
+def env_server(tmp_path, quiet_log):
     started = []
 
     def _start(**kw):
@@ -139,7 +123,7 @@ def test_errors_are_answered_counted_and_the_server_keeps_serving(env_server, qu
 
 
 def test_backend_exception_aborts_only_that_episode(env_server, quiet_log):
-    server, net = env_server(backend="exploding", pool_size=3)
+    server, net = env_server(backend="tests.plugins:EXPLODING", pool_size=3)
     c = client_for(server, net, quiet_log)
     a, b = c.open(), c.open()
     c.reset(a, "sim:train/1")
@@ -226,7 +210,7 @@ def test_resent_request_is_answered_once_and_acted_once(env_server, quiet_log):
 
 
 def test_health_checks_replace_broken_idle_desktops_and_metrics_are_written(env_server, quiet_log):
-    server, net = env_server(backend="exploding", pool_size=2, prestart=2, health_interval_s=0.1)
+    server, net = env_server(backend="tests.plugins:EXPLODING", pool_size=2, prestart=2, health_interval_s=0.1)
     ExplodingBackend.healthy_flag = False
     try:
         wait(lambda: server.counters["desktops_retired_unhealthy"] >= 2)

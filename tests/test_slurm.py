@@ -168,7 +168,9 @@ def test_roles_reserving_more_cpus_than_the_job_holds_on_a_node_are_refused():
 @pytest.mark.parametrize("args, match", [
     (["slurm.nodes=5", "local.actors=2"], "more than the run can use"),
     (["local.learner_ranks=3", "slurm.nodes=3", "slurm.learner_nodes=2"], "do not split evenly"),
-    (["env_server.backend=apptainer", "env_server.desktop.image=/nonexistent/desktop.sif"], "is not a file"),
+    (["env_server.backend=apptainer", "env_server.desktop.image=/nonexistent/desktop.sif",
+      "broker.tasks.suite=desk:train"], "is not a file"),
+    (["env_server.backend=xvfb"], "names 'sim' tasks, and env_server.backend 'xvfb' runs 'desk' tasks"),
     (["slurm.nodes=0"], "must be >= 1"),
 ])
 def test_bad_submissions_are_refused_before_anything_is_written(tmp_path, args, match):
