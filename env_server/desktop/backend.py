@@ -24,8 +24,8 @@ from env_server.desktop import apis, homefs
 from env_server.desktop import tasks as desk_tasks
 from env_server.desktop.sandbox import (AgentActionError, AgentClient, ApptainerSandbox, BwrapSandbox, SandboxSpec,
                                         require_packages)
+from env_server.tree import TREE_FIELDS, row_text
 
-TREE_FIELDS = ("id", "role", "name", "bounds", "states", "value")
 APP_OF_CLASS = {"libreoffice-calc": "Calc", "libreoffice-writer": "Writer", "mousepad": "Editor",
                 "pcmanfm": "Files"}
 APP_ALIASES = {"calc": "Calc", "libreoffice calc": "Calc", "spreadsheet": "Calc", "sheet": "Calc",
@@ -281,14 +281,7 @@ class RealDesktopBackend(Backend):
         wins = " | ".join(f"[{i + 1}] {w['title']}{' (focused)' if w['focused'] else ''}"
                           for i, w in enumerate(self.windows))
         lines = [f"Windows: {wins or 'none'}"]
-        for row in self.rows:
-            rid, role, name, _, states, value = row
-            s = f"[{rid}] {role} \"{name}\""
-            if value is not None:
-                s += f" = {value if len(value) <= 120 else value[:117] + '...'!r}"
-            if states:
-                s += " (" + ", ".join(states) + ")"
-            lines.append(s)
+        lines += [row_text(row) for row in self.rows]
         if self.app_info:
             lines.append(self.app_info)
         if self.last_result:

@@ -12,7 +12,6 @@ SCREEN_W, SCREEN_H = 1280, 720
 TASKBAR_Y = 690
 CONTENT_TOP = 36
 # Observation trees are rows (cheaper to build, send and parse than a map per element); value may be None.
-TREE_FIELDS = ("id", "role", "name", "bounds", "states", "value")
 LIST_ROWS = 18  # file-manager rows visible at once; scroll for the rest
 
 
@@ -30,7 +29,7 @@ class Element:
             scroll
 
     def as_row(self) -> list:
-        """The element as an observation row, columns as in ``TREE_FIELDS``."""
+        """The element as an observation row, columns as in ``env_server.tree.TREE_FIELDS``."""
         return [self.id, self.role, self.name, self.bounds, self.states, self.value]
 
 

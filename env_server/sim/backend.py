@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from env_server.actions import ActionError, gui_action_help
 from env_server.backend import Backend, BackendError, StepResult
 from env_server.sim import tasks as sim_tasks
-from env_server.sim.app import SCREEN_H, SCREEN_W, TREE_FIELDS
+from env_server.sim.app import SCREEN_H, SCREEN_W
+from env_server.tree import TREE_FIELDS
 from env_server.sim.desktop import Desktop
 from env_server.sim.markers import draw_markers
 

@@ -20,6 +20,7 @@ from env_server.sim.filesystem import FileSystem
 from env_server.sim.markers import Marker, marker_at
 from env_server.sim.settings_app import SettingsApp
 from env_server.sim.sheet_app import SheetApp
+from env_server.tree import rows_text
 
 
 APP_NAMES = ("Files", "Editor", "Sheet", "Settings")
@@ -247,15 +248,4 @@ class Desktop:
                 for i, n in enumerate(self.open_windows)]
 
     def text_tree(self, cap: int, bounds: bool = False) -> str:
-        lines = []
-        for e in self.elements()[:cap]:
-            s = f"[{e.id}] {e.role} \"{e.name}\""
-            if e.value is not None:
-                v = e.value if len(e.value) <= 120 else e.value[:117] + "..."
-                s += f" = {v!r}"
-            if e.states:
-                s += " (" + ", ".join(e.states) + ")"
-            if bounds:
-                s += " @{},{} {}x{}".format(*e.bounds)
-            lines.append(s)
-        return "\n".join(lines)
+        return rows_text((e.as_row() for e in self.elements()[:cap]), bounds)
