@@ -11,7 +11,7 @@ if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$sta
   echo "[bootstrap] creating $VENV and installing computerrl (first run only)" >&2
   "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -e '.[test]'
+  "$VENV/bin/python" -m pip install -q -e '.[test,miniwob]'
   touch "$stamp"
 fi
 case "${1:-}" in
@@ -33,6 +33,14 @@ case "${1:-}" in
         bash launch/slurm-packages.sh
       else
         echo "[bootstrap] Slurm missing and not root: the Slurm cluster tests will skip (sudo bash launch/slurm-packages.sh)" >&2
+      fi
+    fi
+    # The MiniWoB tests drive headless Chromium: the browser and its driver, where we can install them.
+    if ! command -v chromedriver >/dev/null; then
+      if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+        bash launch/miniwob-packages.sh
+      else
+        echo "[bootstrap] chromium/chromedriver missing and not root: the MiniWoB tests will skip (sudo bash launch/miniwob-packages.sh)" >&2
       fi
     fi
     set +e

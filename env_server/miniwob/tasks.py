@@ -1,0 +1,134 @@
+"""MiniWoB++ tasks as a task registry: one family per MiniWoB page, task ids ``miniwob:<split>[:task,...]/<seed>``.
+
+An instance is MiniWoB's own problem generator seeded from the task id: ``train`` ids draw from the training seed
+stream in MiniWoB's ``train`` data mode, ``heldout`` ids from a disjoint stream in its ``test`` mode (the tasks that
+distinguish them use different data there). The instruction is the page's utterance; ``paraphrase`` is the same
+as ``heldout`` (MiniWoB words its own instructions). Scripted solvers (``SOLVERS``) cover a documented subset:
+each reads the live observation (``observe()``) and yields actions in the same API-GUI language a model writes.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+from typing import Callable, Iterator
+
+from env_server.tasks import TaskFamily, TaskRegistry
+
+TASKS = TaskRegistry("miniwob")
+MAX_STEPS = 10
+
+
+def _pages() -> list[str]:
+    try:
+        import miniwob
+    except ImportError:
+        return []  # the plugin's option check says what to install
+    return sorted(p.stem for p in (Path(miniwob.__file__).resolve().parent / "html" / "miniwob").glob("*.html"))
+
+
+Observe = Callable[[], dict]
+
+
+def _quoted(text: str) -> list[str]:
+    return re.findall(r'"([^"]*)"', text)
+
+
+def _rows(obs: dict, role: str | None = None) -> list[list]:
+    return [r for r in obs["tree"] if role is None or r[1] == role]
+
+
+def _solve_click_named(role: str) -> Callable[[dict, Observe], Iterator[str]]:
+    """Click the element of ``role`` whose text the instruction quotes (click-button, click-link)."""
+    def solve(params: dict, observe: Observe) -> Iterator[str]:
+        obs = observe()
+        want = _quoted(obs["instruction"])[0]
+        row = next(r for r in _rows(obs, role) if r[2] == want)
+        yield f"click({row[0]})"
+    return solve
+
+
+def _solve_click_test(params: dict, observe: Observe) -> Iterator[str]:
+    obs = observe()
+    yield f"click({_rows(obs, 'button')[0][0]})"
+
+
+def _solve_click_test_2(params: dict, observe: Observe) -> Iterator[str]:
+    obs = observe()
+    want = "ONE" if "button ONE" in obs["instruction"] else "TWO"
+    row = next(r for r in _rows(obs, "button") if r[2] == want)
+    yield f"click({row[0]})"
+
+
+def _solve_enter(params: dict, observe: Observe) -> Iterator[str]:
+    """Type the quoted text into the (first) text field, then submit (enter-text, enter-password's first half)."""
+    obs = observe()
+    text = _quoted(obs["instruction"])[0]
+    fields = [r for r in obs["tree"] if r[1] in ("input_text", "input_password")]
+    for field in fields:
+        yield f"type({text!r}, target={field[0]})"
+    submit = next(r for r in _rows(obs, "button") if r[2].lower() == "submit")
+    yield f"click({submit[0]})"
+
+
+def _solve_focus_text(params: dict, observe: Observe) -> Iterator[str]:
+    obs = observe()
+    fields = _rows(obs, "input_text")
+    m = re.search(r"(\d+)(?:st|nd|rd|th)", obs["instruction"])
+    idx = int(m.group(1)) - 1 if m else 0
+    yield f"click({fields[idx][0]})"
+
+
+def _solve_click_checkboxes(params: dict, observe: Observe) -> Iterator[str]:
+    obs = observe()
+    m = re.search(r"Select (.*) and click Submit", obs["instruction"])
+    wanted = set() if not m or m.group(1) == "nothing" else set(m.group(1).split(", "))
+    rows = obs["tree"]
+    for i, r in enumerate(rows):
+        if r[1] == "input_checkbox":
+            label = next((x for x in rows[i + 1:i + 3] if x[1] == "text"), None)
+            if label is not None and label[2] in wanted:
+                yield f"click({r[0]})"
+    submit = next(r for r in _rows(obs, "button") if r[2].lower() == "submit")
+    yield f"click({submit[0]})"
+
+
+def _solve_login(params: dict, observe: Observe) -> Iterator[str]:
+    obs = observe()
+    user, password = _quoted(obs["instruction"])[:2]
+    yield f"type({user!r}, target={_rows(obs, 'input_text')[0][0]})"
+    yield f"type({password!r}, target={_rows(obs, 'input_password')[0][0]})"
+    login = next(r for r in _rows(obs, "button") if r[2].lower() == "login")
+    yield f"click({login[0]})"
+
+
+SOLVERS: dict[str, Callable[[dict, Observe], Iterator[str]]] = {
+    "click-test": _solve_click_test,
+    "click-test-2": _solve_click_test_2,
+    "click-button": _solve_click_named("button"),
+    "click-link": _solve_click_named("span"),
+    "enter-text": _solve_enter,
+    "enter-password": _solve_enter,
+    "focus-text": _solve_focus_text,
+    "focus-text-2": _solve_focus_text,
+    "click-checkboxes": _solve_click_checkboxes,
+    "login-user": _solve_login,
+}
+
+
+def _unsolved(params: dict, observe: Observe) -> Iterator[str]:
+    raise NotImplementedError("no scripted solver for this MiniWoB task (env_server.miniwob.tasks.SOLVERS)")
+    yield ""  # a generator, like the solvers
+
+
+def _generate(rng: random.Random) -> dict:
+    return {"seed": rng.randrange(2**31 - 1)}
+
+
+for _name in _pages():
+    TASKS.register(TaskFamily(
+        name=_name, generate=_generate,
+        phrasings=lambda p, n=_name: (f"MiniWoB {n}", f"MiniWoB {n} (as the page words it)"),
+        setup=lambda p: None, verify=lambda p, page_status: page_status["done"] and page_status["raw_reward"] > 0,
+        solve=SOLVERS.get(_name, _unsolved), max_steps=MAX_STEPS))

@@ -1,0 +1,127 @@
+"""MiniWoB++ through the miniwob backend: real task pages in headless Chromium (skipped where either is missing)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+
+import pytest
+
+pytest.importorskip("miniwob")
+pytest.importorskip("selenium")
+if not (shutil.which("chromium") and shutil.which("chromedriver")):
+    pytest.skip("chromium and chromedriver not installed (launch/miniwob-packages.sh)", allow_module_level=True)
+
+from common.net import free_port  # noqa: E402
+from common.rundir import RunDir  # noqa: E402
+from env_server.actions import ActionError  # noqa: E402
+from env_server.backend import BackendError  # noqa: E402
+from env_server.backends import make_backend  # noqa: E402
+from env_server.client import EnvClient, EnvError  # noqa: E402
+from env_server.config import EnvServerConfig  # noqa: E402
+from env_server.miniwob.tasks import SOLVERS, TASKS  # noqa: E402
+from env_server.server import EnvServer  # noqa: E402
+from tests.conftest import make_net  # noqa: E402
+
+PLUGIN = "env_server.miniwob:PLUGIN"
+
+
+@pytest.fixture(scope="module")
+def page():
+    backend = make_backend(EnvServerConfig(backend=PLUGIN, options={"screenshot": "png"}), seed=0)
+    yield backend
+    backend.close()
+
+
+def _solve(backend, task_id: str) -> dict:
+    backend.reset(task_id)
+    for action in TASKS.families[backend.task.family].solve(backend.task.params, backend.observation):
+        step = backend.step(action)
+        assert not step.format_error and not step.action_error, (task_id, action, backend.last_result)
+        if step.done:
+            break
+    return backend.evaluate()
+
+
+def test_every_task_page_is_a_family_and_options_are_checked():
+    assert len(TASKS.families) >= 100 and {"click-button", "enter-text", "book-flight"} <= set(TASKS.families)
+    EnvServerConfig(backend=PLUGIN, options={"screenshot": "none", "time_limit_s": 10}).validate()
+    with pytest.raises(ValueError, match=r"env_server\.options\.headless: not a miniwob option"):
+        EnvServerConfig(backend=PLUGIN, options={"headless": True}).validate()
+    with pytest.raises(ValueError, match=r"env_server\.options\.screenshot: none or png"):
+        EnvServerConfig(backend=PLUGIN, options={"screenshot": "gif"}).validate()
+    with pytest.raises(ValueError, match=r"env_server\.options\.time_limit_s: expected float"):
+        EnvServerConfig(backend=PLUGIN, options={"time_limit_s": "ten"}).validate()
+
+
+def test_scripted_solvers_solve_their_tasks_on_train_and_heldout_instances(page):
+    for task in SOLVERS:
+        for split in ("train", "heldout"):
+            for seed in range(3):
+                result = _solve(page, f"miniwob:{split}:{task}/{seed}")
+                assert result["success"] and result["family"] == task, (task, split, seed, result)
+
+
+def test_instances_are_deterministic_and_splits_disjoint(page):
+    first = page.reset("miniwob:train:click-button/7")["instruction"]
+    assert page.reset("miniwob:train:click-button/7")["instruction"] == first
+    seeds, texts = {}, {}
+    for split in ("train", "heldout"):
+        texts[split] = [page.reset(f"miniwob:{split}:enter-text/{s}")["instruction"] for s in range(6)]
+        seeds[split] = {TASKS.make_task(f"miniwob:{split}:enter-text/{s}").params["seed"] for s in range(6)}
+    # Held-out ids seed MiniWoB's generator from a disjoint stream (and its "test" data mode). Its problem spaces
+    # can be small (enter-text draws names from a list), so a held-out problem may equal a training one.
+    assert not seeds["train"] & seeds["heldout"] and texts["train"] != texts["heldout"]
+    assert len(set(texts["train"])) >= 5
+
+
+def test_observations_and_actions(page):
+    obs = page.reset("miniwob:train:login-user/2")
+    assert obs["text"].startswith(f"Page: {obs['instruction']}\n") and obs["screenshot"][:4] == b"\x89PNG"
+    user = next(r for r in obs["tree"] if r[1] == "input_text")
+    assert user[3][2] > 0 and user[5] == ""
+    step = page.step(f"type('someone', target={user[0]})")
+    row = next(r for r in step.obs["tree"] if r[0] == user[0])
+    assert row[5] == "someone" and "focused" in row[4] and not step.done
+    assert page.step("hotkey('ctrl+a')").action_error is False
+    bad = page.step("click(999)")
+    assert bad.action_error and "no element 999" in page.last_result
+    assert page.step("open_app('Files')").action_error and "not available on a MiniWoB page" in page.last_result
+    assert page.step("hotkey('hyper+q')").action_error
+    assert page.step("Sheet.set_cell_value('A1', 1)").action_error
+    assert page.step("not an action").format_error
+    click = page.step("click(x=500, y=500, grid=1000)")
+    assert not click.action_error and "click (80, 105)" in page.last_result
+    assert not page.evaluate()["success"]
+    with pytest.raises(ActionError, match="bad task id"):
+        page.reset("miniwob:train:no-such-task/1")
+
+
+def test_a_crashed_browser_retires_the_desktop_and_the_next_episode_gets_a_fresh_one(tmp_path, quiet_log):
+    cfg = EnvServerConfig(port=free_port(), backend=PLUGIN, pool_size=1, step_timeout_s=30)
+    net = make_net()
+    server = EnvServer(cfg, net, RunDir.create(tmp_path / "run"), quiet_log)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    client = EnvClient(net, "127.0.0.1", cfg.port, None, quiet_log, peer_id="miniwob-test")
+    try:
+        sid = client.open()
+        client.reset(sid, "miniwob:train:click-button/1")
+        (backend,) = [s.backend for s in server.sessions.values()]
+        os.kill(backend.page.driver.service.process.pid, signal.SIGKILL)  # chromedriver (and its browser) dies
+        with pytest.raises(EnvError, match="backend_error"):
+            client.step(sid, "click(4)")
+        obs = client.reset(sid, "miniwob:train:click-button/1")  # a new browser serves the next episode
+        assert obs["instruction"].startswith("Click on the")
+        assert server.counters["desktops_retired_error"] == 1 and server.counters["desktops_started"] == 2
+    finally:
+        client.close()
+        server.request_stop()
+        thread.join(10)
+
+
+def test_a_missing_browser_is_a_clear_backend_error():
+    with pytest.raises(BackendError, match="chromium did not start"):
+        make_backend(EnvServerConfig(backend=PLUGIN, options={"chrome": "/nonexistent/chromium"}), seed=0)
