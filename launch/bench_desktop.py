@@ -19,40 +19,7 @@ import time
 
 from env_server.desktop import tasks as desk_tasks
 from env_server.desktop.backend import DesktopConfig, XvfbBackend
-
-
-def _pss_mb(root_pid: int) -> float:
-    """Proportional set size of a process tree (shared pages split among their users), in MB."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    total, stack = 0, [root_pid]
-    while stack:
-        pid = stack.pop()
-        stack += children.get(pid, [])
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        total += int(line.split()[1])
-                        break
-        except OSError:
-            continue
-    return total / 1024
-
-
-def _mem_available_mb() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+from launch.procmem import mem_available_mb, pss_mb
 
 
 def editor_latency(steps: int) -> dict:
@@ -99,7 +66,7 @@ def concurrent(desktops: int, total_steps: int, ramp_s: float = 1.0, max_seconds
 
     Desktops start ``ramp_s`` apart (as sessions arrive at an env_server); a desktop that fails is closed and
     replaced, as the env_server does, and the failure counted."""
-    free_before = _mem_available_mb()
+    free_before = mem_available_mb()
     lock = threading.Lock()
     counts = {"steps": 0, "episodes": 0, "solved": 0, "failures": 0, "rebuilt_on_reset": 0}
     errors: list[str] = []
@@ -132,7 +99,7 @@ def concurrent(desktops: int, total_steps: int, ramp_s: float = 1.0, max_seconds
                         if not solved:  # which task, and what the desktop refused on the way
                             unsolved.append({"task": backend.task.task_id, "refused": refused[:3]})
                     if not measured and seed >= k + desktops:  # after its second episode: apps loaded and warm
-                        pss.append(_pss_mb(backend.sandbox.proc.pid))
+                        pss.append(pss_mb(backend.sandbox.proc.pid))
                         measured = True
                 except Exception as exc:  # counted and reported: the figure is how many there were
                     with lock:

@@ -463,20 +463,24 @@ def bench_broker(payload_bytes: int, persist: str, num_actors: int, groups: int,
 
 
 @bench.command("env")
-@click.option("--backend", default="sim", show_default=True, type=click.Choice(["sim", "xvfb"]))
+@click.option("--backend", default="sim", show_default=True, type=click.Choice(["sim", "xvfb", "miniwob"]))
 @click.option("--sessions", default=8, show_default=True, help="N concurrent client sessions through the server")
-@click.option("--desktops", default=16, show_default=True, help="xvfb: real desktops running at once")
-@click.option("--steps", default=1000, show_default=True, help="xvfb: solver steps over all desktops")
+@click.option("--desktops", default=16, show_default=True, help="xvfb, miniwob: desktops (browsers) running at once")
+@click.option("--steps", default=1000, show_default=True, help="xvfb, miniwob: solver steps over all desktops")
 @click.option("--clients", default=1, show_default=True, help="client processes sharing those sessions (an actor is one)")
 @click.option("--seconds", default=3.0, show_default=True, help="measuring time per figure")
 @click.option("--screenshot", type=click.Choice(["none", "png", "jpeg"]), default="none", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def bench_env(backend: str, sessions: int, desktops: int, steps: int, clients: int, seconds: float, screenshot: str,
               as_json: bool) -> None:
-    """sim: steps/s in-process vs through the env_server. xvfb: step latency, resets, concurrent desktops, memory."""
+    """sim: steps/s in-process vs through the env_server. xvfb, miniwob: step latency, resets, concurrent desktops,
+    memory."""
     if backend == "xvfb":
         from launch.bench_desktop import run_bench as run_desktop_bench
         result = run_desktop_bench(desktops, steps)
+    elif backend == "miniwob":
+        from launch.bench_miniwob import run_bench as run_miniwob_bench
+        result = run_miniwob_bench(desktops, steps)
     else:
         from launch.bench_env import run_bench
         result = run_bench(backend, sessions, clients, seconds, screenshot)

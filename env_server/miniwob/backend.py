@@ -95,6 +95,7 @@ class MiniWoBBackend(Backend):
         self.page = MiniWoBPage(options.chrome, options.chromedriver, options.time_limit_s)
         self.task = None
         self.rows: list[list] = []
+        self.snap: dict = {}  # the page as last observed: instruction, element tree, episode status
         self.steps = self.format_errors = 0
         self.last_result = ""
         self.declared = ""  # done() or fail() from the agent before the page ended the episode
@@ -109,10 +110,11 @@ class MiniWoBBackend(Backend):
         if self.task is None:
             raise ActionError("reset the session with a task first")
         format_error, action_error = self._apply_text(text, self._act)
-        status = self.page.status()
-        done = bool(status["done"]) or bool(self.declared) or self.steps >= self.task.max_steps
-        return StepResult(self.observation(), done, format_error, action_error,
-                          {"page_done": bool(status["done"]), "reason": status.get("reason")})
+        obs = self.observation()
+        page_done = bool(self.snap["done"])
+        done = page_done or bool(self.declared) or self.steps >= self.task.max_steps
+        return StepResult(obs, done, format_error, action_error, {"page_done": page_done,
+                                                                  "reason": self.snap.get("reason")})
 
     def evaluate(self) -> dict:
         if self.task is None:
@@ -132,8 +134,9 @@ class MiniWoBBackend(Backend):
     # ----- observation ----------------------------------------------------------------------------------
 
     def observation(self) -> dict:
-        self.rows = dom_rows(self.page.dom(), [])
-        utterance = self.page.utterance()
+        self.snap = self.page.snapshot()
+        self.rows = dom_rows(self.snap["dom"], [])
+        utterance = self.snap["utterance"]
         text = f"Page: {utterance}\n" + rows_text(self.rows, self.opts.text_bounds)
         if self.last_result:
             text += f"\nLast result: {self.last_result}"

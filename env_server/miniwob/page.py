@@ -65,27 +65,25 @@ class MiniWoBPage:
             except Exception as exc:
                 raise BackendError(f"loading {page.name} failed: {str(exc)[:300]}") from exc
             self.task = task
-        self._js("core.endEpisode(0);")
-        self._js(f"Math.seedrandom({int(seed)});")
-        self._js("core.setDataMode(arguments[0]);", mode)
         # MiniWoB ends an episode after EPISODE_MAX_TIME ms (10 s by default); 0 here means no limit, because a
         # policy's turn includes time waiting for a batch on a shared engine, which is not the agent's slowness.
         limit_ms = self.time_limit_s * 1000 if self.time_limit_s > 0 else 1e9
-        self._js(f"core.EPISODE_MAX_TIME = {limit_ms};")
-        self._js("core.startEpisodeReal();")
+        ready = self._js(f"core.endEpisode(0); Math.seedrandom({int(seed)}); core.setDataMode(arguments[0]); "
+                         f"core.EPISODE_MAX_TIME = {limit_ms}; core.startEpisodeReal(); return WOB_TASK_READY;", mode)
         deadline = time.monotonic() + READY_WAIT_S
-        while not self._js("return WOB_TASK_READY;"):
+        while not ready:
             if time.monotonic() > deadline:
                 raise BackendError(f"{task} did not draw its problem within {READY_WAIT_S} s")
-            time.sleep(0.02)
+            time.sleep(0.005)
+            ready = self._js("return WOB_TASK_READY;")
 
-    def utterance(self) -> str:
-        u = self._js("return core.getUtterance();")
-        return u["utterance"] if isinstance(u, dict) else str(u)
-
-    def dom(self) -> dict:
-        """``core.getDOMInfo()``: the element tree; refs in it are what ``click_ref`` accepts until the next call."""
-        return self._js("return core.getDOMInfo();")
+    def snapshot(self) -> dict:
+        """In one round trip: the instruction, ``core.getDOMInfo()`` (the element tree, whose refs ``click_ref``
+        accepts until the next snapshot) and the episode's status (done, raw reward, reason)."""
+        snap = self._js('var u = core.getUtterance(); return {"utterance": (u && u.utterance !== undefined) ? '
+                        'u.utterance : String(u), "dom": core.getDOMInfo(), "done": WOB_DONE_GLOBAL, '
+                        '"raw_reward": WOB_RAW_REWARD_GLOBAL, "reason": WOB_REWARD_REASON};')
+        return snap
 
     def status(self) -> dict:
         return self._js('return {"done": WOB_DONE_GLOBAL, "raw_reward": WOB_RAW_REWARD_GLOBAL, '

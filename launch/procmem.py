@@ -1,0 +1,39 @@
+"""Memory of process trees, for the benchmarks that report memory per desktop or per browser."""
+
+from __future__ import annotations
+
+import os
+
+
+def pss_mb(root_pid: int) -> float:
+    """Proportional set size of a process tree (shared pages split among their users), in MB."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    total, stack = 0, [root_pid]
+    while stack:
+        pid = stack.pop()
+        stack += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1])
+                        break
+        except OSError:
+            continue
+    return total / 1024
+
+
+def mem_available_mb() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
