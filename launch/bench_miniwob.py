@@ -50,6 +50,7 @@ def step_latency(steps: int) -> dict:
 def resets(n: int) -> dict:
     backend = MiniWoBBackend(MiniWoBOptions())
     try:
+        backend.reset("miniwob:train:click-test/0")  # starts the browser
         driver, page_dir = backend.page.driver, backend.page.dir
         same, other, raw_same, raw_other = [], [], [], []
         tasks = ("click-button", "enter-text")

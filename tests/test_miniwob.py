@@ -123,5 +123,7 @@ def test_a_crashed_browser_retires_the_desktop_and_the_next_episode_gets_a_fresh
 
 
 def test_a_missing_browser_is_a_clear_backend_error():
+    backend = make_backend(EnvServerConfig(backend=PLUGIN, options={"chrome": "/nonexistent/chromium"}), seed=0)
+    assert backend.healthy(), "nothing started yet: the browser comes up with the first reset"
     with pytest.raises(BackendError, match="chromium did not start"):
-        make_backend(EnvServerConfig(backend=PLUGIN, options={"chrome": "/nonexistent/chromium"}), seed=0)
+        backend.reset("miniwob:train:click-test/0")

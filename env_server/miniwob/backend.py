@@ -92,7 +92,9 @@ class MiniWoBBackend(Backend):
 
     def __init__(self, options: MiniWoBOptions, seed: int = 0):
         self.opts, self.seed = options, seed
-        self.page = MiniWoBPage(options.chrome, options.chromedriver, options.time_limit_s)
+        # The browser starts with the first reset, which the env_server runs on a worker thread: a SessionOpen that
+        # started it here would hold the server's loop for the second Chromium takes to come up.
+        self.page: MiniWoBPage | None = None
         self.task = None
         self.rows: list[list] = []
         self.snap: dict = {}  # the page as last observed: instruction, element tree, episode status
@@ -102,6 +104,8 @@ class MiniWoBBackend(Backend):
 
     def reset(self, task_id: str) -> dict:
         task = TASKS.make_task(task_id)
+        if self.page is None:
+            self.page = MiniWoBPage(self.opts.chrome, self.opts.chromedriver, self.opts.time_limit_s)
         self.page.start(task.family, task.params["seed"], "train" if task.split == "train" else "test")
         self.task, self.steps, self.format_errors, self.last_result, self.declared = task, 0, 0, "", ""
         return self.observation()
@@ -126,10 +130,11 @@ class MiniWoBBackend(Backend):
                 "declared": self.declared}
 
     def healthy(self) -> bool:
-        return self.page.alive()
+        return self.page is None or self.page.alive()
 
     def close(self) -> None:
-        self.page.close()
+        if self.page is not None:
+            self.page.close()
 
     # ----- observation ----------------------------------------------------------------------------------
 
