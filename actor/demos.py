@@ -1,6 +1,7 @@
-"""Oracle demonstrations of sim tasks, played by the one episode loop (``actor/episode.py``) with the task's
-scripted solver as the policy, so a demo is recorded exactly as the actor records its own episodes: the prompt ids
-the actor would have built, then the oracle's action ids and the end token. Behaviour cloning (``computerrl
+"""Oracle demonstrations, played by the one episode loop (``actor/episode.py``) with the task's scripted solver
+as the policy (``Backend.scripted_actions``: the sim's oracle, a real desktop's solver, MiniWoB's or a plugin's),
+so a demo is recorded exactly as the actor records its own episodes: the prompt ids the actor would have built,
+then the oracle's action ids and the end token. Behaviour cloning (``computerrl
 pretrain``) trains on them, and the learner's anti-forgetting anchor replays them (recorded once per run by
 ``record_anchor_demos`` into the run directory).
 """
@@ -20,8 +21,8 @@ ROUTES = ("api", "gui", "mixed")
 
 
 class OraclePolicy:
-    """The task's scripted solver as a policy: reads the live sim desktop, answers with its next action (as the
-    ids the tokenizer gives it plus the token that ends a turn); None once the script is over. Keeps what it saw."""
+    """The task's scripted solver as a policy: reads the live desktop, answers with its next action (as the ids the
+    tokenizer gives it plus the token that ends a turn); None once the script is over. Keeps what it saw."""
 
     def __init__(self, backend: Any, tokenizer: Any, route: str, demo: Any, rng: random.Random,
                  images: Any = None):
@@ -32,13 +33,12 @@ class OraclePolicy:
         self.seen: list[tuple[dict, str]] = []  # (observation, action) per turn
 
     async def __call__(self, prompt_ids: list[int], obs: dict, images: list) -> Generation | None:
-        from env_server.sim import tasks as sim_tasks
         if images and self.images is None:
             raise ValueError("demonstrations with screenshots need an image store to put them in")
         for img in images:
             self.images.put(img)
         if self.actions is None:
-            self.actions = sim_tasks.oracle(self.backend.task, self.backend.desk, self.route, self.demo, self.rng)
+            self.actions = self.backend.scripted_actions(self.route, self.rng, self.demo)
         action = next(self.actions, None)
         if action is None:
             return None
@@ -50,7 +50,7 @@ class OraclePolicy:
 def demonstrate(backend: Any, task_id: str, route: str = "gui", demo: Any = None, seed: int = 0,
                 tokenizer: Any = None, prompt_cfg: Any = None,
                 images: Any = None) -> tuple[Episode, list[tuple[dict, str]]]:
-    """One oracle episode of ``task_id`` on a sim ``backend``: the episode, and the (observation, action) pairs.
+    """One oracle episode of ``task_id`` on ``backend``: the episode, and the (observation, action) pairs.
     ``images``: the store a VLM prompt's screenshots are put in."""
     from actor.prompt import PromptConfig
     from common.tokenizer import ByteTokenizer
@@ -62,28 +62,40 @@ def demonstrate(backend: Any, task_id: str, route: str = "gui", demo: Any = None
 
 def record_demos(suite: str, count: int, prompt_cfg: Any, tokenizer: Any, route: str = "api",
                  detour_prob: float = 0.0, wrong_choice_prob: float = 0.0, seed: int = 0,
-                 images: Any = None) -> list[P.Trajectory]:
-    """Demonstrations of the first ``count`` task seeds of ``suite`` (``sim:<split>[:fam,...]``).
+                 images: Any = None, env: Any = None) -> list[P.Trajectory]:
+    """Demonstrations of the first ``count`` task seeds of ``suite`` (``<kind>:<split>[:fam,...]``).
 
-    ``route``: api | gui | mixed (a random one per demo); ``detour_prob`` and ``wrong_choice_prob`` make
-    demos imperfect (harmless detours, the wrong item on ambiguous screens). Deterministic for its arguments.
-    A prompt that shows screenshots (``prompt_cfg.observation``) gets them rendered, and put in ``images``."""
+    ``sim`` suites play on a sim desktop; any other kind on a desktop of ``env`` (an EnvServerConfig whose backend
+    runs that kind: real desktops, MiniWoB, a plugin), closed afterwards. ``route``: api | gui | mixed (a random
+    one per demo); ``detour_prob`` and ``wrong_choice_prob`` make sim demos imperfect (harmless detours, the wrong
+    item on ambiguous screens). Deterministic for its arguments. A prompt that shows screenshots
+    (``prompt_cfg.observation``) gets them rendered, and put in ``images``."""
+    from env_server.backends import make_backend, task_registry
     from env_server.sim import tasks as sim_tasks
     from env_server.sim.backend import SimBackend, SimConfig
 
-    sim_tasks.parse_suite(suite)  # a clear error for a bad suite before any work
+    kind = suite.split(":")[0]
+    task_registry(kind, env.backend if env is not None else "").parse_suite(suite)  # a bad suite fails here
     if route not in ROUTES:
         raise ValueError(f"demo route must be api, gui or mixed, not {route!r}")
     demo = sim_tasks.DemoConfig(detour_prob, wrong_choice_prob)
     rng = random.Random(seed)
-    backend = SimBackend(SimConfig(screenshot="png" if prompt_cfg.observation != "tree" else "none"))
+    if kind == "sim":
+        backend = SimBackend(SimConfig(screenshot="png" if prompt_cfg.observation != "tree" else "none"))
+    elif env is None:
+        raise ValueError(f"demonstrations of {kind!r} tasks need the env_server config of the desktops that run them")
+    else:
+        backend = make_backend(env, seed)
     out = []
-    for task_seed in range(count):
-        task_route = route if route != "mixed" else rng.choice(("api", "gui"))
-        episode, _ = demonstrate(backend, f"{suite}/{task_seed}", task_route, demo, seed, tokenizer, prompt_cfg,
-                                 images)
-        if episode.turns:
-            out.append(episode.trajectory(f"demo-{task_seed}"))
+    try:
+        for task_seed in range(count):
+            task_route = route if route != "mixed" else rng.choice(("api", "gui"))
+            episode, _ = demonstrate(backend, f"{suite}/{task_seed}", task_route, demo, seed, tokenizer, prompt_cfg,
+                                     images)
+            if episode.turns:
+                out.append(episode.trajectory(f"demo-{task_seed}"))
+    finally:
+        backend.close()
     return out
 
 

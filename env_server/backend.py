@@ -2,14 +2,17 @@
 
 A backend owns one desktop. The server calls ``reset(task_id)`` at the start of an episode, ``step(text)``
 with the model's raw output each turn, ``evaluate()`` at the end, ``healthy()`` between episodes, and
-``close()`` when the desktop is retired. The simulated desktop (``env_server/sim/backend.py``) and the real
-ones (xvfb, apptainer: ``env_server/desktop/``) implement these five methods; ``blocking`` tells the server
-to run their calls on worker threads with a step timeout. ``env_server/backends.py`` names them.
+``close()`` when the desktop is retired; ``scripted_actions()`` plays the current task's solver (demonstrations).
+The simulated desktop (``env_server/sim/backend.py``), the real ones (xvfb, apptainer: ``env_server/desktop/``)
+and MiniWoB (``env_server/miniwob/``) implement them; ``blocking`` tells the server to run their calls on worker
+threads with a step timeout. ``env_server/backends.py`` names them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Iterator
+
 from env_server.actions import ActionError, parse_action
 
 
@@ -48,6 +51,12 @@ class Backend:
 
     def close(self) -> None:
         pass
+
+    def scripted_actions(self, route: str = "gui", rng: Any = None, demo: Any = None) -> Iterator[str]:
+        """The current task's scripted solver as the actions a model would write, read off the live desktop as they
+        are taken (demonstrations are played this way). ``route`` (gui | api), ``rng`` and ``demo`` (imperfection
+        settings) mean something only to desktops whose solvers have such choices."""
+        raise ActionError(f"the {self.name or type(self).__name__} backend has no scripted solvers")
 
     def _apply_text(self, text: str, act) -> tuple[bool, bool]:
         """Parse the model's output and run it with ``act(action) -> result text``: counts the step, keeps the

@@ -122,6 +122,19 @@ def test_a_crashed_browser_retires_the_desktop_and_the_next_episode_gets_a_fresh
         thread.join(10)
 
 
+def test_demonstrations_are_recorded_from_the_solvers_through_the_backend():
+    from actor.demos import record_demos
+    from actor.prompt import PromptConfig
+    from common.tokenizer import ByteTokenizer
+
+    env = EnvServerConfig(backend=PLUGIN)
+    demos = record_demos("miniwob:train:click-button,login-user", 4, PromptConfig(), ByteTokenizer(), env=env)
+    assert len(demos) == 4 and all(d.success for d in demos)
+    assert [d.num_turns for d in demos] == [1, 3, 1, 3], "click-button in one action, login-user in three"
+    with pytest.raises(ActionError, match="no scripted solver for MiniWoB's book-flight"):
+        record_demos("miniwob:train:book-flight", 1, PromptConfig(), ByteTokenizer(), env=env)
+
+
 def test_a_missing_browser_is_a_clear_backend_error():
     backend = make_backend(EnvServerConfig(backend=PLUGIN, options={"chrome": "/nonexistent/chromium"}), seed=0)
     assert backend.healthy(), "nothing started yet: the browser comes up with the first reset"

@@ -73,6 +73,20 @@ def test_every_family_is_solved_through_the_backend_and_bad_actions_are_errors_n
         task_registry("miniwob", NAME)
 
 
+def test_demonstrations_come_from_the_plugins_solvers(outside):
+    from actor.demos import record_demos
+    from actor.prompt import PromptConfig
+    from common.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    demos = record_demos("lamps:train:all_off", 5, PromptConfig(), tok, env=EnvServerConfig(backend=NAME))
+    assert len(demos) == 5 and all(d.success and d.reward == 1.0 for d in demos)
+    last = demos[0].turn(demos[0].num_turns - 1)
+    assert tok.decode(last.output_ids.tolist()).startswith("done()"), "the solver's actions, as a model writes them"
+    with pytest.raises(ValueError, match="unknown task kind .lamps.: sim, desk, or the kind of an outside"):
+        record_demos("lamps:train", 1, PromptConfig(), tok)
+
+
 @pytest.mark.slow
 def test_a_run_and_an_eval_on_an_environment_from_outside(outside, tmp_path):
     from tests.test_local_run import _ports

@@ -97,6 +97,10 @@ class LampPanel(Backend):
         self.on[i] = not self.on[i]
         return f"lamp {i + 1} is {'on' if self.on[i] else 'off'}"
 
+    def scripted_actions(self, route: str = "gui", rng=None, demo=None) -> Iterator[str]:
+        """The task's solver from the panel as it is now (what demonstrations are recorded from)."""
+        return TASKS.families[self.task.family].solve(self.task.params, list(self.on))
+
     def evaluate(self) -> dict:
         if self.task is None:
             raise ActionError("no episode to evaluate")

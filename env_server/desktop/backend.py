@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 from env_server.actions import (Action, ActionError, element_text, no_element_error, pixels, point_text, result_text,
                                 short_result, unknown_app_error)
@@ -202,6 +203,11 @@ class RealDesktopBackend(Backend):
         done = self.outcome is not None or self.steps >= self.max_steps
         return StepResult(self.observation(stable=self._window_changed), done, format_error, action_error,
                           {"outcome": self.outcome, "truncated": self.outcome is None and done})
+
+    def scripted_actions(self, route: str = "gui", rng: Any = None, demo: Any = None) -> Iterator[str]:
+        if self.task is None:
+            raise ActionError("reset the session with a task first")
+        return desk_tasks.solver(self.task)
 
     def evaluate(self) -> dict:
         if self.task is None:

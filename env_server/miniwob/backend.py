@@ -11,12 +11,12 @@ asked, a PNG of the 160x210 task area. Actions: ``click`` on an element id, a na
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from env_server.actions import Action, ActionError, element_text, no_element_error, pixels, point_text, result_text
 from env_server.backend import Backend, StepResult
 from env_server.miniwob.page import MiniWoBPage
-from env_server.miniwob.tasks import TASKS
+from env_server.miniwob.tasks import SOLVERS, TASKS
 from env_server.tree import TREE_FIELDS, rows_text
 
 PAGE_W, PAGE_H = 160, 210  # MiniWoB's task area: the instruction (50 px) above the 160x160 problem
@@ -119,6 +119,13 @@ class MiniWoBBackend(Backend):
         done = page_done or bool(self.declared) or self.steps >= self.task.max_steps
         return StepResult(obs, done, format_error, action_error, {"page_done": page_done,
                                                                   "reason": self.snap.get("reason")})
+
+    def scripted_actions(self, route: str = "gui", rng: Any = None, demo: Any = None) -> Iterator[str]:
+        if self.task is None:
+            raise ActionError("reset the session with a task first")
+        if self.task.family not in SOLVERS:
+            raise ActionError(f"no scripted solver for MiniWoB's {self.task.family} (env_server.miniwob.tasks)")
+        return SOLVERS[self.task.family](self.task.params, self.observation)
 
     def evaluate(self) -> dict:
         if self.task is None:

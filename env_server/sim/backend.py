@@ -9,6 +9,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from typing import Any, Iterator
 
 from env_server.actions import ActionError, gui_action_help
 from env_server.backend import Backend, BackendError, StepResult
@@ -113,6 +114,11 @@ class SimBackend(Backend):
         done = self.desk.outcome is not None or self.steps >= self.max_steps
         return StepResult(self.observation(), done, format_error, action_error,
                           {"outcome": self.desk.outcome, "truncated": self.desk.outcome is None and done})
+
+    def scripted_actions(self, route: str = "gui", rng: Any = None, demo: Any = None) -> Iterator[str]:
+        if self.task is None or self.desk is None:
+            raise ActionError("reset the session with a task first")
+        return sim_tasks.oracle(self.task, self.desk, route, demo, rng)
 
     def evaluate(self) -> dict:
         if self.task is None or self.desk is None:
