@@ -389,7 +389,7 @@ def pretrain(config: str | None, out: str, overrides: tuple[str, ...]) -> None:
     def progress(step: int, total: int, loss: float) -> None:
         click.echo(f"[pretrain] step {step}/{total}  loss {loss:.4f}")
 
-    result = run_pretrain(cfg.pretrain, cfg.model, cfg.actor.prompt, Path(out), log, progress)
+    result = run_pretrain(cfg.pretrain, cfg.model, cfg.actor.prompt, Path(out), log, progress, env=cfg.env_server)
     click.echo(json.dumps(result))
 
 

@@ -1,7 +1,7 @@
 """``computerrl pretrain``: behaviour cloning on oracle demonstrations -> a base checkpoint for RL.
 
-Demonstrations are recorded on in-process sim desktops (``actor.demos``, the actors' episode loop) with the
-run's own prompt settings, so the model learns from exactly the token layout the actors will build:
+Demonstrations are recorded on in-process desktops (``actor.demos``, the actors' episode loop: sim desktops, or
+those of the run's ``env_server.backend`` for its own task kind, e.g. MiniWoB) with the run's own prompt settings, so the model learns from exactly the token layout the actors will build:
 every (prompt ids, action ids + end token) of every demo step is one SFT sample. Demonstrations can be
 imperfect (``pretrain.detour_prob``, ``pretrain.wrong_choice_prob``) so that cloning alone is not the
 ceiling. The result is a policy directory (HF-format safetensors + config + state.json with the prompt
@@ -29,8 +29,10 @@ from common.vision import ImageStore
 class PretrainConfig:
     """Behaviour cloning on oracle demonstrations (``computerrl pretrain``)."""
 
+    kind: str = "sim"
+    """task kind demonstrated: sim, or the kind of env_server.backend (desk, miniwob, a plugin's), by its solvers"""
     families: list[str] = field(default_factory=list)
-    """task families to clone (empty = all)"""
+    """task families to clone (empty = all sim families; other kinds must name theirs)"""
     route: str = "api"
     """oracle route shown: api | gui | mixed"""
     seeds: int = 2000
@@ -65,25 +67,31 @@ class PretrainConfig:
             raise ValueError("pretrain.init must be scratch or model")
         if self.seeds < 1 or self.steps < 1 or self.batch_samples < 1:
             raise ValueError("seeds, steps and batch_samples must be >= 1")
+        if self.kind != "sim" and not self.families:
+            raise ValueError(f"pretrain.kind {self.kind}: name the families to clone (pretrain.families)")
+
+    def suite(self, split: str) -> str:
+        from env_server.sim import tasks as sim_tasks
+
+        return f"{self.kind}:{split}:{','.join(self.families or sim_tasks.FAMILY_NAMES)}"
 
 
 def demo_trajectories(cfg: PretrainConfig, prompt_cfg: Any, tokenizer: Any, log: Any = None,
-                      images: Any = None) -> list[P.Trajectory]:
+                      images: Any = None, env: Any = None) -> list[P.Trajectory]:
     """Record demonstrations as token-in/token-out trajectories (one turn per demo step); a VLM prompt's screenshots
-    go to ``images`` (an ImageStore)."""
+    go to ``images`` (an ImageStore); tasks of another kind than ``sim`` play on desktops of ``env``."""
     from actor.demos import record_demos
-    from env_server.sim import tasks as sim_tasks
 
-    suite = f"sim:train:{','.join(cfg.families or sim_tasks.FAMILY_NAMES)}"
-    out = record_demos(suite, cfg.seeds, prompt_cfg, tokenizer, cfg.route, cfg.detour_prob, cfg.wrong_choice_prob,
-                       cfg.seed, images)
+    out = record_demos(cfg.suite("train"), cfg.seeds, prompt_cfg, tokenizer, cfg.route, cfg.detour_prob,
+                       cfg.wrong_choice_prob, cfg.seed, images, env=env)
     if log is not None:
         log.info("demos_recorded", trajectories=len(out), steps=sum(t.num_turns for t in out))
     return out
 
 
 def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path, log: Any,
-             progress: Any = None) -> dict:
+             progress: Any = None, env: Any = None) -> dict:
+    """``env``: the env_server config whose desktops play tasks of ``cfg.kind`` when it is not ``sim``."""
     from learner.config import LearnerConfig
     from learner.trainer import Trainer
 
@@ -106,7 +114,7 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
     images = ImageStore(Path(out_dir).with_name(f".{Path(out_dir).name}-images"))
     trainer = Trainer(schedule, model_cfg, seed=cfg.seed, images=images)
     t0 = time.monotonic()
-    trajs = demo_trajectories(cfg, prompt_cfg, trainer.tokenizer, log, images)
+    trajs = demo_trajectories(cfg, prompt_cfg, trainer.tokenizer, log, images, env)
     # One sample per demo step: split trajectories into single-turn pieces so batches mix tasks and steps.
     pieces = []
     for tr in trajs:
@@ -131,17 +139,16 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
     result["checkpoint"] = str(path)
     shutil.rmtree(images.root, ignore_errors=True)
     if cfg.eval_episodes:
-        result["heldout"] = evaluate_base(path, cfg, model_cfg, prompt_cfg)
+        result["heldout"] = evaluate_base(path, cfg, model_cfg, prompt_cfg, env)
     return result
 
 
-def evaluate_base(path: Path, cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any) -> dict:
+def evaluate_base(path: Path, cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, env: Any = None) -> dict:
     """Greedy held-out success of the new base policy on the families it was cloned on."""
     from actor.engine import EngineConfig, HFEngine, SamplingParams
-    from env_server.sim import tasks as sim_tasks
     from launch.evaluate import evaluate, suite_tasks
 
     engine = HFEngine(dataclasses.replace(model_cfg, path=str(path)), EngineConfig(seed=cfg.seed, max_batch=64))
-    fams = ",".join(cfg.families or sim_tasks.FAMILY_NAMES)
-    return evaluate(engine, suite_tasks(f"sim:heldout:{fams}", cfg.eval_episodes), prompt_cfg,
-                    SamplingParams(temperature=0.0, max_new_tokens=cfg.eval_max_new_tokens), cfg.eval_max_steps)
+    tasks = suite_tasks(cfg.suite("heldout"), cfg.eval_episodes, env.backend if env is not None else "")
+    return evaluate(engine, tasks, prompt_cfg, SamplingParams(temperature=0.0, max_new_tokens=cfg.eval_max_new_tokens),
+                    cfg.eval_max_steps, env=env)

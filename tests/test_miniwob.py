@@ -140,3 +140,23 @@ def test_a_missing_browser_is_a_clear_backend_error():
     assert backend.healthy(), "nothing started yet: the browser comes up with the first reset"
     with pytest.raises(BackendError, match="chromium did not start"):
         backend.reset("miniwob:train:click-test/0")
+
+
+def test_behaviour_cloning_on_miniwob_demos_makes_a_policy_eval_judges_on_held_out_pages(tmp_path):
+    """`computerrl pretrain` with pretrain.kind=miniwob: demos from the solvers through the backend, SFT, and the
+    held-out evaluation on MiniWoB pages (a smoke run: a few steps, no success asked of it)."""
+    pytest.importorskip("torch")
+    from actor.prompt import PromptConfig
+    from common import log as L
+    from common.model import ModelConfig
+    from launch.pretrain import PretrainConfig, pretrain
+
+    tiny = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    cfg = PretrainConfig(kind="miniwob", families=["click-test", "click-button"], seeds=6, steps=3, batch_samples=4,
+                         warmup_steps=1, eval_episodes=1, eval_max_steps=2, eval_max_new_tokens=16)
+    result = pretrain(cfg, tiny, PromptConfig(style="minimal", max_prompt_tokens=2048), tmp_path / "policy",
+                      L.setup("pretrain", "t", 0, None, "warning", quiet=True), env=EnvServerConfig(backend=PLUGIN))
+    assert result["demos"] == 6 and result["samples"] == 6, "one click per demo"
+    assert set(result["heldout"]["per_family"]) == {"click-test", "click-button"}
+    with pytest.raises(ValueError, match="name the families"):
+        PretrainConfig(kind="miniwob").validate()
