@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 
 import pytest
 
@@ -33,6 +34,14 @@ def page():
     backend = make_backend(EnvServerConfig(backend=PLUGIN, options={"screenshot": "png"}), seed=0)
     yield backend
     backend.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def _solve(backend, task_id: str) -> dict:
@@ -110,12 +119,19 @@ def test_a_crashed_browser_retires_the_desktop_and_the_next_episode_gets_a_fresh
         sid = client.open()
         client.reset(sid, "miniwob:train:click-button/1")
         (backend,) = [s.backend for s in server.sessions.values()]
-        os.kill(backend.page.driver.service.process.pid, signal.SIGKILL)  # chromedriver (and its browser) dies
+        group = backend.page.driver.service.process.pid  # chromedriver leads the browser's process group
+        assert _group_alive(group)
+        os.kill(group, signal.SIGKILL)
+        assert _group_alive(group), "the browser's processes outlive their driver"  # the driver dies; its Chromium would live on as an orphan
         with pytest.raises(EnvError, match="backend_error"):
             client.step(sid, "click(4)")
         obs = client.reset(sid, "miniwob:train:click-button/1")  # a new browser serves the next episode
         assert obs["instruction"].startswith("Click on the")
         assert server.counters["desktops_retired_error"] == 1 and server.counters["desktops_started"] == 2
+        deadline = time.monotonic() + 10
+        while _group_alive(group):  # retiring the desktop killed the orphaned browser too
+            assert time.monotonic() < deadline, "the dead driver's Chromium outlived its desktop"
+            time.sleep(0.1)
     finally:
         client.close()
         server.request_stop()

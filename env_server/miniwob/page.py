@@ -10,6 +10,8 @@ typing go through Selenium's W3C actions as the ``miniwob`` package sends them.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -40,11 +42,14 @@ class MiniWoBPage:
         self.task = ""
         opts = webdriver.ChromeOptions()
         for arg in ("headless=new", "disable-gpu", "no-sandbox", "disable-dev-shm-usage", "window-size=500,500",
-                    "disable-extensions", "mute-audio"):
+                    "disable-extensions", "mute-audio", "disable-crash-reporter", "disable-breakpad"):
             opts.add_argument(arg)
         opts.binary_location = chrome
+        # chromedriver leads a process group of its own that its Chromium joins: closing the page kills the group,
+        # so a driver that died (or was killed) cannot leave an orphaned browser behind.
+        service = Service(chromedriver, popen_kw={"start_new_session": True})
         try:
-            self.driver = webdriver.Chrome(service=Service(chromedriver), options=opts)
+            self.driver = webdriver.Chrome(service=service, options=opts)
         except Exception as exc:
             raise BackendError(f"chromium did not start ({chrome}, {chromedriver}): {str(exc)[:300]}") from exc
 
@@ -142,5 +147,11 @@ class MiniWoBPage:
     def close(self) -> None:
         try:
             self.driver.quit()
-        except Exception:  # already gone: nothing left to free
+        except Exception:  # the driver is already gone; its browser may not be
             pass
+        process = getattr(getattr(self.driver, "service", None), "process", None)
+        if process is not None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
