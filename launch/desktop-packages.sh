@@ -4,9 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mapfile -t pkgs < <(grep -v '^\s*#' env_server/desktop/packages.txt | awk 'NF {print $1}')
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
-echo "[desktop-packages] installing: ${pkgs[*]}" >&2
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${pkgs[@]}" >/dev/null
+exec bash launch/apt-packages.sh desktop-packages "${pkgs[@]}"

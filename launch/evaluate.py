@@ -37,7 +37,7 @@ def _desktop_pool(kind: str, env: Any, n: int) -> list[Any]:
         return [XvfbBackend(env.desktop if env is not None else DesktopConfig()) for _ in range(n)]
     from env_server.backends import make_backend, task_kind
 
-    if env is None or env.backend in ("sim", "xvfb", "apptainer") or task_kind(env.backend) != kind:
+    if env is None or task_kind(env.backend) != kind:
         raise ValueError(f"{kind!r} tasks need the env_server.backend that runs them (pkg.module:PLUGIN)")
     return [make_backend(env, seed=i) for i in range(n)]
 

@@ -20,6 +20,14 @@ def params(seed: float):
             ("b.weight", torch.randn(300, generator=g)), ("c.bias", torch.randn(3, generator=g))]
 
 
+def _receive_into(got: dict, key, rx, r: int, e: int, like) -> None:
+    """One receiver's part of a round (run in a thread): its result, or the RoundFailed it raised."""
+    try:
+        got[key] = rx.receive(r, e, like)
+    except RoundFailed as exc:
+        got[key] = exc
+
+
 def test_buckets_split_by_size_at_the_wire_element_size():
     plan = buckets(params(0), 200, element_size=4)
     assert plan == [[0, 1], [2], [3]]  # 140 + 20 bytes fit in 200; 1200 do not
@@ -37,10 +45,7 @@ def test_epochs_deliver_rounds_survive_a_dead_member_and_admit_late_joiners(quie
     got = {}
 
     def receive(name, r, e):
-        try:
-            got[name] = rx[name].receive(r, e, params(2))
-        except RoundFailed as exc:
-            got[name] = exc
+        _receive_into(got, name, rx[name], r, e, params(2))
 
     def round_with(names, version, expected):
         r, e = sender.open_round()
@@ -246,10 +251,7 @@ def test_a_cuda_ipc_round_passes_handles_copies_and_closes_with_a_barrier_that_c
     got = {}
 
     def receive(i, r, e):
-        try:
-            got[i] = rx[i].receive(r, e, params(0))
-        except RoundFailed as exc:
-            got[i] = exc
+        _receive_into(got, i, rx[i], r, e, params(0))
 
     def one_round(version):
         r, e = sender.open_round()

@@ -85,10 +85,9 @@ class MiniWoBPage:
     def snapshot(self) -> dict:
         """In one round trip: the instruction, ``core.getDOMInfo()`` (the element tree, whose refs ``click_ref``
         accepts until the next snapshot) and the episode's status (done, raw reward, reason)."""
-        snap = self._js('var u = core.getUtterance(); return {"utterance": (u && u.utterance !== undefined) ? '
+        return self._js('var u = core.getUtterance(); return {"utterance": (u && u.utterance !== undefined) ? '
                         'u.utterance : String(u), "dom": core.getDOMInfo(), "done": WOB_DONE_GLOBAL, '
                         '"raw_reward": WOB_RAW_REWARD_GLOBAL, "reason": WOB_REWARD_REASON};')
-        return snap
 
     def status(self) -> dict:
         return self._js('return {"done": WOB_DONE_GLOBAL, "raw_reward": WOB_RAW_REWARD_GLOBAL, '
