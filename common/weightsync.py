@@ -112,6 +112,15 @@ def wire_dtype(named: Sequence[tuple[str, Any]]) -> int:
     return WIRE_DTYPES.index(dtypes.pop())
 
 
+def _flat(named: Sequence[tuple[str, Any]], idx: list[int], fresh: bool) -> Any:
+    """One bucket as a flat tensor: a bucket of one tensor goes as is unless ``fresh`` asks for a copy; several
+    small tensors are packed (one copy)."""
+    import torch
+
+    parts = [named[i][1].detach().reshape(-1) for i in idx]
+    return parts[0] if len(parts) == 1 and not fresh else torch.cat(parts)
+
+
 def _timeout(cfg: WeightSyncConfig) -> datetime.timedelta:
     return datetime.timedelta(seconds=cfg.timeout_s)
 
@@ -262,15 +271,15 @@ class WeightSender:
                                   dtype=torch.int64, device="cpu" if ipc else device)
             _wait(self._pg.broadcast(header, 0), self.cfg)
             if ipc:
-                failed = self._send_handles(self._pack_shared(named, plan), device)
+                # Receivers map fresh buffers that die with the round, never the model's own parameters: torch
+                # wraps a storage in new IPC bookkeeping at every export and keeps it for the storage's life.
+                failed = self._send_handles([_flat(named, idx, fresh=True) for idx in plan], device)
                 if failed:
                     self.log.warning("weights_ipc_receivers_failed", round=self.round, epoch=self.epoch,
                                      failed=failed, members=self.members)
-            for idx in plan if not ipc else []:
-                parts = [named[i][1].detach().reshape(-1) for i in idx]
-                # A bucket of one contiguous tensor goes as is; only small tensors are packed (one copy).
-                flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-                _wait(self._pg.broadcast(flat, 0), self.cfg)
+            else:
+                for idx in plan:
+                    _wait(self._pg.broadcast(_flat(named, idx, fresh=False), 0), self.cfg)
         except Exception as exc:
             self.failed_rounds += 1
             _release(self._pg, failed=True)
@@ -281,26 +290,6 @@ class WeightSender:
         self.log.info("weights_broadcast", round=self.round, epoch=self.epoch, version=version,
                       receivers=self.members, backend=self.backend, seconds=round(time.monotonic() - t0, 3))
         return self.members
-
-    @staticmethod
-    def _pack_shared(named: Sequence[tuple[str, Any]], plan: list[list[int]]) -> list[Any]:
-        """cuda_ipc: the round's buckets in fresh buffers that die with the round. Receivers never map the
-        model's own parameters: torch wraps a storage's memory in new IPC bookkeeping (a reference-counter
-        slot in shared memory) at every export and keeps it for the storage's whole life."""
-        import torch
-
-        out = []
-        with torch.no_grad():
-            for idx in plan:
-                buf = torch.empty(sum(named[i][1].numel() for i in idx), dtype=named[0][1].dtype,
-                                  device=named[0][1].device)
-                pos = 0
-                for i in idx:
-                    t = named[i][1].detach().reshape(-1)
-                    buf[pos:pos + t.numel()].copy_(t)
-                    pos += t.numel()
-                out.append(buf)
-        return out
 
     def _send_handles(self, flats: list[Any], device: Any) -> int:
         """cuda_ipc: the buckets' IPC handles to every member, then wait until all copied; returns how many

@@ -31,15 +31,16 @@ def suite_tasks(suite: str, episodes: int, backend: str = "") -> list[str]:
 
 
 def _desktop_pool(kind: str, env: Any, n: int) -> list[Any]:
-    """Reused desktops for ``desk`` suites (xvfb, from ``env.desktop``) or an outside backend's (``env.backend``)."""
+    """Reused desktops of ``env``'s backend when it runs ``kind`` tasks (real desktops, MiniWoB, a plugin); ``desk``
+    tasks of a run whose backend is the sim go to xvfb desktops of its ``desktop`` section."""
+    from env_server.backends import make_backend, task_kind
+
+    if env is not None and task_kind(env.backend) == kind:
+        return [make_backend(env, seed=i) for i in range(n)]
     if kind == "desk":
         from env_server.desktop.backend import DesktopConfig, XvfbBackend
         return [XvfbBackend(env.desktop if env is not None else DesktopConfig()) for _ in range(n)]
-    from env_server.backends import make_backend, task_kind
-
-    if env is None or task_kind(env.backend) != kind:
-        raise ValueError(f"{kind!r} tasks need the env_server.backend that runs them (pkg.module:PLUGIN)")
-    return [make_backend(env, seed=i) for i in range(n)]
+    raise ValueError(f"{kind!r} tasks need the env_server.backend that runs them (pkg.module:PLUGIN)")
 
 
 def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sampling: SamplingParams,

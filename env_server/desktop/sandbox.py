@@ -196,14 +196,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-_SWEEP = {"done": False, "lock": threading.Lock()}
-
-
-def _first_apptainer_start() -> bool:
-    """True once per process: the first desktop an env_server starts also clears what a crashed one left."""
-    with _SWEEP["lock"]:
-        first, _SWEEP["done"] = not _SWEEP["done"], True
-    return first
+# Taken (and never given back) by the first Apptainer desktop this process starts, which clears what a crashed
+# env_server left: acquire() without waiting is true exactly once per process.
+_ORPHANS_SWEPT = threading.Lock()
 
 
 def _stop_group(proc: subprocess.Popen | None) -> None:
@@ -373,14 +368,13 @@ class ApptainerSandbox(Sandbox):
         return argv + [f"instance://{self.name}"] + self.spec.agent_argv()
 
     @classmethod
-    def orphans(cls, listing: str, alive=None) -> list[str]:
+    def orphans(cls, listing: str) -> list[str]:
         """Our instances in ``apptainer instance list --json`` output whose env_server (pid in the name) is gone."""
-        alive = alive or _pid_alive
         names = [i.get("instance", "") for i in json.loads(listing or "{}").get("instances", [])]
         out = []
         for name in names:
             owner = name.removeprefix(cls.PREFIX).split("-", 1)[0]
-            if name.startswith(cls.PREFIX) and owner.isdigit() and not alive(int(owner)):
+            if name.startswith(cls.PREFIX) and owner.isdigit() and not _pid_alive(int(owner)):
                 out.append(name)
         return out
 
@@ -388,7 +382,7 @@ class ApptainerSandbox(Sandbox):
         """Stop this user's desktop instances that a crashed env_server left running; returns how many."""
         listed = subprocess.run([self.apptainer, "instance", "list", "--json"], capture_output=True, text=True,
                                 timeout=60)
-        if listed.returncode != 0:
+        if listed.returncode != 0:  # best effort: the desktop starting now does not depend on it
             return 0
         names = self.orphans(listed.stdout)
         for name in names:
@@ -405,7 +399,7 @@ class ApptainerSandbox(Sandbox):
         if not Path(self.image).exists():
             raise BackendError(f"no desktop image {self.image}: build it with "
                                f"apptainer build {self.image} configs/desktop.def")
-        if _first_apptainer_start():
+        if _ORPHANS_SWEPT.acquire(blocking=False):
             self.stop_orphans()
         with open(self.log_path, "ab") as log:
             done = subprocess.run(self.start_argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
