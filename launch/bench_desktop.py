@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import os
 import statistics
-import threading
 import time
 
-from env_server.desktop import tasks as desk_tasks
 from env_server.desktop.backend import DesktopConfig, XvfbBackend
-from launch.procmem import mem_available_mb, pss_mb
+from launch.bench_pool import play_concurrently
 
 
 def editor_latency(steps: int) -> dict:
@@ -61,73 +59,13 @@ def office_resets(n: int) -> dict:
         backend.close()
 
 
-def concurrent(desktops: int, total_steps: int, ramp_s: float = 1.0, max_seconds: float = 1800.0) -> dict:
-    """``desktops`` desktops in threads playing solvers of every family until ``total_steps`` are done.
-
-    Desktops start ``ramp_s`` apart (as sessions arrive at an env_server); a desktop that fails is closed and
-    replaced, as the env_server does, and the failure counted."""
-    free_before = mem_available_mb()
-    lock = threading.Lock()
-    counts = {"steps": 0, "episodes": 0, "solved": 0, "failures": 0, "rebuilt_on_reset": 0}
-    errors: list[str] = []
-    unsolved: list[dict] = []
-    pss: list[float] = []
-    deadline = time.monotonic() + max_seconds
-
-    def play(k: int) -> None:
-        time.sleep(k * ramp_s)
-        backend = XvfbBackend(DesktopConfig(office=True, screenshot="jpeg"))
-        seed, measured = k, False
-        try:
-            while True:
-                with lock:
-                    if counts["steps"] >= total_steps or time.monotonic() > deadline:
-                        return
-                try:
-                    backend.reset(f"desk:train/{seed}")
-                    refused = []
-                    for action in desk_tasks.solver(backend.task):
-                        r = backend.step(action)
-                        if r.action_error or r.format_error:
-                            refused.append(f"{action} -> {r.obs['last_result']}"[:200])
-                        with lock:
-                            counts["steps"] += 1
-                    solved = backend.evaluate()["success"]
-                    with lock:
-                        counts["episodes"] += 1
-                        counts["solved"] += bool(solved)
-                        if not solved:  # which task, and what the desktop refused on the way
-                            unsolved.append({"task": backend.task.task_id, "refused": refused[:3]})
-                    if not measured and seed >= k + desktops:  # after its second episode: apps loaded and warm
-                        pss.append(pss_mb(backend.sandbox.proc.pid))
-                        measured = True
-                except Exception as exc:  # counted and reported: the figure is how many there were
-                    with lock:
-                        counts["failures"] += 1
-                        errors.append(f"{type(exc).__name__}: {exc}"[:200])
-                    backend.close()
-                    backend = XvfbBackend(DesktopConfig(office=True, screenshot="jpeg"))
-                seed += desktops
-        finally:
-            with lock:
-                counts["rebuilt_on_reset"] += backend.restarts
-            backend.close()
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=play, args=(k,)) for k in range(desktops)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t0
-    per_desktop = statistics.median(pss) if pss else 0.0
-    return {"desktops": desktops, "steps": counts["steps"], "episodes": counts["episodes"],
-            "solver_success": round(counts["solved"] / max(1, counts["episodes"]), 3),
-            "unsolved": unsolved[:5], "failures": counts["failures"], "rebuilt_on_reset": counts["rebuilt_on_reset"],
-            "errors": errors[:5],
-            "steps_per_s": round(counts["steps"] / wall, 2), "memory_per_desktop_mb": round(per_desktop, 1),
-            "desktops_per_node_by_memory": int(free_before // per_desktop) if per_desktop else 0,
-            "wall_s": round(wall, 1)}
+def concurrent(desktops: int, total_steps: int, ramp_s: float = 1.0) -> dict:
+    """``desktops`` desktops playing every family's solver until ``total_steps`` are done, started ``ramp_s`` apart;
+    memory measured after a desktop's second episode (apps loaded and warm)."""
+    return play_concurrently(lambda: XvfbBackend(DesktopConfig(office=True, screenshot="jpeg")),
+                             lambda seed: f"desk:train/{seed}", desktops, total_steps,
+                             lambda b: b.sandbox.proc.pid, "desktop", ramp_s, warm_episodes=1,
+                             restarts=lambda b: b.restarts)
 
 
 def run_bench(desktops: int, steps: int, latency_steps: int = 60, resets: int = 10) -> dict:

@@ -13,12 +13,11 @@ Three figures, each with its baseline measured in the same run:
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 
 from env_server.miniwob.backend import MiniWoBBackend, MiniWoBOptions
-from env_server.miniwob.tasks import SOLVERS, TASKS
-from launch.procmem import mem_available_mb, pss_mb
+from env_server.miniwob.tasks import SOLVERS
+from launch.bench_pool import play_concurrently
 
 
 def _median_ms(times: list[float]) -> float:
@@ -81,66 +80,14 @@ def resets(n: int) -> dict:
         backend.close()
 
 
-def concurrent(browsers: int, total_steps: int, max_seconds: float = 900.0) -> dict:
-    """``browsers`` browsers in threads playing every solver's task until ``total_steps`` are done; a browser that
-    fails is closed and replaced, as the env_server does, and the failure counted."""
-    free_before = mem_available_mb()
-    lock = threading.Lock()
-    counts = {"steps": 0, "episodes": 0, "solved": 0, "failures": 0}
-    errors: list[str] = []
-    pss: list[float] = []
+def concurrent(browsers: int, total_steps: int) -> dict:
+    """``browsers`` browsers playing the solvers' tasks in turn until ``total_steps`` are done; memory measured
+    after a browser's third episode."""
     names = list(SOLVERS)
-    deadline = time.monotonic() + max_seconds
-
-    def play(k: int) -> None:
-        backend = MiniWoBBackend(MiniWoBOptions())
-        seed, measured = k, False
-        try:
-            while True:
-                with lock:
-                    if counts["steps"] >= total_steps or time.monotonic() > deadline:
-                        return
-                task = names[seed % len(names)]
-                try:
-                    backend.reset(f"miniwob:train:{task}/{seed}")
-                    for action in TASKS.families[task].solve(backend.task.params, backend.observation):
-                        r = backend.step(action)
-                        with lock:
-                            counts["steps"] += 1
-                        if r.done:
-                            break
-                    solved = backend.evaluate()["success"]
-                    with lock:
-                        counts["episodes"] += 1
-                        counts["solved"] += bool(solved)
-                    if not measured and seed >= k + 2 * browsers:
-                        pss.append(pss_mb(backend.page.driver.service.process.pid))
-                        measured = True
-                except Exception as exc:  # counted and reported: the figure is how many there were
-                    with lock:
-                        counts["failures"] += 1
-                        errors.append(f"{type(exc).__name__}: {exc}"[:200])
-                    backend.close()
-                    backend = MiniWoBBackend(MiniWoBOptions())
-                seed += browsers
-        finally:
-            backend.close()
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=play, args=(k,)) for k in range(browsers)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t0
-    per_browser = statistics.median(pss) if pss else 0.0
-    return {"browsers": browsers, "steps": counts["steps"], "episodes": counts["episodes"],
-            "solver_success": round(counts["solved"] / max(1, counts["episodes"]), 3), "failures": counts["failures"],
-            "errors": errors[:5], "steps_per_s": round(counts["steps"] / wall, 2),
-            "episodes_per_s": round(counts["episodes"] / wall, 2),
-            "memory_per_browser_mb": round(per_browser, 1),
-            "browsers_per_node_by_memory": int(free_before // per_browser) if per_browser else 0,
-            "wall_s": round(wall, 1)}
+    return play_concurrently(lambda: MiniWoBBackend(MiniWoBOptions()),
+                             lambda seed: f"miniwob:train:{names[seed % len(names)]}/{seed}", browsers, total_steps,
+                             lambda b: b.page.driver.service.process.pid, "browser", warm_episodes=2,
+                             max_seconds=900.0)
 
 
 def run_bench(browsers: int, steps: int, latency_steps: int = 40, reset_count: int = 10) -> dict:
