@@ -57,11 +57,11 @@ def _solve(backend, task_id: str) -> dict:
 def test_every_task_page_is_a_family_and_options_are_checked():
     assert len(TASKS.families) >= 100 and {"click-button", "enter-text", "book-flight"} <= set(TASKS.families)
     EnvServerConfig(backend=PLUGIN, options={"screenshot": "none", "time_limit_s": 10}).validate()
-    with pytest.raises(ValueError, match=r"env_server\.options\.headless: not a miniwob option"):
+    with pytest.raises(ValueError, match=r"unknown config key 'env_server\.options\.headless'"):
         EnvServerConfig(backend=PLUGIN, options={"headless": True}).validate()
-    with pytest.raises(ValueError, match=r"env_server\.options\.screenshot: none or png"):
+    with pytest.raises(ValueError, match=r"env_server\.options: screenshot must be none or png"):
         EnvServerConfig(backend=PLUGIN, options={"screenshot": "gif"}).validate()
-    with pytest.raises(ValueError, match=r"env_server\.options\.time_limit_s: expected float"):
+    with pytest.raises(ValueError, match=r"'env_server\.options\.time_limit_s': expected a number"):
         EnvServerConfig(backend=PLUGIN, options={"time_limit_s": "ten"}).validate()
 
 

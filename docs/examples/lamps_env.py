@@ -13,8 +13,10 @@ repository: scripted solvers through the backend, a `computerrl run` on it and `
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Iterator
 
+from common.config import build
 from env_server.actions import Action, ActionError
 from env_server.backend import Backend, StepResult
 from env_server.backends import Plugin
@@ -116,16 +118,25 @@ class LampPanel(Backend):
 
 # ----- the plugin: options checked up front, desktops made from them ------------------------------------------
 
-def check(options: dict) -> None:
-    for key, value in options.items():
-        if key != "max_steps":
-            raise ValueError(f"env_server.options.{key}: unknown to the lamps environment (it takes max_steps)")
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"env_server.options.max_steps: a step limit >= 0 (0 = the family's), not {value!r}")
+@dataclass
+class LampOptions:
+    """``env_server.options`` of this environment."""
+
+    max_steps: int = 0
+    """the episode's step limit (0 = the family's)"""
+
+    def validate(self) -> None:
+        if self.max_steps < 0:
+            raise ValueError("max_steps must be >= 0 (0 = the family's)")
+
+
+def check(options: dict) -> LampOptions:
+    # computerrl's config builder types and checks a section; its errors name the key (env_server.options.colour)
+    return build(LampOptions, options, "env_server.options")
 
 
 def make(options: dict, seed: int) -> LampPanel:
-    return LampPanel(options.get("max_steps", 0), seed)
+    return LampPanel(check(options).max_steps, seed)
 
 
 PLUGIN = Plugin(make=make, tasks=TASKS, check=check)

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 from env_server.actions import Action, ActionError, element_text, no_element_error, pixels, point_text, result_text
 from env_server.backend import Backend, StepResult
 from env_server.miniwob.page import MiniWoBPage
-from env_server.miniwob.tasks import SOLVERS, TASKS
+from env_server.miniwob.tasks import TASKS
 from env_server.tree import TREE_FIELDS, rows_text
 
 PAGE_W, PAGE_H = 160, 210  # MiniWoB's task area: the instruction (50 px) above the 160x160 problem
@@ -43,6 +43,12 @@ class MiniWoBOptions:
     """MiniWoB's per-episode clock; 0 = off (a policy's turn includes waiting for a shared engine)"""
     text_bounds: bool = False
     """show each row's bounds in the text rendering (for policies that click points)"""
+
+    def validate(self) -> None:
+        if self.screenshot not in ("none", "png"):
+            raise ValueError(f"screenshot must be none or png, not {self.screenshot!r}")
+        if self.time_limit_s < 0:
+            raise ValueError("time_limit_s must be >= 0 (0 = no limit)")
 
 
 def key_notation(keys: str) -> str:
@@ -123,15 +129,13 @@ class MiniWoBBackend(Backend):
     def scripted_actions(self, route: str = "gui", rng: Any = None, demo: Any = None) -> Iterator[str]:
         if self.task is None:
             raise ActionError("reset the session with a task first")
-        if self.task.family not in SOLVERS:
-            raise ActionError(f"no scripted solver for MiniWoB's {self.task.family} (env_server.miniwob.tasks)")
-        return SOLVERS[self.task.family](self.task.params, self.observation)
+        return TASKS.families[self.task.family].solve(self.task.params, self.observation)
 
     def evaluate(self) -> dict:
         if self.task is None:
             raise ActionError("no episode to evaluate")
         status = self.page.status()
-        success = bool(status["done"]) and float(status["raw_reward"] or 0) > 0
+        success = TASKS.families[self.task.family].verify(self.task.params, status)
         return {"reward": 1.0 if success else 0.0, "success": success, "family": self.task.family,
                 "steps": self.steps, "format_errors": self.format_errors, "reason": status.get("reason"),
                 "declared": self.declared}
@@ -218,24 +222,11 @@ class MiniWoBBackend(Backend):
 
 
 def check_options(options: dict) -> MiniWoBOptions:
-    """The options as a ``MiniWoBOptions``; ``ValueError`` naming the bad key."""
-    import dataclasses
+    """The options as a ``MiniWoBOptions``, typed and checked as every config section is (``ConfigError`` names
+    the bad key)."""
+    from common.config import build
 
-    fields = {f.name: f for f in dataclasses.fields(MiniWoBOptions)}
-    for key, value in options.items():
-        if key not in fields:
-            raise ValueError(f"env_server.options.{key}: not a miniwob option ({', '.join(fields)})")
-        want = type(getattr(MiniWoBOptions(), key))
-        if want is float and isinstance(value, int) and not isinstance(value, bool):
-            continue
-        if not isinstance(value, want):
-            raise ValueError(f"env_server.options.{key}: expected {want.__name__}, got {value!r}")
-    opts = MiniWoBOptions(**options)
-    if opts.screenshot not in ("none", "png"):
-        raise ValueError(f"env_server.options.screenshot: none or png, not {opts.screenshot!r}")
-    if opts.time_limit_s < 0:
-        raise ValueError("env_server.options.time_limit_s: >= 0 (0 = no limit)")
-    return opts
+    return build(MiniWoBOptions, options, "env_server.options")
 
 
 def make(options: dict, seed: int) -> MiniWoBBackend:

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Callable, Iterator
 
+from env_server.actions import ActionError
 from env_server.tasks import TaskFamily, TaskRegistry
 
 TASKS = TaskRegistry("miniwob")
@@ -117,9 +118,15 @@ SOLVERS: dict[str, Callable[[dict, Observe], Iterator[str]]] = {
 }
 
 
-def _unsolved(params: dict, observe: Observe) -> Iterator[str]:
-    raise NotImplementedError("no scripted solver for this MiniWoB task (env_server.miniwob.tasks.SOLVERS)")
-    yield ""  # a generator, like the solvers
+def _no_solver(name: str) -> Callable[[dict, Observe], Iterator[str]]:
+    def solve(params: dict, observe: Observe) -> Iterator[str]:
+        raise ActionError(f"no scripted solver for MiniWoB's {name} (env_server.miniwob.tasks.SOLVERS)")
+    return solve
+
+
+def page_success(params: dict, status: dict) -> bool:
+    """MiniWoB's own verdict: the page ended the episode with a positive raw reward (+1; -1 is a failure)."""
+    return bool(status["done"]) and float(status["raw_reward"] or 0) > 0
 
 
 def _generate(rng: random.Random) -> dict:
@@ -130,5 +137,5 @@ for _name in _pages():
     TASKS.register(TaskFamily(
         name=_name, generate=_generate,
         phrasings=lambda p, n=_name: (f"MiniWoB {n}", f"MiniWoB {n} (as the page words it)"),
-        setup=lambda p: None, verify=lambda p, page_status: page_status["done"] and page_status["raw_reward"] > 0,
-        solve=SOLVERS.get(_name, _unsolved), max_steps=MAX_STEPS))
+        setup=lambda p: None, verify=page_success,
+        solve=SOLVERS.get(_name) or _no_solver(_name), max_steps=MAX_STEPS))
