@@ -67,8 +67,9 @@ def record_demos(suite: str, count: int, prompt_cfg: Any, tokenizer: Any, route:
 
     ``sim`` suites play on a sim desktop; any other kind on a desktop of ``env`` (an EnvServerConfig whose backend
     runs that kind: real desktops, MiniWoB, a plugin), closed afterwards. ``route``: api | gui | mixed (a random
-    one per demo); ``detour_prob`` and ``wrong_choice_prob`` make sim demos imperfect (harmless detours, the wrong
-    item on ambiguous screens). Deterministic for its arguments. A prompt that shows screenshots
+    one per demo); ``detour_prob`` (sim only: a harmless detour) and ``wrong_choice_prob`` (the wrong item on
+    an ambiguous screen, for any desktop whose families have ``wrong`` solvers: the sim's, MiniWoB's) make demos
+    imperfect. Deterministic for its arguments. A prompt that shows screenshots
     (``prompt_cfg.observation``) gets them rendered, and put in ``images``."""
     from env_server.backends import make_backend, task_registry
     from env_server.sim import tasks as sim_tasks

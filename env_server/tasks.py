@@ -51,6 +51,14 @@ class TaskFamily:
     """solvable only from the screenshot (nothing in the tree names what it asks for): a suite that names no
     family leaves it out, so a text policy's default suite never holds a task it cannot see"""
 
+    def solver(self, demo: Any = None, rng: random.Random | None = None) -> Callable[..., Iterator[str]]:
+        """The solver a demonstration plays: ``wrong`` with probability ``demo.wrong_choice_prob`` where the
+        family is ambiguous and has one (imperfect demonstrations), else ``solve``."""
+        p = getattr(demo, "wrong_choice_prob", 0.0)
+        if self.ambiguous and self.wrong is not None and p and (rng or random.Random()).random() < p:
+            return self.wrong
+        return self.solve
+
 
 @dataclass
 class Task:

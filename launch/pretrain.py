@@ -40,7 +40,7 @@ class PretrainConfig:
     detour_prob: float = 0.0
     """share of demos with a harmless detour"""
     wrong_choice_prob: float = 0.0
-    """share of demos taking the wrong item on ambiguous screens"""
+    """share of demos taking the wrong item on ambiguous screens (families with a ``wrong`` solver: sim, MiniWoB)"""
     steps: int = 300
     """optimizer steps"""
     batch_samples: int = 32

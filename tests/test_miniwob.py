@@ -22,7 +22,8 @@ from env_server.backend import BackendError  # noqa: E402
 from env_server.backends import make_backend  # noqa: E402
 from env_server.client import EnvClient, EnvError  # noqa: E402
 from env_server.config import EnvServerConfig  # noqa: E402
-from env_server.miniwob.tasks import SOLVERS, TASKS  # noqa: E402
+from env_server.miniwob.tasks import SOLVERS, TASKS, WRONG_SOLVERS  # noqa: E402
+from env_server.sim.tasks import DemoConfig  # noqa: E402
 from env_server.server import EnvServer  # noqa: E402
 from tests.conftest import make_net  # noqa: E402
 
@@ -44,9 +45,9 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-def _solve(backend, task_id: str) -> dict:
+def _solve(backend, task_id: str, demo=None) -> dict:
     backend.reset(task_id)
-    for action in backend.scripted_actions():
+    for action in backend.scripted_actions(demo=demo):
         step = backend.step(action)
         assert not step.format_error and not step.action_error, (task_id, action, backend.last_result)
         if step.done:
@@ -71,6 +72,14 @@ def test_scripted_solvers_solve_their_tasks_on_train_and_heldout_instances(page)
             for seed in range(3):
                 result = _solve(page, f"miniwob:{split}:{task}/{seed}")
                 assert result["success"] and result["family"] == task, (task, split, seed, result)
+
+
+def test_imperfect_demonstrators_slip_on_the_tasks_that_have_a_wrong_solver(page):
+    for task in WRONG_SOLVERS:
+        for seed in range(3):
+            result = _solve(page, f"miniwob:train:{task}/{seed}", DemoConfig(wrong_choice_prob=1.0))
+            assert not result["success"] and result["family"] == task, (task, seed, result)
+    assert _solve(page, "miniwob:train:enter-text/0", DemoConfig(wrong_choice_prob=1.0))["success"]
 
 
 def test_instances_are_deterministic_and_splits_disjoint(page):

@@ -129,7 +129,7 @@ class MiniWoBBackend(Backend):
     def scripted_actions(self, route: str = "gui", rng: Any = None, demo: Any = None) -> Iterator[str]:
         if self.task is None:
             raise ActionError("reset the session with a task first")
-        return TASKS.families[self.task.family].solve(self.task.params, self.observation)
+        return TASKS.families[self.task.family].solver(demo, rng)(self.task.params, self.observation)
 
     def evaluate(self) -> dict:
         if self.task is None:

@@ -4,7 +4,8 @@ An instance is MiniWoB's own problem generator seeded from the task id: ``train`
 stream in MiniWoB's ``train`` data mode, ``heldout`` ids from a disjoint stream in its ``test`` mode (the tasks that
 distinguish them use different data there). The instruction is the page's utterance; ``paraphrase`` is the same
 as ``heldout`` (MiniWoB words its own instructions). Scripted solvers (``SOLVERS``) cover a documented subset:
-each reads the live observation (``observe()``) and yields actions in the same API-GUI language a model writes.
+each reads the live observation (``observe()``) and yields actions in the same API-GUI language a model writes;
+``WRONG_SOLVERS`` are the slips imperfect demonstrations make on three of them.
 """
 
 from __future__ import annotations
@@ -50,6 +51,21 @@ def _solve_click_named(role: str) -> Callable[[dict, Observe], Iterator[str]]:
     return solve
 
 
+def _wrong_click_named(role: str) -> Callable[[dict, Observe], Iterator[str]]:
+    """A demonstrator's slip on the same pages: clicks another element of ``role`` (the episode fails)."""
+    def solve(params: dict, observe: Observe) -> Iterator[str]:
+        obs = observe()
+        want = _quoted(obs["instruction"])[0]
+        rng = random.Random(params["seed"])
+        others = [r for r in _rows(obs, role) if r[2] != want]
+        if others:
+            yield f"click({rng.choice(others)[0]})"
+        else:  # the only element of its kind: the slip lands on the text beside it
+            x, y, w, h = rng.choice([r for r in obs["tree"] if r[2] != want])[3]
+            yield f"click(x={x + w // 2}, y={y + h // 2})"
+    return solve
+
+
 def _solve_click_test(params: dict, observe: Observe) -> Iterator[str]:
     obs = observe()
     yield f"click({_rows(obs, 'button')[0][0]})"
@@ -81,18 +97,41 @@ def _solve_focus_text(params: dict, observe: Observe) -> Iterator[str]:
     yield f"click({fields[idx][0]})"
 
 
-def _solve_click_checkboxes(params: dict, observe: Observe) -> Iterator[str]:
-    obs = observe()
-    m = re.search(r"Select (.*) and click Submit", obs["instruction"])
-    wanted = set() if not m or m.group(1) == "nothing" else set(m.group(1).split(", "))
+def _checkboxes(obs: dict) -> list[tuple[list, str]]:
+    """(checkbox row, its label) in page order."""
     rows = obs["tree"]
+    out = []
     for i, r in enumerate(rows):
         if r[1] == "input_checkbox":
             label = next((x for x in rows[i + 1:i + 3] if x[1] == "text"), None)
-            if label is not None and label[2] in wanted:
-                yield f"click({r[0]})"
+            out.append((r, label[2] if label is not None else ""))
+    return out
+
+
+def _tick_and_submit(obs: dict, wanted: set[str]) -> Iterator[str]:
+    for box, label in _checkboxes(obs):
+        if label in wanted:
+            yield f"click({box[0]})"
     submit = next(r for r in _rows(obs, "button") if r[2].lower() == "submit")
     yield f"click({submit[0]})"
+
+
+def _wanted_boxes(obs: dict) -> set[str]:
+    m = re.search(r"Select (.*) and click Submit", obs["instruction"])
+    return set() if not m or m.group(1) == "nothing" else set(m.group(1).split(", "))
+
+
+def _solve_click_checkboxes(params: dict, observe: Observe) -> Iterator[str]:
+    obs = observe()
+    yield from _tick_and_submit(obs, _wanted_boxes(obs))
+
+
+def _wrong_click_checkboxes(params: dict, observe: Observe) -> Iterator[str]:
+    """A demonstrator's slip: one box's choice flipped (a wanted one left out, or an unwanted one ticked)."""
+    obs = observe()
+    wanted = _wanted_boxes(obs)
+    _, label = random.Random(params["seed"]).choice(_checkboxes(obs))
+    yield from _tick_and_submit(obs, wanted ^ {label})
 
 
 def _solve_login(params: dict, observe: Observe) -> Iterator[str]:
@@ -118,6 +157,14 @@ SOLVERS: dict[str, Callable[[dict, Observe], Iterator[str]]] = {
 }
 
 
+WRONG_SOLVERS: dict[str, Callable[[dict, Observe], Iterator[str]]] = {
+    "click-button": _wrong_click_named("button"),
+    "click-link": _wrong_click_named("span"),
+    "click-checkboxes": _wrong_click_checkboxes,
+}
+"""the tasks whose demonstrations can be imperfect (``pretrain.wrong_choice_prob``): each slip fails the page"""
+
+
 def _no_solver(name: str) -> Callable[[dict, Observe], Iterator[str]]:
     def solve(params: dict, observe: Observe) -> Iterator[str]:
         raise ActionError(f"no scripted solver for MiniWoB's {name} (env_server.miniwob.tasks.SOLVERS)")
@@ -125,8 +172,9 @@ def _no_solver(name: str) -> Callable[[dict, Observe], Iterator[str]]:
 
 
 def page_success(params: dict, status: dict) -> bool:
-    """MiniWoB's own verdict: the page ended the episode with a positive raw reward (+1; -1 is a failure)."""
-    return bool(status["done"]) and float(status["raw_reward"] or 0) > 0
+    """MiniWoB's own verdict, binary: the page ended the episode with raw reward 1 (the ``miniwob`` package's
+    ``get_binary_reward``). Partial credit is a failure: click-checkboxes pays 1/3 for two boxes of three right."""
+    return bool(status["done"]) and float(status["raw_reward"] or 0) >= 1.0 - 1e-9
 
 
 def _generate(rng: random.Random) -> dict:
@@ -138,4 +186,5 @@ for _name in _pages():
         name=_name, generate=_generate,
         phrasings=lambda p, n=_name: (f"MiniWoB {n}", f"MiniWoB {n} (as the page words it)"),
         setup=lambda p: None, verify=page_success,
-        solve=SOLVERS.get(_name) or _no_solver(_name), max_steps=MAX_STEPS))
+        solve=SOLVERS.get(_name) or _no_solver(_name), max_steps=MAX_STEPS,
+        ambiguous=_name in WRONG_SOLVERS, wrong=WRONG_SOLVERS.get(_name)))

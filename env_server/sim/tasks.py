@@ -673,9 +673,6 @@ def oracle(task: Task, desk: Desktop, route: str = "gui", demo: DemoConfig | Non
     rng = rng or random.Random(f"demo/{task.task_id}/{route}")
     if demo.detour_prob and rng.random() < demo.detour_prob:
         yield f"open_app({rng.choice(('Files', 'Editor', 'Sheet', 'Settings'))!r})"
-    solver = fam.solve
-    if fam.ambiguous and fam.wrong is not None and demo.wrong_choice_prob and rng.random() < demo.wrong_choice_prob:
-        solver = fam.wrong
-    yield from solver(desk, task.params, route)
+    yield from fam.solver(demo, rng)(desk, task.params, route)
     if fam.feasible:
         yield "done()"
