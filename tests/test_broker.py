@@ -507,3 +507,45 @@ def test_repeated_rejections_are_logged_once_per_interval_with_the_count():
     time.sleep(0.25)
     rl.warning("message_rejected", ("too_deep", b"peer"), reason="too_deep")
     assert calls[-1][1]["suppressed_since_last"] == 99
+
+
+_EARLY_MESSAGE_CLIENT = r"""
+import json, sys, threading, time
+import zmq
+from common import protocol as P
+from common.net import ServerLink, Security
+from tests.conftest import make_net
+
+net = make_net()
+ctx = zmq.Context.instance()
+server = ctx.socket(zmq.ROUTER)
+server.bind(net.tcp(net.broker_back_port))
+
+def serve():  # answers the first Hello with an Error, and only then with Ready
+    ident, *_ = server.recv_multipart()
+    server.send_multipart([ident, *P.encode(P.Error(code="busy", message="not yet"))])
+    time.sleep(0.3)
+    server.send_multipart([ident, *P.encode(P.Ready(role="broker", epoch="e1", control=P.Control(version=0)))])
+
+threading.Thread(target=serve, daemon=True).start()
+hello = P.Hello(role="learner", peer_id="learner-t", pid=1, host="h")
+link = ServerLink(ctx, net.tcp(net.broker_back_port), hello, net, Security(ctx, None), None)
+ready = link.wait_ready(5)
+after = [type(m).__name__ + ":" + getattr(m, "code", "") for m in link.poll(0.5)]
+print(json.dumps({"epoch": ready.epoch, "after": after}))
+"""
+
+
+def test_a_message_before_ready_is_kept_once_and_connect_returns():
+    """A message that reaches a client before the server's Ready is handed to the caller once, after connect:
+    it once made ``wait_ready`` extend the list it was reading, growing without end (a resumed learner took
+    23 GB inside connect). Run apart, so a regression fails on its time limit instead of eating the machine."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", _EARLY_MESSAGE_CLIENT], capture_output=True, text=True, timeout=30,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"epoch": "e1", "after": ["Error:busy"]}
