@@ -416,5 +416,24 @@ def render_view(run_dir: RunDir, cfg: Any, elapsed: float, roles: dict[str, tupl
         f"dropped stale {_fmt(br.get('dropped_stale', 0))}  in {_fmt(br.get('mb_in_per_s'))} MB/s",
         f"actors gen {gen:.0f} tok/s  episodes {eps}  env {_total(servers, 'steps_per_s'):.0f} steps/s  "
         f"sessions {_total(servers, 'sessions'):.0f}",
+        desktop_line(servers, elapsed),
         f"roles {alive}",
     ]
+
+
+DESKTOP_FAILURES = ("backend_errors", "step_timeouts", "health_check_errors")
+"""env_server counters that mean a desktop failed (the desktop is retired and replaced)"""
+
+
+def desktop_line(servers: list[dict], elapsed: float) -> str:
+    """The desktops' side of a run from the env_servers' latest records: pool, resets and steps with their rates
+    over the run so far, and failures."""
+    c: dict[str, int] = {}
+    for rec in servers:
+        for k, v in (rec.get("counters") or {}).items():
+            c[k] = c.get(k, 0) + v
+    per_s = 1.0 / elapsed if elapsed > 0 else 0.0
+    return (f"desktops {_total(servers, 'desktops'):.0f} (started {c.get('desktops_started', 0)})  "
+            f"resets {c.get('resets', 0)} ({c.get('resets', 0) * per_s:.2f}/s)  "
+            f"steps {c.get('steps', 0)} ({c.get('steps', 0) * per_s:.2f}/s)  "
+            f"failures {sum(c.get(k, 0) for k in DESKTOP_FAILURES)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,6 +72,10 @@ def test_run_trains_checkpoints_and_leaves_no_process(tmp_path):
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out[-3000:]
     assert "outcome: finished" in out
+    final = [line for line in out.splitlines() if "  resets " in line][-1]  # the final view
+    m = re.search(r"desktops (\d+) \(started (\d+)\)  resets (\d+) \([\d.]+/s\)  steps (\d+) \([\d.]+/s\)  "
+                  r"failures 0", final)
+    assert m and int(m[3]) >= 16 and int(m[4]) >= int(m[3]), final
     recs = [json.loads(x) for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3, 4], "versions advance one per step"
     assert all(r["anchor_tokens"] > 0 for r in recs), "the recipe's anchor replays demos in every RL step"
