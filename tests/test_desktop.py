@@ -451,3 +451,17 @@ def test_eval_plays_a_policy_on_a_real_desktop_suite(work_dir):
     assert result["episodes"] == 2 and set(result["per_family"]) == {"files_create_folder", "editor_append"}
     assert 0.0 <= result["success_rate"] <= 1.0 and result["mean_steps"] <= 2
     assert not list(work_dir.glob("desktop-*"))  # the desktops were closed
+
+
+@pytest.mark.slow
+@needs_desktop
+def test_a_run_and_an_eval_on_real_desktops(tmp_path, work_dir):
+    """The real-desktop recipe (configs/desk.yaml: Calc, the editor, the file manager) through `computerrl run`
+    and `computerrl eval`, briefly; the desktops are closed afterwards."""
+    pytest.importorskip("torch")
+    from tests.test_local_run import recipe_run
+
+    result = recipe_run("configs/desk.yaml", tmp_path / "run", "env_server.pool_size=4",
+                        f"env_server.desktop.work_dir={work_dir}")
+    assert 0.0 <= result["success_rate"] <= 1.0
+    assert not list(work_dir.glob("desktop-*"))

@@ -36,6 +36,38 @@ def _run(run_dir: Path, *overrides: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
+def recipe_run(config: str, run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 900) -> dict:
+    """``computerrl run CONFIG`` for two learner steps from the shipped base policy (a recipe's own base is made by
+    ``computerrl pretrain``, too slow for a test), with its final evaluation (one episode per family); then
+    ``computerrl eval`` of the last checkpoint on the recipe's held-out suite. Returns that eval's result."""
+    import yaml
+
+    port = free_port()
+    args = [sys.executable, "-m", "launch.cli", "run", config, *_ports(), f"env_server.port={port}",
+            f"actor.env_servers=['127.0.0.1:{port}']", f"model.path={REPO / 'configs' / 'base-policy'}",
+            "learner.total_steps=2", "learner.checkpoint_every=2", "broker.groups_per_batch=2", "broker.group_size=2",
+            "weights.join_window_s=0.5", "local.eval_episodes=1", "local.eval_start=false", *overrides,
+            "--run-dir", str(run_dir)]
+    env = env or {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0 and "outcome: finished" in p.stdout, (p.stdout + p.stderr)[-3000:]
+    recs = [json.loads(x) for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2]
+    served = [json.loads(x) for x in (run_dir / "metrics" / "env_server-0.jsonl").read_text().splitlines()][-1]
+    assert served["counters"]["resets"] > 0 and served["counters"].get("backend_errors", 0) == 0, served
+    suite = yaml.safe_load((run_dir / "config.yaml").read_text())["local"]["eval_suite"]
+    families = set(suite.split(":")[2].split(","))
+    evals = [json.loads(x) for x in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
+    assert evals[-1]["step"] == 2 and set(evals[-1]["per_family"]) == families
+    ev = subprocess.run([sys.executable, "-m", "launch.cli", "eval", "--checkpoint", str(run_dir / "checkpoints"),
+                         "--suite", suite, "--episodes", "1", "--json"],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    result = json.loads(ev.stdout.strip().splitlines()[-1])
+    assert result["episodes"] == len(families) and set(result["per_family"]) == families
+    return result
+
+
 def _wait_until(p: subprocess.Popen, cond, deadline: float, what: str) -> None:
     """Poll ``cond`` while the run is alive; fail with ``what`` past ``deadline`` (monotonic)."""
     while not cond():

@@ -185,3 +185,13 @@ def test_behaviour_cloning_on_miniwob_demos_makes_a_policy_eval_judges_on_held_o
     assert set(result["heldout"]["per_family"]) == {"click-test", "click-button"}
     with pytest.raises(ValueError, match="name the families"):
         PretrainConfig(kind="miniwob").validate()
+
+
+@pytest.mark.slow
+def test_a_run_and_an_eval_on_miniwob_pages(tmp_path):
+    """The MiniWoB recipe (configs/miniwob.yaml) through `computerrl run` and `computerrl eval`, briefly."""
+    pytest.importorskip("torch")
+    from tests.test_local_run import recipe_run
+
+    result = recipe_run("configs/miniwob.yaml", tmp_path / "run", "env_server.pool_size=4")
+    assert 0.0 <= result["success_rate"] <= 1.0
