@@ -1,4 +1,5 @@
-"""``computerrl eval``: success rate of a checkpoint on a task suite, per family, in one process.
+"""``computerrl eval``: success rate of a checkpoint on a task suite, per family, with 95 % (Wilson) intervals, in
+one process.
 
 Episodes run on in-process desktops (no broker, no server): sim desktops for ``sim:`` suites, real xvfb
 desktops for ``desk`` suites, an outside backend's for its own kind of task ids (a few at a time, reused across
@@ -17,6 +18,7 @@ from typing import Any
 from actor.engine import HFEngine, SamplingParams
 from actor.episode import play_lockstep
 from actor.prompt import PromptConfig
+from common.stats import wilson_interval
 from env_server.sim.backend import SimBackend, SimConfig
 
 
@@ -69,8 +71,12 @@ def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sa
             env.close()
     total = sum(sum(v) for v in per_family.values())
     n = sum(len(v) for v in per_family.values())
-    return {"success_rate": round(total / max(n, 1), 4), "episodes": n,
+
+    def ci95(k: int, m: int) -> list[float]:
+        return [round(x, 4) for x in wilson_interval(k, m)]
+    return {"success_rate": round(total / max(n, 1), 4), "ci95": ci95(total, n), "episodes": n,
             "per_family": {f: round(sum(v) / len(v), 4) for f, v in sorted(per_family.items())},
+            "per_family_ci95": {f: ci95(sum(v), len(v)) for f, v in sorted(per_family.items())},
             "format_error_rate": round(format_errors / max(steps, 1), 4), "mean_steps": round(steps / max(n, 1), 2)}
 
 

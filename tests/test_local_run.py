@@ -129,6 +129,8 @@ def test_run_trains_checkpoints_and_leaves_no_process(tmp_path):
     result = _eval(run_dir, "sim:heldout:files_rename,sheet_sum", 2)
     assert result["episodes"] == 4 and set(result["per_family"]) == {"files_rename", "sheet_sum"}
     assert 0.0 <= result["success_rate"] <= 1.0
+    assert result["ci95"][0] <= result["success_rate"] <= result["ci95"][1]
+    assert set(result["per_family_ci95"]) == set(result["per_family"])
 
 
 def test_a_killed_actor_is_restarted_and_sigint_stops_cleanly(tmp_path):
