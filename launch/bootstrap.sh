@@ -11,7 +11,7 @@ if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$sta
   echo "[bootstrap] creating $VENV and installing computerrl (first run only)" >&2
   "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -e '.[test,miniwob]'
+  "$VENV/bin/python" -m pip install -q -e '.[test,miniwob,tracking]'
   touch "$stamp"
 fi
 case "${1:-}" in

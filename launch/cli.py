@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -294,6 +295,40 @@ def slurm_cancel(run_dir: str, timeout_s: float) -> None:
         click.echo(S.cancel(Path(run_dir), timeout_s))
     except (RuntimeError, subprocess.CalledProcessError) as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--sinks", default="", help="comma-separated sinks (tensorboard,wandb); default: the run's own")
+@click.option("--follow", is_flag=True, help="keep forwarding new records until interrupted")
+def metrics(run_dir: str, sinks: str, follow: bool) -> None:
+    """Forward a run's metric records to TensorBoard / W&B (what `computerrl run` does as it goes): for roles
+    started by hand, or a run that had no sink selected. Records already forwarded are not sent again."""
+    from common.metric_sinks import MetricsForwarder
+    from common.rundir import RunDir
+
+    rd = RunDir(Path(run_dir))
+    overrides = (f"metrics.sinks=[{sinks}]",) if sinks else ()
+    try:
+        cfg = load_run_config(rd.config if rd.config.exists() else None, overrides)
+        if not cfg.metrics.forwarded:
+            raise ValueError("no sink to forward to: pass --sinks tensorboard[,wandb] or set metrics.sinks")
+        fwd = MetricsForwarder(rd.metrics, rd.root, cfg.metrics, cfg.run.run_id or rd.root.name,
+                               configlib.to_dict(cfg))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        while True:
+            n = fwd.poll()
+            if not follow:
+                break
+            if n == 0:
+                time.sleep(cfg.metrics.poll_s)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        fwd.close()
+    click.echo(f"forwarded {fwd.forwarded} records to {', '.join(cfg.metrics.forwarded)}")
 
 
 @main.command()

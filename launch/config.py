@@ -9,6 +9,7 @@ from typing import Iterable
 from actor.config import ActorConfig
 from broker.config import BrokerConfig
 from common import config as configlib
+from common.metric_sinks import MetricsConfig
 from common.model import ModelConfig
 from common.net import NetConfig
 from common.weightsync import WeightSyncConfig
@@ -60,6 +61,8 @@ class RunConfig:
     """behaviour cloning on oracle demonstrations (`computerrl pretrain`)"""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     """the Slurm batch job of `computerrl slurm submit`"""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """where metric records go besides each role's JSONL (TensorBoard, W&B)"""
 
 
 def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:

@@ -270,6 +270,13 @@ class Supervisor:
         def on_signal(signum, _frame):
             raise KeyboardInterrupt
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        forwarder = None
+        if self.cfg.metrics.forwarded:
+            from common import config as configlib
+            from common.metric_sinks import MetricsForwarder
+            forwarder = MetricsForwarder(self.run_dir.metrics, self.run_dir.root, self.cfg.metrics,
+                                         self.cfg.run.run_id, configlib.to_dict(self.cfg))
+        next_forward = 0.0
         try:
             self._event(f"run directory: {self.run_dir.root}")
             self.start()
@@ -284,6 +291,9 @@ class Supervisor:
                 if now >= next_curve:
                     self._curve()
                     next_curve = now + 30.0
+                if forwarder is not None and now >= next_forward:
+                    forwarder = self._forward(forwarder)
+                    next_forward = now + self.cfg.metrics.poll_s
                 self._poll_eval()
                 time.sleep(0.2)
         except KeyboardInterrupt:
@@ -304,11 +314,26 @@ class Supervisor:
             self.eval_proc.kill()
             self.eval_proc.wait()
         self._view(final=True)
+        forwarder = self._forward(forwarder) if forwarder is not None else None
+        if forwarder is not None:
+            forwarder.close()
+            self._event(f"metrics forwarded to {', '.join(self.cfg.metrics.forwarded)}: {forwarder.forwarded} records")
         if self._curve():
             self._event(f"learning curve: {self.run_dir.curve_png}")
         self._event(f"outcome: {self.outcome}")
         # Interrupted (a signal, e.g. a scheduler's preemption notice): resumable, and said so by the exit code.
         return 0 if self.outcome == "finished" else EXIT_RESUMABLE if self.outcome == "interrupted" else 1
+
+    def _forward(self, forwarder: Any) -> Any:
+        """One forwarding pass; a sink that fails (a full disk, a W&B error) is reported and dropped, never the
+        run. Returns the forwarder, or None once it failed."""
+        try:
+            forwarder.poll()
+            return forwarder
+        except Exception as exc:
+            self._event(f"metrics forwarding stopped: {exc!r} (the JSONL records are complete; "
+                        f"`computerrl metrics {self.run_dir.root}` forwards them later)")
+            return None
 
     def _poll_eval(self, final: bool = False) -> None:
         """Evaluate each new checkpoint on held-out tasks in a separate process; results go to eval.jsonl."""

@@ -100,7 +100,7 @@ def _children_of_run(run_dir: Path) -> list[int]:
 def test_run_trains_checkpoints_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "run"
     p = _run(run_dir, "learner.total_steps=4", "learner.checkpoint_every=2", "local.eval_episodes=1",
-             "local.eval_suite=sim:heldout:files_delete")
+             "local.eval_suite=sim:heldout:files_delete", "metrics.sinks=[jsonl,tensorboard]")
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out[-3000:]
     assert "outcome: finished" in out
@@ -126,6 +126,9 @@ def test_run_trains_checkpoints_and_leaves_no_process(tmp_path):
     assert evals and evals[-1]["step"] == 4 and evals[-1]["per_family"].keys() == {"files_delete"}
     assert evals[0]["step"] == 0 and evals[0]["checkpoint"].endswith("base-policy"), "the curve starts at the base"
     assert (run_dir / "learning_curve.png").stat().st_size > 1000
+    from tests.test_metric_sinks import _events
+    assert [step for step, _ in _events(run_dir, "learner")["loss"]] == [1, 2, 3, 4], "TensorBoard has the run"
+    assert [step for step, _ in _events(run_dir, "eval")["success_rate"]] == [0, 2, 4]
     result = _eval(run_dir, "sim:heldout:files_rename,sheet_sum", 2)
     assert result["episodes"] == 4 and set(result["per_family"]) == {"files_rename", "sheet_sum"}
     assert 0.0 <= result["success_rate"] <= 1.0

@@ -1,0 +1,85 @@
+"""Metric records forwarded to TensorBoard event files and W&B (offline), read back, each record once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from common.metric_sinks import MetricsConfig, MetricsForwarder, scalars
+
+
+def _append(path: Path, *records: dict, torn: str = "") -> None:
+    with open(path, "a") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+        f.write(torn)
+
+
+def _events(root: Path, source: str) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(root / "tensorboard" / source))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_numeric_fields_become_scalars_nested_ones_joined():
+    rec = {"time": 1.0, "loss": 0.5, "ok": True, "phase": "rl", "nan": float("nan"), "counters": {"steps": 3},
+           "hist": [1, 2]}
+    assert dict(scalars(rec)) == {"time": 1.0, "loss": 0.5, "ok": 1.0, "counters/steps": 3.0}
+
+
+def test_tensorboard_gets_every_record_once_at_its_policy_version(tmp_path):
+    pytest.importorskip("tensorboard")
+    m = tmp_path / "metrics"
+    m.mkdir()
+    _append(m / "learner.jsonl", {"time": 10.0, "step": 1, "loss": 0.5}, {"time": 20.0, "step": 2, "loss": 0.25})
+    _append(m / "actor-0.jsonl", {"time": 11.0, "rank": 0, "version": 1, "counters": {"episodes": 8}},
+            torn='{"time": 21.0, "version": 2, "coun')  # still being written: waits for the next poll
+    _append(m / "env_server-0.jsonl", {"time": 15.0, "steps_per_s": 12.5}, {"time": 25.0, "steps_per_s": 13.0})
+    cfg = MetricsConfig(sinks=["jsonl", "tensorboard"])
+    fwd = MetricsForwarder(m, tmp_path, cfg, "run-a")
+    assert fwd.poll() == 5
+    fwd.close()
+
+    assert _events(tmp_path, "learner")["loss"] == [(1, 0.5), (2, 0.25)]
+    assert _events(tmp_path, "actor-0") == {"version": [(1, 1.0)], "counters/episodes": [(1, 8.0)]}
+    # No version of its own: the learner's newest step before it (records go in time order across files).
+    assert _events(tmp_path, "env_server-0")["steps_per_s"] == [(1, 12.5), (2, 13.0)]
+
+    # A second forwarder (a resumed run, or `computerrl metrics`) sends only what is new: the finished line.
+    with open(m / "actor-0.jsonl", "a") as f:
+        f.write('ters": {"episodes": 16}}\n')
+    _append(m / "eval.jsonl", {"time": 30.0, "step": 2, "success_rate": 0.4, "ci95": [0.2, 0.6]})
+    fwd = MetricsForwarder(m, tmp_path, cfg, "run-a")
+    assert fwd.poll() == 2 and fwd.poll() == 0
+    fwd.close()
+    assert _events(tmp_path, "actor-0")["counters/episodes"] == [(1, 8.0), (2, 16.0)]
+    assert _events(tmp_path, "eval")["success_rate"] == [(2, pytest.approx(0.4))]
+    assert _events(tmp_path, "learner")["loss"] == [(1, 0.5), (2, 0.25)], "nothing sent twice"
+
+
+def test_wandb_offline_run_is_one_per_run_id_across_resumes(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    m = tmp_path / "metrics"
+    m.mkdir()
+    cfg = MetricsConfig(sinks=["wandb"], wandb_mode="offline")
+    for step in (1, 2):  # two supervisor lifetimes: the run started, then resumed
+        _append(m / "learner.jsonl", {"time": float(step), "step": step, "loss": 1.0 / step})
+        fwd = MetricsForwarder(m, tmp_path, cfg, "run-b", {"learner": {"lr": 1e-4}})
+        assert fwd.poll() == 1
+        assert fwd.sinks[0].run.id == "run-b"
+        fwd.close()
+    runs = sorted((tmp_path / "wandb" / "wandb").glob("offline-run-*-run-b"))
+    assert len(runs) == 2 and all((r / "run-run-b.wandb").stat().st_size > 0 for r in runs)
+    del wandb
+
+
+def test_bad_sink_settings_fail_at_config_load():
+    with pytest.raises(ValueError, match=r"unknown sink\(s\) \['prometheus'\]"):
+        MetricsConfig(sinks=["prometheus"]).validate()
+    with pytest.raises(ValueError, match="wandb_mode must be offline or online"):
+        MetricsConfig(wandb_mode="cloud").validate()
