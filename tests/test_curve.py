@@ -1,4 +1,4 @@
-"""The learning-curve PNG is drawn from metrics files, with SFT phases and held-out points."""
+"""The learning-curve PNG is drawn from metrics files, with SFT phases and held-out points with intervals."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 from PIL import Image
 
-from launch.curve import render_curve
+from launch.curve import eval_interval, render_curve, sft_spans
 
 
 def test_curve_png_from_metrics(tmp_path):
@@ -21,7 +21,7 @@ def test_curve_png_from_metrics(tmp_path):
         f.write("not json\n")
     with open(m / "eval.jsonl", "w") as f:
         for step in (10, 20, 30, 40):
-            f.write(json.dumps({"step": step, "success_rate": step / 50}) + "\n")
+            f.write(json.dumps({"step": step, "success_rate": step / 50, "episodes": 25}) + "\n")
     out = tmp_path / "curve.png"
     assert render_curve(m, out, "test run")
     img = Image.open(out).convert("RGB")
@@ -29,3 +29,11 @@ def test_curve_png_from_metrics(tmp_path):
     colors = {c for _, c in img.getcolors(maxcolors=1 << 16)}
     assert (255, 236, 179) in colors, "SFT phase shaded"
     assert (214, 39, 40) in colors and (31, 119, 180) in colors and (44, 160, 44) in colors
+
+
+def test_sft_spans_and_eval_intervals():
+    steps = [{"step": s, "phase": "sft" if s in (3, 4, 5, 9) else "rl"} for s in range(1, 11)]
+    assert sft_spans(steps) == [(2, 5), (8, 9)]
+    assert eval_interval({"success_rate": 0.2, "ci95": [0.1, 0.35]}) == (0.1, 0.35)
+    lo, hi = eval_interval({"success_rate": 0.2, "episodes": 25})  # a record from before evals carried one
+    assert round(lo, 3) == 0.089 and round(hi, 3) == 0.391
