@@ -19,3 +19,13 @@ def test_no_trials_say_nothing_and_impossible_counts_fail():
     assert wilson_interval(0, 0) == (0.0, 1.0)
     with pytest.raises(ValueError, match=r"successes must lie in \[0, n\]"):
         wilson_interval(11, 10)
+
+
+def test_mean_interval_over_seeds_uses_students_t():
+    from common.stats import mean_interval
+
+    mean, lo, hi = mean_interval([0.2, 0.3, 0.4])  # sd 0.1, t(2) = 4.303
+    assert mean == pytest.approx(0.3) and hi - mean == pytest.approx(4.303 * 0.1 / 3 ** 0.5, rel=1e-6)
+    assert mean_interval([0.5]) == (0.5, 0.5, 0.5)
+    with pytest.raises(ValueError):
+        mean_interval([])

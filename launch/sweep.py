@@ -1,0 +1,350 @@
+"""``computerrl sweep``: every combination of the varied settings × seeds as ordinary runs, judged alike.
+
+Each (variant, seed) is one ``computerrl run`` of the base config with the variant's overrides and ``run.seed``,
+in its own run directory under ``<sweep>/runs/`` (its own ports, the same supervisor, resumable), then one
+``computerrl eval`` of its final checkpoint on the same held-out episodes (greedy, the same task seeds for every
+run). The sweep directory keeps the spec (``sweep.json``), each run's final evaluation (``final_eval.json`` in
+its run directory) and the results: ``results.jsonl`` (one line per run), ``results.csv`` and ``results.md``
+(per variant: mean success across seeds with its 95 % Student-t interval, and per family) and ``curves.png``
+(held-out success over learner steps, mean and 95 % band across seeds, per variant).
+
+Interrupting a sweep stops its runs the way ``computerrl run`` stops (the learner checkpoints); running the same
+command again continues: finished and evaluated runs are kept, a run with a checkpoint resumes from it, a run
+that died before its first checkpoint starts over, a finished one without its evaluation is evaluated.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from common.exitcodes import EXIT_RESUMABLE
+from common.stats import mean_interval
+
+PORT_KEYS = ("net.broker_front_port", "net.broker_back_port", "net.broker_control_port", "env_server.port",
+             "weights.port", "local.learner_dist_port")
+
+
+@dataclass
+class SweepSpec:
+    """What a sweep runs; saved as ``sweep.json``, and a re-run must ask for the same."""
+
+    config: str
+    """the base run config (its path when the sweep started)"""
+    vary: dict[str, list[str]]
+    """setting -> values, each combination one variant (in the order given)"""
+    seeds: int
+    """runs per variant, with run.seed = 0..seeds-1"""
+    overrides: list[str] = field(default_factory=list)
+    """key=value applied to every run"""
+    eval_suite: str = ""
+    """held-out suite of the final evaluations"""
+    eval_episodes: int = 20
+    """final-evaluation episodes per family"""
+
+    def variants(self) -> list[dict[str, str]]:
+        keys = list(self.vary)
+        return [dict(zip(keys, combo)) for combo in itertools.product(*(self.vary[k] for k in keys))]
+
+
+def parse_vary(items: tuple[str, ...] | list[str]) -> dict[str, list[str]]:
+    """``("learner.lr=1e-4,3e-4", ...)`` -> ``{"learner.lr": ["1e-4", "3e-4"]}``. A value holding a comma (a list
+    setting) is written in brackets: ``metrics.sinks=[jsonl,tensorboard],[jsonl]``."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        key = key.strip()
+        if not sep or not key or not values.strip():
+            raise ValueError(f"--vary {item!r}: write key=value1,value2[,...]")
+        if key in out:
+            raise ValueError(f"--vary names {key} twice")
+        parts = [p.strip() for p in re.findall(r"\[[^\]]*\]|[^,]+", values)]
+        if len(parts) != len(set(parts)):
+            raise ValueError(f"--vary {key}: a value is listed twice")
+        out[key] = parts
+    return out
+
+
+def label(variant: dict[str, str]) -> str:
+    """A variant's name: ``learner.lr=3e-4 advantage.level=step``."""
+    return " ".join(f"{k}={v}" for k, v in variant.items()) or "base"
+
+
+def _dirname(variant: dict[str, str]) -> str:
+    return re.sub(r"[^A-Za-z0-9._=,+-]", "_", ",".join(f"{k}={v}" for k, v in variant.items()) or "base")[:150]
+
+
+@dataclass
+class SweepRun:
+    variant: dict[str, str]
+    seed: int
+    root: Path
+
+    @property
+    def final_eval(self) -> Path:
+        return self.root / "final_eval.json"
+
+
+class Sweep:
+    """Runs, resumes and summarises one sweep directory."""
+
+    def __init__(self, spec: SweepSpec, out: Path, parallel: int = 1, echo: Callable[[str], None] = print,
+                 env: dict | None = None):
+        if spec.seeds < 1 or parallel < 1 or spec.eval_episodes < 1:
+            raise ValueError("--seeds, --parallel and --eval-episodes must be >= 1")
+        self.spec, self.out, self.parallel, self.echo = spec, Path(out), parallel, echo
+        self.env = env or dict(os.environ)
+        self.procs: set[subprocess.Popen] = set()
+        self.lock = threading.Lock()
+        self.interrupted = False
+        self._ports: set[int] = set()
+        saved = self.out / "sweep.json"
+        if saved.exists():
+            before = json.loads(saved.read_text())
+            if before != asdict(spec):
+                raise ValueError(f"{saved} holds another sweep ({before}); use another --out to run this one")
+        else:
+            from common import config as configlib
+            from launch.config import load_run_config
+
+            self.out.mkdir(parents=True, exist_ok=True)
+            # The config as loaded (relative model paths made absolute), so runs find the same files from here.
+            configlib.dump(load_run_config(spec.config), self.out / "base.yaml")
+            saved.write_text(json.dumps(asdict(spec), indent=1))
+        self.runs = [SweepRun(v, s, self.out / "runs" / _dirname(v) / f"seed-{s}")
+                     for v in spec.variants() for s in range(spec.seeds)]
+
+    # ----- running ------------------------------------------------------------------------------------
+
+    def _free_ports(self) -> list[str]:
+        from common.net import free_port
+
+        with self.lock:
+            picked = []
+            while len(picked) < len(PORT_KEYS):
+                p = free_port()
+                if p not in self._ports:
+                    self._ports.add(p)
+                    picked.append(p)
+        env_port = picked[3]
+        return [f"{k}={p}" for k, p in zip(PORT_KEYS, picked)] + [f"actor.env_servers=['127.0.0.1:{env_port}']"]
+
+    def _call(self, argv: list[str], log: Path) -> subprocess.CompletedProcess:
+        with open(log, "ab") as out:
+            p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+            with self.lock:
+                self.procs.add(p)
+            try:
+                rc = p.wait()
+            finally:
+                with self.lock:
+                    self.procs.discard(p)
+        return subprocess.CompletedProcess(argv, rc)
+
+    def _state(self, run: SweepRun) -> str:
+        """done | evaluate | resume | start."""
+        if run.final_eval.exists():
+            return "done"
+        latest = run.root / "checkpoints" / "latest"
+        if not latest.exists():
+            return "start"
+        import yaml
+
+        total = (yaml.safe_load((run.root / "config.yaml").read_text()) or {}).get("learner", {}).get("total_steps")
+        step = int(latest.read_text().strip().rsplit("-", 1)[-1])
+        return "evaluate" if total and step >= int(total) else "resume"
+
+    def _one(self, run: SweepRun) -> str:
+        state = self._state(run)
+        if state == "done" or self.interrupted:
+            return state if state == "done" else "interrupted"
+        cli = [sys.executable, "-m", "launch.cli"]
+        if state in ("start", "resume"):
+            if state == "start" and run.root.exists():
+                shutil.rmtree(run.root)  # died before its first checkpoint: nothing to resume from
+            run.root.mkdir(parents=True, exist_ok=True)
+            self.echo(f"[sweep] {state} {label(run.variant)} seed {run.seed}")
+            if state == "start":
+                argv = [*cli, "run", str(self.out / "base.yaml"), *self.spec.overrides,
+                        *(f"{k}={v}" for k, v in run.variant.items()), f"run.seed={run.seed}",
+                        f"run.run_id={run.root.parent.name}-seed-{run.seed}", *self._free_ports(),
+                        "--run-dir", str(run.root)]
+            else:
+                argv = [*cli, "run", str(run.root / "config.yaml"), *self._free_ports(), "--run-dir", str(run.root),
+                        "--resume"]
+            rc = self._call(argv, run.root / "sweep-run.log").returncode
+            if rc == EXIT_RESUMABLE or self.interrupted:
+                return "interrupted"
+            if rc != 0:
+                self.echo(f"[sweep] FAILED {label(run.variant)} seed {run.seed}: exit {rc} "
+                          f"(see {run.root / 'sweep-run.log'})")
+                return "failed"
+        suite = self.spec.eval_suite
+        ev = subprocess.run([*cli, "eval", "--checkpoint", str(run.root / "checkpoints"), "--suite", suite,
+                             "--episodes", str(self.spec.eval_episodes), "--json"],
+                            capture_output=True, text=True, env=self.env)
+        if ev.returncode != 0:
+            self.echo(f"[sweep] eval FAILED {label(run.variant)} seed {run.seed}: {ev.stderr.strip()[-500:]}")
+            return "failed"
+        result = json.loads(ev.stdout.strip().splitlines()[-1])
+        tmp = run.final_eval.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"variant": run.variant, "seed": run.seed, **result}))
+        os.replace(tmp, run.final_eval)
+        self.echo(f"[sweep] {label(run.variant)} seed {run.seed}: held-out success {result['success_rate']:.3f}")
+        return "done"
+
+    def run(self) -> int:
+        """Run what is left; 0 when every run is done and evaluated, EXIT_RESUMABLE when interrupted, 1 if a run
+        failed (the rest still ran; the results hold the runs that finished)."""
+        import concurrent.futures as cf
+
+        def on_signal(signum, _frame):
+            self.interrupted = True
+            with self.lock:
+                for p in self.procs:  # each run stops as `computerrl run` does: the learner checkpoints first
+                    try:
+                        os.killpg(p.pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            todo = [r for r in self.runs if self._state(r) != "done"]
+            self.echo(f"[sweep] {len(self.runs)} runs ({len(self.spec.variants())} variants x {self.spec.seeds} "
+                      f"seeds), {len(self.runs) - len(todo)} already done; {min(self.parallel, max(len(todo), 1))} "
+                      f"at a time; results in {self.out}")
+            with cf.ThreadPoolExecutor(self.parallel) as pool:
+                states = list(pool.map(self._one, todo))
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        self.summarise()
+        if self.interrupted or "interrupted" in states:
+            self.echo("[sweep] interrupted: run the same command again to continue")
+            return EXIT_RESUMABLE
+        return 1 if "failed" in states else 0
+
+    # ----- results ------------------------------------------------------------------------------------
+
+    def results(self) -> list[dict]:
+        out = []
+        for run in self.runs:
+            if run.final_eval.exists():
+                out.append({**json.loads(run.final_eval.read_text()), "run_dir": str(run.root)})
+        return out
+
+    def table(self) -> list[dict]:
+        """Per variant: seeds evaluated, mean held-out success with its 95 % interval, per-family means."""
+        rows = []
+        results = self.results()
+        for variant in self.spec.variants():
+            mine = [r for r in results if r["variant"] == variant]
+            if not mine:
+                continue
+            mean, lo, hi = mean_interval([r["success_rate"] for r in mine])
+            families = sorted({f for r in mine for f in r["per_family"]})
+            per_family = {f: mean_interval([r["per_family"][f] for r in mine if f in r["per_family"]])
+                          for f in families}
+            rows.append({"variant": variant, "seeds": len(mine), "success": mean, "low": lo, "high": hi,
+                         "per_family": {f: v[0] for f, v in per_family.items()},
+                         "per_family_interval": {f: [v[1], v[2]] for f, v in per_family.items()}})
+        return rows
+
+    def summarise(self) -> None:
+        rows = self.table()
+        with open(self.out / "results.jsonl", "w") as f:
+            for r in self.results():
+                f.write(json.dumps(r) + "\n")
+        keys = list(self.spec.vary)
+        families = sorted({f for r in rows for f in r["per_family"]})
+        with open(self.out / "results.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow([*keys, "seeds", "success_mean", "success_low95", "success_high95", *families])
+            for r in rows:
+                w.writerow([*(r["variant"][k] for k in keys), r["seeds"], f"{r['success']:.4f}", f"{r['low']:.4f}",
+                            f"{r['high']:.4f}", *(f"{r['per_family'].get(fam, float('nan')):.4f}" for fam in families)])
+        lines = [f"Sweep of `{self.spec.config}`: {self.spec.seeds} seed(s) per variant, final checkpoints on "
+                 f"`{self.spec.eval_suite}`, {self.spec.eval_episodes} greedy episodes per family; mean across seeds "
+                 "and its 95 % interval (Student's t).", "",
+                 "| " + " | ".join([*keys, "seeds", "held-out success", *families]) + " |",
+                 "|" + "---|" * (len(keys) + 2 + len(families))]
+        for r in rows:
+            cells = [*(f"`{r['variant'][k]}`" for k in keys), str(r["seeds"]),
+                     f"{100 * r['success']:.1f} % [{100 * r['low']:.1f}, {100 * r['high']:.1f}]",
+                     *(f"{100 * r['per_family'][fam]:.1f} %" if fam in r["per_family"] else "-" for fam in families)]
+            lines.append("| " + " | ".join(cells) + " |")
+        (self.out / "results.md").write_text("\n".join(lines) + "\n")
+        self.plot()
+
+    def curves(self) -> dict[str, list[tuple[int, float, float, float]]]:
+        """Per variant label: (step, mean, low, high) of held-out success across its seeds' periodic evaluations,
+        at the steps every seed evaluated."""
+        out = {}
+        for variant in self.spec.variants():
+            per_seed = []
+            for run in self.runs:
+                if run.variant != variant or not (run.root / "metrics" / "eval.jsonl").exists():
+                    continue
+                recs = {}
+                for line in (run.root / "metrics" / "eval.jsonl").read_text().splitlines():
+                    try:
+                        r = json.loads(line)
+                        recs[int(r["step"])] = float(r["success_rate"])
+                    except (ValueError, KeyError, TypeError):
+                        continue
+                per_seed.append(recs)
+            if not per_seed:
+                continue
+            steps = sorted(set.intersection(*(set(r) for r in per_seed)))
+            out[label(variant)] = [(s, *mean_interval([r[s] for r in per_seed])) for s in steps]
+        return out
+
+    def plot(self) -> bool:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        curves = {k: v for k, v in self.curves().items() if v}
+        if not curves:
+            return False
+        fig = Figure(figsize=(9.6, 5.4), dpi=100, layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+        for name, pts in curves.items():
+            steps, mean, lo, hi = zip(*pts)
+            line, = ax.plot(steps, mean, "-o", ms=3, lw=1.5, label=name)
+            ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
+        ax.set_ylim(0.0, 1.0)
+        ax.set_xlabel("learner step (policy version)")
+        ax.set_ylabel("held-out success")
+        ax.set_title(f"mean over {self.spec.seeds} seed(s), 95 % band", loc="left", fontsize=10)
+        ax.grid(True, color="#e1e1e1", lw=0.8)
+        ax.legend(fontsize=8, frameon=False)
+        tmp = self.out / "curves.tmp.png"
+        fig.savefig(tmp, format="png")
+        tmp.replace(self.out / "curves.png")
+        return True
+
+
+def spec_from_args(config: str, vary: tuple[str, ...], seeds: int, overrides: tuple[str, ...], eval_suite: str,
+                   eval_episodes: int) -> SweepSpec:
+    """The spec, checked against the config before anything runs: every varied value and override must load."""
+    from launch.config import load_run_config
+
+    parsed = parse_vary(vary)
+    if not parsed:
+        raise ValueError("nothing to vary: give at least one --vary key=a,b")
+    base = load_run_config(config, overrides)
+    for variant in SweepSpec(config, parsed, seeds).variants():
+        load_run_config(config, [*overrides, *(f"{k}={v}" for k, v in variant.items())])
+    return SweepSpec(config=config, vary=parsed, seeds=seeds, overrides=list(overrides),
+                     eval_suite=eval_suite or base.local.eval_suite, eval_episodes=eval_episodes)

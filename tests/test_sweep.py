@@ -1,0 +1,130 @@
+"""`computerrl sweep`: variants x seeds as ordinary runs, the same final evaluation for each, a table with
+intervals and curves, and a re-run that continues where the sweep stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from common.exitcodes import EXIT_RESUMABLE
+from launch.sweep import Sweep, SweepSpec, label, parse_vary, spec_from_args
+from tests.conftest import REPO
+
+BASE = str(REPO / "configs" / "local.yaml")
+
+
+def test_vary_parses_values_lists_in_brackets_and_refuses_bad_input():
+    assert parse_vary(["learner.lr=1e-4,3e-4", "metrics.sinks=[jsonl,tensorboard],[jsonl]"]) == {
+        "learner.lr": ["1e-4", "3e-4"], "metrics.sinks": ["[jsonl,tensorboard]", "[jsonl]"]}
+    for bad, msg in (("learner.lr", "write key=value1"), ("=1,2", "write key=value1"), ("a=1,1", "listed twice")):
+        with pytest.raises(ValueError, match=msg):
+            parse_vary([bad])
+    with pytest.raises(ValueError, match="names learner.lr twice"):
+        parse_vary(["learner.lr=1", "learner.lr=2"])
+    spec = SweepSpec(BASE, {"a": ["1", "2"], "b": ["x", "y"]}, 1)
+    assert [label(v) for v in spec.variants()] == ["a=1 b=x", "a=1 b=y", "a=2 b=x", "a=2 b=y"]
+
+
+def test_every_value_is_checked_against_the_config_before_anything_runs():
+    with pytest.raises(ValueError, match="expected a number"):
+        spec_from_args(BASE, ("learner.lr=1e-4,fast",), 1, (), "", 5)
+    spec = spec_from_args(BASE, ("learner.lr=1e-4,3e-4",), 2, ("learner.total_steps=3",), "", 5)
+    assert spec.eval_suite == "sim:heldout:sheet_sort,settings_display,files_create_folder,editor_replace"
+
+
+def _fake_run(root: Path, seed: int, final: float | None, curve: list[tuple[int, float]], total: int = 4,
+              latest: int | None = None) -> None:
+    (root / "metrics").mkdir(parents=True)
+    (root / "config.yaml").write_text(f"learner:\n  total_steps: {total}\n")
+    with open(root / "metrics" / "eval.jsonl", "w") as f:
+        for step, rate in curve:
+            f.write(json.dumps({"step": step, "success_rate": rate}) + "\n")
+    if latest is not None:
+        (root / "checkpoints").mkdir()
+        (root / "checkpoints" / "latest").write_text(f"step-{latest:08d}")
+    if final is not None:
+        (root / "final_eval.json").write_text(json.dumps(
+            {"variant": {}, "seed": seed, "success_rate": final, "per_family": {"f1": final, "f2": 1 - final}}))
+
+
+def test_results_table_intervals_curves_and_what_a_rerun_would_do(tmp_path):
+    spec = SweepSpec(BASE, {"learner.lr": ["1e-4", "3e-4"]}, 2, eval_suite="sim:heldout", eval_episodes=5)
+    sweep = Sweep(spec, tmp_path / "sw", echo=lambda s: None)
+    a0, a1, b0, b1 = sweep.runs
+    for run, final, latest in ((a0, 0.2, 4), (a1, 0.4, 4), (b0, None, 4), (b1, None, 2)):
+        _fake_run(run.root, run.seed, final, [(0, 0.1), (2, 0.2 + run.seed / 10), (4, 0.3)], latest=latest)
+        if final is not None:
+            data = json.loads(run.final_eval.read_text())
+            run.final_eval.write_text(json.dumps({**data, "variant": run.variant}))
+    assert [sweep._state(r) for r in sweep.runs] == ["done", "done", "evaluate", "resume"]
+    (b1.root / "checkpoints" / "latest").unlink()
+    assert sweep._state(b1) == "start", "died before its first checkpoint: starts over"
+
+    sweep.summarise()
+    rows = sweep.table()
+    assert len(rows) == 1 and rows[0]["seeds"] == 2 and rows[0]["success"] == pytest.approx(0.3)
+    assert rows[0]["low"] == pytest.approx(0.3 - 12.706 * 0.1414214 / 2 ** 0.5, rel=1e-4)
+    md = (tmp_path / "sw" / "results.md").read_text()
+    assert "| `1e-4` | 2 | 30.0 % [" in md and "f1" in md and "3e-4" not in md.split("|---")[1]
+    csv_lines = (tmp_path / "sw" / "results.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("learner.lr,seeds,success_mean") and csv_lines[1].startswith("1e-4,2,0.3000")
+    assert len((tmp_path / "sw" / "results.jsonl").read_text().splitlines()) == 2
+    curves = sweep.curves()
+    assert [s for s, *_ in curves["learner.lr=1e-4"]] == [0, 2, 4]
+    assert curves["learner.lr=1e-4"][1][1] == pytest.approx(0.25)
+    assert (tmp_path / "sw" / "curves.png").stat().st_size > 5000
+
+    with pytest.raises(ValueError, match="holds another sweep"):
+        Sweep(SweepSpec(BASE, {"learner.lr": ["1e-3"]}, 2, eval_suite="sim:heldout"), tmp_path / "sw")
+
+
+def _sweep(out: Path, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "launch.cli", "sweep", "configs/local.yaml", "learner.checkpoint_every=1",
+            "local.eval_episodes=1", "local.eval_suite=sim:heldout:files_delete", "weights.join_window_s=0.5",
+            "--eval-suite", "sim:heldout:files_delete", "--eval-episodes", "2", "--out", str(out), *extra]
+    return subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+@pytest.mark.slow
+def test_a_tiny_sweep_runs_evaluates_summarises_and_continues_after_an_interrupt(tmp_path):
+    out = tmp_path / "sweep"
+    p = _sweep(out, "learner.total_steps=2", "--vary", "learner.lr=1e-4,3e-4", "--seeds", "1", "--parallel", "2")
+    text, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, text[-3000:]
+    finals = sorted(out.glob("runs/*/seed-0/final_eval.json"))
+    assert len(finals) == 2 and all(json.loads(f.read_text())["episodes"] == 2 for f in finals)
+    md = (out / "results.md").read_text()
+    assert "| `1e-4` | 1 |" in md and "| `3e-4` | 1 |" in md and "files_delete" in md
+    assert (out / "curves.png").exists()
+
+    # A longer sweep, interrupted once its run has a checkpoint: the same command resumes it and finishes.
+    out2 = tmp_path / "sweep2"
+    args = ("learner.total_steps=6", "--vary", "learner.lr=1e-4", "--seeds", "1")
+    p = _sweep(out2, *args)
+    latest = out2 / "runs" / "learner.lr=1e-4" / "seed-0" / "checkpoints" / "latest"
+    deadline = time.monotonic() + 600
+    while not (latest.exists() and latest.read_text().strip() >= "step-00000002"):
+        assert time.monotonic() < deadline and p.poll() is None, "no checkpoint to interrupt after"
+        time.sleep(0.5)
+    os.killpg(p.pid, signal.SIGINT)
+    text, _ = p.communicate(timeout=600)
+    assert p.returncode == EXIT_RESUMABLE and "run the same command again to continue" in text, text[-3000:]
+    step_at_stop = int(latest.read_text().rsplit("-", 1)[1])
+    assert 2 <= step_at_stop < 6
+    p = _sweep(out2, *args)
+    text, _ = p.communicate(timeout=900)
+    assert p.returncode == 0 and "[sweep] resume learner.lr=1e-4 seed 0" in text, text[-3000:]
+    steps = [json.loads(x)["step"] for x in (latest.parent.parent / "metrics" / "learner.jsonl").read_text().splitlines()]
+    assert steps[-1] == 6 and set(steps) == set(range(1, 7)), steps
+    assert json.loads((latest.parent.parent / "final_eval.json").read_text())["episodes"] == 2
+    p = _sweep(out2, *args)  # everything done: nothing runs again
+    text, _ = p.communicate(timeout=300)
+    assert p.returncode == 0 and "1 already done" in text and "[sweep] resume" not in text
