@@ -122,7 +122,8 @@ def test_a_tiny_sweep_runs_evaluates_summarises_and_continues_after_an_interrupt
     p = _sweep(out2, *args)
     text, _ = p.communicate(timeout=900)
     assert p.returncode == 0 and "[sweep] resume learner.lr=1e-4 seed 0" in text, text[-3000:]
-    steps = [json.loads(x)["step"] for x in (latest.parent.parent / "metrics" / "learner.jsonl").read_text().splitlines()]
+    learner = latest.parent.parent / "metrics" / "learner.jsonl"
+    steps = [json.loads(x)["step"] for x in learner.read_text().splitlines()]
     assert steps[-1] == 6 and set(steps) == set(range(1, 7)), steps
     assert json.loads((latest.parent.parent / "final_eval.json").read_text())["episodes"] == 2
     p = _sweep(out2, *args)  # everything done: nothing runs again
