@@ -160,7 +160,8 @@ class Actor:
         self.episode_lens: list[int] = []
         self.env_ms: list[float] = []
         self.engine_busy_s = 0.0
-        self.metrics = MetricsWriter(run_dir.metrics / f"actor-{rank}.jsonl" if run_dir is not None else None)
+        self.metrics = MetricsWriter(run_dir.metrics / f"actor-{rank}.jsonl" if run_dir is not None else None,
+                                     cfg.prometheus, "actor", rank)
         self.groups_started = 0
         self.in_flight: set[asyncio.Task] = set()
         self.stopping = False

@@ -32,12 +32,16 @@ class ActorConfig:
     """how observations become prompts"""
     metrics_interval_s: float = 5.0
     """seconds between actor metric records"""
+    prometheus: str = ""
+    """HOST:PORT to serve this role's metrics on for Prometheus (ranked roles add their rank); empty = off"""
     stop_grace_s: float = 30.0
     """after a stop, how long in-flight groups may finish and be acked"""
     close_sessions_s: float = 5.0
     """on exit, how long to wait for the env_servers to confirm this actor's sessions are closed"""
 
     def validate(self) -> None:
+        from common.prometheus import check_address
+        check_address(self.prometheus, "actor.prometheus")
         if self.env_error not in ("reroll", "incomplete"):
             raise ValueError("env_error must be reroll or incomplete")
         if self.max_groups < 1 or not self.env_servers:

@@ -51,12 +51,16 @@ class BrokerConfig:
     """recent group ids remembered to ignore actor retries"""
     metrics_interval_s: float = 5.0
     """seconds between metrics records"""
+    prometheus: str = ""
+    """HOST:PORT to serve this role's metrics on for Prometheus (ranked roles add their rank); empty = off"""
     stop_grace_s: float = 3.0
     """after a stop Control, keep publishing it this long before exiting"""
     tasks: TaskSourceConfig = field(default_factory=TaskSourceConfig)
     """task source for tickets"""
 
     def validate(self) -> None:
+        from common.prometheus import check_address
+        check_address(self.prometheus, "broker.prometheus")
         if self.groups_per_batch < 1 or self.group_size < 1:
             raise ValueError("groups_per_batch and group_size must be >= 1")
         if self.eta < 0:

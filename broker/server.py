@@ -81,7 +81,7 @@ class Broker:
                                    cfg.tasks.shuffle, seed * 1_000_003 + self.state["starts"])
         self.store = SuccessStore(cfg.success_per_task, cfg.success_max_tasks,
                                   run_dir.spill / "success.log" if cfg.persist else None, log)
-        self.metrics = MetricsWriter(run_dir.metrics / "broker.jsonl")
+        self.metrics = MetricsWriter(run_dir.metrics / "broker.jsonl", cfg.prometheus, "broker")
         now = time.monotonic()
         self._next_publish = now
         self._next_metrics = now + cfg.metrics_interval_s

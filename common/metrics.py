@@ -28,16 +28,24 @@ def last_record(path: Path, max_bytes: int = 65536) -> dict | None:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to ``<dir>/<name>.jsonl``; a ``None`` path discards."""
+    """Appends one JSON object per line to ``<dir>/<name>.jsonl``; a ``None`` path discards. With ``prometheus``
+    (HOST:PORT, from the role's config) the newest record is also served as Prometheus ``/metrics``
+    (``common/prometheus.py``)."""
 
-    def __init__(self, path: str | Path | None):
+    def __init__(self, path: str | Path | None, prometheus: str = "", role: str = "", rank: int = 0):
         self.path = Path(path) if path is not None else None
         self._f = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self.path, "a", buffering=1)
+        self.exposed = None
+        if prometheus:
+            from common.prometheus import serve
+            self.exposed = serve(prometheus, role or (self.path.stem if self.path else "role"), rank)
 
     def write(self, record: dict[str, Any]) -> None:
+        if self.exposed is not None:
+            self.exposed.update(json.loads(json.dumps(record, default=_jsonable)))
         if self._f is None:
             return
         self._f.write(json.dumps({"time": time.time(), **record}, default=_jsonable) + "\n")

@@ -33,6 +33,8 @@ class EnvServerConfig:
     """how often idle desktops are health-checked (broken ones are replaced)"""
     metrics_interval_s: float = 5.0
     """seconds between pool metric records"""
+    prometheus: str = ""
+    """HOST:PORT to serve this role's metrics on for Prometheus (ranked roles add their rank); empty = off"""
     max_drain: int = 256
     """most requests handled per loop turn before timers run"""
     sim: SimConfig = field(default_factory=SimConfig)
@@ -41,6 +43,8 @@ class EnvServerConfig:
     """real desktops (backends: xvfb, apptainer)"""
 
     def validate(self) -> None:
+        from common.prometheus import check_address
+        check_address(self.prometheus, "env_server.prometheus")
         check_backend(self.backend, self.options)
         self.desktop.validate()
         if self.pool_size < 1 or not 0 <= self.prestart <= self.pool_size:

@@ -92,7 +92,7 @@ class EnvServer:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self.step_ms: collections.deque = collections.deque(maxlen=20_000)
-        self.metrics = MetricsWriter(run_dir.metrics / f"env_server-{rank}.jsonl")
+        self.metrics = MetricsWriter(run_dir.metrics / f"env_server-{rank}.jsonl", cfg.prometheus, "env_server", rank)
         self._stop = threading.Event()
         now = time.monotonic()
         self._next_health = now + cfg.health_interval_s

@@ -119,6 +119,8 @@ class LearnerConfig:
     """demonstration replay during RL against forgetting (off by default)"""
     checkpoint_every: int = 50
     """write a checkpoint every this many steps (and on SIGTERM/SIGUSR2 and at the end); 0 = only then"""
+    prometheus: str = ""
+    """HOST:PORT to serve this role's metrics on for Prometheus (rank 0 only); empty = off"""
     keep_checkpoints: int = 3
     """checkpoints kept on disk"""
     expected_actors: int = 0
@@ -129,6 +131,8 @@ class LearnerConfig:
     """with several learner ranks: how long a training collective may wait for a slow or dead rank"""
 
     def validate(self) -> None:
+        from common.prometheus import check_address
+        check_address(self.prometheus, "learner.prometheus")
         if self.prox not in ("recompute", "loglinear") or self.schedule not in ("constant", "cosine"):
             raise ValueError("prox must be recompute|loglinear and schedule constant|cosine")
         if self.updates_per_batch < 1 or self.prefetch < 1 or self.micro_batch_tokens < 16:

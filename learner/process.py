@@ -43,7 +43,7 @@ class Learner:
         self.jobs = JobChannel(self.trainer.dist, self.trainer)
         self.client = LearnerBrokerClient(net, run_dir.keys, log)
         self.sender = WeightSender(weights, log) if (weights is not None and cfg.broadcast_weights) else None
-        self.metrics = MetricsWriter(run_dir.metrics / "learner.jsonl")
+        self.metrics = MetricsWriter(run_dir.metrics / "learner.jsonl", cfg.prometheus, "learner")
         self.audit = AuditLog(run_dir.audit / "learner.jsonl")
         self._stop = threading.Event()
         self._want_checkpoint = False
