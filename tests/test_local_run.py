@@ -126,6 +126,9 @@ def test_run_trains_checkpoints_and_leaves_no_process(tmp_path):
     assert evals and evals[-1]["step"] == 4 and evals[-1]["per_family"].keys() == {"files_delete"}
     assert evals[0]["step"] == 0 and evals[0]["checkpoint"].endswith("base-policy"), "the curve starts at the base"
     assert (run_dir / "learning_curve.png").stat().st_size > 1000
+    from tests.test_prometheus import dashboard_metrics, exposed_metrics
+    missing = dashboard_metrics() - exposed_metrics(run_dir / "metrics")
+    assert not missing, f"the Grafana dashboard queries series no role exposes: {sorted(missing)}"
     from tests.test_metric_sinks import _events
     assert [step for step, _ in _events(run_dir, "learner")["loss"]] == [1, 2, 3, 4], "TensorBoard has the run"
     assert [step for step, _ in _events(run_dir, "eval")["success_rate"]] == [0, 2, 4]

@@ -88,3 +88,36 @@ def test_a_live_broker_and_env_server_are_scraped(tmp_path):
         for p in (broker, env):
             p.terminate()
             p.wait(20)
+
+
+def dashboard_metrics() -> set[str]:
+    """Every computerrl_* series the shipped Grafana dashboard queries."""
+    import json
+    import re
+
+    dash = json.loads((REPO / "configs" / "grafana" / "computerrl-run.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    return {m for e in exprs for m in re.findall(r"computerrl_[a-z_]+", e)}
+
+
+def exposed_metrics(metrics_dir) -> set[str]:
+    """The series the roles of a run would expose, from their newest records (the same mapping as /metrics)."""
+    from common.metrics import last_record
+
+    names = set()
+    for path in metrics_dir.glob("*.jsonl"):
+        role = path.stem.split("-")[0]
+        rec = last_record(path)
+        if rec is None or role == "eval":
+            continue
+        names |= {f"computerrl_{role}_{n}{'_total' if kind == 'counter' else ''}" for kind, n, _, _ in series(rec)}
+    return names
+
+
+def test_the_dashboard_is_valid_grafana_json_with_one_datasource_variable():
+    import json
+
+    dash = json.loads((REPO / "configs" / "grafana" / "computerrl-run.json").read_text())
+    assert dash["templating"]["list"][0]["type"] == "datasource"
+    assert all(p["targets"] and p["datasource"]["uid"] == "${datasource}" for p in dash["panels"])
+    assert len(dashboard_metrics()) >= 20
