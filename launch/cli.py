@@ -298,6 +298,36 @@ def slurm_cancel(run_dir: str, timeout_s: float) -> None:
 
 
 @main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--once", is_flag=True, help="print the view once and exit")
+@click.option("--interval", default=2.0, show_default=True, help="seconds between refreshes")
+def top(run_dir: str, once: bool, interval: float) -> None:
+    """The live view of any run directory, from its metric records: a run on other nodes included (all it needs
+    is the shared directory). A role is shown down when its records stopped coming."""
+    from common.rundir import RunDir
+    from launch.local import render_view, roles_from_records
+
+    rd = RunDir(Path(run_dir).resolve())
+    cfg = load_run_config(rd.config if rd.config.exists() else None)
+    tty = sys.stdout.isatty() and not once
+    shown = 0
+    try:
+        while True:
+            roles, elapsed = roles_from_records(rd, cfg)
+            lines = [f"run {rd.root}", *render_view(rd, cfg, elapsed, roles)]
+            if tty and shown:
+                sys.stdout.write(f"\x1b[{shown}F\x1b[J")
+            sys.stdout.write("\n".join(lines) + "\n")
+            sys.stdout.flush()
+            shown = len(lines)
+            if once:
+                return
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
 @click.argument("config", type=click.Path(exists=True, dir_okay=False))
 @click.argument("overrides", nargs=-1)
 @click.option("--vary", multiple=True, required=True,

@@ -417,6 +417,34 @@ def _total(records: list[dict], key: str) -> float:
     return sum(r.get(key) or 0 for r in records)
 
 
+def roles_from_records(run_dir: RunDir, cfg: Any, now: float | None = None) -> tuple[dict[str, tuple[bool, int]],
+                                                                                    float]:
+    """For a view from outside the supervisor (``computerrl top``, any node that sees the run directory): each
+    role that wrote metrics, up when its newest record is younger than three of its intervals; and the run's
+    elapsed time, from its first record to its newest (a finished run's clock stops)."""
+    now = time.time() if now is None else now
+    newest = 0.0
+    interval = {"broker": cfg.broker.metrics_interval_s, "env_server": cfg.env_server.metrics_interval_s,
+                "actor": cfg.actor.metrics_interval_s}
+    roles, first = {}, now
+    for path in sorted(run_dir.metrics.glob("*.jsonl")):
+        name = path.stem.rsplit("-", 1)[0] if "-" in path.stem else path.stem
+        if name == "eval":
+            continue
+        rec = last_record(path) or {}
+        newest = max(newest, float(rec.get("time", 0.0)))
+        try:
+            with open(path) as f:
+                first = min(first, float(json.loads(f.readline()).get("time", now)))
+        except (OSError, ValueError):
+            pass
+        # The learner writes once per step: a slow step is not a dead learner, so it gets a minute.
+        stale_after = 3 * interval.get(name, 20.0)
+        label = path.stem if "-" in path.stem else f"{path.stem}-0"
+        roles[label] = (now - float(rec.get("time", 0.0)) < stale_after, 0)
+    return roles, max(0.0, newest - first)
+
+
 def render_view(run_dir: RunDir, cfg: Any, elapsed: float, roles: dict[str, tuple[bool, int]]) -> list[str]:
     m = run_dir.metrics
     lr = last_record(m / "learner.jsonl") or {}

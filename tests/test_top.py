@@ -1,0 +1,34 @@
+"""`computerrl top RUN_DIR`: the live view from a run directory's records alone (as from another node)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from click.testing import CliRunner
+
+from launch.cli import main
+
+
+def test_top_shows_a_run_from_its_records_and_which_roles_went_quiet(tmp_path):
+    now = time.time()
+    m = tmp_path / "metrics"
+    m.mkdir()
+    (tmp_path / "config.yaml").write_text("learner:\n  total_steps: 10\n")
+    records = {
+        "learner": [{"time": now - 120, "step": 1, "success_rate": 0.25, "entropy": 0.5, "loss": 0.1},
+                    {"time": now - 30, "step": 4, "success_rate": 0.5, "entropy": 0.4, "loss": 0.05}],
+        "broker": [{"time": now, "queue_depth": 3, "running": 2}],
+        "env_server-0": [{"time": now - 2, "desktops": 8, "sessions": 8, "steps_per_s": 4.0,
+                          "counters": {"resets": 30, "steps": 90, "backend_errors": 1}}],
+        "actor-0": [{"time": now - 100, "gen_tokens_per_s": 50.0, "counters": {"episodes": 12}}],
+    }
+    for name, recs in records.items():
+        (m / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = CliRunner().invoke(main, ["top", str(tmp_path), "--once"])
+    assert out.exit_code == 0, out.output
+    assert "step 4/10" in out.output and "elapsed 2.0 min" in out.output and "ETA 3.0 min" in out.output
+    assert "success 0.50" in out.output and "broker queue 3" in out.output
+    assert "desktops 8 (started 0)  resets 30 (0.25/s)  steps 90 (0.75/s)  failures 1" in out.output
+    # the actor wrote nothing for 100 s (3 intervals of 5 s): down; the learner, 30 s after a step: still up
+    assert "roles actor-0(down) broker-0 env_server-0 learner-0\n" in out.output
