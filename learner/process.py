@@ -24,6 +24,9 @@ from learner.config import LearnerConfig
 from learner.distributed import DistContext, JobChannel, from_environment
 from learner.trainer import Trainer
 
+ROUND_RETRY_MAX_S = 30.0
+"""a failed weight round is sent again after 2, 4, 8, ... seconds, at most this long"""
+
 
 class Learner:
     """The learner process: a Trainer plus the broker link, weight rounds, metrics and checkpoints.
@@ -46,6 +49,8 @@ class Learner:
         self.metrics = MetricsWriter(run_dir.metrics / "learner.jsonl", cfg.prometheus, "learner")
         self.audit = AuditLog(run_dir.audit / "learner.jsonl")
         self._stop = threading.Event()
+        self._round_failures = 0  # weight rounds failed in a row
+        self._retry_round_at = 0.0  # monotonic time to send the current weights again after a failed round
         self._want_checkpoint = False
         self._checkpointed = -1  # version of the last checkpoint this process wrote
         if resume:
@@ -93,6 +98,8 @@ class Learner:
         """Run the round on a daemon thread: a stop never waits for a round stuck on a dead peer."""
         import concurrent.futures as cf
 
+        self._retry_round_at = 0.0  # this round carries the newest weights: any retry pending is moot
+
         fut: cf.Future = cf.Future()
 
         def run() -> None:
@@ -110,10 +117,19 @@ class Learner:
 
         t = self.trainer
         try:
-            t._count("weight_receivers", self.sender.broadcast(t.weights_for_broadcast(), t.version,
-                                                               self.cfg.expected_actors))
+            received = self.sender.broadcast(t.weights_for_broadcast(), t.version, self.cfg.expected_actors)
         except RoundFailed:
             t._count("weight_rounds_failed")
+            received = -1
+        else:
+            t._count("weight_receivers", received)
+        if received < self.cfg.expected_actors or received < 0:
+            # Actors left on older weights make ever staler groups; when the steps that follow are empty (no new
+            # weights, so no round) nothing else would ever send them these: send them again, backing off.
+            self._round_failures += 1
+            self._retry_round_at = time.monotonic() + min(ROUND_RETRY_MAX_S, 2.0 ** self._round_failures)
+        else:
+            self._round_failures = 0
 
     def run(self) -> bool:
         """True once ``total_steps`` are done; False when stopped before (a signal: resumable).
@@ -158,6 +174,13 @@ class Learner:
                 if self.cfg.total_steps and t.version >= self.cfg.total_steps:
                     finished = True
                     break
+                if self._retry_round_at and time.monotonic() >= self._retry_round_at:
+                    self._retry_round_at = 0.0
+                    if self.publish(paused=t.entropulse.phase == "sft") is not None:
+                        self.log.info("weights_round_retried", round=self.sender.round, version=t.version,
+                                      failures=self._round_failures)
+                        job, job_kind = self._start_broadcast(), "broadcast"
+                        continue
                 if t.entropulse.phase == "rl":
                     if c.batches:
                         batch = c.batches.popleft()

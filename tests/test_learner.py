@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -407,3 +408,41 @@ def test_a_bad_loss_or_estimator_name_fails_when_the_learner_starts():
                 dataclasses.replace(LearnerConfig(), advantage=AdvantageConfig(name="nope_pkg.mod:fn"))):
         with pytest.raises(ValueError, match="cannot load 'nope_pkg.mod:fn'"):
             Trainer(cfg, TINY)
+
+
+def test_a_failed_or_short_weight_round_is_sent_again_with_back_off():
+    """Actors that missed a round stay on old weights; if the next steps are empty no round would follow, and
+    their groups would all go stale (a real-desktop run stalled that way): the learner sends the round again."""
+    import types
+
+    from common.weightsync import RoundFailed
+    from learner.process import ROUND_RETRY_MAX_S, Learner
+
+    outcomes = [RoundFailed("peer closed"), 1, 2, RoundFailed("again")]
+
+    class Sender:
+        def broadcast(self, named, version, expected):
+            out = outcomes.pop(0)
+            if isinstance(out, Exception):
+                raise out
+            return out
+
+    counts: dict = {}
+    learner = object.__new__(Learner)
+    learner.cfg = types.SimpleNamespace(expected_actors=2)
+    learner.sender = Sender()
+    learner.trainer = types.SimpleNamespace(weights_for_broadcast=lambda: [], version=5,
+                                            _count=lambda k, n=1: counts.__setitem__(k, counts.get(k, 0) + n))
+    learner._round_failures, learner._retry_round_at = 0, 0.0
+    t0 = time.monotonic()
+    learner._broadcast()  # failed: again in 2 s
+    assert learner._round_failures == 1 and 1.5 < learner._retry_round_at - t0 < 2.5
+    learner._broadcast()  # one of two actors received it: again in 4 s
+    assert learner._round_failures == 2 and 3.5 < learner._retry_round_at - t0 < 4.5
+    learner._retry_round_at = 0.0
+    learner._broadcast()  # both received it: nothing to retry
+    assert learner._round_failures == 0 and learner._retry_round_at == 0.0
+    learner._round_failures = 10
+    learner._broadcast()
+    assert learner._retry_round_at - time.monotonic() <= ROUND_RETRY_MAX_S
+    assert counts == {"weight_rounds_failed": 2, "weight_receivers": 3}
