@@ -13,6 +13,7 @@ from pathlib import Path
 from common.stats import wilson_interval
 
 COLORS = {"train": "#1f77b4", "eval": "#d62728", "entropy": "#2ca02c", "sft": "#ffecb3"}
+FAMILY_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#ff7f0e")
 SIZE_IN, DPI = (9.6, 6.0), 100
 
 
@@ -77,9 +78,15 @@ def render_curve(metrics_dir: Path, out: Path, title: str = "") -> bool:
                [max(0.0, hi - y) for y, (_, hi) in zip(ys, lo_hi)]]
         success_ax.errorbar(xs, ys, yerr=err, color=COLORS["eval"], fmt="-o", ms=4, capsize=3, lw=1.5,
                             label="held-out eval (95 % interval)")
-    success_ax.set_ylim(0.0, 1.0)
+        families = sorted({f for r in evals for f in (r.get("per_family") or {})})
+        if len(families) > 1:  # one family is the overall line already
+            for i, fam in enumerate(families):
+                pts = [(r["step"], r["per_family"][fam]) for r in evals if fam in (r.get("per_family") or {})]
+                success_ax.plot(*zip(*pts), color=FAMILY_COLORS[i % len(FAMILY_COLORS)], ls="--", marker=".",
+                                lw=1.0, label=f"held-out: {fam}")
+    success_ax.set_ylim(0.0, 1.03)  # a family at 100 % stays visible above the frame's edge
     success_ax.set_ylabel("success rate")
-    success_ax.legend(loc="upper left", fontsize=8, frameon=False)
+    success_ax.legend(loc="lower right", fontsize=7, frameon=True, framealpha=0.85, ncol=2)
     entropy = [(r["step"], r["entropy"]) for r in steps if r.get("entropy") is not None]
     if entropy:
         entropy_ax.plot(*zip(*entropy), color=COLORS["entropy"], lw=1.5)

@@ -21,7 +21,8 @@ def test_curve_png_from_metrics(tmp_path):
         f.write("not json\n")
     with open(m / "eval.jsonl", "w") as f:
         for step in (10, 20, 30, 40):
-            f.write(json.dumps({"step": step, "success_rate": step / 50, "episodes": 25}) + "\n")
+            f.write(json.dumps({"step": step, "success_rate": step / 50, "episodes": 25,
+                                "per_family": {"a": step / 40, "b": step / 80}}) + "\n")
     out = tmp_path / "curve.png"
     assert render_curve(m, out, "test run")
     img = Image.open(out).convert("RGB")
