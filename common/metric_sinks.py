@@ -35,8 +35,7 @@ class MetricsConfig:
     """Where metric records go besides the JSONL files every role writes."""
 
     sinks: list[str] = field(default_factory=lambda: ["jsonl"])
-    """jsonl (always written) | tensorboard (event files in <run>/tensorboard) | wandb; the last two need
-    ``pip install 'computerrl[tracking]'``"""
+    """jsonl (always written) | tensorboard (<run>/tensorboard) | wandb; those two need computerrl[tracking]"""
     wandb_project: str = "computerrl"
     """W&B project of the run"""
     wandb_entity: str = ""
