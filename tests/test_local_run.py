@@ -46,6 +46,8 @@ def recipe_run(config: str, run_dir: Path, *overrides: str, env: dict | None = N
     args = [sys.executable, "-m", "launch.cli", "run", config, *_ports(), f"env_server.port={port}",
             f"actor.env_servers=['127.0.0.1:{port}']", f"model.path={REPO / 'configs' / 'base-policy'}",
             "learner.total_steps=2", "learner.checkpoint_every=2", "broker.groups_per_batch=2", "broker.group_size=2",
+            # the sim-trained base policy fails the recipe's tasks alike: dropping such groups would leave no batch
+            "broker.drop_zero_variance=false",
             "weights.join_window_s=0.5", "local.eval_episodes=1", "local.eval_start=false", *overrides,
             "--run-dir", str(run_dir)]
     env = env or {**os.environ, "PYTHONPATH": str(REPO)}
