@@ -30,11 +30,13 @@ from broker.store import SuccessStore
 from common import protocol as P
 from common.audit import AuditLog
 from common.metrics import Histogram, MetricsWriter
-from common.net import (AuthMonitor, NetConfig, PeerTable, ServerSocket, answer_heartbeat, limit_size,
-                        security_for, serve)
+from common.net import (AuthMonitor, NetConfig, PeerTable, RateLimitedLog, ServerSocket, answer_heartbeat,
+                        limit_size, security_for, serve)
 from common.rundir import RunDir
 
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+NO_BATCH_WARN_GROUPS = 10
+"""groups dropped in a row, in batches' worth, before the broker warns that no batch can form (once a minute)"""
 
 
 class Broker:
@@ -82,6 +84,8 @@ class Broker:
         self.store = SuccessStore(cfg.success_per_task, cfg.success_max_tasks,
                                   run_dir.spill / "success.log" if cfg.persist else None, log)
         self.metrics = MetricsWriter(run_dir.metrics / "broker.jsonl", cfg.prometheus, "broker")
+        self._dropped_in_a_row: dict[str, int] = {}  # reason -> groups dropped since the last admitted one
+        self.no_batch_log = RateLimitedLog(log, interval_s=60.0)
         now = time.monotonic()
         self._next_publish = now
         self._next_metrics = now + cfg.metrics_interval_s
@@ -241,11 +245,20 @@ class Broker:
             reason = self._drop_reason(g)
             if reason:
                 self.counters[f"dropped_{reason}"] += 1
+                self._dropped_in_a_row[reason] = self._dropped_in_a_row.get(reason, 0) + 1
+                in_a_row = sum(self._dropped_in_a_row.values())
+                if in_a_row >= NO_BATCH_WARN_GROUPS * self.cfg.groups_per_batch:
+                    # Nothing admitted for a long while: no batch can form and the learner waits. Say why.
+                    self.no_batch_log.warning("groups_all_dropped", ("in_a_row",), in_a_row=in_a_row,
+                                              by_reason=dict(self._dropped_in_a_row),
+                                              hint="every rollout of a group ends alike (all fail or all "
+                                                   "succeed): no learning signal while this lasts")
                 self.audit.write("dropped", g=g.group_id, task=g.task_id, r=reason, bv=g.behavior_version_min)
                 replies.append((ident, P.Ack(group_id=g.group_id, accepted=False, reason=reason)))
                 self._remember(g.group_id)
                 continue
             to_write.append((ident, g, frames))
+            self._dropped_in_a_row.clear()
         for _, g, _ in to_write:
             self._remember(g.group_id)  # from now on a retry is a duplicate
         if self.commit is None:
@@ -511,6 +524,7 @@ class Broker:
             "fsyncs": self.spill.fsyncs,
             "phase": self.control.phase,
             "loop_stalled_s": round(self.actors.deaf_s, 2),  # own stalls credited to peers' liveness
+            "dropped_in_a_row": sum(self._dropped_in_a_row.values()),  # since the last admitted group
         }
 
     def write_metrics(self, now: float) -> None:

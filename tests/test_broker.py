@@ -184,6 +184,7 @@ def test_dynamic_sampling_and_incomplete_groups_dropped(start_broker, quiet_log)
     pump([actor], 5, until=lambda: len(actor.acks) == 3)
     reasons = sorted(a.reason for a in actor.acks)
     assert reasons == ["", "incomplete", "zero_variance"]
+    assert tb.broker.snapshot()["dropped_in_a_row"] == 0, "the last group was admitted: the count starts over"
     learner.grant(2)
     assert learner.next_batch(5).groups[0].group_id == good.group_id
     assert learner.next_batch(0.3) is None
@@ -191,6 +192,18 @@ def test_dynamic_sampling_and_incomplete_groups_dropped(start_broker, quiet_log)
     learner.request_successes(k_per_task=5)
     pump([learner], 5, until=lambda: len(learner.successes) == 1)
     assert len({s.task_id for s in learner.successes[0].samples}) == 3
+    actor.close()
+    learner.close()
+
+
+def test_groups_dropped_in_a_row_are_counted_so_a_run_that_cannot_form_a_batch_says_so(start_broker, quiet_log):
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=3, drop_zero_variance=True))
+    actor, learner = clients(tb, quiet_log)
+    for t in take_tickets(actor, 3, expect=3):
+        actor.submit(make_group(t, rewards=(0.0, 0.0)))  # every rollout failed alike
+    pump([actor], 5, until=lambda: len(actor.acks) == 3)
+    snap = tb.broker.snapshot()
+    assert snap["dropped_in_a_row"] == 3 and snap["dropped_zero_variance"] == 3
     actor.close()
     learner.close()
 
