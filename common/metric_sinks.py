@@ -20,11 +20,12 @@ after every poll, so a resumed run (or a second ``computerrl metrics``) does not
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
+
+from common.metrics import numeric_fields
 
 SINKS = ("jsonl", "tensorboard", "wandb")
 OFFSETS_FILE = ".forwarded.json"
@@ -65,20 +66,10 @@ class MetricsConfig:
         return [s for s in self.sinks if s != "jsonl"]
 
 
-def scalars(record: dict, prefix: str = "") -> Iterator[tuple[str, float]]:
-    """The record's numeric fields as (name, value); nested dicts joined with ``/``; booleans as 0/1; NaN and
-    infinities, strings and lists left out (histograms arrive as dicts of counts and are kept)."""
-    for key, value in record.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            yield from scalars(value, f"{name}/")
-        elif isinstance(value, bool):
-            yield name, float(value)
-        elif isinstance(value, (int, float)) and math.isfinite(value):
-            yield name, float(value)
-
-
-_NOT_SCALARS = ("time", "rank")  # the record's clock and its writer's rank are not curves
+def scalars(record: dict) -> Iterator[tuple[str, float]]:
+    """The record's measurements as (name, value), nested keys joined with ``/`` (``counters/episodes``)."""
+    for path, value in numeric_fields(record):
+        yield "/".join(path), value
 
 
 def _version(record: dict) -> int | None:
@@ -103,8 +94,7 @@ class _TensorBoard:
         if w is None:
             w = self.writers[source] = self.writer_cls(str(self.root / source))
         for name, value in scalars(record):
-            if name not in _NOT_SCALARS:
-                w.add_scalar(name, value, global_step=version, walltime=record.get("time"))
+            w.add_scalar(name, value, global_step=version, walltime=record.get("time"))
 
     def flush(self) -> None:
         for w in self.writers.values():
@@ -129,7 +119,7 @@ class _WandB:
         self.run.define_metric("*", step_metric="policy_version")
 
     def write(self, source: str, record: dict, version: int) -> None:
-        data = {f"{source}/{n}": v for n, v in scalars(record) if n not in _NOT_SCALARS}
+        data = {f"{source}/{n}": v for n, v in scalars(record)}
         if data:
             self.run.log({"policy_version": version, **data})
 

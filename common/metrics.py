@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 
 def last_record(path: Path, max_bytes: int = 65536) -> dict | None:
@@ -44,16 +45,53 @@ class MetricsWriter:
             self.exposed = serve(prometheus, role or (self.path.stem if self.path else "role"), rank)
 
     def write(self, record: dict[str, Any]) -> None:
-        if self.exposed is not None:
-            self.exposed.update(json.loads(json.dumps(record, default=_jsonable)))
-        if self._f is None:
+        if self._f is None and self.exposed is None:
             return
-        self._f.write(json.dumps({"time": time.time(), **record}, default=_jsonable) + "\n")
+        line = json.dumps({"time": time.time(), **record}, default=_jsonable)
+        if self.exposed is not None:
+            self.exposed.update(json.loads(line))  # plain types, as a reader of the file would get them
+        if self._f is not None:
+            self._f.write(line + "\n")
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+RECORD_KEYS = ("time", "role", "rank")
+"""what every record carries about itself (when, who); not measurements"""
+
+
+def numeric_fields(record: dict, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], float]]:
+    """Every measurement of a metric record as (path of keys, value): nested dicts are walked (a histogram is a
+    dict of counts), booleans count as 0/1; the record's own keys (``RECORD_KEYS``), strings, lists, NaN and
+    infinities are left out. TensorBoard, W&B and Prometheus all read records through this."""
+    for key, value in record.items():
+        if not path and key in RECORD_KEYS:
+            continue
+        here = (*path, str(key))
+        if isinstance(value, dict):
+            yield from numeric_fields(value, here)
+        elif isinstance(value, bool):
+            yield here, float(value)
+        elif isinstance(value, (int, float)) and math.isfinite(value):
+            yield here, float(value)
+
+
+def read_records(path: Path) -> list[dict]:
+    """Every whole JSON record of a JSONL file (a torn or foreign line is skipped); [] when there is none."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
 
 
 def _jsonable(obj: Any) -> Any:

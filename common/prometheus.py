@@ -15,10 +15,11 @@ the run directory records. Mapping, for a role ``broker``:
 
 from __future__ import annotations
 
-import math
 import re
 import threading
 from typing import Any, Iterator
+
+from common.metrics import numeric_fields
 
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -28,36 +29,17 @@ def _metric_name(*parts: str) -> str:
     return _NAME.sub("_", "_".join(p for p in parts if p))
 
 
-def _number(v: Any) -> float | None:
-    if isinstance(v, bool):
-        return float(v)
-    if isinstance(v, (int, float)) and math.isfinite(v):
-        return float(v)
-    return None
-
-
-def series(record: dict, prefix: str = "") -> Iterator[tuple[str, str, dict[str, str], float]]:
-    """(kind gauge|counter, metric name without the namespace, labels, value) for every number in the record."""
-    for key, value in record.items():
-        if key in ("time", "rank", "role"):
+def series(record: dict) -> Iterator[tuple[str, str, dict[str, str], float]]:
+    """(kind gauge|counter, metric name without the namespace, labels, value) for every measurement of the
+    record (``common.metrics.numeric_fields``): the first key that is not a name (a histogram's bucket) becomes
+    the ``key`` label, the keys before it the name."""
+    for path, value in numeric_fields(record):
+        if path[0] == "counters" and len(path) == 2:
+            yield "counter", _metric_name(path[1]), {}, value
             continue
-        if isinstance(value, dict):
-            if key == "counters" and not prefix:
-                for name, v in value.items():
-                    n = _number(v)
-                    if n is not None:
-                        yield "counter", _metric_name(name), {}, n
-            elif all(isinstance(k, str) and _IDENT.match(k) for k in value):
-                yield from series(value, f"{prefix}{key}_")
-            else:
-                for k, v in value.items():
-                    n = _number(v)
-                    if n is not None:
-                        yield "gauge", _metric_name(prefix + key), {"key": str(k)}, n
-        else:
-            n = _number(value)
-            if n is not None:
-                yield "gauge", _metric_name(prefix + key), {}, n
+        cut = next((i for i, k in enumerate(path) if i and not _IDENT.match(k)), len(path))
+        labels = {"key": "/".join(path[cut:])} if cut < len(path) else {}
+        yield "gauge", _metric_name(*path[:cut]), labels, value
 
 
 class RecordCollector:

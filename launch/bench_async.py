@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.net import free_port
+from launch.local import free_port_overrides
 
 
 @dataclass
@@ -40,15 +40,12 @@ class AsyncBenchSetup:
 
 
 def _run(config: str, setup: AsyncBenchSetup, eta: int, run_dir: Path, extra: list[str]) -> dict:
-    port = free_port()
     overrides = [f"broker.eta={eta}", f"learner.total_steps={setup.steps}", "learner.checkpoint_every=0",
                  f"actor.max_groups={setup.max_groups}", f"local.eval_episodes={setup.eval_episodes}",
                  "local.eval_start=false",  # only the final policies are compared; nothing else shares the cores
                  "env_server.sim.latency=lognormal", f"env_server.sim.latency_mean_s={setup.latency_s}",
                  "env_server.sim.latency_sigma=0.5", f"env_server.sim.latency_desktop_sigma={setup.spread}",
-                 f"net.broker_front_port={free_port()}", f"net.broker_back_port={free_port()}",
-                 f"net.broker_control_port={free_port()}", f"env_server.port={port}",
-                 f"actor.env_servers=['127.0.0.1:{port}']", f"weights.port={free_port()}", *extra]
+                 *free_port_overrides(), *extra]
     proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", config, *overrides, "--run-dir", str(run_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # The clock starts when every role is up (the supervisor's "started" line): process start-up and model

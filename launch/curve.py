@@ -7,26 +7,14 @@ per step) and ``<run>/metrics/eval.jsonl`` (held-out evaluations, drawn with the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from common.metrics import read_records
 from common.stats import wilson_interval
 
 COLORS = {"train": "#1f77b4", "eval": "#d62728", "entropy": "#2ca02c", "sft": "#ffecb3"}
 FAMILY_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#ff7f0e")
 SIZE_IN, DPI = (9.6, 6.0), 100
-
-
-def _records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 def sft_spans(steps: list[dict]) -> list[tuple[float, float]]:
@@ -55,8 +43,8 @@ def render_curve(metrics_dir: Path, out: Path, title: str = "") -> bool:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    steps = sorted((r for r in _records(metrics_dir / "learner.jsonl") if "step" in r), key=lambda r: r["step"])
-    evals = sorted((r for r in _records(metrics_dir / "eval.jsonl") if "step" in r and "success_rate" in r),
+    steps = sorted((r for r in read_records(metrics_dir / "learner.jsonl") if "step" in r), key=lambda r: r["step"])
+    evals = sorted((r for r in read_records(metrics_dir / "eval.jsonl") if "step" in r and "success_rate" in r),
                    key=lambda r: r["step"])
     if not steps:
         return False

@@ -73,6 +73,27 @@ class LocalConfig:
             raise ValueError("local.stop_timeout_s and local.learner_stop_timeout_s must be > 0")
 
 
+PORT_KEYS = ("net.broker_front_port", "net.broker_back_port", "net.broker_control_port", "weights.port",
+             "local.learner_dist_port", "env_server.port")
+"""every port a local run binds"""
+
+
+def free_port_overrides(taken: set[int] | None = None) -> list[str]:
+    """Overrides giving one local run free ports of its own (the actors pointed at its env_server), so several
+    runs share a machine (sweeps, benchmarks, tests). Ports in ``taken`` are avoided, and those picked are added
+    to it, so runs started together never pick the same one."""
+    from common.net import free_port
+
+    taken = set() if taken is None else taken
+    picked: list[int] = []
+    while len(picked) < len(PORT_KEYS):
+        port = free_port()
+        if port not in taken:
+            taken.add(port)
+            picked.append(port)
+    return [*(f"{k}={p}" for k, p in zip(PORT_KEYS, picked)), f"actor.env_servers=['127.0.0.1:{picked[-1]}']"]
+
+
 def fit_to_local_run(cfg: Any) -> list[str]:
     """Settings a local run derives from its own shape (every role on this machine, their number known);
     returns a note for each value it changed."""

@@ -30,10 +30,8 @@ from pathlib import Path
 from typing import Callable
 
 from common.exitcodes import EXIT_RESUMABLE
+from common.metrics import read_records
 from common.stats import mean_interval
-
-PORT_KEYS = ("net.broker_front_port", "net.broker_back_port", "net.broker_control_port", "env_server.port",
-             "weights.port", "local.learner_dist_port")
 
 
 @dataclass
@@ -128,17 +126,10 @@ class Sweep:
     # ----- running ------------------------------------------------------------------------------------
 
     def _free_ports(self) -> list[str]:
-        from common.net import free_port
+        from launch.local import free_port_overrides
 
         with self.lock:
-            picked = []
-            while len(picked) < len(PORT_KEYS):
-                p = free_port()
-                if p not in self._ports:
-                    self._ports.add(p)
-                    picked.append(p)
-        env_port = picked[3]
-        return [f"{k}={p}" for k, p in zip(PORT_KEYS, picked)] + [f"actor.env_servers=['127.0.0.1:{env_port}']"]
+            return free_port_overrides(self._ports)
 
     def _call(self, argv: list[str], log: Path) -> subprocess.CompletedProcess:
         with open(log, "ab") as out:
@@ -156,14 +147,15 @@ class Sweep:
         """done | evaluate | resume | start."""
         if run.final_eval.exists():
             return "done"
-        latest = run.root / "checkpoints" / "latest"
-        if not latest.exists():
-            return "start"
-        import yaml
+        from launch.config import load_run_config
+        from learner import checkpoint as ckpt
 
-        total = (yaml.safe_load((run.root / "config.yaml").read_text()) or {}).get("learner", {}).get("total_steps")
-        step = int(latest.read_text().strip().rsplit("-", 1)[-1])
-        return "evaluate" if total and step >= int(total) else "resume"
+        latest = ckpt.latest(run.root / "checkpoints")
+        if latest is None:
+            return "start"
+        total = load_run_config(run.root / "config.yaml").learner.total_steps
+        version = json.loads((latest / ckpt.STATE_FILE).read_text())["version"]
+        return "evaluate" if total and version >= total else "resume"
 
     def _one(self, run: SweepRun) -> str:
         state = self._state(run)
@@ -293,16 +285,12 @@ class Sweep:
         for variant in self.spec.variants():
             per_seed = []
             for run in self.runs:
-                if run.variant != variant or not (run.root / "metrics" / "eval.jsonl").exists():
+                if run.variant != variant:
                     continue
-                recs = {}
-                for line in (run.root / "metrics" / "eval.jsonl").read_text().splitlines():
-                    try:
-                        r = json.loads(line)
-                        recs[int(r["step"])] = float(r["success_rate"])
-                    except (ValueError, KeyError, TypeError):
-                        continue
-                per_seed.append(recs)
+                per_seed.append({int(r["step"]): float(r["success_rate"])
+                                 for r in read_records(run.root / "metrics" / "eval.jsonl")
+                                 if "step" in r and "success_rate" in r})
+            per_seed = [r for r in per_seed if r]
             if not per_seed:
                 continue
             steps = sorted(set.intersection(*(set(r) for r in per_seed)))

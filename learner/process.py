@@ -120,10 +120,10 @@ class Learner:
             received = self.sender.broadcast(t.weights_for_broadcast(), t.version, self.cfg.expected_actors)
         except RoundFailed:
             t._count("weight_rounds_failed")
-            received = -1
+            received = -1  # below any expected count, 0 included
         else:
             t._count("weight_receivers", received)
-        if received < self.cfg.expected_actors or received < 0:
+        if received < self.cfg.expected_actors:
             # Actors left on older weights make ever staler groups; when the steps that follow are empty (no new
             # weights, so no round) nothing else would ever send them these: send them again, backing off.
             self._round_failures += 1

@@ -11,19 +11,12 @@ import sys
 
 import pytest
 
-from common.net import free_port
 from launch.chaos import ROLES, run_chaos, schedule
+from launch.local import free_port_overrides
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("torch")
-
-
-def _ports() -> list[str]:
-    env_port = free_port()
-    return [f"net.broker_front_port={free_port()}", f"net.broker_back_port={free_port()}",
-            f"net.broker_control_port={free_port()}", f"env_server.port={env_port}",
-            f"actor.env_servers=['127.0.0.1:{env_port}']", f"weights.port={free_port()}"]
 
 
 def test_every_role_killed_nothing_lost_nothing_trained_twice(tmp_path, monkeypatch):
@@ -34,8 +27,9 @@ def test_every_role_killed_nothing_lost_nothing_trained_twice(tmp_path, monkeypa
     assert {k.role for k in plan if k.signal == signal.SIGTERM} == {"broker", "learner"}
     run_dir = tmp_path / "run"
     result = run_chaos("configs/local.yaml", run_dir, 10, plan,
-                       [*_ports(), "local.eval_episodes=0", "learner.checkpoint_every=2", "local.restart_backoff_s=0.2",
-                        "local.max_restarts=10", "weights.join_window_s=0.5"], resume_steps=2, timeout_s=1200)
+                       [*free_port_overrides(), "local.eval_episodes=0", "learner.checkpoint_every=2",
+                        "local.restart_backoff_s=0.2", "local.max_restarts=10", "weights.join_window_s=0.5"],
+                       resume_steps=2, timeout_s=1200)
     audit = result.audit
     assert audit["ok"] and audit["lost"] == 0 and audit["trained_twice"] == 0, audit
     assert audit["trained_once"] >= 8 * 4 // 2, audit  # most of 12 steps x 4 groups were trained

@@ -14,24 +14,16 @@ from pathlib import Path
 import pytest
 
 from common.exitcodes import EXIT_RESUMABLE
-from common.net import free_port
+from launch.local import free_port_overrides
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("torch")
 
 
-def _ports() -> list[str]:
-    return [f"net.broker_front_port={free_port()}", f"net.broker_back_port={free_port()}",
-            f"net.broker_control_port={free_port()}", f"env_server.port={free_port()}",
-            f"weights.port={free_port()}"]
-
-
 def _run(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    port = free_port()
-    env_server = f"actor.env_servers=['127.0.0.1:{port}']"
-    args = [sys.executable, "-m", "launch.cli", "run", "configs/local.yaml", *_ports(), f"env_server.port={port}",
-            env_server, "weights.join_window_s=0.5", *overrides, "--run-dir", str(run_dir)]
+    args = [sys.executable, "-m", "launch.cli", "run", "configs/local.yaml", *free_port_overrides(),
+            "weights.join_window_s=0.5", *overrides, "--run-dir", str(run_dir)]
     return subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -42,9 +34,8 @@ def recipe_run(config: str, run_dir: Path, *overrides: str, env: dict | None = N
     ``computerrl eval`` of the last checkpoint on the recipe's held-out suite. Returns that eval's result."""
     import yaml
 
-    port = free_port()
-    args = [sys.executable, "-m", "launch.cli", "run", config, *_ports(), f"env_server.port={port}",
-            f"actor.env_servers=['127.0.0.1:{port}']", f"model.path={REPO / 'configs' / 'base-policy'}",
+    args = [sys.executable, "-m", "launch.cli", "run", config, *free_port_overrides(),
+            f"model.path={REPO / 'configs' / 'base-policy'}",
             "learner.total_steps=2", "learner.checkpoint_every=2", "broker.groups_per_batch=2", "broker.group_size=2",
             # the sim-trained base policy fails the recipe's tasks alike: dropping such groups would leave no batch
             "broker.drop_zero_variance=false",
@@ -166,7 +157,7 @@ def test_two_learner_ranks_train_checkpoint_and_stop_on_sigint(tmp_path):
     """FSDP2 over two gloo ranks inside `computerrl run`: real updates (zero-variance groups kept, so every
     step trains and broadcasts gathered weights), a checkpoint on SIGINT, both ranks gone afterwards."""
     run_dir = tmp_path / "run"
-    p = _run(run_dir, "local.learner_ranks=2", f"local.learner_dist_port={free_port()}", "local.actors=1",
+    p = _run(run_dir, "local.learner_ranks=2", "local.actors=1",
              "learner.total_steps=1000", "learner.checkpoint_every=0", "learner.advantage.drop_zero_variance=false",
              "local.eval_episodes=0")
     try:

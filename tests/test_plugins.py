@@ -88,17 +88,15 @@ def test_demonstrations_come_from_the_plugins_solvers(outside):
 
 @pytest.mark.slow
 def test_a_run_and_an_eval_on_an_environment_from_outside(outside, tmp_path):
-    from tests.test_local_run import _ports
+    from launch.local import free_port_overrides
 
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{outside}"}  # what installing one's package does
-    args = [sys.executable, "-m", "launch.cli", "run", "configs/local.yaml", *_ports(),
+    args = [sys.executable, "-m", "launch.cli", "run", "configs/local.yaml", *free_port_overrides(),
             f"env_server.backend={NAME}", "env_server.options.max_steps=3", "broker.tasks.suite=lamps:train",
             "learner.anchor.suite=", "learner.total_steps=2", "learner.checkpoint_every=2",
             "weights.join_window_s=0.5", "local.eval_episodes=2", "local.eval_start=false",
             "local.eval_suite=lamps:heldout", "--run-dir", str(run_dir)]
-    port = next(a for a in args if a.startswith("env_server.port=")).split("=")[1]
-    args.insert(5, f"actor.env_servers=['127.0.0.1:{port}']")
     p = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     recs = [json.loads(x) for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()]

@@ -46,8 +46,9 @@ def _fake_run(root: Path, seed: int, final: float | None, curve: list[tuple[int,
     with open(root / "metrics" / "eval.jsonl", "w") as f:
         for step, rate in curve:
             f.write(json.dumps({"step": step, "success_rate": rate}) + "\n")
-    if latest is not None:
-        (root / "checkpoints").mkdir()
+    if latest is not None:  # a checkpoint as the learner leaves it: the step's directory and the pointer to it
+        (root / "checkpoints" / f"step-{latest:08d}").mkdir(parents=True)
+        (root / "checkpoints" / f"step-{latest:08d}" / "state.json").write_text(json.dumps({"version": latest}))
         (root / "checkpoints" / "latest").write_text(f"step-{latest:08d}")
     if final is not None:
         (root / "final_eval.json").write_text(json.dumps(
