@@ -1,31 +1,12 @@
-"""Metrics: JSONL records in the run directory, plus a fixed-bucket histogram."""
+"""Metrics a role writes: JSONL records in the run directory (read back through common.records), plus a
+fixed-bucket histogram and percentiles."""
 
 from __future__ import annotations
 
 import json
-import math
-import os
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
-
-
-def last_record(path: Path, max_bytes: int = 65536) -> dict | None:
-    """The newest whole JSON record of a metrics file (read from its end), or None."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            tail = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(tail):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
-    return None
+from typing import Any, Sequence
 
 
 class MetricsWriter:
@@ -57,41 +38,6 @@ class MetricsWriter:
         if self._f is not None:
             self._f.close()
             self._f = None
-
-
-RECORD_KEYS = ("time", "role", "rank")
-"""what every record carries about itself (when, who); not measurements"""
-
-
-def numeric_fields(record: dict, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], float]]:
-    """Every measurement of a metric record as (path of keys, value): nested dicts are walked (a histogram is a
-    dict of counts), booleans count as 0/1; the record's own keys (``RECORD_KEYS``), strings, lists, NaN and
-    infinities are left out. TensorBoard, W&B and Prometheus all read records through this."""
-    for key, value in record.items():
-        if not path and key in RECORD_KEYS:
-            continue
-        here = (*path, str(key))
-        if isinstance(value, dict):
-            yield from numeric_fields(value, here)
-        elif isinstance(value, bool):
-            yield here, float(value)
-        elif isinstance(value, (int, float)) and math.isfinite(value):
-            yield here, float(value)
-
-
-def read_records(path: Path) -> list[dict]:
-    """Every whole JSON record of a JSONL file (a torn or foreign line is skipped); [] when there is none."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
 
 
 def _jsonable(obj: Any) -> Any:

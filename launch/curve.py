@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.metrics import read_records
+from common.records import read_records
 from common.stats import wilson_interval
 
 COLORS = {"train": "#1f77b4", "eval": "#d62728", "entropy": "#2ca02c", "sft": "#ffecb3"}

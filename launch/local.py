@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common.exitcodes import EXIT_RESUMABLE
-from common.metrics import last_record
+from common.records import last_record
 from common.rundir import RunDir
 from launch.placement import Role, local_roles
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from common.exitcodes import EXIT_RESUMABLE
-from common.metrics import last_record
+from common.records import last_record
 from common.rundir import RunDir
 from launch.placement import Node, Role, allocation_roles, check_shape
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from common.exitcodes import EXIT_RESUMABLE
-from common.metrics import read_records
+from common.records import read_records
 from common.stats import mean_interval
 
 

@@ -102,7 +102,7 @@ def dashboard_metrics() -> set[str]:
 
 def exposed_metrics(metrics_dir) -> set[str]:
     """The series the roles of a run would expose, from their newest records (the same mapping as /metrics)."""
-    from common.metrics import last_record
+    from common.records import last_record
 
     names = set()
     for path in metrics_dir.glob("*.jsonl"):
