@@ -144,7 +144,7 @@ class Learner:
         ready = c.connect(60)
         t.eta = int(ready.info.get("eta", 0)) if ready.info else None
         # Each start-up stage leaves a line: a learner that once grew without bound between "resumed" and its first
-        # broadcast (docs/status.md) left no trace of where it was.
+        # broadcast (docs/reliability.md) left no trace of where it was.
         self.log.info("broker_linked", eta=t.eta, broker_epoch=c.link.epoch)
         worker = cf.ThreadPoolExecutor(1, thread_name_prefix="train")
         job: cf.Future | None = None

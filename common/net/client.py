@@ -172,7 +172,7 @@ class ServerLink:
                 raise TimeoutError(f"no Ready from {self.addr} within {timeout_s}s")
             # poll() hands back (and empties) what was kept so far: keep it again, with what is new. Spelled as
             # ``self._early.extend(... self.poll(...))`` the list extended was the one being read, so one message
-            # before Ready grew it without end (a resumed learner reached 23 GB inside connect, docs/status.md).
+            # before Ready grew it without end (a resumed learner reached 23 GB inside connect, docs/reliability.md).
             got = self.poll(0.1)
             self._early.extend(m for m in got if not isinstance(m, P.Ready))
         return self.ready_msg  # type: ignore[return-value]
