@@ -90,18 +90,31 @@ class ActorBrokerClient:
         self.acks: collections.deque[P.Ack] = collections.deque()
         self.errors: collections.deque[P.Error] = collections.deque()
         self.ticket_requests = 0
+        self._hello_gap, self._hello_next = 0.05, 0.0  # connect_step's re-asks for Control
 
     def connect(self, timeout_s: float = 30.0) -> P.Ready:
         """Handshake with the broker and wait until its Control stream reaches us (no missed versions)."""
-        ready = self.link.wait_ready(timeout_s)
         deadline = time.monotonic() + timeout_s
-        while self.control.latest is None:
+        while not self.connect_step():
             if time.monotonic() > deadline:
-                raise TimeoutError("broker Control stream did not arrive")
-            self.link.send(P.Hello(**{**self.link.hello.__dict__}))  # asks the broker to publish now
-            self.control.poll(0.1)
-            self._pump(0)
-        return ready
+                what = "Control stream" if self.link.ready else "Ready"
+                raise TimeoutError(f"no broker {what} from {self.link.addr} within {timeout_s}s")
+            self.poll(0.05)
+        return self.link.ready_msg  # type: ignore[return-value]
+
+    def connect_step(self) -> bool:
+        """Where the handshake stands, without blocking: True once the broker answered and its Control stream
+        reached us. Until then a Hello asks the broker to publish at once, again after 0.1, 0.2, 0.4 … s (at
+        most once a heartbeat, when the broker publishes anyway), so thousands of actors connecting together
+        do not flood it. A loop serving many clients calls this between polls instead of ``connect``."""
+        if self.link.ready and self.control.latest is not None:
+            return True
+        now = time.monotonic()
+        if self.link.ready and now >= self._hello_next:
+            self.link.send(P.Hello(**{**self.link.hello.__dict__}))
+            self._hello_gap = min(self._hello_gap * 2, self.link.net.heartbeat_s)
+            self._hello_next = now + self._hello_gap
+        return False
 
     @property
     def version(self) -> int:

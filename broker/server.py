@@ -30,11 +30,17 @@ from broker.store import SuccessStore
 from common import protocol as P
 from common.audit import AuditLog
 from common.metrics import Histogram, MetricsWriter
-from common.net import (AuthMonitor, NetConfig, PeerTable, RateLimitedLog, ServerSocket, answer_heartbeat,
+from common.net import (ConnectionMonitor, NetConfig, PeerTable, RateLimitedLog, ServerSocket, answer_heartbeat,
                         limit_size, security_for, serve)
 from common.rundir import RunDir
 
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+PARKED_BUCKETS = (0, 0.01, 0.1, 1, 10, 60)  # seconds a ticket request waited for admission
+HELLO_PUBLISH_GAP_S = 0.02
+"""a Hello asks for Control at once, but Hellos arriving together share one publish per this many seconds ..."""
+HELLO_PUBLISH_GAP_PER_ACTOR_S = 0.0001
+"""... or per this much per actor connected: a publish is one message to each, so a herd of 2,000 actors
+connecting gets 5 publishes a second (10,000 messages), not 50"""
 NO_BATCH_WARN_GROUPS = 10
 """groups dropped in a row, in batches' worth, before the broker warns that no batch can form (once a minute)"""
 
@@ -54,7 +60,8 @@ class Broker:
         self.pub.linger = 0
         limit_size(self.pub, net)  # a PUB reads subscriptions: those are capped too
         self.security.server(self.pub)
-        self.pub_auth = AuthMonitor(self.pub, self.security, self.counters, log, "control", "rejected_auth_control")
+        self.pub_auth = ConnectionMonitor(self.pub, self.security, self.counters, log, "control",
+                                          "rejected_auth_control")
         self.pub.bind(net.tcp(net.broker_control_port, bind=True))
 
         self.ledger = Ledger(cfg.groups_per_batch, cfg.eta)
@@ -66,6 +73,7 @@ class Broker:
         self.unreported_drops = 0  # stale groups dropped since the last Batch told the learner
         self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.lag_hist = Histogram(LAG_BUCKETS)
+        self.parked_hist = Histogram(PARKED_BUCKETS)
         self.mem_bytes = 0
         self.control = P.Control(version=0, phase="rl", broker_epoch=self.epoch)
         self.state: dict[str, Any] = {"starts": 0, "tickets_issued": 0, "version": 0, "phase": "rl"}
@@ -88,6 +96,9 @@ class Broker:
         self.no_batch_log = RateLimitedLog(log, interval_s=60.0)
         now = time.monotonic()
         self._next_publish = now
+        self._last_publish = 0.0
+        self._publish_wanted = False  # a Hello asked for Control since the last publish
+        self._control_changed = False  # the learner's Control changed it since the last publish
         self._next_metrics = now + cfg.metrics_interval_s
         self._metrics_t0 = (time.monotonic(), 0, 0)
         log.info("broker_ready", front=self.front.addr, back=self.back.addr, control=net.tcp(net.broker_control_port),
@@ -182,7 +193,7 @@ class Broker:
             elif isinstance(msg, P.Hello):
                 self.actors.touch(ident, now, msg.peer_id, msg.role)
                 self.front.send(ident, self._ready())
-                self._publish()
+                self._publish_wanted = True  # published after the drain (_timers), once for many Hellos
             else:
                 self._unexpected(self.front, ident, msg)
         if groups:
@@ -207,22 +218,24 @@ class Broker:
             return
         self.parked.setdefault((ident, msg.request_id), time.monotonic())
 
-    def _ticket_msg(self, t) -> P.Ticket:
+    def _ticket_msg(self, t, parked_s: float = 0.0) -> P.Ticket:
         return P.Ticket(ticket_id=t.ticket_id, request_id=t.request_id, task_id=t.task_id,
                         group_size=self.cfg.group_size, policy_version=t.version, lease_s=self.cfg.lease_s,
-                        phase=self.control.phase)
+                        phase=self.control.phase, parked_s=parked_s)
 
     def _grant_tickets(self, now: float) -> None:
         if self.control.paused or self.control.stop or self._stop_at is not None:
             return
         while self.parked and self.ledger.capacity() > 0:
-            (ident, request_id), _ = self.parked.popitem(last=False)
+            (ident, request_id), parked_at = self.parked.popitem(last=False)
             if ident not in self.actors.peers:
                 continue
             t = self.ledger.grant(request_id, self.sampler.next(), ident, now)
             self.request_ticket[request_id] = t.ticket_id
             self.state["tickets_issued"] = self.state.get("tickets_issued", 0) + 1
-            self.front.send(ident, self._ticket_msg(t))
+            parked_s = time.monotonic() - parked_at  # not the turn's ``now``: requests parked during it are later
+            self.parked_hist.add(parked_s)
+            self.front.send(ident, self._ticket_msg(t, round(parked_s, 6)))
 
     def _on_groups(self, groups: list[tuple[bytes, P.TrajectoryGroup, list]]) -> None:
         seen_now: set[str] = set()
@@ -397,7 +410,9 @@ class Broker:
             self.log.info("control", version=msg.version, phase=msg.phase, paused=msg.paused, stop=msg.stop)
         if msg.stop and self._stop_at is None:
             self._stop_at = time.monotonic() + self.cfg.stop_grace_s
-        self._publish()
+        # Published at the end of this turn, after the tickets the new version lets out: a publish is a message to
+        # every actor, and tickets queued behind thousands of them waited 30 ms at 1,000 actors (docs/scale.md).
+        self._control_changed = True
         self.back.send(ident, self.control)
 
     def _on_commit(self, ident: bytes, msg: P.Commit) -> None:
@@ -472,6 +487,8 @@ class Broker:
     # ----- timers ----------------------------------------------------------------------------
 
     def _publish(self) -> None:
+        self._publish_wanted = self._control_changed = False
+        self._last_publish = time.monotonic()
         self.control.broker_epoch = self.epoch
         try:
             self.pub.send_multipart([P.CONTROL_TOPIC, *P.encode(self.control)], flags=zmq.NOBLOCK)
@@ -498,7 +515,9 @@ class Broker:
         for peer in self.learners.expire(now):
             self._requeue(peer.ident, "learner_dead", peer.peer_id)
             self.credits.pop(peer.ident, None)
-        if now >= self._next_publish:
+        hello_gap = max(HELLO_PUBLISH_GAP_S, HELLO_PUBLISH_GAP_PER_ACTOR_S * len(self.actors.peers))
+        if self._control_changed or now >= self._next_publish or (
+                self._publish_wanted and now - self._last_publish >= hello_gap):
             self._publish()
         self.front.drain_auth_failures()
         self.back.drain_auth_failures()
@@ -521,6 +540,7 @@ class Broker:
             "bytes_in": self.front.bytes_in + self.back.bytes_in,
             "bytes_out": self.front.bytes_out + self.back.bytes_out,
             "lag_hist": self.lag_hist.as_dict(),
+            "ticket_parked_s_hist": self.parked_hist.as_dict(),
             "fsyncs": self.spill.fsyncs,
             "phase": self.control.phase,
             "loop_stalled_s": round(self.actors.deaf_s, 2),  # own stalls credited to peers' liveness
@@ -547,8 +567,8 @@ class Broker:
         self.metrics.close()
         self.front.close()
         self.back.close()
-        self.pub_auth.close()
         self.pub.close(0)
+        self.pub_auth.close()
         self.wake.close(0)
         self.security.close()
         self.ctx.term()

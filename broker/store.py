@@ -36,6 +36,7 @@ class SuccessStore:
         self.log = log
         self.added = 0
         self.duplicates = 0
+        self._count = 0  # trajectories held: kept as they come and go, since every append compares against it
         self._file_records = 0
         self._f = None
         if self.path is not None:
@@ -45,7 +46,7 @@ class SuccessStore:
             self._f = open(self.path, "ab", buffering=1 << 20)
 
     def __len__(self) -> int:
-        return sum(len(v) for v in self.tasks.values())
+        return self._count
 
     def add(self, task_id: str, traj: P.Trajectory, persist: bool = True) -> bool:
         """Keep a copy of a successful trajectory; False if the task already has this exact solution."""
@@ -59,10 +60,12 @@ class SuccessStore:
         self.tasks.move_to_end(task_id)
         # Own copy: the trajectory's arrays are views into network frames we do not want to pin.
         sols[key] = _copy(traj)
+        self._count += 1
         while len(sols) > self.per_task:
             sols.popitem(last=False)
+            self._count -= 1
         while len(self.tasks) > self.max_tasks:
-            self.tasks.popitem(last=False)
+            self._count -= len(self.tasks.popitem(last=False)[1])
         self.added += 1
         if persist and self._f is not None:
             self._append(task_id, sols[key])

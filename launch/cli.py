@@ -641,6 +641,32 @@ def bench_weights(params: int, receivers: int, repeats: int, bucket_mb: float, d
     _emit(run_weights_bench(params, receivers, repeats, bucket_mb, device, backend), as_json)
 
 
+@bench.command("scale")
+@click.option("--actors", default=2000, show_default=True, help="N actor connections to one broker")
+@click.option("--swarms", default=4, show_default=True, help="processes the actor connections are spread over")
+@click.option("--env-servers", default=8, show_default=True, help="E env_server processes (0: no desktop phase)")
+@click.option("--desktops", default=500, show_default=True, help="D sim desktops leased through them in all")
+@click.option("--seconds", default=60.0, show_default=True, help="how long the connections are held under traffic")
+@click.option("--silence", default=20, show_default=True, help="ticket-holding actors silenced on purpose")
+@click.option("--storm/--no-storm", default=True, show_default=True,
+              help="kill -9 and restart the broker after the hold; time until every actor serves again")
+@click.option("--profile", default="", help="write the broker's cProfile statistics to this file")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def bench_scale(actors: int, swarms: int, env_servers: int, desktops: int, seconds: float, silence: int, storm: bool,
+                profile: str, as_json: bool) -> None:
+    """N actor connections against one broker (vs bare ZeroMQ at that fan-in), and D desktops on E env_servers."""
+    from launch.bench_scale import ScaleSetup, run_bench
+
+    setup = ScaleSetup(actors=actors, swarms=swarms, seconds=seconds, silence=silence, storm=storm,
+                       profile=str(Path(profile).resolve()) if profile else "")
+    result = run_bench(setup)
+    if env_servers > 0 and desktops > 0:
+        from launch.bench_env import run_scale
+
+        result.update(run_scale(env_servers, desktops, swarms, seconds))
+    _emit(result, as_json)
+
+
 @bench.command("async")
 @click.option("--config", "-c", default="configs/local.yaml", show_default=True, type=click.Path(exists=True))
 @click.option("--steps", default=10, show_default=True, help="learner steps in each run")

@@ -73,3 +73,17 @@ def test_bench_learner_and_weights_print_ratio_json(tmp_path):
     w = _bench_json(tmp_path, "weights", "--params", "100000", "--receivers", "1", "--repeats", "2")
     assert w["seconds"] > 0 and w["raw_seconds"] > 0 and w["first_round_seconds"] > 0
     assert abs(w["ratio"] - w["raw_seconds"] / w["seconds"]) < 0.01
+
+
+def test_bench_scale_prints_its_figures_and_baseline(tmp_path):
+    """A small ``bench scale``: every figure the issue names, ours and bare ZeroMQ's, and the desktop phase."""
+    result = _bench_json(tmp_path, "scale", "--actors", "60", "--swarms", "2", "--seconds", "6", "--silence", "2",
+                         "--env-servers", "2", "--desktops", "8")
+    for key in ("connections_held", "tickets_per_s", "ticket_ms_p50", "ticket_ms_p99", "ack_ms_p99", "broker_rss_mb",
+                "bytes_per_connection", "raw_rtt_ms_p99", "raw_bytes_per_connection", "desktop_steps_per_s",
+                "desktop_resets_per_s", "in_process_steps_per_s"):
+        assert result[key] > 0, key
+    assert result["desktops_leased"] == 8 and result["desktop_errors"] == 0
+    assert result["reconcile"]["ok"] and result["acked_not_in_audit"] == 0
+    assert result["storm_unrecovered"] == 0
+    assert not list(tmp_path.glob("bench-scale-*")), "temporary run dirs must be cleaned up"

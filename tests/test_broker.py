@@ -70,6 +70,28 @@ def test_end_to_end_admission_batches_and_versions(start_broker, quiet_log):
     learner.close()
 
 
+def test_a_parked_ticket_says_how_long_it_waited_for_admission(start_broker, quiet_log):
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=0, metrics_interval_s=0.2))
+    actor, learner = clients(tb, quiet_log)
+    learner.set_control(0)
+    (first,) = take_tickets(actor, 1, expect=1)  # (η + v + 1)·B = 1: granted at once
+    assert first.parked_s < 0.5
+    actor.request_ticket()  # no capacity left: parked
+    pump([actor, learner], 0.8)
+    assert not actor.tickets
+    actor.submit(make_group(first))
+    learner.grant(1)
+    assert learner.next_batch(5) is not None
+    learner.set_control(1)  # the learner's step frees a ticket
+    pump([actor, learner], 5, until=lambda: actor.tickets)
+    assert actor.tickets[0].parked_s >= 0.8
+    pump([actor], 0.5)
+    record = (tb.run_dir.metrics / "broker.jsonl").read_text().strip().splitlines()[-1]
+    assert '"ticket_parked_s_hist"' in record
+    actor.close()
+    learner.close()
+
+
 def test_duplicates_acked_once_and_never_delivered_twice(start_broker, quiet_log):
     tb = start_broker()
     actor, learner = clients(tb, quiet_log)

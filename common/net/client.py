@@ -5,6 +5,7 @@ re-sends them too. Servers de-duplicate what must not happen twice (trajectory g
 
 from __future__ import annotations
 
+import select
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -14,6 +15,82 @@ import zmq
 from common import protocol as P
 from common.net.config import NetConfig
 from common.net.security import Security, tune
+
+
+class LinkWaiter:
+    """Waits on the sockets of many links at once, so one thread can serve hundreds of clients (a swarm of actors
+    in a benchmark, an actor's sessions on several env_servers): ``wait`` returns the keys whose sockets have input.
+
+    It polls the sockets' ZMQ_FD descriptors with the kernel (``select.poll``) rather than ``zmq.Poller``, whose cost
+    grows with the number of sockets on every call (2.3 ms for 1,000 here, so a loop serving 1,000 links spent its
+    time polling). ZMQ_FD only signals that the socket has new events, so a key is reported only when ZMQ_EVENTS
+    says a message is waiting, and the caller must drain what it is given (the links' ``poll`` does). A send can
+    swallow a pending signal: keys handed out by the last wait, and those the caller ``touch``-es after using
+    them, are asked again directly at the next wait; and since the edge semantics still leave the odd wake-up
+    unsignalled (a few per thousand messages here), every ``sweep_s`` all sockets are asked. Sockets are asked for
+    on every wait, since a link re-creates its socket when it reconnects."""
+
+    def __init__(self, sweep_s: float = 0.05) -> None:
+        self.sweep_s = sweep_s
+        self._next_sweep = 0.0
+        self._sockets: dict[Any, Callable[[], list[zmq.Socket]]] = {}
+        self._poll = select.poll()
+        self._registered: dict[Any, tuple] = {}  # key -> its sockets being polled
+        self._by_fd: dict[int, tuple[Any, zmq.Socket]] = {}
+        self._fd_of: dict[int, int] = {}  # id(socket) -> its ZMQ_FD
+        self._recheck: set[Any] = set()
+
+    def add(self, key: Any, sockets: Callable[[], list[zmq.Socket]]) -> None:
+        self._sockets[key] = sockets
+        self._recheck.add(key)
+
+    def remove(self, key: Any) -> None:
+        self._sockets.pop(key, None)
+        self._recheck.discard(key)
+        self._sync(key, ())
+
+    def touch(self, *keys: Any) -> None:
+        """The caller used these links outside a wait (sent on them): look at them directly next time."""
+        self._recheck.update(k for k in keys if k in self._sockets)
+
+    def _sync(self, key: Any, socks: tuple) -> None:
+        for sock in self._registered.pop(key, ()):
+            fd = self._fd_of.pop(id(sock), None)
+            if fd is not None:
+                self._poll.unregister(fd)
+                self._by_fd.pop(fd, None)
+        for sock in socks:
+            fd = sock.getsockopt(zmq.FD)
+            self._fd_of[id(sock)] = fd
+            self._poll.register(fd, select.POLLIN)
+            self._by_fd[fd] = (key, sock)
+        if socks:
+            self._registered[key] = socks
+
+    def wait(self, timeout_s: float) -> set[Any]:
+        for key, sockets in self._sockets.items():
+            socks = tuple(s for s in sockets() if s is not None)
+            if socks != self._registered.get(key, ()):
+                self._sync(key, socks)
+                self._recheck.add(key)
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self._next_sweep = now + self.sweep_s
+            self._recheck = set(self._registered)
+        ready = {k for k in self._recheck if any(_has_input(s) for s in self._registered.get(k, ()))}
+        self._recheck = set()
+        timeout_s = min(timeout_s, self._next_sweep - now)
+        events = self._poll.poll(0 if ready else int(max(0.0, timeout_s) * 1000))
+        for fd, _ in events:
+            key, sock = self._by_fd.get(fd, (None, None))
+            if key is not None and key not in ready and _has_input(sock):
+                ready.add(key)
+        self._recheck = set(ready)
+        return ready
+
+
+def _has_input(sock: zmq.Socket) -> bool:
+    return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
 
 @dataclass

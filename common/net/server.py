@@ -14,7 +14,7 @@ import zmq
 from common import protocol as P
 from common.signals import StopSignals
 from common.net.config import NetConfig
-from common.net.security import AuthMonitor, RateLimitedLog, Security, tune
+from common.net.security import ConnectionMonitor, RateLimitedLog, Security, tune
 
 
 class ServerSocket:
@@ -28,7 +28,7 @@ class ServerSocket:
         # Clients keep their routing id across reconnects; the newest connection takes it over.
         self.sock.router_handover = True
         security.server(self.sock)
-        self.auth = AuthMonitor(self.sock, security, counters, log, name)
+        self.auth = ConnectionMonitor(self.sock, security, counters, log, name)
         self.sock.bind(addr)
         self.addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.net, self.counters, self.log, self.name = net, counters, log, name
@@ -76,8 +76,8 @@ class ServerSocket:
         return self.auth.drain()
 
     def close(self) -> None:
-        self.auth.close()
         self.sock.close(0)
+        self.auth.close()
 
 
 @dataclass

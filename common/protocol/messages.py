@@ -119,6 +119,8 @@ class Ticket(Message):
     policy_version: int
     lease_s: float
     phase: str = "rl"
+    parked_s: float = 0.0
+    """how long the broker held the request before admission allowed it (the rest of the wait is the network's)"""
 
 
 @dataclass
