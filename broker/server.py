@@ -31,11 +31,12 @@ from common import protocol as P
 from common.audit import AuditLog
 from common.metrics import Histogram, MetricsWriter
 from common.net import (ConnectionMonitor, NetConfig, PeerTable, RateLimitedLog, ServerSocket, answer_heartbeat,
-                        limit_size, security_for, serve)
+                        limit_size, listen_backlog, raise_open_files, security_for, serve)
 from common.rundir import RunDir
 
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 PARKED_BUCKETS = (0, 0.01, 0.1, 1, 10, 60)  # seconds a ticket request waited for admission
+TURN_BUCKETS_MS = (0, 1, 5, 10, 25, 50, 100, 250)  # one loop turn's work, poll wait excluded
 HELLO_PUBLISH_GAP_S = 0.02
 """a Hello asks for Control at once, but Hellos arriving together share one publish per this many seconds ..."""
 HELLO_PUBLISH_GAP_PER_ACTOR_S = 0.0001
@@ -50,6 +51,7 @@ class Broker:
         self.cfg, self.net, self.run_dir, self.log = cfg, net, run_dir, log
         self.epoch = uuid.uuid4().hex[:12]
         self.counters: collections.Counter = collections.Counter()
+        raise_open_files(log, "broker")  # two connections per actor: the common default of 1,024 holds ~500
         self.ctx = zmq.Context()
         self.security = security_for(self.ctx, net, run_dir.keys)
         self.front = ServerSocket(self.ctx, net.tcp(net.broker_front_port, bind=True), net, self.security,
@@ -59,6 +61,7 @@ class Broker:
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.linger = 0
         limit_size(self.pub, net)  # a PUB reads subscriptions: those are capped too
+        listen_backlog(self.pub)  # every actor's SUB connects here too
         self.security.server(self.pub)
         self.pub_auth = ConnectionMonitor(self.pub, self.security, self.counters, log, "control",
                                           "rejected_auth_control")
@@ -74,6 +77,8 @@ class Broker:
         self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.lag_hist = Histogram(LAG_BUCKETS)
         self.parked_hist = Histogram(PARKED_BUCKETS)
+        self.turn_hist = Histogram(TURN_BUCKETS_MS)
+        self.busy_s = 0.0  # time spent in handlers (not waiting in poll) since the last metrics record
         self.mem_bytes = 0
         self.control = P.Control(version=0, phase="rl", broker_epoch=self.epoch)
         self.state: dict[str, Any] = {"starts": 0, "tickets_issued": 0, "version": 0, "phase": "rl"}
@@ -161,6 +166,14 @@ class Broker:
     def step(self, poller: zmq.Poller, timeout_s: float) -> None:
         events = dict(poller.poll(int(timeout_s * 1000)))
         now = time.monotonic()
+        try:
+            self._turn(events, now)
+        finally:
+            took = time.monotonic() - now
+            self.busy_s += took
+            self.turn_hist.add(took * 1000)
+
+    def _turn(self, events: dict, now: float) -> None:
         if self.front.sock in events:
             self._drain_front(now)
         if self.back.sock in events:
@@ -540,6 +553,7 @@ class Broker:
             "bytes_in": self.front.bytes_in + self.back.bytes_in,
             "bytes_out": self.front.bytes_out + self.back.bytes_out,
             "lag_hist": self.lag_hist.as_dict(),
+            "turn_ms_hist": self.turn_hist.as_dict(),  # a ticket or ack can wait a whole turn of other work
             "ticket_parked_s_hist": self.parked_hist.as_dict(),
             "fsyncs": self.spill.fsyncs,
             "phase": self.control.phase,
@@ -553,6 +567,8 @@ class Broker:
         dt = max(1e-9, now - t0)
         snap["mb_in_per_s"] = (snap["bytes_in"] - in0) / dt / 1e6
         snap["mb_out_per_s"] = (snap["bytes_out"] - out0) / dt / 1e6
+        snap["busy_fraction"] = round(min(1.0, self.busy_s / dt), 3)  # the loop's share of the wall clock
+        self.busy_s = 0.0
         self._metrics_t0 = (now, snap["bytes_in"], snap["bytes_out"])
         self.metrics.write({"role": "broker", **snap})
 

@@ -26,7 +26,7 @@ import zmq
 
 from common import protocol as P
 from common.metrics import MetricsWriter, percentile
-from common.net import NetConfig, PeerTable, ServerSocket, answer_heartbeat, security_for, serve
+from common.net import NetConfig, PeerTable, ServerSocket, answer_heartbeat, raise_open_files, security_for, serve
 from common.rundir import RunDir
 from env_server.actions import ActionError
 from env_server.backend import Backend, StepResult
@@ -74,6 +74,7 @@ class EnvServer:
         self.cfg, self.net, self.run_dir, self.log, self.rank, self.seed = cfg, net, run_dir, log, rank, seed
         self.epoch = uuid.uuid4().hex[:12]
         self.counters: collections.Counter = collections.Counter()
+        raise_open_files(log, "env_server")  # a connection per actor, a desktop's own files and sockets
         self.ctx = zmq.Context()
         self.security = security_for(self.ctx, net, run_dir.keys, cfg.host)
         self.sock = ServerSocket(self.ctx, net.tcp(cfg.port, bind=True, host=cfg.host), net, self.security,

@@ -596,6 +596,8 @@ def run_ours(setup: ScaleSetup) -> dict:
         "ack_ms_p99": round(percentile(ack_ms, 99), 2),
         "broker_cpu_pct_connect": round(100 * (cpu1 - cpu0) / max(connect_wall_s, 1e-9), 1),
         "broker_cpu_pct": round(100 * (cpu2 - cpu1) / hold_s, 1),
+        "broker_busy_fraction": snapshot.get("busy_fraction"),  # its loop, the last second of the hold
+        "broker_turn_ms_hist": snapshot.get("turn_ms_hist"),  # every loop turn of the hold, by duration
         "swarm_cpu_pct": [round(o["cpu_pct"], 1) for o in sw],  # the clients' own cost: near 100 % they limit it
         "swarm_loops_per_s": [round(o["loops_per_s"]) for o in sw],
         "broker_rss_mb_idle": round(rss_idle, 1),

@@ -127,6 +127,16 @@ def tune(sock: zmq.Socket, net: NetConfig) -> None:
     sock.reconnect_ivl_max = int(net.reconnect_max_s * 1000)
 
 
+LISTEN_BACKLOG = 4096
+
+
+def listen_backlog(sock: zmq.Socket) -> None:
+    """A deep accept queue for a server socket (before it binds): ZeroMQ's default of 100 overflowed when 2,000
+    actors connected at once, and the kernel's SYN retries (1 s, 3 s) made some wait past their reconnect timeout.
+    The kernel caps it at ``net.core.somaxconn``."""
+    sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
+
+
 def limit_size(sock: zmq.Socket, net: NetConfig) -> None:
     """ZMQ_MAXMSGSIZE: a peer announcing a larger frame is disconnected by ZeroMQ before the frame is
     buffered (the cap on the whole multipart message is checked again on decode)."""

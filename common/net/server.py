@@ -14,7 +14,7 @@ import zmq
 from common import protocol as P
 from common.signals import StopSignals
 from common.net.config import NetConfig
-from common.net.security import ConnectionMonitor, RateLimitedLog, Security, tune
+from common.net.security import ConnectionMonitor, RateLimitedLog, Security, listen_backlog, tune
 
 
 class ServerSocket:
@@ -24,6 +24,7 @@ class ServerSocket:
                  log: Any, name: str):
         self.sock = ctx.socket(zmq.ROUTER)
         tune(self.sock, net)
+        listen_backlog(self.sock)
         self.sock.router_mandatory = False
         # Clients keep their routing id across reconnects; the newest connection takes it over.
         self.sock.router_handover = True
