@@ -113,7 +113,7 @@ def _broker_proc(ports, run_dir: str, setup: ScaleSetup, ready) -> None:
     rd = RunDir.create(run_dir)
     log = L.setup("broker", "bench", 0, rd.logs, "info", quiet=True)
     cfg = BrokerConfig(groups_per_batch=setup.groups_per_batch, group_size=8, eta=setup.eta, persist=setup.persist,
-                       metrics_interval_s=1.0, max_drain=256)
+                       metrics_interval_s=1.0)  # otherwise the shipped defaults
     b = Broker(cfg, _net(ports, setup), rd, log)
     ready.set()
     if not setup.profile:
