@@ -63,8 +63,8 @@ class Broker:
         limit_size(self.pub, net)  # a PUB reads subscriptions: those are capped too
         listen_backlog(self.pub)  # every actor's SUB connects here too
         self.security.server(self.pub)
-        self.pub_auth = ConnectionMonitor(self.pub, self.security, self.counters, log, "control",
-                                          "rejected_auth_control")
+        self.pub_monitor = ConnectionMonitor(self.pub, self.security, self.counters, log, "control",
+                                             "rejected_auth_control")
         self.pub.bind(net.tcp(net.broker_control_port, bind=True))
 
         self.ledger = Ledger(cfg.groups_per_batch, cfg.eta)
@@ -100,10 +100,8 @@ class Broker:
         self._dropped_in_a_row: dict[str, int] = {}  # reason -> groups dropped since the last admitted one
         self.no_batch_log = RateLimitedLog(log, interval_s=60.0)
         now = time.monotonic()
-        self._next_publish = now
+        self._next_publish = now  # every publish is due by a time: a heartbeat after the last, sooner when asked
         self._last_publish = 0.0
-        self._publish_wanted = False  # a Hello asked for Control since the last publish
-        self._control_changed = False  # the learner's Control changed it since the last publish
         self._next_metrics = now + cfg.metrics_interval_s
         self._metrics_t0 = (time.monotonic(), 0, 0)
         log.info("broker_ready", front=self.front.addr, back=self.back.addr, control=net.tcp(net.broker_control_port),
@@ -206,7 +204,9 @@ class Broker:
             elif isinstance(msg, P.Hello):
                 self.actors.touch(ident, now, msg.peer_id, msg.role)
                 self.front.send(ident, self._ready())
-                self._publish_wanted = True  # published after the drain (_timers), once for many Hellos
+                # Published at the end of the turn, and Hellos arriving together share one publish.
+                gap = max(HELLO_PUBLISH_GAP_S, HELLO_PUBLISH_GAP_PER_ACTOR_S * len(self.actors.peers))
+                self._next_publish = min(self._next_publish, self._last_publish + gap)
             else:
                 self._unexpected(self.front, ident, msg)
         if groups:
@@ -425,7 +425,7 @@ class Broker:
             self._stop_at = time.monotonic() + self.cfg.stop_grace_s
         # Published at the end of this turn, after the tickets the new version lets out: a publish is a message to
         # every actor, and tickets queued behind thousands of them waited 30 ms at 1,000 actors (docs/scale.md).
-        self._control_changed = True
+        self._next_publish = 0.0
         self.back.send(ident, self.control)
 
     def _on_commit(self, ident: bytes, msg: P.Commit) -> None:
@@ -500,7 +500,6 @@ class Broker:
     # ----- timers ----------------------------------------------------------------------------
 
     def _publish(self) -> None:
-        self._publish_wanted = self._control_changed = False
         self._last_publish = time.monotonic()
         self.control.broker_epoch = self.epoch
         try:
@@ -528,13 +527,11 @@ class Broker:
         for peer in self.learners.expire(now):
             self._requeue(peer.ident, "learner_dead", peer.peer_id)
             self.credits.pop(peer.ident, None)
-        hello_gap = max(HELLO_PUBLISH_GAP_S, HELLO_PUBLISH_GAP_PER_ACTOR_S * len(self.actors.peers))
-        if self._control_changed or now >= self._next_publish or (
-                self._publish_wanted and now - self._last_publish >= hello_gap):
+        if time.monotonic() >= self._next_publish:  # not the turn's ``now``: a change made during it is due too
             self._publish()
-        self.front.drain_auth_failures()
-        self.back.drain_auth_failures()
-        self.pub_auth.drain()
+        self.front.drain_refused()
+        self.back.drain_refused()
+        self.pub_monitor.drain()
         if now >= self._next_metrics:
             self._next_metrics = now + self.cfg.metrics_interval_s
             self.write_metrics(now)
@@ -584,7 +581,7 @@ class Broker:
         self.front.close()
         self.back.close()
         self.pub.close(0)
-        self.pub_auth.close()
+        self.pub_monitor.close()
         self.wake.close(0)
         self.security.close()
         self.ctx.term()

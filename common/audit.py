@@ -97,6 +97,8 @@ class Reconciliation:
     """trained though no ack or recovery was ever recorded: a gap in the trail itself"""
     learner_starts: int = 0
     broker_starts: int = 0
+    acked_ids: set[str] = field(default_factory=set)
+    """every group the broker recorded as acked (or recovered, or dropped on receipt)"""
 
     @property
     def ok(self) -> bool:
@@ -177,7 +179,7 @@ def reconcile(run_dir: str | Path) -> Reconciliation:
             learner_drop.setdefault(g, outcome)
     spill_dir = root / "spill"
     waiting = {g for g, _ in SpillLog.scan(spill_dir).groups} if spill_dir.is_dir() else set()
-    out.acked = len(acked)
+    out.acked, out.acked_ids = len(acked), acked
     for g in sorted(acked):
         n = trained.get(g, 0)
         if n >= 2 or (n == 1 and g in learner_drop):

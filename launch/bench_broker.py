@@ -21,7 +21,7 @@ import uuid
 import numpy as np
 import zmq
 
-from launch.benchprocs import await_result, reap, start_together
+from launch.benchprocs import await_go, await_result, reap, start_together
 
 GROUP_SIZE = 8
 GROUPS_PER_BATCH = 4
@@ -45,6 +45,16 @@ def make_group(payload_bytes: int, ticket_id: str = "t", task_id: str = "bench/0
     return P.TrajectoryGroup(group_id=uuid.uuid4().hex, ticket_id=ticket_id, task_id=task_id, actor_id=actor_id,
                              trajectories=trajs, behavior_version_min=version, behavior_version_max=version,
                              created_at=time.monotonic())
+
+
+def group_for_ticket(template, ticket, actor_id: str | None = None):
+    """``template``'s arrays again (as the raw senders reuse their frames) under the ticket's ids and version, with
+    a fresh group id and clock."""
+    v = ticket.policy_version
+    trajs = [dataclasses.replace(tr, versions=np.full(len(tr.versions), v, np.int32)) for tr in template.trajectories]
+    return dataclasses.replace(template, group_id=uuid.uuid4().hex, ticket_id=ticket.ticket_id, task_id=ticket.task_id,
+                               actor_id=actor_id or template.actor_id, trajectories=trajs, behavior_version_min=v,
+                               behavior_version_max=v, created_at=time.monotonic())
 
 
 # ----- raw ZeroMQ ------------------------------------------------------------------------------
@@ -148,36 +158,20 @@ def _actor_proc(ports, payload_bytes: int, n: int, window: int, barrier, actors_
     client = ActorBrokerClient(_bench_net(ports), None, log)
     client.connect(30)
     template = make_group(payload_bytes, actor_id=client.actor_id)
-    _await_go(barrier, client.poll)
+    await_go(barrier, client.poll)
     submitted = 0
     for _ in range(min(window, n)):
         client.request_ticket()
     while len(client.acks) < n:
         client.poll(0.05)
         while client.tickets:
-            t = client.tickets.popleft()
-            # Same arrays every time (as the raw senders reuse their frames); fresh ids and clock.
-            v = t.policy_version
-            trajs = [dataclasses.replace(tr, versions=np.full(len(tr.versions), v, np.int32))
-                     for tr in template.trajectories]
-            g = dataclasses.replace(template, group_id=uuid.uuid4().hex, ticket_id=t.ticket_id, task_id=t.task_id,
-                                    trajectories=trajs, behavior_version_min=v, behavior_version_max=v,
-                                    created_at=time.monotonic())
-            client.submit(g)
+            client.submit(group_for_ticket(template, client.tickets.popleft()))
             submitted += 1
             if submitted + client.outstanding_ticket_requests < n:
                 client.request_ticket()
     with actors_done.get_lock():
         actors_done.value += 1
     client.close()
-
-
-def _await_go(start, poll) -> None:
-    """Report ready, then keep the broker link alive (heartbeats) until everyone is ready."""
-    ready, go = start
-    ready.release()
-    while not go.is_set():
-        poll(0.05)
 
 
 def _consumer_proc(ports, total: int, num_actors: int, actors_done, wire_bytes: int, barrier, results) -> None:
@@ -189,7 +183,7 @@ def _consumer_proc(ports, total: int, num_actors: int, actors_done, wire_bytes: 
     client.connect(30)
     version = 0
     client.set_control(version)
-    _await_go(barrier, client.poll)
+    await_go(barrier, client.poll)
     t0 = time.monotonic()
     client.grant(4)  # a learner's prefetch: a few batches of credit outstanding
     got, dropped, nbytes, lat = 0, 0, 0, []

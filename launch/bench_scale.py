@@ -23,25 +23,24 @@ ZeroMQ itself costs at this fan-in.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import heapq
+import itertools
 import multiprocessing as mp
 import os
 import random
 import signal
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import zmq
 
-from launch.bench_broker import make_group
+from launch.bench_broker import group_for_ticket, make_group
 from launch.bench_env import split_evenly
-from launch.benchprocs import await_result, reap
+from launch.benchprocs import await_go, await_result, reap, start_together
+from launch.procmem import cpu_and_rss
 
 
 @dataclass
@@ -137,11 +136,8 @@ def _learner_proc(ports, run_dir: str, setup: ScaleSetup, start, stop, results) 
     client.connect(120)
     client.set_control(0)
     audit.write("resume", v=0)
-    ready, go = start
-    ready.release()
-    while not go.is_set():
-        client.poll(0.05)
-    version, lags, groups, dropped_stale, empty = 0, [], 0, 0, 0
+    await_go(start, client.poll)
+    version, max_lag = 0, 0
     period = 1.0 / setup.batches_per_s
     next_grant = time.monotonic()
     while not stop.is_set():
@@ -155,9 +151,7 @@ def _learner_proc(ports, run_dir: str, setup: ScaleSetup, start, stop, results) 
             version += 1
             ids = [g.group_id for g in batch.groups]
             audit.write("trained", gs=ids, v=version)
-            lags.append(batch.max_lag)
-            groups += len(ids)
-            dropped_stale += batch.dropped_stale
+            max_lag = max(max_lag, batch.max_lag)
             client.settle(ids)
             audit.write("checkpoint", v=version)
             client.checkpoint_durable(version)
@@ -165,9 +159,7 @@ def _learner_proc(ports, run_dir: str, setup: ScaleSetup, start, stop, results) 
     end = time.monotonic() + 2.0
     while time.monotonic() < end and client.link.outstanding:  # the last Commit and Control reach the broker
         client.poll(0.05)
-    results.put({"who": "learner", "version": version, "groups": groups, "max_lag": max(lags, default=0),
-                 "lags": lags, "dropped_stale": dropped_stale, "duplicates_dropped": client.duplicates_dropped,
-                 "empty": empty, "reconnects": client.link.reconnects})
+    results.put({"who": "learner", "version": version, "max_lag": max_lag})
     client.close()
     audit.close()
 
@@ -215,7 +207,7 @@ def _swarm_proc(index: int, ports, n: int, setup: ScaleSetup, start, stop, kill_
         now = time.monotonic()
         if now - t0 > 300:
             raise RuntimeError(f"swarm {index}: {len(connecting)} of {n} actors not connected after 300 s")
-        woken = set(in_order(waiter.wait(0.01)))
+        woken = {i for i, _ in waiter.wait(0.01)}
         if now >= tick:  # every link's timers (heartbeats of those already connected too)
             tick = now + setup.heartbeat_s / 4
             woken = set(range(n))
@@ -224,20 +216,20 @@ def _swarm_proc(index: int, ports, n: int, setup: ScaleSetup, start, stop, kill_
             if i in connecting and actors[i].client.connect_step():
                 connecting.discard(i)
         touch(*connecting)
-    connect_s = time.monotonic() - t0
-    connect_remade = sum(1 for a in actors if a.client.link.reconnects or a.client.link.counters.get("rehandshakes"))
-    ready, go = start
-    ready.release()
-    while not go.is_set():
+    connect_remade = sum(1 for a in actors if _remade(a.client))
+
+    def poll_all(timeout_s: float) -> None:
         for a in actors:
             a.client.poll(0)
-        time.sleep(0.05)
+        time.sleep(timeout_s)
+
+    await_go(start, poll_all)
 
     # ----- hold ----------------------------------------------------------------------------------
     hold_start = time.monotonic()
     silence_at = hold_start + setup.seconds / 3
     quota = setup.silence // setup.swarms + (1 if index < setup.silence % setup.swarms else 0)
-    ticket_ms, ack_ms, tickets, silenced, acked, refused = [], [], [], [], [], 0
+    ticket_ms, ack_ms, tickets, silenced, acked = [], [], [], [], []
     errors: dict[str, int] = {}
     rollouts: list[tuple[float, int, str]] = []  # (done at, actor, ticket id)
     recovered_s: list[float] = []
@@ -248,7 +240,7 @@ def _swarm_proc(index: int, ports, n: int, setup: ScaleSetup, start, stop, kill_
     # Every link's timers (heartbeats, resends, reconnects) run four times a heartbeat, a slice of the actors per
     # turn: visiting all of them at once would hold every ticket that arrives meanwhile for the whole visit.
     timer_period = setup.heartbeat_s / 4
-    timers = collections.deque(range(n))
+    timers = itertools.cycle(range(n))
     timer_slice, timer_at = 0.0, time.monotonic()
     live = [i for i in range(n)]
     cpu0, loops = time.process_time(), 0
@@ -258,12 +250,8 @@ def _swarm_proc(index: int, ports, n: int, setup: ScaleSetup, start, stop, kill_
         now = time.monotonic()
         timer_slice += (now - timer_at) / timer_period * n
         timer_at = now
-        due = []
-        while timer_slice >= 1 and timers:
-            timer_slice -= 1
-            timers.rotate(-1)
-            due.append(timers[-1])
-        timer_slice = min(timer_slice, 1.0)
+        due = [next(timers) for _ in range(min(int(timer_slice), n))]
+        timer_slice = min(timer_slice - len(due), 1.0)
         if due:
             ready_idx += [i for i in due if not actors[i].silenced]
             touch(*due)
@@ -287,8 +275,6 @@ def _swarm_proc(index: int, ports, n: int, setup: ScaleSetup, start, stop, kill_
                     ack_ms.append((now - sent) * 1000)
                 if ack.accepted:
                     acked.append(ack.group_id)
-                else:
-                    refused += 1
                 c.request_ticket()
                 a.request_at = now
                 touch(i)
@@ -304,13 +290,8 @@ def _swarm_proc(index: int, ports, n: int, setup: ScaleSetup, start, stop, kill_
             a = actors[i]
             if a.silenced or a.ticket is None or a.ticket.ticket_id != ticket_id:
                 continue
-            t, a.ticket = a.ticket, None
-            v = t.policy_version
-            trajs = [dataclasses.replace(tr, versions=np.full(len(tr.versions), v, np.int32))
-                     for tr in template.trajectories]
-            g = dataclasses.replace(template, group_id=uuid.uuid4().hex, ticket_id=t.ticket_id, task_id=t.task_id,
-                                    actor_id=a.client.actor_id, trajectories=trajs, behavior_version_min=v,
-                                    behavior_version_max=v, created_at=now)
+            g = group_for_ticket(template, a.ticket, a.client.actor_id)
+            a.ticket = None
             a.client.submit(g)
             a.sent_at[g.group_id] = now
             touch(i)
@@ -330,14 +311,12 @@ def _swarm_proc(index: int, ports, n: int, setup: ScaleSetup, start, stop, kill_
     if held < 0:
         held = _held(actors, live)
     results.put({
-        "who": "swarm", "index": index, "actors": n, "connect_s": connect_s, "live": len(live),
-        "held_without_reconnect": held, "remade_in_connect": connect_remade,
+        "who": "swarm", "live": len(live), "held_without_reconnect": held, "remade_in_connect": connect_remade,
         "reconnects": sum(a.client.link.reconnects for a in actors),
         "rehandshakes": sum(a.client.link.counters.get("rehandshakes", 0) for a in actors),
         "ticket_ms": ticket_ms, "ack_ms": ack_ms, "tickets": tickets,
-        "silenced": silenced, "acked": acked, "refused": refused, "errors": errors, "recovered_s": recovered_s,
+        "silenced": silenced, "acked": acked, "errors": errors, "recovered_s": recovered_s,
         "unrecovered": sum(1 for i in live if not actors[i].recovered) if kill_at.value > 0 else 0,
-        "unacked_at_end": sum(a.client.unacked for a in actors if not a.silenced),
         "cpu_pct": 100 * (time.process_time() - cpu0) / max(time.monotonic() - hold_start, 1e-9),
         "loops_per_s": loops / max(time.monotonic() - hold_start, 1e-9),
     })
@@ -346,10 +325,14 @@ def _swarm_proc(index: int, ports, n: int, setup: ScaleSetup, start, stop, kill_
     ctx.term()
 
 
+def _remade(client) -> bool:
+    """Whether a client's connection was ever re-made (a reconnect, or a re-handshake the broker asked for)."""
+    return bool(client.link.reconnects or client.link.counters.get("rehandshakes"))
+
+
 def _held(actors: list[_Actor], live: list[int]) -> int:
-    """Live actors whose connection was never re-made (no reconnect, no re-handshake)."""
-    return sum(1 for i in live if actors[i].client.link.reconnects == 0
-               and actors[i].client.link.counters.get("rehandshakes", 0) == 0)
+    """Live actors whose connection was never re-made."""
+    return sum(1 for i in live if not _remade(actors[i].client))
 
 
 # ----- processes of the baseline ---------------------------------------------------------------
@@ -406,10 +389,7 @@ def _raw_swarm_proc(index: int, addr: str, n: int, setup: ScaleSetup, rates: dic
                 except zmq.Again:
                     break
                 waiting.discard(index_of[s])
-    connect_s = time.monotonic() - t0
-    ready, go = start
-    ready.release()
-    go.wait()
+    await_go(start, time.sleep)
     heartbeat = b"h" * 96
     ticket = b"t" * 160
     group = make_group(setup.group_bytes)
@@ -455,39 +435,13 @@ def _raw_swarm_proc(index: int, addr: str, n: int, setup: ScaleSetup, rates: dic
                 got = sent.pop((i, parts[1][:8]), None)
                 if got is not None:
                     rtt[got[0]].append((time.monotonic() - got[1]) * 1000)
-    results.put({"who": "raw", "connect_s": connect_s, "rtt": rtt, "unanswered": len(sent)})
+    results.put({"who": "raw", "rtt": rtt, "unanswered": len(sent)})
     for s in socks:
         s.close(0)
     ctx.term()
 
 
 # ----- measuring processes from outside -----------------------------------------------------------
-
-
-def _proc_sample(pid: int) -> tuple[float, float]:
-    """(CPU seconds used, resident MB) of a process, from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    rss = 0.0
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1]) / 1024
-    return cpu, rss
-
-
-def _start_and_wait_ready(procs: list, ready, timeout_s: float, what: str, watch: list) -> None:
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    for _ in procs:
-        while not ready.acquire(timeout=0.5):
-            dead = [p for p in procs + watch if p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"{what}: {dead[0].name} exited with code {dead[0].exitcode}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what} not ready within {timeout_s:.0f} s")
 
 
 def run_ours(setup: ScaleSetup) -> dict:
@@ -506,7 +460,7 @@ def run_ours(setup: ScaleSetup) -> dict:
         if not broker_ready.wait(60):
             raise RuntimeError("broker did not start")
         time.sleep(0.5)
-        cpu0, rss_idle = _proc_sample(broker.pid)
+        cpu0, rss_idle = cpu_and_rss(broker.pid)
         start = (ctx.Semaphore(0), ctx.Event())
         stop, kill_at, results = ctx.Event(), ctx.Value("d", 0.0), ctx.Queue()
         learner = ctx.Process(target=_learner_proc, args=(ports, run_dir, setup, start, stop, results),
@@ -514,19 +468,19 @@ def run_ours(setup: ScaleSetup) -> dict:
         swarms = [ctx.Process(target=_swarm_proc, args=(i, ports, n, setup, start, stop, kill_at, results),
                               name=f"swarm{i}") for i, n in enumerate(split_evenly(setup.actors, setup.swarms))]
         t_connect = time.monotonic()
-        _start_and_wait_ready([learner, *swarms], start[0], 600, "actor swarms", [broker])
+        start_together([learner, *swarms], start, "actor swarms", 600, watch=[broker], go=False)
         connect_wall_s = time.monotonic() - t_connect
-        cpu1, rss_connected = _proc_sample(broker.pid)
+        cpu1, rss_connected = cpu_and_rss(broker.pid)
         start[1].set()
         t_hold = time.monotonic()
         rss_peak = rss_connected
         while time.monotonic() - t_hold < setup.seconds:
             time.sleep(1.0)
-            rss_peak = max(rss_peak, _proc_sample(broker.pid)[1])
+            rss_peak = max(rss_peak, cpu_and_rss(broker.pid)[1])
             dead = [p for p in [broker, learner, *swarms] if p.exitcode not in (None, 0)]
             if dead:
                 raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exitcode} during the hold")
-        cpu2, rss_end = _proc_sample(broker.pid)
+        cpu2, _ = cpu_and_rss(broker.pid)
         hold_s = time.monotonic() - t_hold
         snapshot = last_record(os.path.join(run_dir, "metrics", "broker.jsonl")) or {}
         storm: dict[str, Any] = {}
@@ -551,8 +505,6 @@ def run_ours(setup: ScaleSetup) -> dict:
         broker.terminate()  # SIGTERM: a clean stop, its final metrics and audit written
         broker.join(30)
         rec = reconcile(run_dir)
-        acked_by_audit = {g for ev in _broker_events(run_dir) if ev["e"] in ("acked", "recovered", "dropped")
-                          for g in (ev.get("gs") or [ev.get("g")])}
     learner_out = next(o for o in outs if o["who"] == "learner")
     sw = [o for o in outs if o["who"] == "swarm"]
     client_acked = [g for o in sw for g in o["acked"]]
@@ -614,17 +566,10 @@ def run_ours(setup: ScaleSetup) -> dict:
         "dropped_stale": snapshot.get("dropped_stale", 0),
         "errors": errors,
         "acked_by_actors": len(set(client_acked)),
-        "acked_not_in_audit": len(set(client_acked) - acked_by_audit),
+        "acked_not_in_audit": len(set(client_acked) - rec.acked_ids),
         "reconcile": rec.as_dict(),
         **storm,
     }
-
-
-def _broker_events(run_dir: str):
-    from common.audit import read_events
-    from pathlib import Path
-
-    return read_events(Path(run_dir) / "audit" / "broker.jsonl")
 
 
 def run_raw(setup: ScaleSetup, rates: dict) -> dict:
@@ -640,18 +585,18 @@ def run_raw(setup: ScaleSetup, rates: dict) -> dict:
     if not ready.wait(60):
         raise RuntimeError("echo server did not start")
     time.sleep(0.5)
-    cpu0, rss_idle = _proc_sample(echo.pid)
+    cpu0, rss_idle = cpu_and_rss(echo.pid)
     start, stop, results = (ctx.Semaphore(0), ctx.Event()), ctx.Event(), ctx.Queue()
     share = {k: v / setup.swarms for k, v in rates.items()}
     swarms = [ctx.Process(target=_raw_swarm_proc, args=(i, addr, n, setup, share, start, stop, results),
                           name=f"raw{i}") for i, n in enumerate(split_evenly(setup.actors, setup.swarms))]
     t0 = time.monotonic()
-    _start_and_wait_ready(swarms, start[0], 600, "raw swarms", [echo])
+    start_together(swarms, start, "raw swarms", 600, watch=[echo], go=False)
     connect_s = time.monotonic() - t0
-    cpu1, rss_connected = _proc_sample(echo.pid)
+    cpu1, rss_connected = cpu_and_rss(echo.pid)
     start[1].set()
     time.sleep(setup.seconds)
-    cpu2, _ = _proc_sample(echo.pid)
+    cpu2, _ = cpu_and_rss(echo.pid)
     stop.set()
     outs = [await_result(results, swarms, 120) for _ in swarms]
     reap(swarms)

@@ -1,4 +1,4 @@
-"""Memory of process trees, for the benchmarks that report memory per desktop or per browser."""
+"""Memory and CPU of processes, for the benchmarks that report memory per desktop, browser or connection."""
 
 from __future__ import annotations
 
@@ -37,3 +37,16 @@ def mem_available_mb() -> float:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) / 1024
     return 0.0
+
+
+def cpu_and_rss(pid: int) -> tuple[float, float]:
+    """(CPU seconds used so far, resident MB) of one process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    rss = 0.0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) / 1024
+    return cpu, rss

@@ -1,6 +1,6 @@
 """Many connections against one broker: reclaim of silenced actors and a reconnect storm after a broker kill -9, with
 every acked group accounted for (the ``bench scale`` harness at a few hundred connections); the pieces it stands on
-(waiting on hundreds of links from one loop, the open-file limit, the ticket's parked time)."""
+(waiting on hundreds of links from one loop, the open-file limit and what a server does when it is reached)."""
 
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ server = ServerSocket(ctx, "tcp://127.0.0.1:0", NetConfig(), Security(ctx, None)
 print(server.addr, flush=True)
 deadline = time.monotonic() + 20
 while time.monotonic() < deadline and not counters.get("accept_failed"):
-    server.drain_auth_failures()
+    server.drain_refused()
     time.sleep(0.05)
 print(json.dumps({{"counters": counters, "events": log.events}}), flush=True)
 server.close()

@@ -1,14 +1,14 @@
-"""ZeroMQ links shared by every role: their config and addresses (``config.py``), CURVE keys, socket options and the
-monitor of refused connections (``security.py``), the open-file limit (``limits.py``), the server side with its peer
-table (``server.py``) and the reliable client link (``client.py``). Roles import from here:
+"""ZeroMQ links shared by every role: their config and addresses (``config.py``), CURVE keys and socket options
+(``security.py``), the open-file limit (``limits.py``), the server side with its peer table and the monitor of
+refused connections (``server.py``) and the reliable client link (``client.py``). Roles import from here:
 ``from common.net import NetConfig, ServerLink``."""
 
 from common.net.client import LinkWaiter, ServerLink
 from common.net.config import NetConfig, curve_wanted, free_port, is_loopback
 from common.net.limits import open_files_limit, raise_open_files
-from common.net.security import (ConnectionMonitor, CurveKeys, RateLimitedLog, Security, ensure_keys, limit_size,
-                                 listen_backlog, load_keys, security_for, tune)
-from common.net.server import PeerState, PeerTable, ServerSocket, answer_heartbeat, serve
+from common.net.security import (CurveKeys, RateLimitedLog, Security, ensure_keys, limit_size, listen_backlog,
+                                 load_keys, security_for, tune)
+from common.net.server import ConnectionMonitor, PeerState, PeerTable, ServerSocket, answer_heartbeat, serve
 
 __all__ = ["LinkWaiter", "ServerLink", "NetConfig", "curve_wanted", "free_port", "is_loopback", "open_files_limit",
            "raise_open_files", "ConnectionMonitor", "CurveKeys", "RateLimitedLog", "Security", "ensure_keys",

@@ -35,9 +35,8 @@ class LinkWaiter:
         self._next_sweep = 0.0
         self._sockets: dict[Any, Callable[[], list[zmq.Socket]]] = {}
         self._poll = select.poll()
-        self._registered: dict[Any, tuple] = {}  # key -> its sockets being polled
+        self._registered: dict[Any, dict[zmq.Socket, int]] = {}  # key -> its polled sockets and their ZMQ_FDs
         self._by_fd: dict[int, tuple[Any, zmq.Socket]] = {}
-        self._fd_of: dict[int, int] = {}  # id(socket) -> its ZMQ_FD
         self._recheck: set[Any] = set()
 
     def add(self, key: Any, sockets: Callable[[], list[zmq.Socket]]) -> None:
@@ -47,30 +46,26 @@ class LinkWaiter:
     def remove(self, key: Any) -> None:
         self._sockets.pop(key, None)
         self._recheck.discard(key)
-        self._sync(key, ())
+        self._sync(key, [])
 
     def touch(self, *keys: Any) -> None:
         """The caller used these links outside a wait (sent on them): look at them directly next time."""
         self._recheck.update(k for k in keys if k in self._sockets)
 
-    def _sync(self, key: Any, socks: tuple) -> None:
-        for sock in self._registered.pop(key, ()):
-            fd = self._fd_of.pop(id(sock), None)
-            if fd is not None:
-                self._poll.unregister(fd)
-                self._by_fd.pop(fd, None)
-        for sock in socks:
-            fd = sock.getsockopt(zmq.FD)
-            self._fd_of[id(sock)] = fd
-            self._poll.register(fd, select.POLLIN)
-            self._by_fd[fd] = (key, sock)
+    def _sync(self, key: Any, socks: list[zmq.Socket]) -> None:
+        for fd in self._registered.pop(key, {}).values():
+            self._poll.unregister(fd)
+            del self._by_fd[fd]
         if socks:
-            self._registered[key] = socks
+            self._registered[key] = {sock: sock.getsockopt(zmq.FD) for sock in socks}
+            for sock, fd in self._registered[key].items():
+                self._poll.register(fd, select.POLLIN)
+                self._by_fd[fd] = (key, sock)
 
     def wait(self, timeout_s: float) -> set[Any]:
         for key, sockets in self._sockets.items():
-            socks = tuple(s for s in sockets() if s is not None)
-            if socks != self._registered.get(key, ()):
+            socks = [s for s in sockets() if s is not None]
+            if socks != list(self._registered.get(key, ())):
                 self._sync(key, socks)
                 self._recheck.add(key)
         now = time.monotonic()
@@ -78,14 +73,12 @@ class LinkWaiter:
             self._next_sweep = now + self.sweep_s
             self._recheck = set(self._registered)
         ready = {k for k in self._recheck if any(_has_input(s) for s in self._registered.get(k, ()))}
-        self._recheck = set()
         timeout_s = min(timeout_s, self._next_sweep - now)
-        events = self._poll.poll(0 if ready else int(max(0.0, timeout_s) * 1000))
-        for fd, _ in events:
+        for fd, _ in self._poll.poll(0 if ready else int(max(0.0, timeout_s) * 1000)):
             key, sock = self._by_fd.get(fd, (None, None))
             if key is not None and key not in ready and _has_input(sock):
                 ready.add(key)
-        self._recheck = set(ready)
+        self._recheck = set(ready)  # handed out now: the caller's sends may swallow their next signal
         return ready
 
 

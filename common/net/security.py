@@ -1,9 +1,8 @@
 """CURVE keys (one server pair and one client pair per run, in the run directory), the socket options every
-link sets, and the monitor of refused connections and rate-limited rejection log servers keep."""
+link sets, and the rate-limited rejection log servers keep."""
 
 from __future__ import annotations
 
-import errno
 import os
 import time
 import uuid
@@ -14,10 +13,8 @@ from typing import Any
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils.monitor import recv_monitor_message
 
 from common.net.config import NetConfig, curve_wanted
-from common.net.limits import open_files_limit
 
 
 @dataclass(frozen=True)
@@ -113,11 +110,6 @@ def security_for(ctx: zmq.Context, net: NetConfig, keys_dir: str | Path | None, 
     return Security(ctx, ensure_keys(keys_dir))
 
 
-HANDSHAKE_FAILURES = (
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
-
-
 def tune(sock: zmq.Socket, net: NetConfig) -> None:
     sock.linger = 0
     sock.sndhwm = net.hwm
@@ -141,57 +133,6 @@ def limit_size(sock: zmq.Socket, net: NetConfig) -> None:
     """ZMQ_MAXMSGSIZE: a peer announcing a larger frame is disconnected by ZeroMQ before the frame is
     buffered (the cap on the whole multipart message is checked again on decode)."""
     sock.setsockopt(zmq.MAXMSGSIZE, net.max_message_bytes)
-
-
-MONITOR_EVENTS_PER_DRAIN = 1000
-
-
-class ConnectionMonitor:
-    """Counts (and logs) what a server socket refused, from its monitor events: CURVE handshakes (when CURVE is
-    on) and connections it could not accept (``accept_failed``: at scale, usually the open-file limit)."""
-
-    def __init__(self, sock: zmq.Socket, security: "Security", counters: dict, log: Any, name: str,
-                 counter: str = "rejected_auth"):
-        events = zmq.EVENT_ACCEPT_FAILED | (HANDSHAKE_FAILURES if security.enabled else 0)
-        self.monitor = sock.get_monitor_socket(events)
-        self.sock, self.counters, self.log, self.name, self.counter = sock, counters, log, name, counter
-        self.refused = RateLimitedLog(log, interval_s=30.0)
-
-    def drain(self) -> int:
-        """Count the events since the last call; returns how many handshakes were refused."""
-        if self.monitor is None:
-            return 0
-        n = 0
-        # At most MONITOR_EVENTS_PER_DRAIN a call: out of descriptors, libzmq retries the accept at once and without
-        # end, and a drain that waited for the monitor to empty never returned.
-        for _ in range(MONITOR_EVENTS_PER_DRAIN):
-            if not self.monitor.poll(0):
-                break
-            event = recv_monitor_message(self.monitor)
-            if event["event"] == zmq.EVENT_ACCEPT_FAILED:
-                self.counters["accept_failed"] = self.counters.get("accept_failed", 0) + 1
-                err = int(event["value"])
-                hint = ("the open-file limit is reached: raise it (ulimit -n / LimitNOFILE=); "
-                        "each actor holds two connections to the broker") if err == errno.EMFILE else ""
-                self.refused.warning("accept_failed", (err,), socket=self.name, errno=errno.errorcode.get(err, err),
-                                     limit=open_files_limit(), hint=hint)
-                continue
-            n += 1
-            if n <= 3:  # a scan of many refused handshakes is one count, not one log line each
-                self.log.warning("auth_rejected", socket=self.name, zmq_event=int(event["event"]),
-                                 endpoint=str(event.get("endpoint", b""))[:80])
-        if n:
-            self.counters[self.counter] = self.counters.get(self.counter, 0) + n
-        return n
-
-    def close(self) -> None:
-        """Call after closing the monitored socket: ``disable_monitor`` on a socket out of descriptors never
-        returned (its I/O thread retries the accept without end)."""
-        if self.monitor is not None:
-            if not self.sock.closed:
-                self.sock.disable_monitor()
-            self.monitor.close(0)
-            self.monitor = None
 
 
 class RateLimitedLog:

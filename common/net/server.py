@@ -1,20 +1,24 @@
-"""The server side of a link: a ROUTER socket, its table of peers and their liveness (Paranoid Pirate:
-peers heartbeat every ``heartbeat_s``; one silent for ``liveness x heartbeat_s`` is dead), and the serve loop."""
+"""The server side of a link: a ROUTER socket, the monitor of what it refused (handshakes, connections), its table of
+peers and their liveness (Paranoid Pirate: peers heartbeat every ``heartbeat_s``; one silent for
+``liveness x heartbeat_s`` is dead), and the serve loop."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol as P
 from common.signals import StopSignals
 from common.net.config import NetConfig
-from common.net.security import ConnectionMonitor, RateLimitedLog, Security, listen_backlog, tune
+from common.net.limits import open_files_limit
+from common.net.security import RateLimitedLog, Security, listen_backlog, tune
 
 
 class ServerSocket:
@@ -29,7 +33,7 @@ class ServerSocket:
         # Clients keep their routing id across reconnects; the newest connection takes it over.
         self.sock.router_handover = True
         security.server(self.sock)
-        self.auth = ConnectionMonitor(self.sock, security, counters, log, name)
+        self.monitor = ConnectionMonitor(self.sock, security, counters, log, name)
         self.sock.bind(addr)
         self.addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.net, self.counters, self.log, self.name = net, counters, log, name
@@ -72,13 +76,67 @@ class ServerSocket:
         except zmq.Again:  # the peer's queue is full; it will re-request (clients resend on timeout)
             self.counters["send_dropped_hwm"] = self.counters.get("send_dropped_hwm", 0) + 1
 
-    def drain_auth_failures(self) -> int:
+    def drain_refused(self) -> int:
         """Count (and log) CURVE handshakes refused since the last call."""
-        return self.auth.drain()
+        return self.monitor.drain()
 
     def close(self) -> None:
         self.sock.close(0)
-        self.auth.close()
+        self.monitor.close()
+
+
+HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+MONITOR_EVENTS_PER_DRAIN = 1000
+
+
+class ConnectionMonitor:
+    """Counts (and logs) what a server socket refused, from its monitor events: CURVE handshakes (when CURVE is
+    on) and connections it could not accept (``accept_failed``: at scale, usually the open-file limit)."""
+
+    def __init__(self, sock: zmq.Socket, security: Security, counters: dict, log: Any, name: str,
+                 counter: str = "rejected_auth"):
+        events = zmq.EVENT_ACCEPT_FAILED | (HANDSHAKE_FAILURES if security.enabled else 0)
+        self.monitor = sock.get_monitor_socket(events)
+        self.sock, self.counters, self.log, self.name, self.counter = sock, counters, log, name, counter
+        self.refused = RateLimitedLog(log, interval_s=30.0)
+
+    def drain(self) -> int:
+        """Count the events since the last call; returns how many handshakes were refused."""
+        if self.monitor is None:  # closed
+            return 0
+        n = 0
+        # At most MONITOR_EVENTS_PER_DRAIN a call: out of descriptors, libzmq retries the accept at once and without
+        # end, and a drain that waited for the monitor to empty never returned.
+        for _ in range(MONITOR_EVENTS_PER_DRAIN):
+            if not self.monitor.poll(0):
+                break
+            event = recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_ACCEPT_FAILED:
+                self.counters["accept_failed"] = self.counters.get("accept_failed", 0) + 1
+                err = int(event["value"])
+                emfile = err == errno.EMFILE
+                hint = "the open-file limit is reached: raise it (ulimit -n / LimitNOFILE=)" if emfile else ""
+                self.refused.warning("accept_failed", (err,), socket=self.name, errno=errno.errorcode.get(err, err),
+                                     limit=open_files_limit(), hint=hint)
+                continue
+            n += 1
+            if n <= 3:  # a scan of many refused handshakes is one count, not one log line each
+                self.log.warning("auth_rejected", socket=self.name, zmq_event=int(event["event"]),
+                                 endpoint=str(event.get("endpoint", b""))[:80])
+        if n:
+            self.counters[self.counter] = self.counters.get(self.counter, 0) + n
+        return n
+
+    def close(self) -> None:
+        """Call after closing the monitored socket: ``disable_monitor`` on a socket out of descriptors never
+        returned (its I/O thread retries the accept without end)."""
+        if self.monitor is not None:
+            if not self.sock.closed:
+                self.sock.disable_monitor()
+            self.monitor.close(0)
+            self.monitor = None
 
 
 @dataclass
