@@ -444,11 +444,24 @@ def _raw_swarm_proc(index: int, addr: str, n: int, setup: ScaleSetup, rates: dic
 # ----- measuring processes from outside -----------------------------------------------------------
 
 
+def _settled_record(path: str, setup: ScaleSetup) -> dict:
+    """The broker's newest metrics record once every actor is either alive or declared dead: an actor silenced late
+    in the hold is declared dead up to ``liveness x heartbeat_s`` after it, which may be after the hold ended."""
+    from common.records import last_record
+
+    deadline = time.monotonic() + setup.liveness * setup.heartbeat_s + 3.0  # + a few metrics intervals
+    while True:
+        record = last_record(path) or {}
+        if record.get("actors_alive", 0) + record.get("actors_dead", 0) >= setup.actors \
+                or time.monotonic() > deadline:
+            return record
+        time.sleep(0.2)
+
+
 def run_ours(setup: ScaleSetup) -> dict:
     from common.audit import reconcile
     from common.metrics import percentile
     from common.net import free_port
-    from common.records import last_record
 
     ctx = mp.get_context("spawn")
     ports = (free_port(), free_port(), free_port())
@@ -482,7 +495,7 @@ def run_ours(setup: ScaleSetup) -> dict:
                 raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exitcode} during the hold")
         cpu2, _ = cpu_and_rss(broker.pid)
         hold_s = time.monotonic() - t_hold
-        snapshot = last_record(os.path.join(run_dir, "metrics", "broker.jsonl")) or {}
+        snapshot = _settled_record(os.path.join(run_dir, "metrics", "broker.jsonl"), setup)
         storm: dict[str, Any] = {}
         if setup.profile:
             os.kill(broker.pid, signal.SIGUSR1)
