@@ -175,7 +175,7 @@ class LearnerBrokerClient:
         self.security = security_for(self.ctx, net, keys_dir)
         hello = P.Hello(role="learner", peer_id=self.learner_id, pid=os.getpid(), host=socket.gethostname())
         self.link = ServerLink(self.ctx, net.tcp(net.broker_back_port), hello, net, self.security, log,
-                               on_epoch=self._on_epoch)
+                               on_ready=self._on_ready)
         self.credits_out = 0  # granted and not yet answered by a batch
         self.version = 0
         self.batches: collections.deque[P.Batch] = collections.deque()
@@ -194,17 +194,16 @@ class LearnerBrokerClient:
     def connect(self, timeout_s: float = 30.0) -> P.Ready:
         return self.link.wait_ready(timeout_s)
 
-    def _on_epoch(self, old: str, new: str) -> None:
-        if old:  # the broker restarted and forgot our credits: ask again for what is still owed
-            for key in [k for k in self.link.outstanding if k.startswith("credits:")]:
-                self.link.complete(key)
-            if self.credits_out > 0:
-                self._credit_request(self.credits_out)
+    def _on_ready(self) -> None:
+        # The broker forgets a learner's credit on every Hello (it may be a restarted learner), so after each
+        # handshake the whole amount still owed is asked for again, once.
+        if self.credits_out > 0:
+            self._credit_request(self.credits_out)
 
     def _credit_request(self, n: int) -> None:
-        self.link.request(f"credits:{next(self._seq)}",
-                          P.BatchRequest(learner_id=self.learner_id, credits=n, version=self.version),
-                          resend_on_timeout=False)
+        # Not kept for re-sending: credit adds up at the broker, so a replay would grant it twice; a request the
+        # link could not send is covered by ``_on_ready`` (credits_out counts it).
+        self.link.send(P.BatchRequest(learner_id=self.learner_id, credits=n, version=self.version))
 
     def grant(self, credits: int) -> None:
         """Allow the broker to send ``credits`` more batches."""

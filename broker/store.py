@@ -9,7 +9,6 @@ rewritten compactly when it grows past twice its live content.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 import os
 import random
@@ -17,7 +16,6 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from common import protocol as P
 
@@ -58,8 +56,9 @@ class SuccessStore:
         if sols is None:
             sols = self.tasks[task_id] = collections.OrderedDict()
         self.tasks.move_to_end(task_id)
-        # Own copy: the trajectory's arrays are views into network frames we do not want to pin.
-        sols[key] = _copy(traj)
+        # Kept as decoded, no copy: a large array is a view of its own network frame (the codec gives every
+        # array of 64 KiB or more a frame of its own), so holding it pins nothing else; small ones own their bytes.
+        sols[key] = traj
         self._count += 1
         while len(sols) > self.per_task:
             sols.popitem(last=False)
@@ -150,9 +149,3 @@ class SuccessStore:
             self._f.close()
             self._f = None
 
-
-def _copy(traj: P.Trajectory) -> P.Trajectory:
-    return dataclasses.replace(traj, **{
-        f.name: np.array(getattr(traj, f.name)) for f in dataclasses.fields(traj)
-        if isinstance(getattr(traj, f.name), np.ndarray)
-    })

@@ -158,6 +158,37 @@ def test_stalled_actor_rehandshakes_and_keeps_its_requests(start_broker, quiet_l
     learner.close()
 
 
+def test_credit_after_a_rehandshake_is_what_the_learner_still_expects(start_broker, quiet_log):
+    """Credit adds up at the broker and is forgotten on a Hello: a re-handshake must restate what is still owed,
+    not replay every grant of the run (each step's grant was once kept for re-sending, so the link's bookkeeping
+    grew by one per step and a reconnect granted the whole run's credit again)."""
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=30))
+    actor, learner = clients(tb, quiet_log)
+    learner.set_control(0)
+    steps = 12
+    for t in take_tickets(actor, steps, expect=steps):
+        actor.submit(make_group(t))
+    pump([actor], 10, until=lambda: len(actor.acks) == steps)
+    for v in range(1, steps + 1):  # a learner's steps: one batch each, one credit back each
+        learner.grant(1)
+        b = learner.next_batch(5)
+        assert b is not None
+        learner.settle([g.group_id for g in b.groups])
+        learner.checkpoint_durable(v)
+        learner.set_control(v)
+    pump([learner], 5, until=lambda: learner.commits_confirmed == steps)
+    assert len(learner.link.outstanding) <= 2, f"bookkeeping grows with steps: {list(learner.link.outstanding)}"
+    learner.grant(3)  # nothing is queued: the credit waits at the broker
+    pump([learner], 5, until=lambda: sum(tb.broker.credits.values()) == 3)
+    learner.link.ready = False  # as after ``unknown_peer``: handshake again; the broker's Hello drops our credit
+    learner.link._send(P.encode(learner.link.hello))
+    pump([learner], 5, until=lambda: learner.link.ready)
+    pump([learner], 0.5)
+    assert learner.credits_out == 3 and sum(tb.broker.credits.values()) == 3
+    actor.close()
+    learner.close()
+
+
 def _raw_dealer(tb):
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)

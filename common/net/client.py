@@ -100,12 +100,14 @@ class ServerLink:
     server's epoch changes (the server restarted), or after ``request_timeout_s`` unless the request is
     parked on purpose (``resend_on_timeout=False``, e.g. a ticket request waiting for capacity).
     ``poll`` returns the messages meant for the caller; heartbeats and the handshake stay inside.
+    ``on_ready`` runs each time the server answers a handshake (first connect, reconnect, server restart),
+    after what is owed was re-sent: the place to restate state a server drops on a Hello.
     """
 
     def __init__(self, ctx: zmq.Context, addr: str, hello: P.Hello, net: NetConfig, security: Security,
-                 log: Any, on_epoch: Callable[[str, str], None] | None = None):
+                 log: Any, on_ready: Callable[[], None] | None = None):
         self.ctx, self.addr, self.hello, self.net, self.security, self.log = ctx, addr, hello, net, security, log
-        self.on_epoch = on_epoch
+        self.on_ready = on_ready
         self.epoch = ""
         self.ready = False
         self.ready_msg: P.Ready | None = None
@@ -192,6 +194,8 @@ class ServerLink:
             if not self.ready:
                 self.ready = True
                 self._resend_all()
+                if self.on_ready is not None:
+                    self.on_ready()
             return msg
         if isinstance(msg, P.Heartbeat):
             self._epoch_seen(msg.epoch)
@@ -212,8 +216,6 @@ class ServerLink:
                                  resending=len(self.outstanding))
                 self.ready = False  # re-handshake: the new server knows nothing of us
                 self._send(P.encode(self.hello))
-            if self.on_epoch is not None:
-                self.on_epoch(old, epoch)
 
     def _timers(self, now: float) -> None:
         if now - self.last_hb >= self.net.heartbeat_s:

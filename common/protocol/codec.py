@@ -36,6 +36,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 MAX_DEPTH = 32
 MAX_EMBED_DEPTH = 2
 MAX_NDIM = 8
+_MAX_DIM = 1 << 40  # no dimension of a real array is this long
 
 # ---------------------------------------------------------------------------------------------
 # Type checking of fields (a small runtime checker for the annotations used above)
@@ -203,26 +204,32 @@ class _Decoder:
         return self.frames[idx]
 
     def array(self, ref: dict, path: str) -> np.ndarray:
-        dtype_name = ref.get("dtype")
-        shape = ref.get("shape")
-        if type(dtype_name) is not str or dtype_name not in ALLOWED_DTYPES:
+        dtype_name, shape = ref.get("dtype"), ref.get("shape")
+        dtype = ALLOWED_DTYPES.get(dtype_name) if type(dtype_name) is str else None
+        if dtype is None:
             raise ProtocolError("bad_dtype", f"{path}: dtype {str(dtype_name)[:40]!r} not allowed")
-        if type(shape) is not list or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
+        if type(shape) is not list:
+            raise ProtocolError("bad_shape", f"{path}: shape {str(shape)[:80]} is not a list")
+        if len(shape) == 1 and type(shape[0]) is int and 0 <= shape[0] < _MAX_DIM:
+            expected = shape[0] * dtype.itemsize  # the common case (flat token arrays), checked in one line
+        elif len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
             raise ProtocolError("bad_shape", f"{path}: shape {str(shape)[:80]} (at most {MAX_NDIM} dims >= 0)")
-        if any(d >= 1 << 40 for d in shape):  # no dimension of a real array is this long, even with a 0 beside
+        elif any(d >= _MAX_DIM for d in shape):  # no dimension of a real array is this long, even with a 0 beside
             raise ProtocolError("bad_shape", f"{path}: shape {str(shape)[:80]} has an absurd dimension")
-        dtype = ALLOWED_DTYPES[dtype_name]
-        expected = math.prod(shape) * dtype.itemsize
-        if "frame" in ref:
-            buf = frame_buffer(self.take_frame(ref["frame"], path))
-        elif "data" in ref and isinstance(ref["data"], bytes):
+        else:
+            expected = math.prod(shape) * dtype.itemsize
+        frame_idx = ref.get("frame")
+        if frame_idx is not None:
+            buf = frame_buffer(self.take_frame(frame_idx, path))
+        elif type(ref.get("data")) is bytes:
             buf = ref["data"]
         else:
             raise ProtocolError("bad_array", f"{path}: array has neither frame nor data")
-        nbytes = buf.nbytes if isinstance(buf, memoryview) else len(buf)
+        nbytes = buf.nbytes if type(buf) is memoryview else len(buf)
         if nbytes != expected:
-            raise ProtocolError("bad_shape", f"{path}: {nbytes} bytes for shape {shape} {dtype_name}")
-        return np.frombuffer(buf, dtype=dtype).reshape(shape)
+            raise ProtocolError("bad_shape", f"{path}: {nbytes} bytes for shape {shape} {dtype.name}")
+        arr = np.frombuffer(buf, dtype=dtype)
+        return arr if len(shape) == 1 else arr.reshape(shape)
 
     def embedded(self, ref: Any, cls: type[Message], path: str) -> Message:
         if not isinstance(ref, dict) or "__msg__" not in ref:

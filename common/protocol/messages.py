@@ -139,6 +139,13 @@ class TurnView:
     images: tuple[str, ...] = ()  # content hashes of the images in the prompt, in order (common/vision.py)
 
 
+_TRAJECTORY_ARRAYS = tuple((name, ALLOWED_DTYPES[dtype]) for name, dtype in (
+    ("prompt_lens", "int32"), ("output_lens", "int32"), ("prompt_ids", "int32"), ("output_ids", "int32"),
+    ("logprobs", "float32"), ("versions", "int32"), ("loss_mask", "uint8"), ("turn_rewards", "float32"),
+    ("format_errors", "uint8")))
+"""Every array field of a ``Trajectory`` and the one dtype it may have; all are 1-d."""
+
+
 @dataclass
 class Trajectory(Record):
     """One episode, token-in/token-out, its T turns stored as flat arrays with per-turn lengths.
@@ -223,27 +230,19 @@ class Trajectory(Record):
         )
 
     def validate(self) -> None:
-        t = len(self.prompt_lens)
-        checks = (
-            ("prompt_lens", self.prompt_lens, "int32", 1),
-            ("output_lens", self.output_lens, "int32", 1),
-            ("prompt_ids", self.prompt_ids, "int32", 1),
-            ("output_ids", self.output_ids, "int32", 1),
-            ("logprobs", self.logprobs, "float32", 1),
-            ("versions", self.versions, "int32", 1),
-            ("loss_mask", self.loss_mask, "uint8", 1),
-            ("turn_rewards", self.turn_rewards, "float32", 1),
-            ("format_errors", self.format_errors, "uint8", 1),
-        )
-        for name, arr, dtype, ndim in checks:
-            if arr.dtype != ALLOWED_DTYPES[dtype] or arr.ndim != ndim:
-                raise ProtocolError("bad_trajectory", f"{name}: {arr.dtype.name}{list(arr.shape)}, expected {dtype} 1-d")
-        n_out = len(self.output_ids)
-        if len(self.output_lens) != t or len(self.turn_rewards) != t or len(self.format_errors) != t:
+        for name, expected in _TRAJECTORY_ARRAYS:
+            arr = getattr(self, name)
+            if arr.dtype != expected or arr.ndim != 1:
+                raise ProtocolError("bad_trajectory",
+                                    f"{name}: {arr.dtype.name}{list(arr.shape)}, expected {expected.name} 1-d")
+        # Per-turn arrays are short: Python lists check them faster than numpy reductions would.
+        prompt_lens, output_lens = self.prompt_lens.tolist(), self.output_lens.tolist()
+        t, n_out = len(prompt_lens), len(self.output_ids)
+        if len(output_lens) != t or len(self.turn_rewards) != t or len(self.format_errors) != t:
             raise ProtocolError("bad_trajectory", "per-turn arrays disagree on the number of turns")
-        if (self.prompt_lens < 0).any() or (self.output_lens < 0).any():
+        if min(prompt_lens, default=0) < 0 or min(output_lens, default=0) < 0:
             raise ProtocolError("bad_trajectory", "negative turn length")
-        if int(self.prompt_lens.sum()) != len(self.prompt_ids) or int(self.output_lens.sum()) != n_out:
+        if sum(prompt_lens) != len(self.prompt_ids) or sum(output_lens) != n_out:
             raise ProtocolError("bad_trajectory", "turn lengths do not sum to the token arrays")
         if not (len(self.logprobs) == len(self.versions) == len(self.loss_mask) == n_out):
             raise ProtocolError("bad_trajectory", "per-token arrays differ in length")
