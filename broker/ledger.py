@@ -174,6 +174,7 @@ class Ledger:
     # ----- tickets and leases ----------------------------------------------------------------
 
     def grant(self, request_id: str, task_id: str, holder: bytes, now: float) -> TicketInfo:
+        """A ticket issued at ``now`` (never earlier than the last one: lease expiry reads them in this order)."""
         seq = next(self._ids)
         ticket = TicketInfo(f"t{seq}-{request_id}", request_id, task_id, holder, now, self.version, seq)
         self.running[ticket.ticket_id] = ticket
@@ -188,11 +189,18 @@ class Ledger:
         return ticket
 
     def reclaim(self, holder: bytes | None = None, older_than: float | None = None) -> list[TicketInfo]:
-        """Take back tickets of a dead holder, or tickets whose lease ran out; their tasks go out again."""
-        gone = [
-            t for t in self.running.values()
-            if (holder is not None and t.holder == holder) or (older_than is not None and t.issued_at < older_than)
-        ]
+        """Take back tickets of a dead holder, or tickets whose lease ran out; their tasks go out again.
+
+        Lease expiry runs every broker turn: ``running`` is in grant order, so it reads only the expired tickets
+        and the first live one, not every ticket of thousands of actors."""
+        if holder is not None:
+            gone = [t for t in self.running.values() if t.holder == holder]
+        else:
+            gone = []
+            for t in self.running.values():
+                if older_than is None or t.issued_at >= older_than:
+                    break
+                gone.append(t)
         for t in gone:
             del self.running[t.ticket_id]
         self.counters["tickets_reclaimed"] += len(gone)

@@ -3,6 +3,7 @@ fixed-bucket histogram and percentiles."""
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 from pathlib import Path
@@ -38,6 +39,27 @@ class MetricsWriter:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+class TimeSplit:
+    """A loop's wall time split by what it was doing: ``enter(state)`` charges the time since the previous call to
+    the state being left. ``seconds()`` are cumulative per state, the current one included; a role reports them
+    so an operator can tell waiting (idle) from working, and a bench can bound a run by its busy time."""
+
+    def __init__(self, state: str):
+        self.state = state
+        self._since = time.monotonic()
+        self._seconds: collections.Counter[str] = collections.Counter()
+
+    def enter(self, state: str) -> None:
+        now = time.monotonic()
+        self._seconds[self.state] += now - self._since
+        self.state, self._since = state, now
+
+    def seconds(self) -> dict[str, float]:
+        out = dict(self._seconds)
+        out[self.state] = out.get(self.state, 0.0) + time.monotonic() - self._since
+        return out
 
 
 def _jsonable(obj: Any) -> Any:

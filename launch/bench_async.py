@@ -10,7 +10,6 @@ the speed is compared at equal quality.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.records import read_records
 from launch.local import free_port_overrides
 
 
@@ -59,11 +59,36 @@ def _run(config: str, setup: AsyncBenchSetup, eta: int, run_dir: Path, extra: li
     if proc.wait() != 0 or ready_at is None:
         raise RuntimeError(f"run with eta={eta} failed:\n{''.join(tail)}")
     # Until the learner's last step: the final evaluation and the shutdown are not part of the comparison.
-    steps_done = [json.loads(x) for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()]
-    seconds = steps_done[-1]["time"] - ready_at
-    evals = [json.loads(x) for x in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()] \
-        if (run_dir / "metrics" / "eval.jsonl").exists() else []
-    return {"seconds": seconds, "heldout_success": evals[-1]["success_rate"] if evals else None}
+    learner = read_records(run_dir / "metrics" / "learner.jsonl")
+    end = learner[-1]["time"]
+    seconds = end - ready_at
+    evals = read_records(run_dir / "metrics" / "eval.jsonl")
+    return {"seconds": seconds, "heldout_success": evals[-1]["success_rate"] if evals else None,
+            **_learner_bound(learner[-1], seconds), **_role_idle(run_dir / "metrics", ready_at, end)}
+
+
+def _learner_bound(last: dict, seconds: float) -> dict:
+    """The learner-bound limit: the learner's own busy time (steps, weight rounds, bookkeeping) from its loop's
+    time split. A run can go no faster than that; its idle fraction is the rest of the timed window."""
+    busy = sum(v for k, v in last.items() if k.startswith("time_") and k.endswith("_s") and k != "time_wait_s")
+    return {"learner_busy_s": busy, "learner_train_s": last.get("time_train_s", 0.0),
+            "learner_broadcast_s": last.get("time_broadcast_s", 0.0),
+            "learner_idle_frac": max(0.0, 1 - busy / seconds) if seconds > 0 else None}
+
+
+def _role_idle(metrics: Path, t0: float, t1: float) -> dict:
+    """Each role's own idle ratio over the timed window: what held the learner back when it waited."""
+    def window(name: str) -> list[dict]:
+        return [r for r in read_records(metrics / name) if t0 <= r.get("time", 0) <= t1 + 5]
+
+    actors = [recs[-1]["engine_idle_ratio"] for f in sorted(metrics.glob("actor-*.jsonl"))
+              if (recs := window(f.name)) and "engine_idle_ratio" in recs[-1]]
+    env = [1 - r["busy_sessions"] / r["sessions"] for f in sorted(metrics.glob("env_server-*.jsonl"))
+           for r in window(f.name) if r.get("sessions")]
+    broker = [r["busy_fraction"] for r in window("broker.jsonl") if "busy_fraction" in r]
+    mean = (lambda xs: round(sum(xs) / len(xs), 3) if xs else None)
+    return {"actor_engine_idle_ratio": mean(actors), "env_session_idle_ratio": mean(env),
+            "broker_busy_fraction": mean(broker)}
 
 
 def run_bench(config: str, setup: AsyncBenchSetup, extra: list[str]) -> dict:
@@ -75,4 +100,9 @@ def run_bench(config: str, setup: AsyncBenchSetup, extra: list[str]) -> dict:
             "sync_seconds": round(sync["seconds"], 1), "async_seconds": round(asyn["seconds"], 1),
             "speedup": round(sync["seconds"] / asyn["seconds"], 3),
             "sync_heldout_success": sync["heldout_success"], "async_heldout_success": asyn["heldout_success"],
-            "heldout_episodes": setup.eval_episodes}
+            "heldout_episodes": setup.eval_episodes,
+            **{f"async_{k}": round(v, 3) if isinstance(v, float) else v for k, v in asyn.items()
+               if k not in ("seconds", "heldout_success")},
+            "async_over_learner_bound": round(asyn["seconds"] / asyn["learner_busy_s"], 3)
+            if asyn["learner_busy_s"] else None,
+            "sync_learner_idle_frac": round(sync["learner_idle_frac"], 3)}

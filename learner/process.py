@@ -14,7 +14,7 @@ from typing import Any
 from common import protocol as P
 from common.audit import AuditLog
 from common.exitcodes import EXIT_RESUMABLE
-from common.metrics import MetricsWriter
+from common.metrics import MetricsWriter, TimeSplit
 from common.model import ModelConfig
 from common.signals import StopSignals
 from common.vision import ImageStore
@@ -50,6 +50,7 @@ class Learner:
         self.audit = AuditLog(run_dir.audit / "learner.jsonl")
         self._stop = threading.Event()
         self._round_failures = 0  # weight rounds failed in a row
+        self.clock = TimeSplit("wait")  # where the loop's time goes (restarted when ``run`` begins)
         self._retry_round_at = 0.0  # monotonic time to send the current weights again after a failed round
         self._want_checkpoint = False
         self._checkpointed = -1  # version of the last checkpoint this process wrote
@@ -99,6 +100,7 @@ class Learner:
         import concurrent.futures as cf
 
         self._retry_round_at = 0.0  # this round carries the newest weights: any retry pending is moot
+        self.clock.enter("broadcast")
 
         fut: cf.Future = cf.Future()
 
@@ -147,6 +149,7 @@ class Learner:
         # broadcast (docs/reliability.md) left no trace of where it was.
         self.log.info("broker_linked", eta=t.eta, broker_epoch=c.link.epoch)
         worker = cf.ThreadPoolExecutor(1, thread_name_prefix="train")
+        self.clock = TimeSplit("broadcast")  # the first round's gather and send, then: wait, train, bookkeeping
         job: cf.Future | None = None
         job_kind = ""
         if self.sender is not None:  # the first round needs full weights on rank 0
@@ -162,14 +165,17 @@ class Learner:
                 if signalled.requested:
                     self.request_stop(True)
                     break
-                c.poll(0.05)
+                c.poll(0.01 if job is not None else 0.05)  # a finished job is noticed within 10 ms
                 if job is not None:
                     if not job.done():
                         continue
                     result, kind, job = job.result(), job_kind, None
+                    self.clock.enter("bookkeeping" if kind in ("rl", "sft") else "wait")
                     if kind in ("rl", "sft"):
                         if self._after_step(kind, result):
                             job, job_kind = self._start_broadcast(), "broadcast"
+                        else:
+                            self.clock.enter("wait")
                         continue
                 if self.cfg.total_steps and t.version >= self.cfg.total_steps:
                     finished = True
@@ -185,6 +191,7 @@ class Learner:
                     if c.batches:
                         batch = c.batches.popleft()
                         c.grant(1)
+                        self.clock.enter("train")
                         job, job_kind = worker.submit(self._rl_step, batch), "rl"
                 elif not sft_requested:
                     e = self.cfg.entropulse
@@ -198,6 +205,7 @@ class Learner:
                         self.log.warning("sft_phase_skipped", reason="the success store is empty")
                         self.publish()
                         continue
+                    self.clock.enter("train")
                     job, job_kind = worker.submit(self.jobs.run, "sft", {"lr": self.cfg.entropulse.sft_lr},
                                                   successes), "sft"
         finally:
@@ -271,6 +279,10 @@ class Learner:
     def _log_step(self, phase: str, m: dict) -> None:
         t = self.trainer
         rec = {"phase": phase, "step": t.version, **m, "counters": dict(t.counters)}
+        # Where the learner's time went since its loop began; "wait" is waiting for a batch (or success samples).
+        split = self.clock.seconds()
+        rec.update({f"time_{k}_s": round(v, 3) for k, v in split.items()})
+        rec["idle_frac"] = round(split.get("wait", 0.0) / max(sum(split.values()), 1e-9), 4)
         self.metrics.write(rec)
         self.log.info("train_step", phase=phase, version=t.version, loss=round(m.get("loss", 0.0), 5),
                       entropy=round(m.get("entropy", 0.0), 4), success=m.get("success_rate"),

@@ -53,6 +53,11 @@ def test_bench_async_prints_speedup_json(tmp_path):
     assert result["sync_seconds"] > 0 and result["async_seconds"] > 0
     assert abs(result["speedup"] - result["sync_seconds"] / result["async_seconds"]) < 0.01
     assert result["sync_heldout_success"] is not None and result["async_heldout_success"] is not None
+    # The learner-bound limit comes from the learner's own time split: it trained, and was idle the rest.
+    assert result["async_learner_train_s"] > 0 and result["async_learner_busy_s"] >= result["async_learner_train_s"]
+    assert 0 <= result["async_learner_idle_frac"] <= 1 and 0 <= result["sync_learner_idle_frac"] <= 1
+    assert abs(result["async_over_learner_bound"] - result["async_seconds"] / result["async_learner_busy_s"]) < 0.01
+    assert 0 <= result["async_actor_engine_idle_ratio"] <= 1
 
 
 def _bench_json(tmp_path, *args: str) -> dict:

@@ -127,3 +127,12 @@ def test_task_sampler_deterministic_and_reissues_first():
 
 def test_zero_variance():
     assert zero_variance([1.0, 1.0]) and zero_variance([0.0]) and not zero_variance([0.0, 1.0])
+
+
+def test_lease_expiry_takes_exactly_the_tickets_granted_before_the_cutoff():
+    led = Ledger(groups_per_batch=50, eta=0)
+    tickets = [led.grant(f"r{i}", f"task/{i}", b"A" if i % 2 else b"B", now=float(i)) for i in range(20)]
+    led.settle(tickets[3].ticket_id)  # settled ones are gone from the running set, wherever they were
+    assert [t.ticket_id for t in led.reclaim(older_than=7.5)] == [t.ticket_id for t in tickets[:8] if t is not tickets[3]]
+    assert [t.ticket_id for t in led.reclaim(holder=b"A")] == [t.ticket_id for t in tickets[9::2]]
+    assert sorted(led.running) == sorted(t.ticket_id for t in tickets[8::2])

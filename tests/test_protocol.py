@@ -62,6 +62,18 @@ def test_large_arrays_travel_as_frames_small_inline():
     assert P.frame_nbytes(frames[1]) == big.nbytes
 
 
+@pytest.mark.parametrize("size", [10, 100_000])
+def test_big_endian_and_strided_arrays_arrive_as_little_endian_contiguous_copies(size):
+    values = np.arange(2 * size, dtype=np.int64)
+    sent = {"be": values.astype(">i4"), "strided": values[::2].astype(np.float32), "bool": values % 3 == 0}
+    back = P.decode(P.encode(P.Hello(role="r", peer_id="p", info=sent))).info
+    assert back["be"].dtype == np.dtype("<i4") and back["strided"].dtype == np.float32
+    for k in sent:
+        np.testing.assert_array_equal(back[k], sent[k])
+    with pytest.raises(P.ProtocolError, match="bad_dtype"):
+        P.encode(P.Hello(role="r", peer_id="p", info={"c": np.zeros(3, np.complex64)}))
+
+
 @given(n_traj=st.integers(1, 4), turns=st.integers(0, 4), prompt_len=st.integers(0, 30_000),
        out_len=st.integers(0, 20), version=st.integers(0, 1000), reward=st.floats(-5, 5))
 @settings(max_examples=60, deadline=None)

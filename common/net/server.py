@@ -154,7 +154,8 @@ class PeerTable:
     Silence counts only while this server listened: when its own loop was held up between two checks (a long
     step, a starved CPU) for more than a third of ``dead_after_s``, every peer is credited the excess, since their
     heartbeats may be waiting unread in the socket. Otherwise one slow iteration would declare every live peer
-    dead at once."""
+    dead at once. Peers are kept in the order they were last heard from (``now`` never goes back), so a check reads
+    the dead ones and the first live one, not thousands of peers every loop turn."""
 
     def __init__(self, dead_after_s: float):
         self.dead_after_s = dead_after_s
@@ -163,9 +164,10 @@ class PeerTable:
         self.deaf_s = 0.0  # time credited to peers for this server's own stalls
 
     def touch(self, ident: bytes, now: float, peer_id: str = "", role: str = "") -> PeerState:
-        p = self.peers.get(ident)
+        p = self.peers.pop(ident, None)  # re-inserted last: the table stays ordered from least recently heard
         if p is None:
-            p = self.peers[ident] = PeerState(peer_id or ident.hex(), ident, role, now)
+            p = PeerState(peer_id or ident.hex(), ident, role, now)
+        self.peers[ident] = p
         p.last_seen = now
         if peer_id:
             p.peer_id = peer_id
@@ -181,7 +183,11 @@ class PeerTable:
             self.deaf_s += credit
             for p in self.peers.values():
                 p.last_seen = min(now, p.last_seen + credit)
-        dead = [p for p in self.peers.values() if now - p.last_seen > self.dead_after_s]
+        dead = []
+        for p in self.peers.values():  # least recently heard first: stop at the first live one
+            if now - p.last_seen <= self.dead_after_s:
+                break
+            dead.append(p)
         for p in dead:
             del self.peers[p.ident]
         return dead

@@ -67,6 +67,8 @@ def _type_name(tp: Any) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+_WIRE_DTYPE_NAMES = {dtype: name for name, dtype in ALLOWED_DTYPES.items()}
+"""Dtypes sent as they are (native little-endian), by object: equal dtypes hash alike."""
 _SCALARS = frozenset((str, int, float, bool, type(None), bytes))
 
 
@@ -75,12 +77,14 @@ class _Encoder:
         self.frames: list[Any] = []
 
     def array(self, arr: np.ndarray) -> dict:
-        name = arr.dtype.name
-        if name not in ALLOWED_DTYPES:
-            raise ProtocolError("bad_dtype", f"cannot send dtype {arr.dtype}")
-        if arr.dtype.byteorder == ">":
-            arr = arr.astype(ALLOWED_DTYPES[name])
-        arr = np.ascontiguousarray(arr)
+        name = _WIRE_DTYPE_NAMES.get(arr.dtype)  # a dict hit, not ``dtype.name`` (slow, and asked per array)
+        if name is None:
+            name = arr.dtype.name
+            if name not in ALLOWED_DTYPES:
+                raise ProtocolError("bad_dtype", f"cannot send dtype {arr.dtype}")
+            arr = arr.astype(ALLOWED_DTYPES[name])  # big-endian: sent little-endian
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
         ref = {"__nd__": 1, "dtype": name, "shape": list(arr.shape)}
         if arr.nbytes < INLINE_ARRAY_BYTES:
             ref["data"] = arr.tobytes()
