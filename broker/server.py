@@ -341,7 +341,7 @@ class Broker:
             self._queue_committed(items, locations, orders)
             self._audit_acked(items)
             self._send_acks(replies + [(ident, P.Ack(group_id=g.group_id, accepted=True)) for ident, g, _ in items])
-        self.spill.maybe_rotate(list(self.recent), self._durable_state())
+        self.spill.maybe_rotate(lambda: (list(self.recent), self._durable_state()))
 
     def _drop_reason(self, g: P.TrajectoryGroup) -> str:
         if self.cfg.drop_incomplete and not g.complete:

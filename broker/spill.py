@@ -24,7 +24,7 @@ import threading
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 
@@ -163,11 +163,13 @@ class SpillLog:
             finally:
                 os.close(dfd)
 
-    def maybe_rotate(self, recent_ids: Sequence[str], state: dict) -> None:
-        """Start a new segment once the active one is full (called from the broker's loop)."""
+    def maybe_rotate(self, snapshot: Callable[[], tuple[Sequence[str], dict]]) -> None:
+        """Start a new segment once the active one is full (called from the broker's loop). ``snapshot`` gives the
+        recent group ids and state the new segment starts with; it is called only then (it copies the dedupe
+        window, up to hundreds of thousands of ids, which every loop turn could not afford)."""
         with self.lock:
             if self._size >= self.segment_bytes:
-                self._rotate(recent_ids, state)
+                self._rotate(*snapshot())
 
     def append_groups(self, items: Sequence[tuple[str, Sequence[Any]]], sync: bool | None = None) -> list[Location]:
         """Append groups (id, frames); durable on return when persisting (one fdatasync for all)."""

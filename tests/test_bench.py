@@ -25,6 +25,8 @@ def test_bench_broker_prints_ratio_json(tmp_path):
     # stragglers past the staleness bound are dropped (and counted), not delivered
     assert result["persist"] is True and 24 <= result["groups_per_run"] <= 32
     assert abs(result["ratio"] - result["mb_per_s"] / result["raw_zmq_mb_per_s"]) < 0.01
+    # the broker's and the proxy's own CPU give the per-core figure (each in the middle of its topology)
+    assert result["broker_cpu_pct"] > 0 and result["mb_per_broker_cpu_s"] > 0 and result["per_core_ratio"] > 0
     assert not list(tmp_path.glob("bench-broker-*")), "temporary run dirs must be cleaned up"
 
 

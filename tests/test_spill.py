@@ -73,7 +73,7 @@ def test_consumed_segments_deleted_oldest_first_and_dedupe_survives(tmp_path, qu
     gs = [make_group() for _ in range(4)]
     locs = []
     for g in gs:
-        s.maybe_rotate([x.group_id for x in gs], {})
+        s.maybe_rotate(lambda: ([x.group_id for x in gs], {}))
         locs += s.append_groups([(g.group_id, P.encode(g))])
     def segments():
         return {int(p.stem.split("-")[1]) for p in tmp_path.glob("seg-*.log")}
@@ -146,7 +146,7 @@ def test_commit_thread_acks_in_order_only_after_a_sync_covering_the_data(tmp_pat
         out = real_append(items, sync)
         for gid, _ in items:
             written_at[gid] = len(syncs_started)
-        s.maybe_rotate([], {})
+        s.maybe_rotate(lambda: ([], {}))
         return out
 
     def slow_sync():

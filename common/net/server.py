@@ -40,6 +40,7 @@ class ServerSocket:
         self.rejections = RateLimitedLog(log)
         self.bytes_in = 0
         self.bytes_out = 0
+        self._heartbeat: tuple[tuple[str, str], float, list[Any]] | None = None  # (server id, epoch), made at, frames
 
     def recv_nowait(self) -> tuple[bytes, P.Message | None, list[Any]]:
         """One request: (identity, message or None if rejected, raw frames); ``zmq.Again`` if none.
@@ -75,6 +76,14 @@ class ServerSocket:
             self.sock.send_multipart([ident, *frames], copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:  # the peer's queue is full; it will re-request (clients resend on timeout)
             self.counters["send_dropped_hwm"] = self.counters.get("send_dropped_hwm", 0) + 1
+
+    def heartbeat_frames(self, server_id: str, epoch: str, now: float) -> list[Any]:
+        """Our heartbeat reply, encoded once a second: every peer gets the same one, thousands of times a second
+        at scale (its ``sent_at`` is informational: no peer times anything by it)."""
+        key = (server_id, epoch)
+        if self._heartbeat is None or self._heartbeat[0] != key or now - self._heartbeat[1] >= 1.0:
+            self._heartbeat = (key, now, P.encode(P.Heartbeat(peer_id=server_id, epoch=epoch, sent_at=time.time())))
+        return self._heartbeat[2]
 
     def drain_refused(self) -> int:
         """Count (and log) CURVE handshakes refused since the last call."""
@@ -202,7 +211,7 @@ def answer_heartbeat(sock: ServerSocket, peers: PeerTable, ident: bytes, msg: P.
         sock.send(ident, P.Error(code="unknown_peer", message="handshake again", ref_type="Heartbeat"))
         return
     peers.touch(ident, now, msg.peer_id)
-    sock.send(ident, P.Heartbeat(peer_id=server_id, epoch=epoch, sent_at=time.time()))
+    sock.send_frames(ident, sock.heartbeat_frames(server_id, epoch, now))
 
 
 def serve(step: Callable[[], None], stop: threading.Event, log: Any, counters: dict, role: str,
