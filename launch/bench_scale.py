@@ -33,6 +33,7 @@ import signal
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -458,6 +459,23 @@ def _settled_record(path: str, setup: ScaleSetup) -> dict:
         time.sleep(0.2)
 
 
+def _admission_audit(path: Path, setup: ScaleSetup) -> dict:
+    """The admission formula on every broker metrics record (restarts included): accepted + running never above
+    (eta + v + 1) x B however many actors race for tickets; the fullest record shows that they did race."""
+    from common.records import read_records
+
+    over, fill, n = None, 0.0, 0
+    for r in read_records(path):
+        if not {"accepted", "running", "version"} <= r.keys():
+            continue
+        bound = (setup.eta + r["version"] + 1) * setup.groups_per_batch
+        held = r["accepted"] + r["running"]
+        over = held - bound if over is None else max(over, held - bound)
+        fill = max(fill, held / bound)
+        n += 1
+    return {"admission_records": n, "admission_over_bound_max": over, "admission_fill_max": round(fill, 3)}
+
+
 def run_ours(setup: ScaleSetup) -> dict:
     from common.audit import reconcile
     from common.metrics import percentile
@@ -518,6 +536,7 @@ def run_ours(setup: ScaleSetup) -> dict:
         broker.terminate()  # SIGTERM: a clean stop, its final metrics and audit written
         broker.join(30)
         rec = reconcile(run_dir)
+        admission = _admission_audit(Path(run_dir) / "metrics" / "broker.jsonl", setup)
     learner_out = next(o for o in outs if o["who"] == "learner")
     sw = [o for o in outs if o["who"] == "swarm"]
     client_acked = [g for o in sw for g in o["acked"]]
@@ -574,6 +593,7 @@ def run_ours(setup: ScaleSetup) -> dict:
         "reclaim_limit_s": setup.liveness * setup.heartbeat_s,
         "broker_actors_dead": snapshot.get("actors_dead", 0),
         "learner_max_lag": learner_out["max_lag"],
+        **admission,
         "eta": setup.eta,
         "learner_steps": learner_out["version"],
         "dropped_stale": snapshot.get("dropped_stale", 0),

@@ -38,6 +38,8 @@ def test_reclaim_and_reconnect_storm_at_a_few_hundred_connections(tmp_path, monk
     assert rec["acked"] >= r["acked_by_actors"] > 0
     # the staleness bound held with hundreds of actors racing for tickets
     assert r["learner_max_lag"] <= setup.eta and r["errors"] == {}
+    # admission, audited on every broker metrics record: never above (eta + v + 1) x B with hundreds racing, and full
+    assert r["admission_records"] > 10 and r["admission_over_bound_max"] <= 0 and r["admission_fill_max"] >= 0.9
     assert not list(tmp_path.glob("bench-scale-*"))
 
 
