@@ -17,6 +17,25 @@ class TaskSourceConfig:
     """number of task seeds to cycle through"""
     shuffle: bool = True
     """visit seeds in a seeded random order rather than ascending"""
+    curation: str = "off"
+    """off: walk the suite's seeds | adaptive: draw families weighted by how mixed their recent success is"""
+    curation_floor: float = 0.1
+    """adaptive: weight of a family solved (or failed) every time, against 1 for one solved half the time"""
+    curation_halflife_groups: float = 8.0
+    """adaptive: groups of a family after which an old outcome counts half in its success estimate"""
+
+    def validate(self) -> None:
+        from broker.tasks import CURATION_MODES, suite_families
+        if self.curation not in CURATION_MODES:
+            raise ValueError(f"broker.tasks.curation must be one of {', '.join(CURATION_MODES)}")
+        if not 0.0 < self.curation_floor <= 1.0:
+            raise ValueError("broker.tasks.curation_floor must be in (0, 1]")
+        if self.curation_halflife_groups <= 0:
+            raise ValueError("broker.tasks.curation_halflife_groups must be > 0")
+        if self.seed_count < 1:
+            raise ValueError("broker.tasks.seed_count must be >= 1")
+        if self.curation != "off":
+            suite_families(self.suite)  # a suite whose families cannot be known fails here, with how to fix it
 
 
 @dataclass

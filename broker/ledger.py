@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-import random
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -110,28 +109,6 @@ class DeliveredBatch:
     holder: bytes
     orders: list[int] = field(default_factory=list)
     committed: set[str] = field(default_factory=set)
-
-
-class TaskSampler:
-    """Deterministic task ids ``<suite>/<seed>``; tasks of reclaimed tickets are re-issued first."""
-
-    def __init__(self, suite: str, seed_start: int, seed_count: int, shuffle: bool, seed: int):
-        self.suite = suite
-        self.seeds = list(range(seed_start, seed_start + seed_count))
-        self.rng = random.Random(seed)
-        self.shuffle = shuffle
-        self.order: list[int] = []
-        self.reissue: collections.deque[str] = collections.deque()
-
-    def next(self) -> str:
-        if self.reissue:
-            return self.reissue.popleft()
-        if not self.order:
-            self.order = list(self.seeds)
-            if self.shuffle:
-                self.rng.shuffle(self.order)
-            self.order.reverse()
-        return f"{self.suite}/{self.order.pop()}"
 
 
 @dataclass

@@ -24,7 +24,8 @@ from typing import Any
 import zmq
 
 from broker.config import BrokerConfig
-from broker.ledger import Ledger, QueuedGroup, TaskSampler, group_lag, zero_variance
+from broker.ledger import Ledger, QueuedGroup, group_lag, zero_variance
+from broker.tasks import make_sampler
 from broker.spill import CommitThread, SpillLog
 from broker.store import SuccessStore
 from common import protocol as P
@@ -87,13 +88,11 @@ class Broker:
 
         self.audit = AuditLog(run_dir.audit / "broker.jsonl")
         self.spill = SpillLog(run_dir.spill, cfg.persist, cfg.segment_bytes, log)
-        self._recover()
+        self._recover(seed)
         self.wake = self.ctx.socket(zmq.PULL)
         wake_addr = f"inproc://spill-commit-{self.epoch}"
         self.wake.bind(wake_addr)
         self.commit = CommitThread(self.spill, self.ctx, wake_addr) if cfg.persist else None
-        self.sampler = TaskSampler(cfg.tasks.suite, cfg.tasks.seed_start, cfg.tasks.seed_count,
-                                   cfg.tasks.shuffle, seed * 1_000_003 + self.state["starts"])
         self.store = SuccessStore(cfg.success_per_task, cfg.success_max_tasks,
                                   run_dir.spill / "success.log" if cfg.persist else None, log)
         self.metrics = MetricsWriter(run_dir.metrics / "broker.jsonl", cfg.prometheus, "broker")
@@ -110,7 +109,7 @@ class Broker:
 
     # ----- recovery --------------------------------------------------------------------------
 
-    def _recover(self) -> None:
+    def _recover(self, seed: int) -> None:
         rec = self.spill.recover() if self.cfg.persist else None
         if rec is not None:
             self.state.update(rec.state)
@@ -132,6 +131,9 @@ class Broker:
                 self.log.info("spill_recovered", groups=len(rec.groups), recent_ids=len(self.recent),
                               truncated_bytes=rec.truncated_bytes, version=self.control.version)
         self.state["starts"] = int(self.state.get("starts", 0)) + 1
+        # Curation's estimates are durable state too: a restarted broker keeps spending rollouts where it did.
+        self.sampler = make_sampler(self.cfg.tasks, seed * 1_000_003 + self.state["starts"],
+                                    self.state.pop("curation", None))
         recovered = [g.group_id for g in self.ledger.queue]
         self.audit.write("start", starts=self.state["starts"], recovered=len(recovered), persist=self.cfg.persist)
         if recovered:  # durable, so acked or about to be: their actors' retries will only find duplicates
@@ -140,7 +142,8 @@ class Broker:
 
     def _durable_state(self) -> dict[str, Any]:
         """What the spill log's snapshot and consumed records carry (a copy: the commit thread packs it)."""
-        return {**self.state, "counters": dict(self.counters), "ledger_counters": dict(self.ledger.counters)}
+        return {**self.state, "counters": dict(self.counters), "ledger_counters": dict(self.ledger.counters),
+                "curation": self.sampler.state()}
 
     # ----- loop ------------------------------------------------------------------------------
 
@@ -268,6 +271,8 @@ class Broker:
             for traj in g.trajectories:
                 if traj.success:
                     self.store.add(g.task_id, traj)
+            if g.complete:  # an environment error says nothing about the policy
+                self.sampler.observe(g.task_id, [traj.success for traj in g.trajectories])
             reason = self._drop_reason(g)
             if reason:
                 self.counters[f"dropped_{reason}"] += 1
@@ -556,6 +561,7 @@ class Broker:
             "phase": self.control.phase,
             "loop_stalled_s": round(self.actors.deaf_s, 2),  # own stalls credited to peers' liveness
             "dropped_in_a_row": sum(self._dropped_in_a_row.values()),  # since the last admitted group
+            **({"curation": self.sampler.state()} if self.cfg.tasks.curation != "off" else {}),
         }
 
     def write_metrics(self, now: float) -> None:

@@ -27,6 +27,25 @@ SPLITS = ("train", "heldout", "paraphrase")
 HELDOUT_SEED_OFFSET = 1_000_000_007  # held-out instances come from a disjoint generator stream
 
 
+def split_suite(suite: str, what: str = "suite") -> tuple[str, str, list[tuple[str, int]]]:
+    """The suite grammar alone: ``<kind>:<split>[:fam[*N],...]`` -> (kind, split, [(family, N)] in the order
+    written; empty when none is named). Which families exist is the kind's registry's to say."""
+    parts = suite.split(":")
+    if len(parts) not in (2, 3) or not parts[0]:
+        raise ActionError(f"bad {what} {suite!r}: expected <kind>:<{'|'.join(SPLITS)}>[:family[*weight],...]")
+    kind, split = parts[0], parts[1]
+    if split not in SPLITS:
+        raise ActionError(f"bad {what} {suite!r}: split must be one of {', '.join(SPLITS)}")
+    items: list[tuple[str, int]] = []
+    for item in parts[2].split(",") if len(parts) == 3 else ():
+        name, star, weight_s = item.partition("*")
+        weight = 1 if not star else int(weight_s) if weight_s.isdigit() else 0
+        if not 1 <= weight <= 100:
+            raise ActionError(f"bad {what} {suite!r}: weight of {name!r} must be an integer in 1..100")
+        items.append((name, weight))
+    return kind, split, items
+
+
 @dataclass(frozen=True)
 class TaskFamily:
     """One kind of task; see the module docstring for what each function does."""
@@ -45,7 +64,8 @@ class TaskFamily:
     """apps the task involves (two or more: a multi-app task)"""
     tags: tuple[str, ...] = ()
     ambiguous: bool = False
-    """the screen offers a wrong choice; ``wrong`` is a solver that takes it (imperfect demonstrations)"""
+    """a demonstrator can go wrong here (a wrong item on screen, a skipped step); ``wrong`` is a solver that does
+    (imperfect demonstrations)"""
     wrong: Callable[..., Iterator[str]] | None = None
     pixels: bool = False
     """solvable only from the screenshot (nothing in the tree names what it asks for): a suite that names no
@@ -102,23 +122,16 @@ class TaskRegistry:
 
         ``fam*N`` weights a family: it appears N times in the returned cycle, so N of every len(cycle) seeds
         are its tasks (a training mix that spends more rollouts where there is more to learn)."""
-        parts = suite.split(":")
-        if parts[0] != self.kind or len(parts) not in (2, 3):
+        kind, split, items = split_suite(suite, what)
+        if kind != self.kind:
             raise ActionError(f"bad {what} {suite!r}: expected {self.grammar()}")
-        split = parts[1]
-        if split not in SPLITS:
-            raise ActionError(f"bad {what} {suite!r}: split must be one of {', '.join(SPLITS)}")
-        if len(parts) == 2:
+        if not items:
             return split, self.names
         fams: list[str] = []
-        for item in parts[2].split(","):
-            name, star, weight_s = item.partition("*")
+        for name, weight in items:
             if name not in self.families:
                 raise ActionError(f"bad {what} {suite!r}: unknown family {name!r}; families: "
                                   f"{', '.join(self.families)}")
-            weight = 1 if not star else int(weight_s) if weight_s.isdigit() else 0
-            if not 1 <= weight <= 100:
-                raise ActionError(f"bad {what} {suite!r}: weight of {name!r} must be an integer in 1..100")
             fams += [name] * weight
         return split, tuple(fams)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.ledger import Ledger, QueuedGroup, TaskSampler, admission_capacity, group_lag, zero_variance
+from broker.ledger import Ledger, QueuedGroup, admission_capacity, group_lag, zero_variance
 
 
 def q(i: int, v: int) -> QueuedGroup:
@@ -113,16 +113,6 @@ def test_commit_takes_a_requeued_group_out_of_the_queue():
     batch, _ = led.take_batch(b"L")
     assert [g.group_id for g in batch.groups] == ["g0", "g2"]
     assert led.queue.newest_first() == []
-
-
-def test_task_sampler_deterministic_and_reissues_first():
-    a = TaskSampler("sim:train", 10, 5, True, seed=3)
-    b = TaskSampler("sim:train", 10, 5, True, seed=3)
-    seq = [a.next() for _ in range(10)]
-    assert seq == [b.next() for _ in range(10)]
-    assert sorted(seq[:5]) == [f"sim:train/{s}" for s in range(10, 15)]
-    a.reissue.append("sim:train/99")
-    assert a.next() == "sim:train/99"
 
 
 def test_zero_variance():

@@ -28,14 +28,18 @@ def _run(run_dir: Path, *overrides: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def recipe_run(config: str, run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 900) -> dict:
-    """``computerrl run CONFIG`` for two learner steps from the shipped base policy (a recipe's own base is made by
-    ``computerrl pretrain``, too slow for a test), with its final evaluation (one episode per family); then
-    ``computerrl eval`` of the last checkpoint on the recipe's held-out suite. Returns that eval's result."""
+def recipe_run(config: str, run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 900,
+               policy: str = "base-policy") -> dict:
+    """``computerrl run CONFIG`` for two learner steps from a shipped policy (``configs/<policy>``; a recipe's own
+    base, where it has none shipped, is made by ``computerrl pretrain``, too slow for a test), with its final
+    evaluation (one episode per family); then ``computerrl eval`` of the last checkpoint on the recipe's held-out
+    suite. Returns that eval's result."""
     import yaml
 
+    from env_server.backends import task_registry
+
     args = [sys.executable, "-m", "launch.cli", "run", config, *free_port_overrides(),
-            f"model.path={REPO / 'configs' / 'base-policy'}",
+            f"model.path={REPO / 'configs' / policy}",
             "learner.total_steps=2", "learner.checkpoint_every=2", "broker.groups_per_batch=2", "broker.group_size=2",
             # the sim-trained base policy fails the recipe's tasks alike: dropping such groups would leave no batch
             "broker.drop_zero_variance=false",
@@ -48,8 +52,9 @@ def recipe_run(config: str, run_dir: Path, *overrides: str, env: dict | None = N
     assert [r["step"] for r in recs] == [1, 2]
     served = [json.loads(x) for x in (run_dir / "metrics" / "env_server-0.jsonl").read_text().splitlines()][-1]
     assert served["counters"]["resets"] > 0 and served["counters"].get("backend_errors", 0) == 0, served
-    suite = yaml.safe_load((run_dir / "config.yaml").read_text())["local"]["eval_suite"]
-    families = set(suite.split(":")[2].split(","))
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    suite = resolved["local"]["eval_suite"]
+    families = set(task_registry(suite.split(":")[0], resolved["env_server"]["backend"]).parse_suite(suite)[1])
     evals = [json.loads(x) for x in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
     assert evals[-1]["step"] == 2 and set(evals[-1]["per_family"]) == families
     ev = subprocess.run([sys.executable, "-m", "launch.cli", "eval", "--checkpoint", str(run_dir / "checkpoints"),
@@ -251,3 +256,19 @@ def test_a_vision_language_checkpoint_trains_on_screenshots(tmp_path):
     ck = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
     assert (ck / "preprocessor_config.json").exists() and (ck / "tokenizer.json").exists()
     assert _eval(run_dir, "sim:heldout:files_delete", 2)["episodes"] == 2
+
+
+def test_broad_recipe_trains_every_family_with_curation(tmp_path):
+    """configs/broad.yaml from its shipped policy: RL on every sim family at once, the broker curating tickets by
+    family; its metrics show each family's success estimate and the tickets it got."""
+    from env_server.sim.tasks import FAMILY_NAMES
+
+    run_dir = tmp_path / "run"
+    result = recipe_run("configs/broad.yaml", run_dir, "env_server.pool_size=8", policy="broad-policy")
+    assert set(result["per_family"]) == set(FAMILY_NAMES)
+    record = [json.loads(x) for x in (run_dir / "metrics" / "broker.jsonl").read_text().splitlines()][-1]
+    curation = record["curation"]
+    assert set(curation) == set(FAMILY_NAMES)
+    assert record.get("actors_dead", 0) == 0, "no ticket was re-issued: every one was drawn by curation"
+    assert sum(c["issued"] for c in curation.values()) == record["tickets_issued"]
+    assert sum(c["groups"] for c in curation.values()) > 0

@@ -189,6 +189,25 @@ def test_imperfect_demonstrations():
         assert sim_tasks.verify(task, desk)
 
 
+
+@pytest.mark.parametrize("route", ["api", "gui"])
+def test_every_wrong_solver_fails_where_the_right_one_succeeds(route):
+    """Imperfect demonstrations are imperfect: on every family with a ``wrong`` solver (a wrong item, a skipped
+    save, a range off by a row) that solver fails each instance the right solver solves."""
+    families = [f for f in sim_tasks.FAMILIES.values() if f.wrong is not None and not f.pixels]
+    assert {"sheet_sort", "files_rename_latest", "sheet_sum", "editor_append"} <= {f.name for f in families}
+    for fam in families:
+        for seed in range(20):
+            task = sim_tasks.make_task(f"sim:train:{fam.name}/{seed}")
+            results = []
+            for solver in (fam.solve, fam.wrong):
+                desk = sim_tasks.setup_desktop(task)
+                for a in solver(desk, task.params, route):
+                    desk.apply(parse_action(a))
+                desk.apply(parse_action("done()"))
+                results.append(sim_tasks.verify(task, desk))
+            assert results == [True, False], (fam.name, seed, route, results)
+
 PARSE_OK = [
     ('click(3)', ("click", (3,), {}, "")),
     ('click("Save")', ("click", ("Save",), {}, "")),

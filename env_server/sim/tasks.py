@@ -92,17 +92,19 @@ def _rename(desk: Desktop, name: str, new: str, route: str) -> Iterator[str]:
     yield 'click("OK")'
 
 
-def _append_line(desk: Desktop, file: str, line: str, route: str) -> Iterator[str]:
-    """Add ``line`` as the last line of Documents/<file> (which ends with a newline) and save it."""
+def _append_line(desk: Desktop, file: str, line: str, route: str, save: bool = True) -> Iterator[str]:
+    """Add ``line`` as the last line of Documents/<file> (which ends with a newline) and save it (``save``)."""
     if route == "api":
         yield f"Editor.open({'Documents/' + file!r})"
         yield f"Editor.insert({line + chr(10)!r})"
-        yield "Editor.save()"
+        if save:
+            yield "Editor.save()"
         return
     yield from _open_doc(desk, f"{HOME}/Documents/{file}")
     yield 'click("Document")'
     yield f"type({line!r})"
-    yield 'hotkey("ctrl+s")'
+    if save:
+        yield 'hotkey("ctrl+s")'
 
 
 def _set_cell(desk: Desktop, sheet: str, cell: str, value: str, route: str, numeric: bool) -> Iterator[str]:
@@ -308,8 +310,12 @@ def _verify_append(desk, p):
     return got is not None and got.rstrip("\n") == p["text"].rstrip("\n") + "\n" + p["line"]
 
 
-def _solve_append(desk, p, route):
-    yield from _append_line(desk, p["file"], p["line"], route)
+def _solve_append_saving(save: bool):
+    """Appends the line and saves; the imperfect demonstrator sometimes forgets to save (the file keeps its old
+    text, so the task fails)."""
+    def solve(desk, p, route):
+        yield from _append_line(desk, p["file"], p["line"], route, save)
+    return solve
 
 
 def _sheet_file(rng, col: str = "A", n: int = 5) -> tuple[str, dict]:
@@ -352,8 +358,12 @@ def _verify_sum(desk, p):
         _num_eq(got.get(f"A{r}"), float(p["cells"][f"A{r}"])) for r in range(1, p["n"] + 1))
 
 
-def _solve_sum(desk, p, route):
-    yield from _set_cell(desk, p["sheet"], p["target"], f"=SUM(A1:A{p['n']})", route, numeric=False)
+def _solve_sum_from(first: int):
+    """Writes =SUM(A<first>:A<n>) into the target: row 1 is right; the imperfect demonstrator sometimes starts at
+    row 2, as if A1 held a header (the total is then wrong)."""
+    def solve(desk, p, route):
+        yield from _set_cell(desk, p["sheet"], p["target"], f"=SUM(A{first}:A{p['n']})", route, numeric=False)
+    return solve
 
 
 def _gen_sort(rng):
@@ -570,7 +580,8 @@ for _f in [
     _family("editor_append", ("Add the line '{line}' at the end of Documents/{file} and save it.",
                              "Append '{line}' as a new last line of {file} in Documents, then save.",
                              "Write '{line}' on a new line at the bottom of Documents/{file} and save."),
-           _gen_append, _setup_text_file, _verify_append, _solve_append, tags=("editor",)),
+           _gen_append, _setup_text_file, _verify_append, _solve_append_saving(True), ambiguous=True,
+           wrong=_solve_append_saving(False), tags=("editor",)),
     _family("sheet_set_cell", ("In Documents/{sheet}, set cell {cell} to {value}.",
                               "Open the spreadsheet {sheet} in Documents and enter {value} in {cell}.",
                               "Put the number {value} into cell {cell} of Documents/{sheet}."),
@@ -578,7 +589,8 @@ for _f in [
     _family("sheet_sum", ("In Documents/{sheet}, put the sum of A1:A{n} into {target}.",
                          "Open {sheet} in Documents and write the total of cells A1 to A{n} in {target}.",
                          "Cell {target} of Documents/{sheet} should hold the sum of A1:A{n}."),
-           _gen_sum, _setup_sheet, _verify_sum, _solve_sum, tags=("sheet",)),
+           _gen_sum, _setup_sheet, _verify_sum, _solve_sum_from(1), ambiguous=True, wrong=_solve_sum_from(2),
+           tags=("sheet",)),
     _family("sheet_sort", ("Sort column B of Documents/{sheet} in {order} order.",
                           "Open {sheet} in Documents and sort column B {order}.",
                           "In the spreadsheet {sheet} (Documents), sort column B in {order} order.",
