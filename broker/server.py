@@ -246,6 +246,8 @@ class Broker:
             (ident, request_id), parked_at = self.parked.popitem(last=False)
             if ident not in self.actors.peers:
                 continue
+            if self.sampler.reissue:  # a reclaimed ticket's task goes out again before any new one
+                self.counters["tickets_reissued"] += 1
             t = self.ledger.grant(request_id, self.sampler.next(), ident, now)
             self.request_ticket[request_id] = t.ticket_id
             self.state["tickets_issued"] = self.state.get("tickets_issued", 0) + 1

@@ -122,7 +122,7 @@ def test_dead_actor_tickets_reclaimed_and_reissued(start_broker, quiet_log):
     other.connect(5)
     got = take_tickets(other, 2, expect=2, seconds=10)
     assert sorted(t.task_id for t in got) == sorted(t.task_id for t in held)
-    assert stat(tb, "tickets_reclaimed") == 2
+    assert stat(tb, "tickets_reclaimed") == 2 and stat(tb, "tickets_reissued") == 2
     other.close()
 
 

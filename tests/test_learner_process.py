@@ -13,6 +13,7 @@ import pytest
 
 from broker.client import ActorBrokerClient
 from common.exitcodes import EXIT_RESUMABLE
+from common.net.config import free_port
 from tests.conftest import REPO, broker_process, make_net
 
 pytestmark = pytest.mark.slow
@@ -21,12 +22,13 @@ pytest.importorskip("torch")
 
 
 def _learner(run_dir, net, *extra, resume=False) -> subprocess.Popen:
+    # Its weight-round port is a free one too: the default (25559) may be held by a local run on this machine.
     args = [sys.executable, "-m", "launch.cli", "learner", "--run-dir", str(run_dir),
             *(["--resume"] if resume else []),
             f"net.broker_front_port={net.broker_front_port}", f"net.broker_back_port={net.broker_back_port}",
             f"net.broker_control_port={net.broker_control_port}", f"net.heartbeat_s={net.heartbeat_s}",
             "model.hidden_size=32", "model.intermediate_size=64", "learner.checkpoint_every=0",
-            "weights.join_window_s=0.05", *extra]
+            f"weights.port={free_port()}", "weights.join_window_s=0.05", *extra]
     return subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 

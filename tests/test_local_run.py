@@ -269,6 +269,6 @@ def test_broad_recipe_trains_every_family_with_curation(tmp_path):
     record = [json.loads(x) for x in (run_dir / "metrics" / "broker.jsonl").read_text().splitlines()][-1]
     curation = record["curation"]
     assert set(curation) == set(FAMILY_NAMES)
-    assert record.get("actors_dead", 0) == 0, "no ticket was re-issued: every one was drawn by curation"
-    assert sum(c["issued"] for c in curation.values()) == record["tickets_issued"]
+    # Every ticket was drawn by curation, but for the tasks of reclaimed tickets, which went out again as they were.
+    assert sum(c["issued"] for c in curation.values()) == record["tickets_issued"] - record.get("tickets_reissued", 0)
     assert sum(c["groups"] for c in curation.values()) > 0
