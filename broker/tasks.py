@@ -49,7 +49,7 @@ class TaskSampler:
 
     def __init__(self, suite: str, seed_start: int, seed_count: int, shuffle: bool, seed: int):
         self.suite = suite
-        self.seeds = list(range(seed_start, seed_start + seed_count))
+        self.seed_start, self.seed_count = seed_start, seed_count
         self.rng = random.Random(seed)
         self.shuffle = shuffle
         self.order: list[int] = []
@@ -59,7 +59,7 @@ class TaskSampler:
         if self.reissue:
             return self.reissue.popleft()
         if not self.order:
-            self.order = list(self.seeds)
+            self.order = list(range(self.seed_start, self.seed_start + self.seed_count))
             if self.shuffle:
                 self.rng.shuffle(self.order)
             self.order.reverse()
@@ -118,7 +118,7 @@ class CuratedSampler(TaskSampler):
         """The family's next instance in its walk."""
         n = self.issued[family]
         self.issued[family] = n + 1
-        return f"{self.prefix}:{family}/{self.seeds[0] + (n * self.stride + self.offsets[family]) % len(self.seeds)}"
+        return f"{self.prefix}:{family}/{self.seed_start + (n * self.stride + self.offsets[family]) % self.seed_count}"
 
     def observe(self, task_id: str, successes: Sequence[bool]) -> None:
         suite, _, _ = task_id.rpartition("/")
