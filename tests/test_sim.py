@@ -189,7 +189,6 @@ def test_imperfect_demonstrations():
         assert sim_tasks.verify(task, desk)
 
 
-
 @pytest.mark.parametrize("route", ["api", "gui"])
 def test_every_wrong_solver_fails_where_the_right_one_succeeds(route):
     """Imperfect demonstrations are imperfect: on every family with a ``wrong`` solver (a wrong item, a skipped
@@ -207,6 +206,7 @@ def test_every_wrong_solver_fails_where_the_right_one_succeeds(route):
                 desk.apply(parse_action("done()"))
                 results.append(sim_tasks.verify(task, desk))
             assert results == [True, False], (fam.name, seed, route, results)
+
 
 PARSE_OK = [
     ('click(3)', ("click", (3,), {}, "")),
