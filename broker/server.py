@@ -32,7 +32,7 @@ from common import protocol as P
 from common.audit import AuditLog
 from common.metrics import Histogram, MetricsWriter
 from common.net import (ConnectionMonitor, NetConfig, PeerTable, RateLimitedLog, ServerSocket, answer_heartbeat,
-                        limit_size, listen_backlog, raise_open_files, security_for, serve)
+                        heard_from, limit_size, listen_backlog, raise_open_files, security_for, serve)
 from common.rundir import RunDir
 
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
@@ -197,10 +197,10 @@ class Broker:
             if msg is None:
                 continue
             if isinstance(msg, P.TrajectoryGroup):
-                self.actors.touch(ident, now, msg.actor_id, "actor")
+                heard_from(self.front, self.actors, ident, msg, now, self.counters, msg.actor_id, "actor")
                 groups.append((ident, msg, frames))
             elif isinstance(msg, P.TicketRequest):
-                self.actors.touch(ident, now, msg.actor_id, "actor")
+                heard_from(self.front, self.actors, ident, msg, now, self.counters, msg.actor_id, "actor")
                 self._on_ticket_request(ident, msg)
             elif isinstance(msg, P.Heartbeat):
                 answer_heartbeat(self.front, self.actors, ident, msg, now, "broker", self.epoch, self.counters)
@@ -392,7 +392,11 @@ class Broker:
             if isinstance(msg, P.Heartbeat):
                 answer_heartbeat(self.back, self.learners, ident, msg, now, "broker", self.epoch, self.counters)
                 continue
-            self.learners.touch(ident, now, getattr(msg, "learner_id", "") or getattr(msg, "peer_id", ""), "learner")
+            peer_id = getattr(msg, "learner_id", "") or getattr(msg, "peer_id", "")
+            if isinstance(msg, P.Hello):
+                self.learners.touch(ident, now, peer_id, "learner")
+            else:
+                heard_from(self.back, self.learners, ident, msg, now, self.counters, peer_id, "learner")
             if isinstance(msg, P.BatchRequest):
                 self.credits[ident] += max(0, msg.credits)
                 if msg.version != self.ledger.version:

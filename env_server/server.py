@@ -26,7 +26,7 @@ import zmq
 
 from common import protocol as P
 from common.metrics import MetricsWriter, percentile
-from common.net import NetConfig, PeerTable, ServerSocket, answer_heartbeat, raise_open_files, security_for, serve
+from common.net import NetConfig, PeerTable, ServerSocket, answer_heartbeat, heard_from, raise_open_files, security_for, serve
 from common.rundir import RunDir
 from env_server.actions import ActionError
 from env_server.backend import Backend, StepResult
@@ -192,10 +192,10 @@ class EnvServer:
             self.sock.send(ident, P.Ready(role="env_server", epoch=self.epoch, control=P.Control(version=0),
                                           info={"backend": self.cfg.backend, "pool_size": self.cfg.pool_size}))
         elif isinstance(msg, P.SessionOpen):
-            self.peers.touch(ident, now, msg.actor_id, "actor")
+            heard_from(self.sock, self.peers, ident, msg, now, self.counters, msg.actor_id, "actor")
             self._on_open(ident, msg, now)
         elif isinstance(msg, SESSION_REQUESTS):
-            self.peers.touch(ident, now)
+            heard_from(self.sock, self.peers, ident, msg, now, self.counters)
             self._on_session_request(ident, msg, now)
         else:
             self._error(ident, "unexpected_type", f"{msg.TYPE} is not served by env_server", msg)

@@ -6,7 +6,8 @@ in its own run directory under ``<sweep>/runs/`` (its own ports, the same superv
 run). The sweep directory keeps the spec (``sweep.json``), each run's final evaluation (``final_eval.json`` in
 its run directory) and the results: ``results.jsonl`` (one line per run), ``results.csv`` and ``results.md``
 (per variant: mean success across seeds with its 95 % Student-t interval, and per family) and ``curves.png``
-(held-out success over learner steps, mean and 95 % band across seeds, per variant).
+(held-out success over learner steps, mean and 95 % band across seeds, per variant; below it the training
+rollouts' success and the policy's entropy, with every seed's SFT phases shaded).
 
 Interrupting a sweep stops its runs the way ``computerrl run`` stops (the learner checkpoints); running the same
 command again continues: finished and evaluated runs are kept, a run with a checkpoint resumes from it, a run
@@ -32,6 +33,10 @@ from typing import Callable
 from common.exitcodes import EXIT_RESUMABLE
 from common.records import read_records
 from common.stats import mean_interval
+from launch.curve import sft_spans
+
+Point = tuple[int, float, float, float]  # (learner step, mean, low, high) across seeds
+TRAIN_SMOOTHING = 5  # learner steps in the trailing mean of the training curves: one step's batch is a few groups
 
 
 @dataclass
@@ -297,26 +302,87 @@ class Sweep:
             out[label(variant)] = [(s, *mean_interval([r[s] for r in per_seed])) for s in steps]
         return out
 
+    def training_curves(self, window: int = TRAIN_SMOOTHING) -> dict[str, dict[str, list[Point]]]:
+        """Per variant label, per learner metric (``success_rate`` of the training rollouts, ``entropy`` in nats
+        per token): (step, mean, low, high) across seeds of each seed's trailing ``window``-step mean, at the steps
+        every seed logged. RL steps only: an SFT step trains on stored successes, not on fresh rollouts."""
+        out: dict[str, dict[str, list[Point]]] = {}
+        for variant in self.spec.variants():
+            per_metric: dict[str, list[Point]] = {}
+            for key in ("success_rate", "entropy"):
+                per_seed = []
+                for run in self.runs:
+                    if run.variant != variant:
+                        continue
+                    pts = [(int(r["step"]), float(r[key])) for r in read_records(run.root / "metrics" / "learner.jsonl")
+                           if r.get("phase", "rl") == "rl" and r.get(key) is not None and "step" in r]
+                    pts.sort()
+                    smooth = {}
+                    for i, (step, _) in enumerate(pts):
+                        recent = [v for _, v in pts[max(0, i - window + 1):i + 1]]
+                        smooth[step] = sum(recent) / len(recent)
+                    if smooth:
+                        per_seed.append(smooth)
+                if per_seed:
+                    steps = sorted(set.intersection(*(set(r) for r in per_seed)))
+                    per_metric[key] = [(st, *mean_interval([r[st] for r in per_seed])) for st in steps]
+            if per_metric:
+                out[label(variant)] = per_metric
+        return out
+
+    def sft_spans(self) -> dict[str, list[tuple[float, float]]]:
+        """Per variant label: every seed's SFT phases (Entropulse), as (start, end) learner steps."""
+        out: dict[str, list[tuple[float, float]]] = {}
+        for run in self.runs:
+            records = sorted((r for r in read_records(run.root / "metrics" / "learner.jsonl") if "step" in r),
+                             key=lambda r: r["step"])
+            out.setdefault(label(run.variant), []).extend(sft_spans(records))
+        return out
+
     def plot(self) -> bool:
+        """``curves.png``: held-out success at the periodic evaluations (top), and below it the training
+        rollouts' success and the policy's entropy (smoothed), each mean across seeds with its 95 % band, every
+        seed's SFT phases shaded in its variant's colour."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
         curves = {k: v for k, v in self.curves().items() if v}
         if not curves:
             return False
-        fig = Figure(figsize=(9.6, 5.4), dpi=100, layout="constrained")
+        training = self.training_curves()
+        spans = self.sft_spans()
+        panels = 3 if training else 1
+        fig = Figure(figsize=(9.6, 5.4 if panels == 1 else 9.0), dpi=100, layout="constrained")
         FigureCanvasAgg(fig)
-        ax = fig.subplots()
+        axes = fig.subplots(panels, 1, sharex=True, squeeze=False)[:, 0]
+        colors: dict[str, str] = {}
         for name, pts in curves.items():
             steps, mean, lo, hi = zip(*pts)
-            line, = ax.plot(steps, mean, "-o", ms=3, lw=1.5, label=name)
-            ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
-        ax.set_ylim(0.0, 1.0)
-        ax.set_xlabel("learner step (policy version)")
-        ax.set_ylabel("held-out success")
-        ax.set_title(f"mean over {self.spec.seeds} seed(s), 95 % band", loc="left", fontsize=10)
-        ax.grid(True, color="#e1e1e1", lw=0.8)
-        ax.legend(fontsize=8, frameon=False)
+            line, = axes[0].plot(steps, mean, "-o", ms=3, lw=1.5, label=name)
+            colors[name] = line.get_color()
+            axes[0].fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
+        axes[0].set_ylim(0.0, 1.0)
+        axes[0].set_ylabel("held-out success")
+        axes[0].set_title(f"mean over {self.spec.seeds} seed(s), 95 % band", loc="left", fontsize=10)
+        if training:
+            for ax, key, ylabel in ((axes[1], "success_rate", f"training success ({TRAIN_SMOOTHING}-step mean)"),
+                                    (axes[2], "entropy", f"entropy, nats/token ({TRAIN_SMOOTHING}-step mean)")):
+                for name, per_metric in training.items():
+                    color = colors.get(name)
+                    for a, b in spans.get(name, []):
+                        ax.axvspan(a, b, color=color, alpha=0.12, lw=0)
+                    if key in per_metric:
+                        steps, mean, lo, hi = zip(*per_metric[key])
+                        line, = ax.plot(steps, mean, "-", lw=1.5, color=color, label=name)
+                        ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
+                ax.set_ylabel(ylabel, fontsize=9)
+                ax.set_ylim(bottom=0.0)
+            axes[1].set_ylim(0.0, 1.0)
+            axes[2].set_title("shaded: SFT phases (Entropulse), every seed", loc="left", fontsize=9)
+        for ax in axes:
+            ax.grid(True, color="#e1e1e1", lw=0.8)
+        axes[0].legend(fontsize=8, frameon=False)
+        axes[-1].set_xlabel("learner step (policy version)")
         tmp = self.out / "curves.tmp.png"
         fig.savefig(tmp, format="png")
         tmp.replace(self.out / "curves.png")

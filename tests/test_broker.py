@@ -158,6 +158,32 @@ def test_stalled_actor_rehandshakes_and_keeps_its_requests(start_broker, quiet_l
     learner.close()
 
 
+def test_a_forgotten_actor_whose_first_word_is_a_group_is_told_to_handshake_again(start_broker, quiet_log):
+    """The order the stalled-actor test above leaves to chance, forced: the broker declared the actor dead (and
+    dropped its parked ticket request with it), then hears a group from it before any heartbeat. Served silently,
+    the actor was live again to the broker and its request was never re-sent: it waited for a ticket forever."""
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=1, eta=0))
+    actor, learner = clients(tb, quiet_log)
+    learner.set_control(0)
+    (t,) = take_tickets(actor, 1, expect=1)
+    actor.request_ticket()  # parked: no capacity
+    deadline = time.monotonic() + 30
+    while tb.broker.counters["actors_dead"] < 1:
+        assert time.monotonic() < deadline, "the silent actor was never declared dead"
+        time.sleep(0.05)
+    # The actor has not noticed its own silence yet: no reconnect, no heartbeat before the group.
+    actor.link.last_recv = actor.link.last_hb = time.monotonic()
+    actor.submit(make_group(t))
+    learner.grant(1)
+    pump([actor, learner], 5, until=lambda: len(learner.batches) == 1)
+    learner.set_control(1)
+    pump([actor, learner], 5, until=lambda: len(actor.tickets) == 1)
+    assert stat(tb, "unknown_peer_requests") >= 1 and actor.link.counters.get("rehandshakes", 0) >= 1
+    assert actor.link.reconnects == 0
+    actor.close()
+    learner.close()
+
+
 def test_credit_after_a_rehandshake_is_what_the_learner_still_expects(start_broker, quiet_log):
     """Credit adds up at the broker and is forgotten on a Hello: a re-handshake must restate what is still owed,
     not replay every grant of the run (each step's grant was once kept for re-sending, so the link's bookkeeping

@@ -86,6 +86,37 @@ def test_results_table_intervals_curves_and_what_a_rerun_would_do(tmp_path):
         Sweep(SweepSpec(BASE, {"learner.lr": ["1e-3"]}, 2, eval_suite="sim:heldout"), tmp_path / "sw")
 
 
+def test_training_curves_smooth_rl_steps_across_seeds_and_keep_each_seeds_sft_phases(tmp_path):
+    spec = SweepSpec(BASE, {"learner.entropulse.mode": ["off", "adaptive"]}, 2, eval_suite="sim:heldout")
+    sweep = Sweep(spec, tmp_path / "sw", echo=lambda s: None)
+    off0, off1, on0, on1 = sweep.runs
+    for run in sweep.runs:
+        _fake_run(run.root, run.seed, None, [(0, 0.1), (6, 0.3)])
+
+    def learner_log(run, phases, entropy):
+        with open(run.root / "metrics" / "learner.jsonl", "w") as f:
+            for step, (phase, h) in enumerate(zip(phases, entropy), start=1):
+                rec = {"step": step, "phase": phase, "entropy": h}
+                if phase == "rl":
+                    rec["success_rate"] = step / 10
+                f.write(json.dumps(rec) + "\n")
+    learner_log(off0, ["rl"] * 6, [0.6, 0.5, 0.4, 0.3, 0.2, 0.1])
+    learner_log(off1, ["rl"] * 6, [0.8, 0.7, 0.6, 0.5, 0.4, 0.3])
+    learner_log(on0, ["rl", "rl", "sft", "sft", "rl", "rl"], [0.6, 0.5, 9.0, 9.0, 0.4, 0.3])
+    learner_log(on1, ["rl", "sft", "rl", "rl", "rl", "rl"], [0.6, 9.0, 0.5, 0.4, 0.3, 0.2])
+    curves = sweep.training_curves(window=2)
+    off = dict((st, mean) for st, mean, _, _ in curves["learner.entropulse.mode=off"]["entropy"])
+    assert off[1] == pytest.approx(0.7) and off[6] == pytest.approx(0.25)  # (0.6 + 0.8) / 2; (0.15 + 0.35) / 2
+    on = curves["learner.entropulse.mode=adaptive"]["entropy"]
+    assert [st for st, *_ in on] == [1, 5, 6], "RL steps every seed logged; an SFT step's entropy is not drawn"
+    assert on[1][1] == pytest.approx((0.45 + 0.35) / 2)  # trailing means over each seed's own RL steps
+    success = dict((st, mean) for st, mean, _, _ in curves["learner.entropulse.mode=off"]["success_rate"])
+    assert success[6] == pytest.approx(0.55)
+    assert sweep.sft_spans() == {"learner.entropulse.mode=off": [],
+                                 "learner.entropulse.mode=adaptive": [(2, 4), (1, 2)]}
+    assert sweep.plot() and (tmp_path / "sw" / "curves.png").stat().st_size > 5000
+
+
 def _sweep(out: Path, *extra: str) -> subprocess.Popen:
     args = [sys.executable, "-m", "launch.cli", "sweep", "configs/local.yaml", "learner.checkpoint_every=1",
             "local.eval_episodes=1", "local.eval_suite=sim:heldout:files_delete", "weights.join_window_s=0.5",

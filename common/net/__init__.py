@@ -8,9 +8,9 @@ from common.net.config import NetConfig, curve_wanted, free_port, is_loopback
 from common.net.limits import open_files_limit, raise_open_files
 from common.net.security import (CurveKeys, RateLimitedLog, Security, ensure_keys, limit_size, listen_backlog,
                                  load_keys, security_for, tune)
-from common.net.server import ConnectionMonitor, PeerState, PeerTable, ServerSocket, answer_heartbeat, serve
+from common.net.server import ConnectionMonitor, PeerState, PeerTable, ServerSocket, answer_heartbeat, heard_from, serve
 
 __all__ = ["LinkWaiter", "ServerLink", "NetConfig", "curve_wanted", "free_port", "is_loopback", "open_files_limit",
            "raise_open_files", "ConnectionMonitor", "CurveKeys", "RateLimitedLog", "Security", "ensure_keys",
            "limit_size", "listen_backlog", "load_keys", "security_for", "tune", "PeerState", "PeerTable",
-           "ServerSocket", "answer_heartbeat", "serve"]
+           "ServerSocket", "answer_heartbeat", "heard_from", "serve"]

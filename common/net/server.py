@@ -214,6 +214,18 @@ def answer_heartbeat(sock: ServerSocket, peers: PeerTable, ident: bytes, msg: P.
     sock.send_frames(ident, sock.heartbeat_frames(server_id, epoch, now))
 
 
+def heard_from(sock: ServerSocket, peers: PeerTable, ident: bytes, msg: P.Message, now: float, counters: dict,
+               peer_id: str = "", role: str = "") -> PeerState:
+    """A request from a peer: it is alive. One this server had forgotten (declared dead while it was busy, e.g. a
+    long generation step) is served, and also told to handshake again: what was dropped with it (a parked ticket
+    request, a learner's credit) is re-sent after the new Ready. Re-admitting it silently would leave it waiting
+    for replies to requests this server no longer holds, as nothing else would make it re-send them."""
+    if ident not in peers.peers:
+        counters["unknown_peer_requests"] = counters.get("unknown_peer_requests", 0) + 1
+        sock.send(ident, P.Error(code="unknown_peer", message="handshake again", ref_type=msg.TYPE))
+    return peers.touch(ident, now, peer_id, role)
+
+
 def serve(step: Callable[[], None], stop: threading.Event, log: Any, counters: dict, role: str,
           done: Callable[[], bool] = lambda: False) -> None:
     """A server's loop: ``step`` until stopped (SIGTERM/SIGINT in the main thread) or ``done()``.
