@@ -330,22 +330,24 @@ def top(run_dir: str, once: bool, interval: float) -> None:
 @main.command()
 @click.argument("config", type=click.Path(exists=True, dir_okay=False))
 @click.argument("overrides", nargs=-1)
-@click.option("--vary", multiple=True, required=True,
+@click.option("--vary", multiple=True,
               help="key=a,b[,c]: one variant per value (repeat for a grid; a list value in brackets: [x,y])")
+@click.option("--variant", "variants", multiple=True,
+              help="'key=v key2=w': one variant of settings that go together (repeat; crossed with --vary)")
 @click.option("--seeds", default=3, show_default=True, help="runs per variant (run.seed 0..N-1)")
 @click.option("--parallel", default=1, show_default=True, help="runs at once")
 @click.option("--out", type=click.Path(file_okay=False), help="sweep directory (default: sweeps/<config name>)")
 @click.option("--eval-suite", default="", help="held-out suite of the final evaluations (default: local.eval_suite)")
 @click.option("--eval-episodes", default=20, show_default=True, help="final-evaluation episodes per family")
-def sweep(config: str, overrides: tuple[str, ...], vary: tuple[str, ...], seeds: int, parallel: int, out: str | None,
-          eval_suite: str, eval_episodes: int) -> None:
-    """Every combination of --vary values x seeds as ordinary runs, each final checkpoint evaluated on the same
-    held-out episodes; a table with 95 % intervals and learning curves. Run it again to continue where it stopped.
+def sweep(config: str, overrides: tuple[str, ...], vary: tuple[str, ...], variants: tuple[str, ...], seeds: int,
+          parallel: int, out: str | None, eval_suite: str, eval_episodes: int) -> None:
+    """Every variant (--vary grid, --variant sets) x seeds as ordinary runs, each final checkpoint evaluated on
+    the same held-out episodes; a table with 95 % intervals and learning curves. Run it again to continue.
     E.g. computerrl sweep configs/local.yaml --vary learner.loss.name=grpo,reinforce --seeds 3"""
     from launch.sweep import Sweep, spec_from_args
 
     try:
-        spec = spec_from_args(config, vary, seeds, overrides, eval_suite, eval_episodes)
+        spec = spec_from_args(config, vary, seeds, overrides, eval_suite, eval_episodes, variants)
         runner = Sweep(spec, Path(out or Path("sweeps") / Path(config).stem), parallel, click.echo)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None

@@ -1,5 +1,8 @@
 """``computerrl sweep``: every combination of the varied settings × seeds as ordinary runs, judged alike.
 
+Variants are a grid (``--vary key=a,b``, repeated), explicit sets of settings that go together (``--variant 'k=v
+k2=w'``, repeated: a loss and its clip range), or both crossed.
+
 Each (variant, seed) is one ``computerrl run`` of the base config with the variant's overrides and ``run.seed``,
 in its own run directory under ``<sweep>/runs/`` (its own ports, the same supervisor, resumable), then one
 ``computerrl eval`` of its final checkpoint on the same held-out episodes (greedy, the same task seeds for every
@@ -55,10 +58,17 @@ class SweepSpec:
     """held-out suite of the final evaluations"""
     eval_episodes: int = 20
     """final-evaluation episodes per family"""
+    listed: list[dict[str, str]] = field(default_factory=list)
+    """explicit variants (``--variant``), each a set of settings that go together, crossed with the grid"""
 
     def variants(self) -> list[dict[str, str]]:
         keys = list(self.vary)
-        return [dict(zip(keys, combo)) for combo in itertools.product(*(self.vary[k] for k in keys))]
+        grid = [dict(zip(keys, combo)) for combo in itertools.product(*(self.vary[k] for k in keys))]
+        return [{**listed, **cell} for listed in (self.listed or [{}]) for cell in grid]
+
+    def keys(self) -> list[str]:
+        """Every setting some variant sets, in the order first named: the table's columns."""
+        return list(dict.fromkeys(k for v in self.variants() for k in v))
 
 
 def parse_vary(items: tuple[str, ...] | list[str]) -> dict[str, list[str]]:
@@ -76,6 +86,27 @@ def parse_vary(items: tuple[str, ...] | list[str]) -> dict[str, list[str]]:
         if len(parts) != len(set(parts)):
             raise ValueError(f"--vary {key}: a value is listed twice")
         out[key] = parts
+    return out
+
+
+def parse_variants(items: tuple[str, ...] | list[str]) -> list[dict[str, str]]:
+    """``("learner.loss.name=reinforce learner.advantage.name=rloo", ...)`` -> one dict per item: settings that
+    make sense only together (a loss and its clip range, an estimator and its loss), which a grid would cross."""
+    out: list[dict[str, str]] = []
+    for item in items:
+        variant: dict[str, str] = {}
+        for token in item.split():
+            key, sep, value = token.partition("=")
+            if not sep or not key or not value:
+                raise ValueError(f"--variant {item!r}: write key=value [key=value ...]")
+            if key in variant:
+                raise ValueError(f"--variant {item!r} names {key} twice")
+            variant[key] = value
+        if not variant:
+            raise ValueError("--variant needs at least one key=value")
+        if variant in out:
+            raise ValueError(f"--variant {item!r} is listed twice")
+        out.append(variant)
     return out
 
 
@@ -114,7 +145,7 @@ class Sweep:
         self._ports: set[int] = set()
         saved = self.out / "sweep.json"
         if saved.exists():
-            before = json.loads(saved.read_text())
+            before = asdict(SweepSpec(**json.loads(saved.read_text())))  # a spec saved before a field was added
             if before != asdict(spec):
                 raise ValueError(f"{saved} holds another sweep ({before}); use another --out to run this one")
         else:
@@ -262,21 +293,23 @@ class Sweep:
         with open(self.out / "results.jsonl", "w") as f:
             for r in self.results():
                 f.write(json.dumps(r) + "\n")
-        keys = list(self.spec.vary)
+        keys = self.spec.keys()
         families = sorted({f for r in rows for f in r["per_family"]})
         with open(self.out / "results.csv", "w", newline="") as f:
             w = csv.writer(f)
             w.writerow([*keys, "seeds", "success_mean", "success_low95", "success_high95", *families])
             for r in rows:
-                w.writerow([*(r["variant"][k] for k in keys), r["seeds"], f"{r['success']:.4f}", f"{r['low']:.4f}",
-                            f"{r['high']:.4f}", *(f"{r['per_family'].get(fam, float('nan')):.4f}" for fam in families)])
+                w.writerow([*(r["variant"].get(k, "") for k in keys), r["seeds"], f"{r['success']:.4f}",
+                            f"{r['low']:.4f}", f"{r['high']:.4f}",
+                            *(f"{r['per_family'].get(fam, float('nan')):.4f}" for fam in families)])
         lines = [f"Sweep of `{self.spec.config}`: {self.spec.seeds} seed(s) per variant, final checkpoints on "
                  f"`{self.spec.eval_suite}`, {self.spec.eval_episodes} greedy episodes per family; mean across seeds "
-                 "and its 95 % interval (Student's t).", "",
+                 "and its 95 % interval (Student's t)" + ("; `-`: the config's value." if any(
+                     k not in v for v in self.spec.variants() for k in keys) else "."), "",
                  "| " + " | ".join([*keys, "seeds", "held-out success", *families]) + " |",
                  "|" + "---|" * (len(keys) + 2 + len(families))]
         for r in rows:
-            cells = [*(f"`{r['variant'][k]}`" for k in keys), str(r["seeds"]),
+            cells = [*(f"`{r['variant'][k]}`" if k in r["variant"] else "-" for k in keys), str(r["seeds"]),
                      f"{100 * r['success']:.1f} % [{100 * r['low']:.1f}, {100 * r['high']:.1f}]",
                      *(f"{100 * r['per_family'][fam]:.1f} %" if fam in r["per_family"] else "-" for fam in families)]
             lines.append("| " + " | ".join(cells) + " |")
@@ -390,15 +423,19 @@ class Sweep:
 
 
 def spec_from_args(config: str, vary: tuple[str, ...], seeds: int, overrides: tuple[str, ...], eval_suite: str,
-                   eval_episodes: int) -> SweepSpec:
+                   eval_episodes: int, variants: tuple[str, ...] = ()) -> SweepSpec:
     """The spec, checked against the config before anything runs: every varied value and override must load."""
     from launch.config import load_run_config
 
-    parsed = parse_vary(vary)
-    if not parsed:
-        raise ValueError("nothing to vary: give at least one --vary key=a,b")
+    parsed, listed = parse_vary(vary), parse_variants(variants)
+    if not parsed and len(listed) < 2:
+        raise ValueError("nothing to compare: give --vary key=a,b or at least two --variant settings")
+    both = sorted({k for v in listed for k in v} & set(parsed))
+    if both:
+        raise ValueError(f"{', '.join(both)} is set by both --vary and --variant: name it in one")
     base = load_run_config(config, overrides)
-    for variant in SweepSpec(config, parsed, seeds).variants():
+    spec = SweepSpec(config=config, vary=parsed, seeds=seeds, overrides=list(overrides),
+                     eval_suite=eval_suite or base.local.eval_suite, eval_episodes=eval_episodes, listed=listed)
+    for variant in spec.variants():
         load_run_config(config, [*overrides, *(f"{k}={v}" for k, v in variant.items())])
-    return SweepSpec(config=config, vary=parsed, seeds=seeds, overrides=list(overrides),
-                     eval_suite=eval_suite or base.local.eval_suite, eval_episodes=eval_episodes)
+    return spec

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from common.exitcodes import EXIT_RESUMABLE
-from launch.sweep import Sweep, SweepSpec, label, parse_vary, spec_from_args
+from launch.sweep import Sweep, SweepSpec, label, parse_variants, parse_vary, spec_from_args
 from tests.conftest import REPO
 
 BASE = str(REPO / "configs" / "local.yaml")
@@ -37,6 +37,45 @@ def test_every_value_is_checked_against_the_config_before_anything_runs():
         spec_from_args(BASE, ("learner.lr=1e-4,fast",), 1, (), "", 5)
     spec = spec_from_args(BASE, ("learner.lr=1e-4,3e-4",), 2, ("learner.total_steps=3",), "", 5)
     assert spec.eval_suite == "sim:heldout:sheet_sort,settings_display,files_create_folder,editor_replace"
+
+
+def test_listed_variants_keep_settings_together_and_cross_the_grid(tmp_path):
+    assert parse_variants(["learner.loss.name=reinforce learner.advantage.name=rloo", "learner.loss.name=grpo"]) == [
+        {"learner.loss.name": "reinforce", "learner.advantage.name": "rloo"}, {"learner.loss.name": "grpo"}]
+    for bad, msg in (("learner.lr", "write key=value"), ("a=1 a=2", "names a twice"), ("", "at least one")):
+        with pytest.raises(ValueError, match=msg):
+            parse_variants([bad])
+    with pytest.raises(ValueError, match="listed twice"):
+        parse_variants(["a=1", "a=1"])
+    with pytest.raises(ValueError, match="nothing to compare"):
+        spec_from_args(BASE, (), 1, (), "", 5, ("learner.loss.name=grpo",))
+    with pytest.raises(ValueError, match="set by both"):
+        spec_from_args(BASE, ("learner.loss.name=grpo,reinforce",), 1, (), "", 5, ("learner.loss.name=grpo",))
+    with pytest.raises(ValueError, match="expected a number"):
+        spec_from_args(BASE, (), 1, (), "", 5, ("learner.lr=fast", "learner.lr=1e-4"))
+    with pytest.raises(ValueError, match="'group' estimator only"):  # each variant is loaded as a whole
+        spec_from_args(BASE, ("learner.advantage.level=trajectory,step",), 1, (), "", 5,
+                       ("learner.loss.name=reinforce learner.advantage.name=rloo", "learner.loss.name=grpo"))
+    spec = spec_from_args(BASE, ("learner.advantage.std=true,false",), 1, (), "", 5,
+                          ("learner.loss.name=reinforce learner.advantage.name=rloo", "learner.loss.name=grpo"))
+    assert [label(v) for v in spec.variants()] == [
+        "learner.loss.name=reinforce learner.advantage.name=rloo learner.advantage.std=true",
+        "learner.loss.name=reinforce learner.advantage.name=rloo learner.advantage.std=false",
+        "learner.loss.name=grpo learner.advantage.std=true", "learner.loss.name=grpo learner.advantage.std=false"]
+    assert spec.keys() == ["learner.loss.name", "learner.advantage.name", "learner.advantage.std"]
+    sweep = Sweep(spec, tmp_path / "sw", echo=lambda s: None)
+    for run in sweep.runs:
+        _fake_run(run.root, run.seed, 0.5, [(0, 0.1)])
+        data = json.loads(run.final_eval.read_text())
+        run.final_eval.write_text(json.dumps({**data, "variant": run.variant}))
+    sweep.summarise()
+    md = (tmp_path / "sw" / "results.md").read_text()
+    assert "| `grpo` | - | `false` | 1 | 50.0 % [" in md and "`-`: the config's value" in md
+    assert "grpo,,false,1,0.5000" in (tmp_path / "sw" / "results.csv").read_text()
+    saved = json.loads((tmp_path / "sw" / "sweep.json").read_text())
+    del saved["listed"]  # a sweep directory written before --variant existed continues
+    (tmp_path / "sw" / "sweep.json").write_text(json.dumps(saved))
+    Sweep(SweepSpec(**saved), tmp_path / "sw")
 
 
 def _fake_run(root: Path, seed: int, final: float | None, curve: list[tuple[int, float]], total: int = 4,
