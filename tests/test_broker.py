@@ -184,6 +184,30 @@ def test_a_forgotten_actor_whose_first_word_is_a_group_is_told_to_handshake_agai
     learner.close()
 
 
+def test_a_forgotten_learner_whose_first_word_is_not_a_heartbeat_gets_its_credit_back(start_broker, quiet_log):
+    """The learner side of the same order: declared dead during a long step (its credit dropped with it), its next
+    word a Control. Re-admitted silently it held no credit at the broker and waited for a batch forever; told to
+    handshake again, it restates the batches it still expects."""
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=1, eta=4))
+    actor, learner = clients(tb, quiet_log)
+    learner.set_control(0)
+    learner.grant(1)
+    pump([actor, learner], 5, until=lambda: sum(tb.broker.credits.values()) == 1)
+    deadline = time.monotonic() + 30
+    while tb.broker.learners.peers:  # the actor keeps talking; the learner is silent
+        assert time.monotonic() < deadline, "the silent learner was never declared dead"
+        actor.poll(0.05)
+    assert sum(tb.broker.credits.values()) == 0
+    learner.link.last_recv = learner.link.last_hb = time.monotonic()  # it has not noticed its own silence
+    learner.set_control(0)
+    (t,) = take_tickets(actor, 1, expect=1)
+    actor.submit(make_group(t))
+    pump([actor, learner], 5, until=lambda: len(learner.batches) == 1)
+    assert stat(tb, "unknown_peer_requests") >= 1 and learner.link.reconnects == 0
+    actor.close()
+    learner.close()
+
+
 def test_credit_after_a_rehandshake_is_what_the_learner_still_expects(start_broker, quiet_log):
     """Credit adds up at the broker and is forgotten on a Hello: a re-handshake must restate what is still owed,
     not replay every grant of the run (each step's grant was once kept for re-sending, so the link's bookkeeping
