@@ -26,7 +26,8 @@ import zmq
 
 from common import protocol as P
 from common.metrics import MetricsWriter, percentile
-from common.net import NetConfig, PeerTable, ServerSocket, answer_heartbeat, heard_from, raise_open_files, security_for, serve
+from common.net import (NetConfig, PeerTable, ServerSocket, answer_heartbeat, heard_from, raise_open_files,
+                        security_for, serve)
 from common.rundir import RunDir
 from env_server.actions import ActionError
 from env_server.backend import Backend, StepResult
