@@ -205,7 +205,7 @@ class Broker:
             elif isinstance(msg, P.Heartbeat):
                 answer_heartbeat(self.front, self.actors, ident, msg, now, "broker", self.epoch, self.counters)
             elif isinstance(msg, P.Hello):
-                self.actors.touch(ident, now, msg.peer_id, msg.role)
+                heard_from(self.front, self.actors, ident, msg, now, self.counters, msg.peer_id, msg.role)
                 self.front.send(ident, self._ready())
                 # Published at the end of the turn, and Hellos arriving together share one publish.
                 gap = max(HELLO_PUBLISH_GAP_S, HELLO_PUBLISH_GAP_PER_ACTOR_S * len(self.actors.peers))
@@ -392,11 +392,8 @@ class Broker:
             if isinstance(msg, P.Heartbeat):
                 answer_heartbeat(self.back, self.learners, ident, msg, now, "broker", self.epoch, self.counters)
                 continue
-            peer_id = getattr(msg, "learner_id", "") or getattr(msg, "peer_id", "")
-            if isinstance(msg, P.Hello):
-                self.learners.touch(ident, now, peer_id, "learner")
-            else:
-                heard_from(self.back, self.learners, ident, msg, now, self.counters, peer_id, "learner")
+            heard_from(self.back, self.learners, ident, msg, now, self.counters,
+                       getattr(msg, "learner_id", "") or getattr(msg, "peer_id", ""), "learner")
             if isinstance(msg, P.BatchRequest):
                 self.credits[ident] += max(0, msg.credits)
                 if msg.version != self.ledger.version:

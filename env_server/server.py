@@ -189,7 +189,7 @@ class EnvServer:
         if isinstance(msg, P.Heartbeat):
             answer_heartbeat(self.sock, self.peers, ident, msg, now, "env_server", self.epoch, self.counters)
         elif isinstance(msg, P.Hello):
-            self.peers.touch(ident, now, msg.peer_id, msg.role)
+            heard_from(self.sock, self.peers, ident, msg, now, self.counters, msg.peer_id, msg.role)
             self.sock.send(ident, P.Ready(role="env_server", epoch=self.epoch, control=P.Control(version=0),
                                           info={"backend": self.cfg.backend, "pool_size": self.cfg.pool_size}))
         elif isinstance(msg, P.SessionOpen):

@@ -202,13 +202,17 @@ class PeerTable:
         return dead
 
 
+def _ask_to_handshake(sock: ServerSocket, ident: bytes, ref_type: str, counters: dict, counter: str) -> None:
+    counters[counter] = counters.get(counter, 0) + 1
+    sock.send(ident, P.Error(code="unknown_peer", message="handshake again", ref_type=ref_type))
+
+
 def answer_heartbeat(sock: ServerSocket, peers: PeerTable, ident: bytes, msg: P.Heartbeat, now: float,
                      server_id: str, epoch: str, counters: dict) -> None:
     """Answer a peer's heartbeat with our epoch; a peer we do not know (declared dead, or never met) is told
     to handshake again, so it re-sends what it still waits for instead of waiting forever."""
     if ident not in peers.peers:
-        counters["unknown_peer_heartbeats"] = counters.get("unknown_peer_heartbeats", 0) + 1
-        sock.send(ident, P.Error(code="unknown_peer", message="handshake again", ref_type="Heartbeat"))
+        _ask_to_handshake(sock, ident, msg.TYPE, counters, "unknown_peer_heartbeats")
         return
     peers.touch(ident, now, msg.peer_id)
     sock.send_frames(ident, sock.heartbeat_frames(server_id, epoch, now))
@@ -216,13 +220,13 @@ def answer_heartbeat(sock: ServerSocket, peers: PeerTable, ident: bytes, msg: P.
 
 def heard_from(sock: ServerSocket, peers: PeerTable, ident: bytes, msg: P.Message, now: float, counters: dict,
                peer_id: str = "", role: str = "") -> PeerState:
-    """A request from a peer: it is alive. One this server had forgotten (declared dead while it was busy, e.g. a
-    long generation step) is served, and also told to handshake again: what was dropped with it (a parked ticket
-    request, a learner's credit) is re-sent after the new Ready. Re-admitting it silently would leave it waiting
-    for replies to requests this server no longer holds, as nothing else would make it re-send them."""
-    if ident not in peers.peers:
-        counters["unknown_peer_requests"] = counters.get("unknown_peer_requests", 0) + 1
-        sock.send(ident, P.Error(code="unknown_peer", message="handshake again", ref_type=msg.TYPE))
+    """A message from a peer other than a heartbeat: it is alive. One this server had forgotten (declared dead
+    while it was busy, e.g. a long generation step) is served, and, unless the message is its handshake, also told
+    to handshake again: what was dropped with it (a parked ticket request, a learner's credit) is re-sent after the
+    new Ready. Re-admitting it silently would leave it waiting for replies to requests this server no longer
+    holds, as nothing else would make it re-send them."""
+    if ident not in peers.peers and not isinstance(msg, P.Hello):
+        _ask_to_handshake(sock, ident, msg.TYPE, counters, "unknown_peer_requests")
     return peers.touch(ident, now, peer_id, role)
 
 
