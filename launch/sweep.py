@@ -130,6 +130,24 @@ class SweepRun:
         return self.root / "final_eval.json"
 
 
+def across_seeds(per_seed: list[dict[int, float]]) -> list[Point]:
+    """(step, mean, low, high) at the steps every seed has a value for; seeds with no values yet are left out."""
+    per_seed = [r for r in per_seed if r]
+    if not per_seed:
+        return []
+    steps = sorted(set.intersection(*(set(r) for r in per_seed)))
+    return [(st, *mean_interval([r[st] for r in per_seed])) for st in steps]
+
+
+def trailing_mean(points: list[tuple[int, float]], window: int) -> dict[int, float]:
+    """step -> mean of the value at that step and the ``window - 1`` before it (fewer at the start)."""
+    out = {}
+    for i, (step, _) in enumerate(points):
+        recent = [v for _, v in points[max(0, i - window + 1):i + 1]]
+        out[step] = sum(recent) / len(recent)
+    return out
+
+
 class Sweep:
     """Runs, resumes and summarises one sweep directory."""
 
@@ -316,23 +334,17 @@ class Sweep:
         (self.out / "results.md").write_text("\n".join(lines) + "\n")
         self.plot()
 
-    def curves(self) -> dict[str, list[tuple[int, float, float, float]]]:
+    def curves(self) -> dict[str, list[Point]]:
         """Per variant label: (step, mean, low, high) of held-out success across its seeds' periodic evaluations,
         at the steps every seed evaluated."""
         out = {}
         for variant in self.spec.variants():
-            per_seed = []
-            for run in self.runs:
-                if run.variant != variant:
-                    continue
-                per_seed.append({int(r["step"]): float(r["success_rate"])
+            mine = [run for run in self.runs if run.variant == variant]
+            pts = across_seeds([{int(r["step"]): float(r["success_rate"])
                                  for r in read_records(run.root / "metrics" / "eval.jsonl")
-                                 if "step" in r and "success_rate" in r})
-            per_seed = [r for r in per_seed if r]
-            if not per_seed:
-                continue
-            steps = sorted(set.intersection(*(set(r) for r in per_seed)))
-            out[label(variant)] = [(s, *mean_interval([r[s] for r in per_seed])) for s in steps]
+                                 if "step" in r and "success_rate" in r} for run in mine])
+            if pts:
+                out[label(variant)] = pts
         return out
 
     def training_curves(self, window: int = TRAIN_SMOOTHING) -> dict[str, dict[str, list[Point]]]:
@@ -341,24 +353,14 @@ class Sweep:
         every seed logged. RL steps only: an SFT step trains on stored successes, not on fresh rollouts."""
         out: dict[str, dict[str, list[Point]]] = {}
         for variant in self.spec.variants():
-            per_metric: dict[str, list[Point]] = {}
+            logs = [[r for r in read_records(run.root / "metrics" / "learner.jsonl")
+                     if r.get("phase", "rl") == "rl" and "step" in r] for run in self.runs if run.variant == variant]
+            per_metric = {}
             for key in ("success_rate", "entropy"):
-                per_seed = []
-                for run in self.runs:
-                    if run.variant != variant:
-                        continue
-                    pts = [(int(r["step"]), float(r[key])) for r in read_records(run.root / "metrics" / "learner.jsonl")
-                           if r.get("phase", "rl") == "rl" and r.get(key) is not None and "step" in r]
-                    pts.sort()
-                    smooth = {}
-                    for i, (step, _) in enumerate(pts):
-                        recent = [v for _, v in pts[max(0, i - window + 1):i + 1]]
-                        smooth[step] = sum(recent) / len(recent)
-                    if smooth:
-                        per_seed.append(smooth)
-                if per_seed:
-                    steps = sorted(set.intersection(*(set(r) for r in per_seed)))
-                    per_metric[key] = [(st, *mean_interval([r[st] for r in per_seed])) for st in steps]
+                pts = across_seeds([trailing_mean(sorted((int(r["step"]), float(r[key])) for r in log
+                                                         if r.get(key) is not None), window) for log in logs])
+                if pts:
+                    per_metric[key] = pts
             if per_metric:
                 out[label(variant)] = per_metric
         return out
