@@ -14,7 +14,9 @@ rollouts' success and the policy's entropy, with every seed's SFT phases shaded)
 
 Interrupting a sweep stops its runs the way ``computerrl run`` stops (the learner checkpoints); running the same
 command again continues: finished and evaluated runs are kept, a run with a checkpoint resumes from it, a run
-that died before its first checkpoint starts over, a finished one without its evaluation is evaluated.
+that died before its first checkpoint starts over, a finished one without its evaluation is evaluated. Runs go
+seed by seed (every variant at seed 0, then at seed 1, ...), and a re-run may ask for more ``--seeds``: a sweep
+can start with one seed to look, then grow.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ TRAIN_SMOOTHING = 5  # learner steps in the trailing mean of the training curves
 
 @dataclass
 class SweepSpec:
-    """What a sweep runs; saved as ``sweep.json``, and a re-run must ask for the same."""
+    """What a sweep runs; saved as ``sweep.json``, and a re-run must ask for the same (or more seeds)."""
 
     config: str
     """the base run config (its path when the sweep started)"""
@@ -164,8 +166,11 @@ class Sweep:
         saved = self.out / "sweep.json"
         if saved.exists():
             before = asdict(SweepSpec(**json.loads(saved.read_text())))  # a spec saved before a field was added
-            if before != asdict(spec):
-                raise ValueError(f"{saved} holds another sweep ({before}); use another --out to run this one")
+            if {**before, "seeds": spec.seeds} != asdict(spec) or spec.seeds < before["seeds"]:
+                raise ValueError(f"{saved} holds another sweep ({before}); use another --out to run this one "
+                                 "(a re-run may only ask for more --seeds)")
+            if spec.seeds > before["seeds"]:  # more seeds of the same sweep: the runs already done are kept
+                saved.write_text(json.dumps(asdict(spec), indent=1))
         else:
             from common import config as configlib
             from launch.config import load_run_config
@@ -174,8 +179,9 @@ class Sweep:
             # The config as loaded (relative model paths made absolute), so runs find the same files from here.
             configlib.dump(load_run_config(spec.config), self.out / "base.yaml")
             saved.write_text(json.dumps(asdict(spec), indent=1))
+        # Seed by seed: a sweep stopped part-way holds every variant at the seeds it reached, a paired comparison.
         self.runs = [SweepRun(v, s, self.out / "runs" / _dirname(v) / f"seed-{s}")
-                     for v in spec.variants() for s in range(spec.seeds)]
+                     for s in range(spec.seeds) for v in spec.variants()]
 
     # ----- running ------------------------------------------------------------------------------------
 

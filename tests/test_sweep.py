@@ -97,13 +97,15 @@ def _fake_run(root: Path, seed: int, final: float | None, curve: list[tuple[int,
 def test_results_table_intervals_curves_and_what_a_rerun_would_do(tmp_path):
     spec = SweepSpec(BASE, {"learner.lr": ["1e-4", "3e-4"]}, 2, eval_suite="sim:heldout", eval_episodes=5)
     sweep = Sweep(spec, tmp_path / "sw", echo=lambda s: None)
-    a0, a1, b0, b1 = sweep.runs
+    a0, b0, a1, b1 = sweep.runs  # seed by seed: every variant at seed 0 first
+    assert [(r.variant["learner.lr"], r.seed) for r in sweep.runs] == [("1e-4", 0), ("3e-4", 0), ("1e-4", 1),
+                                                                       ("3e-4", 1)]
     for run, final, latest in ((a0, 0.2, 4), (a1, 0.4, 4), (b0, None, 4), (b1, None, 2)):
         _fake_run(run.root, run.seed, final, [(0, 0.1), (2, 0.2 + run.seed / 10), (4, 0.3)], latest=latest)
         if final is not None:
             data = json.loads(run.final_eval.read_text())
             run.final_eval.write_text(json.dumps({**data, "variant": run.variant}))
-    assert [sweep._state(r) for r in sweep.runs] == ["done", "done", "evaluate", "resume"]
+    assert [sweep._state(r) for r in (a0, a1, b0, b1)] == ["done", "done", "evaluate", "resume"]
     (b1.root / "checkpoints" / "latest").unlink()
     assert sweep._state(b1) == "start", "died before its first checkpoint: starts over"
 
@@ -123,12 +125,20 @@ def test_results_table_intervals_curves_and_what_a_rerun_would_do(tmp_path):
 
     with pytest.raises(ValueError, match="holds another sweep"):
         Sweep(SweepSpec(BASE, {"learner.lr": ["1e-3"]}, 2, eval_suite="sim:heldout"), tmp_path / "sw")
+    with pytest.raises(ValueError, match="only ask for more --seeds"):
+        Sweep(SweepSpec(BASE, {"learner.lr": ["1e-4", "3e-4"]}, 1, eval_suite="sim:heldout", eval_episodes=5),
+              tmp_path / "sw")
+    grown = Sweep(SweepSpec(BASE, {"learner.lr": ["1e-4", "3e-4"]}, 3, eval_suite="sim:heldout", eval_episodes=5),
+                  tmp_path / "sw", echo=lambda s: None)
+    assert [grown._state(r) for r in grown.runs] == ["done", "evaluate", "done", "start", "start", "start"]
+    assert json.loads((tmp_path / "sw" / "sweep.json").read_text())["seeds"] == 3
+    assert grown.table()[0]["seeds"] == 2, "the seeds already evaluated are kept"
 
 
 def test_training_curves_smooth_rl_steps_across_seeds_and_keep_each_seeds_sft_phases(tmp_path):
     spec = SweepSpec(BASE, {"learner.entropulse.mode": ["off", "adaptive"]}, 2, eval_suite="sim:heldout")
     sweep = Sweep(spec, tmp_path / "sw", echo=lambda s: None)
-    off0, off1, on0, on1 = sweep.runs
+    off0, on0, off1, on1 = sweep.runs
     for run in sweep.runs:
         _fake_run(run.root, run.seed, None, [(0, 0.1), (6, 0.3)])
 
