@@ -334,7 +334,8 @@ def top(run_dir: str, once: bool, interval: float) -> None:
               help="key=a,b[,c]: one variant per value (repeat for a grid; a list value in brackets: [x,y])")
 @click.option("--variant", "variants", multiple=True,
               help="'key=v key2=w': one variant of settings that go together (repeat; crossed with --vary)")
-@click.option("--seeds", default=3, show_default=True, help="runs per variant (run.seed 0..N-1)")
+@click.option("--seeds", default=3, show_default=True,
+              help="runs per variant (run.seed 0..N-1; a re-run may ask for more)")
 @click.option("--parallel", default=1, show_default=True, help="runs at once")
 @click.option("--out", type=click.Path(file_okay=False), help="sweep directory (default: sweeps/<config name>)")
 @click.option("--eval-suite", default="", help="held-out suite of the final evaluations (default: local.eval_suite)")
