@@ -9,7 +9,9 @@ giving ``adv[g][i][t]`` for turn t of trajectory i of group g, selected by name 
   normalised over all the group's turns (ComputerRL's step-level GRPO).
 - ``rloo``: ``A_i = r_i - mean_{j != i} r_j`` (leave-one-out baseline), per trajectory.
 - ``batch``: ``(r - mean) / (std + 1e-6)`` over the whole batch (PPO-style, no groups).
-Then optionally ``per_task`` z-scores advantages among samples of the same task (AgentRL). With
+Then optionally ``per_task`` z-scores advantages among samples of the same task (AgentRL), and
+``negative_weight`` scales every negative advantage: 1 is the estimator as written, 0 reinforces successes
+only (positive-sample reinforcement, which sharpens the policy: the setting where entropy collapses). With
 ``weighting: trajectory`` the batch builder rescales each trajectory's advantages by mean length / its length
 in loss tokens, so a long failure weighs no more than a short success in the token-mean loss.
 """
@@ -41,12 +43,16 @@ class AdvantageConfig:
     """leave groups whose rewards are all equal out of the loss (their advantages are all 0)"""
     weighting: str = "token"
     """token (every loss token counts alike: long trajectories weigh more) | trajectory (each weighs the same)"""
+    negative_weight: float = 1.0
+    """scale on negative advantages, after any per-task z-score (0 = reinforce successes only)"""
 
     def validate(self) -> None:
         if self.level not in ("trajectory", "step"):
             raise ValueError("advantage level must be trajectory or step")
         if self.weighting not in ("token", "trajectory"):
             raise ValueError("advantage weighting must be token or trajectory")
+        if not 0.0 <= self.negative_weight <= 1.0:
+            raise ValueError("advantage negative_weight must be within [0, 1]")
         if self.level == "step" and self.name in ("rloo", "batch"):
             raise ValueError(f"advantage level 'step' is implemented by the 'group' estimator only, not {self.name!r}")
         check_name(self.name, tuple(ESTIMATORS), "advantage estimator")  # imported by the learner when it starts
@@ -118,4 +124,6 @@ def compute(groups: list[GroupRewards], cfg: AdvantageConfig) -> list[list[list[
         stats = {k: _mean_std(v) for k, v in by_task.items()}
         adv = [[[(x - stats[g.task_id][0]) / (stats[g.task_id][1] + EPS) for x in traj] for traj in a]
                for g, a in zip(groups, adv)]
+    if cfg.negative_weight != 1.0:
+        adv = [[[x * cfg.negative_weight if x < 0 else x for x in traj] for traj in a] for a in adv]
     return adv

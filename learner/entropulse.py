@@ -5,6 +5,8 @@ During RL the controller watches mean token entropy and success rate. It switche
 - ``adaptive``: once the phase has run ``min_rl_steps`` and entropy is below ``entropy_floor`` or has
   fallen by ``entropy_drop`` (a fraction) from the phase's start, while success has plateaued (the mean
   of the last ``window`` steps is within ``plateau_tol`` of the mean of the ``window`` before).
+  Entropy is judged as window means too: the phase's first ``window`` steps against its last ``window``
+  (one batch's entropy swings with the families it happens to hold, so one step is not a start).
 An SFT phase lasts ``sft_steps``; then RL resumes (optionally with the reference policy reset).
 Its state survives checkpoints.
 """
@@ -57,26 +59,33 @@ class Entropulse:
     phase_step: int = 0
     phases_done: int = 0
     entropy_at_start: float | None = None
+    entropy: list[float] = field(default_factory=list)
     success: list[float] = field(default_factory=list)
 
     def observe_rl(self, entropy: float, success_rate: float | None) -> str | None:
         """Record one RL step; returns "sft" when it is time to switch."""
         self.phase_step += 1
-        if self.entropy_at_start is None:
-            self.entropy_at_start = entropy
+        self.entropy = (self.entropy + [entropy])[-self.cfg.window:]
+        if self.entropy_at_start is None and len(self.entropy) == self.cfg.window:
+            self.entropy_at_start = self.recent_entropy()
         if success_rate is not None:
             self.success.append(success_rate)
             self.success = self.success[-2 * self.cfg.window:]
         c = self.cfg
         if c.mode == "schedule" and self.phase_step >= c.rl_steps:
             return self._switch("sft")
-        if c.mode == "adaptive" and self.phase_step >= c.min_rl_steps:
-            low = c.entropy_floor > 0 and entropy < c.entropy_floor
-            fell = c.entropy_drop > 0 and self.entropy_at_start > 0 and \
-                entropy < (1 - c.entropy_drop) * self.entropy_at_start
+        if c.mode == "adaptive" and self.phase_step >= c.min_rl_steps and self.entropy_at_start is not None:
+            now = self.recent_entropy()
+            low = c.entropy_floor > 0 and now < c.entropy_floor
+            start = self.entropy_at_start
+            fell = c.entropy_drop > 0 and start > 0 and now < (1 - c.entropy_drop) * start
             if (low or fell) and self.plateaued():
                 return self._switch("sft")
         return None
+
+    def recent_entropy(self) -> float:
+        """Mean token entropy over the last ``window`` RL steps of this phase."""
+        return sum(self.entropy) / max(len(self.entropy), 1)
 
     def plateaued(self) -> bool:
         w = self.cfg.window
@@ -102,16 +111,18 @@ class Entropulse:
         if phase == "rl":
             self.phases_done += 1
             self.entropy_at_start = None
-            self.success = []
+            self.entropy, self.success = [], []
         return phase
 
     def state_dict(self) -> dict:
         return {"phase": self.phase, "phase_step": self.phase_step, "phases_done": self.phases_done,
-                "entropy_at_start": self.entropy_at_start, "success": list(self.success)}
+                "entropy_at_start": self.entropy_at_start, "entropy": list(self.entropy),
+                "success": list(self.success)}
 
     def load_state_dict(self, state: dict) -> None:
         self.phase = state["phase"]
         self.phase_step = int(state["phase_step"])
         self.phases_done = int(state["phases_done"])
         self.entropy_at_start = state["entropy_at_start"]
+        self.entropy = list(state.get("entropy", []))  # absent in checkpoints from before the window means
         self.success = list(state["success"])

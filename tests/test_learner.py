@@ -265,7 +265,8 @@ def test_entropulse_schedule_and_adaptive_transitions():
     successes = [0.1, 0.2, 0.3, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
     for ent, suc in zip(entropies, successes):
         out.append(a.observe_rl(ent, suc))
-    # entropy fell 30% at step 6, but success was still climbing; the plateau shows at step 9
+    # entropy's 3-step mean fell 30 % below the first three's by step 8, but success was still climbing; the
+    # plateau shows at step 9
     assert out.index("sft") == 8, out
     saved = a.state_dict()
     b = Entropulse(a.cfg)
@@ -281,6 +282,16 @@ def test_entropulse_schedule_and_adaptive_transitions():
     assert d.phase == "rl" and d.phases_done == 1, "skipping outside an SFT phase changes nothing"
     off = Entropulse(EntropulseConfig(mode="off"))
     assert all(off.observe_rl(0.01, 0.9) is None for _ in range(500))
+    # one batch's entropy at the phase's start is not its start: a spike in the first step, then flat entropy
+    spike = Entropulse(EntropulseConfig(mode="adaptive", min_rl_steps=1, entropy_drop=0.3, window=5, plateau_tol=1.0))
+    assert [spike.observe_rl(e, 0.5) for e in [3.0] + [1.0] * 14] == [None] * 15
+    assert spike.entropy_at_start == pytest.approx(1.4) and spike.recent_entropy() == pytest.approx(1.0)
+    # ... while a fall of the window means does switch, and the windows start afresh after the SFT phase
+    fall = Entropulse(EntropulseConfig(mode="adaptive", min_rl_steps=1, entropy_drop=0.3, window=5, plateau_tol=1.0,
+                                       sft_steps=1))
+    assert [fall.observe_rl(e, 0.5) for e in [1.0] * 5 + [0.6] * 5].index("sft") == 9
+    fall.observe_sft()
+    assert fall.phase == "rl" and fall.entropy == [] and fall.entropy_at_start is None
 
 
 def test_checkpoint_resume_gives_the_identical_next_step(tmp_path):

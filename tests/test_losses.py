@@ -142,6 +142,18 @@ def test_rloo_batch_and_per_task():
     assert sum(vals) == pytest.approx(0, abs=1e-9) and np.std(vals) == pytest.approx(1, rel=1e-3)
 
 
+def test_negative_weight_scales_only_negative_advantages():
+    g = ADV.GroupRewards("t", [1.0, 0.0, 0.0, 0.0], [[1.0, 1.0], [0.0], [0.0], [0.0, 0.0]])
+    full = ADV.compute([g], ADV.AdvantageConfig(std=False))[0]
+    assert full == [[0.75, 0.75], [-0.25], [-0.25], [-0.25, -0.25]]
+    assert ADV.compute([g], ADV.AdvantageConfig(std=False, negative_weight=0.0))[0] == \
+        [[0.75, 0.75], [0.0], [0.0], [0.0, 0.0]]
+    half = ADV.compute([g], ADV.AdvantageConfig(name="rloo", negative_weight=0.5))[0]
+    assert [a[0] for a in half] == pytest.approx([1.0, -1 / 6, -1 / 6, -1 / 6])
+    with pytest.raises(ValueError, match="negative_weight"):
+        ADV.AdvantageConfig(negative_weight=1.5).validate()
+
+
 def test_trajectory_weighting_gives_every_trajectory_the_same_weight():
     import time
     import uuid
