@@ -120,6 +120,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             return raw_text
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
+        if isinstance(value, bool):  # YAML 1.1 reads a bare off/on/yes/no as a boolean
+            raise ConfigError(f"config key '{path}': expected a string, got {value!r} (YAML reads a bare "
+                              f"off/on/yes/no as a boolean: quote the word, e.g. \"off\")")
         if not isinstance(value, str):
             raise ConfigError(f"config key '{path}': expected a string, got {value!r}")
         return value

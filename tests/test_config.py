@@ -57,6 +57,15 @@ def test_unknown_key_in_yaml_named_with_path(tmp_path):
         load_run_config(p)
 
 
+def test_a_bare_yaml_off_in_a_string_key_says_to_quote_it(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("broker:\n  tasks:\n    curation: off\n")
+    with pytest.raises(configlib.ConfigError, match=r"broker\.tasks\.curation.*quote the word"):
+        load_run_config(p)
+    p.write_text('broker:\n  tasks:\n    curation: "off"\n')
+    assert load_run_config(p).broker.tasks.curation == "off"
+
+
 def _all_config_classes(cls, seen=None):
     seen = seen if seen is not None else set()
     if cls in seen:
