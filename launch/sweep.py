@@ -8,9 +8,10 @@ in its own run directory under ``<sweep>/runs/`` (its own ports, the same superv
 ``computerrl eval`` of its final checkpoint on the same held-out episodes (greedy, the same task seeds for every
 run). The sweep directory keeps the spec (``sweep.json``), each run's final evaluation (``final_eval.json`` in
 its run directory) and the results: ``results.jsonl`` (one line per run), ``results.csv`` and ``results.md``
-(per variant: mean success across seeds with its 95 % Student-t interval, and per family) and ``curves.png``
-(held-out success over learner steps, mean and 95 % band across seeds, per variant; below it the training
-rollouts' success and the policy's entropy, with every seed's SFT phases shaded).
+(per variant: mean success across seeds with its 95 % Student-t interval, and per family; then held-out success
+at every periodic evaluation) and ``curves.png`` (held-out success over learner steps, mean and 95 % band across
+seeds, per variant; below it the training rollouts' success and the policy's entropy, with every seed's SFT
+phases shaded), its numbers in ``curves.csv``.
 
 Interrupting a sweep stops its runs the way ``computerrl run`` stops (the learner checkpoints); running the same
 command again continues: finished and evaluated runs are kept, a run with a checkpoint resumes from it, a run
@@ -337,8 +338,40 @@ class Sweep:
                      f"{100 * r['success']:.1f} % [{100 * r['low']:.1f}, {100 * r['high']:.1f}]",
                      *(f"{100 * r['per_family'][fam]:.1f} %" if fam in r["per_family"] else "-" for fam in families)]
             lines.append("| " + " | ".join(cells) + " |")
+        curves = self.curves()
+        lines += self.curve_table(curves)
         (self.out / "results.md").write_text("\n".join(lines) + "\n")
+        self.write_curves(curves)
         self.plot()
+
+    def curve_table(self, curves: dict[str, list[Point]]) -> list[str]:
+        """Markdown lines: held-out success at each periodic evaluation, per variant (where a phase change shows:
+        a plateau, and whether it moved after)."""
+        steps = sorted({st for pts in curves.values() for st, *_ in pts})
+        if not steps:
+            return []
+        lines = ["", "Held-out success at the runs' periodic evaluations (`local.eval_episodes` per family), mean "
+                 "across seeds [95 % interval]:", "",
+                 "| variant | " + " | ".join(f"step {st}" for st in steps) + " |", "|---|" + "---|" * len(steps)]
+        for name, pts in curves.items():
+            at = {st: (m, lo, hi) for st, m, lo, hi in pts}
+            lines.append(f"| `{name}` | " + " | ".join(
+                f"{100 * at[st][0]:.1f} [{100 * at[st][1]:.1f}, {100 * at[st][2]:.1f}]" if st in at else "-"
+                for st in steps) + " |")
+        return lines
+
+    def write_curves(self, curves: dict[str, list[Point]]) -> None:
+        """``curves.csv``: the numbers behind ``curves.png`` (held-out at the periodic evaluations; the training
+        rollouts' success and the entropy, smoothed), one row per variant, series and step."""
+        with open(self.out / "curves.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["variant", "series", "step", "mean", "low95", "high95"])
+            series = [(name, "heldout_success", pts) for name, pts in curves.items()]
+            series += [(name, key, pts) for name, per_metric in self.training_curves().items()
+                       for key, pts in per_metric.items()]
+            for name, key, pts in series:
+                for st, m, lo, hi in pts:
+                    w.writerow([name, key, st, f"{m:.5f}", f"{lo:.5f}", f"{hi:.5f}"])
 
     def curves(self) -> dict[str, list[Point]]:
         """Per variant label: (step, mean, low, high) of held-out success across its seeds' periodic evaluations,

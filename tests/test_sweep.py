@@ -3,6 +3,7 @@ intervals and curves, and a re-run that continues where the sweep stopped."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -122,6 +123,13 @@ def test_results_table_intervals_curves_and_what_a_rerun_would_do(tmp_path):
     assert [s for s, *_ in curves["learner.lr=1e-4"]] == [0, 2, 4]
     assert curves["learner.lr=1e-4"][1][1] == pytest.approx(0.25)
     assert (tmp_path / "sw" / "curves.png").stat().st_size > 5000
+    # the periodic evaluations as a table (every variant with curves, evaluated or not) and as numbers
+    periodic = md.split("periodic evaluations")[1]
+    assert "| variant | step 0 | step 2 | step 4 |" in periodic
+    assert "| `learner.lr=1e-4` | 10.0 [10.0, 10.0] | 25.0 [" in periodic and "| `learner.lr=3e-4` |" in periodic
+    rows_csv = list(csv.DictReader(open(tmp_path / "sw" / "curves.csv")))
+    held = [r for r in rows_csv if r["variant"] == "learner.lr=1e-4" and r["series"] == "heldout_success"]
+    assert [(int(r["step"]), float(r["mean"])) for r in held] == [(0, 0.1), (2, 0.25), (4, 0.3)]
 
     with pytest.raises(ValueError, match="holds another sweep"):
         Sweep(SweepSpec(BASE, {"learner.lr": ["1e-3"]}, 2, eval_suite="sim:heldout"), tmp_path / "sw")
@@ -164,6 +172,12 @@ def test_training_curves_smooth_rl_steps_across_seeds_and_keep_each_seeds_sft_ph
     assert sweep.sft_spans() == {"learner.entropulse.mode=off": [],
                                  "learner.entropulse.mode=adaptive": [(2, 4), (1, 2)]}
     assert sweep.plot() and (tmp_path / "sw" / "curves.png").stat().st_size > 5000
+    sweep.write_curves(sweep.curves())
+    rows = list(csv.DictReader(open(tmp_path / "sw" / "curves.csv")))
+    ent = [(int(r["step"]), float(r["mean"])) for r in rows
+           if r["variant"] == "learner.entropulse.mode=adaptive" and r["series"] == "entropy"]
+    smoothed = sweep.training_curves()["learner.entropulse.mode=adaptive"]["entropy"]  # the plot's 5-step means
+    assert ent == [(st, pytest.approx(m, abs=1e-5)) for st, m, _, _ in smoothed] and [st for st, _ in ent] == [1, 5, 6]
 
 
 def _sweep(out: Path, *extra: str) -> subprocess.Popen:
