@@ -338,11 +338,11 @@ class Sweep:
                      f"{100 * r['success']:.1f} % [{100 * r['low']:.1f}, {100 * r['high']:.1f}]",
                      *(f"{100 * r['per_family'][fam]:.1f} %" if fam in r["per_family"] else "-" for fam in families)]
             lines.append("| " + " | ".join(cells) + " |")
-        curves = self.curves()
+        curves, training = self.curves(), self.training_curves()
         lines += self.curve_table(curves)
         (self.out / "results.md").write_text("\n".join(lines) + "\n")
-        self.write_curves(curves)
-        self.plot()
+        self.write_curves(curves, training)
+        self.plot(curves, training)
 
     def curve_table(self, curves: dict[str, list[Point]]) -> list[str]:
         """Markdown lines: held-out success at each periodic evaluation, per variant (where a phase change shows:
@@ -360,15 +360,14 @@ class Sweep:
                 for st in steps) + " |")
         return lines
 
-    def write_curves(self, curves: dict[str, list[Point]]) -> None:
+    def write_curves(self, curves: dict[str, list[Point]], training: dict[str, dict[str, list[Point]]]) -> None:
         """``curves.csv``: the numbers behind ``curves.png`` (held-out at the periodic evaluations; the training
         rollouts' success and the entropy, smoothed), one row per variant, series and step."""
         with open(self.out / "curves.csv", "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["variant", "series", "step", "mean", "low95", "high95"])
             series = [(name, "heldout_success", pts) for name, pts in curves.items()]
-            series += [(name, key, pts) for name, per_metric in self.training_curves().items()
-                       for key, pts in per_metric.items()]
+            series += [(name, key, pts) for name, per_metric in training.items() for key, pts in per_metric.items()]
             for name, key, pts in series:
                 for st, m, lo, hi in pts:
                     w.writerow([name, key, st, f"{m:.5f}", f"{lo:.5f}", f"{hi:.5f}"])
@@ -413,17 +412,18 @@ class Sweep:
             out.setdefault(label(run.variant), []).extend(sft_spans(records))
         return out
 
-    def plot(self) -> bool:
+    def plot(self, curves: dict[str, list[Point]] | None = None,
+             training: dict[str, dict[str, list[Point]]] | None = None) -> bool:
         """``curves.png``: held-out success at the periodic evaluations (top), and below it the training
         rollouts' success and the policy's entropy (smoothed), each mean across seeds with its 95 % band, every
         seed's SFT phases shaded in its variant's colour."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        curves = {k: v for k, v in self.curves().items() if v}
+        curves = {k: v for k, v in (self.curves() if curves is None else curves).items() if v}
         if not curves:
             return False
-        training = self.training_curves()
+        training = self.training_curves() if training is None else training
         spans = self.sft_spans()
         panels = 3 if training else 1
         fig = Figure(figsize=(9.6, 5.4 if panels == 1 else 9.0), dpi=100, layout="constrained")

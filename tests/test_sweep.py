@@ -172,7 +172,7 @@ def test_training_curves_smooth_rl_steps_across_seeds_and_keep_each_seeds_sft_ph
     assert sweep.sft_spans() == {"learner.entropulse.mode=off": [],
                                  "learner.entropulse.mode=adaptive": [(2, 4), (1, 2)]}
     assert sweep.plot() and (tmp_path / "sw" / "curves.png").stat().st_size > 5000
-    sweep.write_curves(sweep.curves())
+    sweep.write_curves(sweep.curves(), sweep.training_curves())
     rows = list(csv.DictReader(open(tmp_path / "sw" / "curves.csv")))
     ent = [(int(r["step"]), float(r["mean"])) for r in rows
            if r["variant"] == "learner.entropulse.mode=adaptive" and r["series"] == "entropy"]
