@@ -372,12 +372,19 @@ class Sweep:
                 for st, m, lo, hi in pts:
                     w.writerow([name, key, st, f"{m:.5f}", f"{lo:.5f}", f"{hi:.5f}"])
 
+    def curve_runs(self, variant: dict[str, str]) -> list[SweepRun]:
+        """The runs a variant's curves are drawn from: its evaluated runs once it has any (a run still going, or
+        stopped part-way, would cut every curve to its own few steps), else every run (a sweep in progress)."""
+        mine = [run for run in self.runs if run.variant == variant]
+        done = [run for run in mine if run.final_eval.exists()]
+        return done or mine
+
     def curves(self) -> dict[str, list[Point]]:
         """Per variant label: (step, mean, low, high) of held-out success across its seeds' periodic evaluations,
         at the steps every seed evaluated."""
         out = {}
         for variant in self.spec.variants():
-            mine = [run for run in self.runs if run.variant == variant]
+            mine = self.curve_runs(variant)
             pts = across_seeds([{int(r["step"]): float(r["success_rate"])
                                  for r in read_records(run.root / "metrics" / "eval.jsonl")
                                  if "step" in r and "success_rate" in r} for run in mine])
@@ -392,7 +399,7 @@ class Sweep:
         out: dict[str, dict[str, list[Point]]] = {}
         for variant in self.spec.variants():
             logs = [[r for r in read_records(run.root / "metrics" / "learner.jsonl")
-                     if r.get("phase", "rl") == "rl" and "step" in r] for run in self.runs if run.variant == variant]
+                     if r.get("phase", "rl") == "rl" and "step" in r] for run in self.curve_runs(variant)]
             per_metric = {}
             for key in ("success_rate", "entropy"):
                 pts = across_seeds([trailing_mean(sorted((int(r["step"]), float(r[key])) for r in log
@@ -406,7 +413,7 @@ class Sweep:
     def sft_spans(self) -> dict[str, list[tuple[float, float]]]:
         """Per variant label: every seed's SFT phases (Entropulse), as (start, end) learner steps."""
         out: dict[str, list[tuple[float, float]]] = {}
-        for run in self.runs:
+        for run in (run for variant in self.spec.variants() for run in self.curve_runs(variant)):
             records = sorted((r for r in read_records(run.root / "metrics" / "learner.jsonl") if "step" in r),
                              key=lambda r: r["step"])
             out.setdefault(label(run.variant), []).extend(sft_spans(records))

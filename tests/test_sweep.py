@@ -143,6 +143,20 @@ def test_results_table_intervals_curves_and_what_a_rerun_would_do(tmp_path):
     assert grown.table()[0]["seeds"] == 2, "the seeds already evaluated are kept"
 
 
+def test_a_run_stopped_part_way_does_not_cut_its_variants_curves(tmp_path):
+    spec = SweepSpec(BASE, {"learner.lr": ["1e-4", "3e-4"]}, 2, eval_suite="sim:heldout", eval_episodes=5)
+    sweep = Sweep(spec, tmp_path / "sw", echo=lambda s: None)
+    a0, b0, a1, b1 = sweep.runs
+    _fake_run(a0.root, 0, 0.5, [(0, 0.1), (20, 0.4), (40, 0.5)])
+    _fake_run(a1.root, 1, None, [(0, 0.1)])  # stopped after its first evaluation
+    _fake_run(b0.root, 0, None, [(0, 0.1), (20, 0.2)])  # both still going: drawn as they are
+    _fake_run(b1.root, 1, None, [(0, 0.3), (20, 0.4), (40, 0.6)])
+    assert sweep.curve_runs(a0.variant) == [a0] and sweep.curve_runs(b0.variant) == [b0, b1]
+    curves = sweep.curves()
+    assert [st for st, *_ in curves["learner.lr=1e-4"]] == [0, 20, 40]
+    assert [(st, m) for st, m, *_ in curves["learner.lr=3e-4"]] == [(0, pytest.approx(0.2)), (20, pytest.approx(0.3))]
+
+
 def test_training_curves_smooth_rl_steps_across_seeds_and_keep_each_seeds_sft_phases(tmp_path):
     spec = SweepSpec(BASE, {"learner.entropulse.mode": ["off", "adaptive"]}, 2, eval_suite="sim:heldout")
     sweep = Sweep(spec, tmp_path / "sw", echo=lambda s: None)
