@@ -327,7 +327,8 @@ class Sweep:
                 w.writerow([*(r["variant"].get(k, "") for k in keys), r["seeds"], f"{r['success']:.4f}",
                             f"{r['low']:.4f}", f"{r['high']:.4f}",
                             *(f"{r['per_family'].get(fam, float('nan')):.4f}" for fam in families)])
-        lines = [f"Sweep of `{self.spec.config}`: {self.spec.seeds} seed(s) per variant, final checkpoints on "
+        lines = [f"Sweep of `{self.spec.config}`: {self.spec.seeds} seed(s) per variant asked for (`seeds`: how many "
+                 f"were evaluated), final checkpoints on "
                  f"`{self.spec.eval_suite}`, {self.spec.eval_episodes} greedy episodes per family; mean across seeds "
                  "and its 95 % interval (Student's t)" + ("; `-`: the config's value." if any(
                      k not in v for v in self.spec.variants() for k in keys) else "."), "",
@@ -444,7 +445,9 @@ class Sweep:
             axes[0].fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
         axes[0].set_ylim(0.0, 1.0)
         axes[0].set_ylabel("held-out success")
-        axes[0].set_title(f"mean over {self.spec.seeds} seed(s), 95 % band", loc="left", fontsize=10)
+        drawn = sorted({len(self.curve_runs(v)) for v in self.spec.variants() if label(v) in curves})
+        seeds = f"{drawn[0]}" if len(drawn) == 1 else f"{drawn[0]}-{drawn[-1]}"  # what is drawn, not what was asked
+        axes[0].set_title(f"mean over {seeds} seed(s), 95 % band", loc="left", fontsize=10)
         if training:
             for ax, key, ylabel in ((axes[1], "success_rate", f"training success ({TRAIN_SMOOTHING}-step mean)"),
                                     (axes[2], "entropy", f"entropy, nats/token ({TRAIN_SMOOTHING}-step mean)")):
