@@ -74,7 +74,10 @@ class Entropulse:
         c = self.cfg
         if c.mode == "schedule" and self.phase_step >= c.rl_steps:
             return self._switch("sft")
-        if c.mode == "adaptive" and self.phase_step >= c.min_rl_steps and self.entropy_at_start is not None:
+        # Judged on a full window only: one resumed from a checkpoint older than the window means holds a start
+        # but no window yet, and one batch is not a window.
+        if c.mode == "adaptive" and self.phase_step >= c.min_rl_steps and len(self.entropy) == c.window \
+                and self.entropy_at_start is not None:
             now = self.recent_entropy()
             low = c.entropy_floor > 0 and now < c.entropy_floor
             start = self.entropy_at_start

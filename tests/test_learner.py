@@ -292,6 +292,11 @@ def test_entropulse_schedule_and_adaptive_transitions():
     assert [fall.observe_rl(e, 0.5) for e in [1.0] * 5 + [0.6] * 5].index("sft") == 9
     fall.observe_sft()
     assert fall.phase == "rl" and fall.entropy == [] and fall.entropy_at_start is None
+    # resumed from a checkpoint saved before the window means (a start, no window): one low batch does not switch
+    old = Entropulse(EntropulseConfig(mode="adaptive", min_rl_steps=1, entropy_drop=0.3, window=3, plateau_tol=1.0))
+    old.load_state_dict({"phase": "rl", "phase_step": 10, "phases_done": 0, "entropy_at_start": 1.0,
+                         "success": [0.5] * 6})
+    assert [old.observe_rl(0.5, 0.5) for _ in range(3)] == [None, None, "sft"]
 
 
 def test_checkpoint_resume_gives_the_identical_next_step(tmp_path):
