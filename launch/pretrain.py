@@ -59,6 +59,8 @@ class PretrainConfig:
     """tokens per action in that evaluation"""
     eval_max_steps: int = 12
     """turns per episode in that evaluation"""
+    device: str = "cpu"
+    """where the clone trains and is evaluated: cpu | cuda | cuda:N (demos are recorded on the CPU either way)"""
 
     def validate(self) -> None:
         if self.route not in ("api", "gui", "mixed"):
@@ -67,6 +69,8 @@ class PretrainConfig:
             raise ValueError("pretrain.init must be scratch or model")
         if self.seeds < 1 or self.steps < 1 or self.batch_samples < 1:
             raise ValueError("seeds, steps and batch_samples must be >= 1")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"pretrain.device must be cpu, cuda or cuda:N, not {self.device!r}")
         if self.kind != "sim" and not self.families:
             raise ValueError(f"pretrain.kind {self.kind}: name the families to clone (pretrain.families)")
 
@@ -109,7 +113,7 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
         started_from = json.loads((Path(model_cfg.path) / "state.json").read_text()).get("pretrain")
     # The learner's own LR schedule: linear warm-up, then cosine decay to 0 at the last step.
     schedule = LearnerConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule="cosine", total_steps=cfg.steps,
-                             min_lr_ratio=0.0, keep_checkpoints=1)
+                             min_lr_ratio=0.0, keep_checkpoints=1, device=cfg.device)
     # A VLM's demo screenshots live in a store beside the output while it trains (the policy needs none after).
     images = ImageStore(Path(out_dir).with_name(f".{Path(out_dir).name}-images"))
     trainer = Trainer(schedule, model_cfg, seed=cfg.seed, images=images)
@@ -148,7 +152,8 @@ def evaluate_base(path: Path, cfg: PretrainConfig, model_cfg: Any, prompt_cfg: A
     from actor.engine import EngineConfig, HFEngine, SamplingParams
     from launch.evaluate import evaluate, suite_tasks
 
-    engine = HFEngine(dataclasses.replace(model_cfg, path=str(path)), EngineConfig(seed=cfg.seed, max_batch=64))
+    engine = HFEngine(dataclasses.replace(model_cfg, path=str(path)), EngineConfig(seed=cfg.seed, max_batch=64,
+                                                                                  device=cfg.device))
     tasks = suite_tasks(cfg.suite("heldout"), cfg.eval_episodes, env.backend if env is not None else "")
     return evaluate(engine, tasks, prompt_cfg, SamplingParams(temperature=0.0, max_new_tokens=cfg.eval_max_new_tokens),
                     cfg.eval_max_steps, env=env)

@@ -123,3 +123,9 @@ def test_pretrain_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
     assert more[0] < losses[0] * 0.7, "stage 2 starts from stage 1's weights, not from scratch"
     record = json.loads((tmp_path / "base2" / "state.json").read_text())["pretrain"]
     assert record["init"] == "model" and record["started_from"]["steps"] == 25 and record["started_from"]["init"] == "scratch"
+
+
+def test_pretrain_device_is_validated():
+    PretrainConfig(device="cuda:1").validate()
+    with pytest.raises(ValueError, match="pretrain.device"):
+        PretrainConfig(device="gpu").validate()
