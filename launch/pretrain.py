@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -69,7 +70,7 @@ class PretrainConfig:
             raise ValueError("pretrain.init must be scratch or model")
         if self.seeds < 1 or self.steps < 1 or self.batch_samples < 1:
             raise ValueError("seeds, steps and batch_samples must be >= 1")
-        if self.device != "cpu" and not self.device.startswith("cuda"):
+        if re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is None:
             raise ValueError(f"pretrain.device must be cpu, cuda or cuda:N, not {self.device!r}")
         if self.kind != "sim" and not self.families:
             raise ValueError(f"pretrain.kind {self.kind}: name the families to clone (pretrain.families)")

@@ -1,6 +1,7 @@
 """The GPU paths on a real GPU (skipped without one): bf16 compute on float32 masters, the HF engine's
 log-probs against the learner's scoring, a padded vocabulary, and a weight round between two processes that
-share one GPU (the backend agreement picks CUDA IPC: NCCL refuses two ranks on a device)."""
+share one GPU (the backend agreement picks CUDA IPC: NCCL refuses two ranks on a device), and behaviour cloning
+on the GPU (``pretrain.device``)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,26 @@ def test_a_round_between_two_processes_on_one_gpu(quiet_log, backend, expected):
         assert torch.cuda.memory_allocated() - base < 1 << 20, "the round's shared buffers are freed once it closes"
     p.join(30)
     assert sender.backend == expected
+
+
+def test_pretrain_on_cuda_clones_and_exports_float32_masters(tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    from actor.prompt import PromptConfig
+    from common import log as L
+    from launch.pretrain import PretrainConfig, pretrain
+
+    log = L.setup("test", "test", 0, None, "warning", quiet=True)
+    cfg = PretrainConfig(families=["settings_display"], seeds=40, steps=25, batch_samples=16, lr=6e-3,
+                         warmup_steps=2, eval_episodes=4, eval_max_new_tokens=40, device="cuda")
+    small = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    losses = []
+    out = pretrain(cfg, small, PromptConfig(style="minimal", max_prompt_tokens=768), tmp_path / "base", log,
+                   lambda s, n, loss: losses.append(loss))
+    assert losses[-1] < losses[0] * 0.7, losses
+    with safe_open(str(tmp_path / "base" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}, "the masters, not the bf16 twin"
+    assert out["heldout"]["episodes"] == 4, "evaluated on the GPU after cloning"
+    assert json.loads((tmp_path / "base" / "state.json").read_text())["pretrain"]["device"] == "cuda"

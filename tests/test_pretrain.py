@@ -129,3 +129,5 @@ def test_pretrain_device_is_validated():
     PretrainConfig(device="cuda:1").validate()
     with pytest.raises(ValueError, match="pretrain.device"):
         PretrainConfig(device="gpu").validate()
+    with pytest.raises(ValueError, match="pretrain.device"):
+        PretrainConfig(device="cuda:one").validate()
