@@ -321,6 +321,7 @@ class Actor:
         t_start = time.monotonic()
         next_metrics = t_start + self.cfg.metrics_interval_s
         stop_deadline = None
+        reconnects_at_stop = 0
         idle_sleep = 0.001
         try:
             while True:
@@ -331,6 +332,7 @@ class Actor:
                 if control is not None and control.stop and not self.stopping:
                     self.stopping = True
                     stop_deadline = time.monotonic() + self.cfg.stop_grace_s
+                    reconnects_at_stop = self.broker.link.reconnects
                     self.log.info("actor_stopping", in_flight=len(self.in_flight))
                 while self.broker.tickets:
                     ticket = self.broker.tickets.popleft()
@@ -351,7 +353,13 @@ class Actor:
                     self._write_metrics(now - t_start)
                     next_metrics = now + self.cfg.metrics_interval_s
                 finished = (self.stopping or done_quota) and not self.in_flight and self.broker.unacked == 0
-                if finished or (stop_deadline is not None and now > stop_deadline):
+                # A stopping broker leaves a few seconds after its stop Control (broker.stop_grace_s); once its link
+                # has gone silent for dead_after_s nothing in flight can be acked any more, and waiting out the rest
+                # of stop_grace_s only held every finished run up by half a minute.
+                broker_left = self.stopping and self.broker.link.reconnects > reconnects_at_stop
+                if finished or broker_left or (stop_deadline is not None and now > stop_deadline):
+                    if not finished:
+                        self._abandon("broker_left" if broker_left else "stop_grace_expired")
                     break
                 # Yield to the episodes; sleep a little longer while nothing moves (no busy spinning).
                 idle_sleep = 0.0 if moved else min(idle_sleep * 2 or 0.0005, 0.005)
@@ -361,6 +369,15 @@ class Actor:
             for t in list(self.in_flight):
                 t.cancel()
             self._write_metrics(time.monotonic() - t_start)
+
+    def _abandon(self, reason: str) -> None:
+        """Stopped with rollouts or groups the broker never acked: they are not lost from the run's books (an unacked
+        group was never accepted, its ticket's task goes out again on a resume), but counted and said."""
+        in_flight, unacked = len(self.in_flight), self.broker.unacked
+        self.stats["rollouts_abandoned_at_stop"] += in_flight
+        self.stats["groups_unacked_at_stop"] += unacked
+        self.log.warning("actor_stopped_with_work_left", reason=reason, rollouts_in_flight=in_flight,
+                         groups_unacked=unacked)
 
     def run(self) -> None:
         asyncio.run(self.main())

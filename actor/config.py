@@ -35,7 +35,7 @@ class ActorConfig:
     prometheus: str = ""
     """HOST:PORT to serve this role's metrics on for Prometheus (ranked roles add their rank); empty = off"""
     stop_grace_s: float = 30.0
-    """after a stop, how long in-flight groups may finish and be acked"""
+    """after a stop, how long in-flight groups may finish and be acked (until the broker has left, if sooner)"""
     close_sessions_s: float = 5.0
     """on exit, how long to wait for the env_servers to confirm this actor's sessions are closed"""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -178,6 +179,49 @@ def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, p
         # Leaving gives every session back at once; none waits to be reclaimed as a dead actor's.
         assert server.pool_stats()["sessions"] == 0 and server.counters["sessions_closed"] == opened
         assert server.counters["sessions_reclaimed"] == 0
+    finally:
+        actor.close()
+        learner.close()
+        server.request_stop()
+        st.join(10)
+
+
+def test_a_stopped_actor_leaves_once_the_broker_has_left_and_counts_what_it_abandoned(start_broker, quiet_log,
+                                                                                         tmp_path):
+    """A learner that finished says stop; the broker leaves broker.stop_grace_s later. An actor with rollouts still
+    running waited out its whole stop_grace_s for acks nobody could send (30 s at the end of every run); it now leaves
+    once the broker's link has gone silent, and counts and logs what it left."""
+    from env_server.sim.backend import SimConfig
+
+    tb = start_broker(BrokerConfig(groups_per_batch=2, group_size=2, eta=4, stop_grace_s=0.2))
+    slow = SimConfig(latency="fixed", latency_mean_s=1.0)  # every step a second: rollouts are in flight at the stop
+    env_cfg = EnvServerConfig(port=free_port(), pool_size=4, sim=slow)
+    server = EnvServer(env_cfg, tb.net, RunDir.create(tmp_path / "env"), quiet_log)
+    st = threading.Thread(target=server.run, daemon=True)
+    st.start()
+    cfg = ActorConfig(env_servers=[f"127.0.0.1:{env_cfg.port}"], max_groups=2, max_steps=8, stop_grace_s=120.0,
+                      sampling=SamplingParams(max_new_tokens=8), prompt=PromptConfig(max_prompt_tokens=2048))
+    actor = Actor(cfg, HFEngine(TINY, EngineConfig(seed=1)), tb.net, None, tb.run_dir, quiet_log)
+    learner = LearnerBrokerClient(tb.net, None, quiet_log)
+    learner.connect(10)
+    actor.connect(10)
+    runner = threading.Thread(target=actor.run, daemon=True)
+    try:
+        runner.start()
+        deadline = time.monotonic() + 30
+        while actor.groups_started < 1:
+            assert time.monotonic() < deadline, "no rollout started"
+            learner.poll(0.05)
+        learner.set_control(0, stop=True)
+        stopped_at = time.monotonic()
+        while runner.is_alive() and time.monotonic() - stopped_at < 60:
+            learner.poll(0.05)
+        assert not runner.is_alive(), "the actor still waits for acks from a broker that has left"
+        assert time.monotonic() - stopped_at < 30  # dead_after_s is 0.6 s here; stop_grace_s 120 s
+        tb.thread.join(10)
+        assert not tb.thread.is_alive(), "the broker left after its own stop grace"
+        left = actor.stats["rollouts_abandoned_at_stop"] + actor.stats["groups_unacked_at_stop"]
+        assert left >= 1, actor.stats
     finally:
         actor.close()
         learner.close()
