@@ -204,7 +204,14 @@ class Broker:
                 self._on_ticket_request(ident, msg)
             elif isinstance(msg, P.Heartbeat):
                 answer_heartbeat(self.front, self.actors, ident, msg, now, "broker", self.epoch, self.counters)
+            elif isinstance(msg, P.Goodbye):
+                peer = self.actors.remove(ident)
+                if peer is not None:
+                    self._actor_gone(peer, "left")
             elif isinstance(msg, P.Hello):
+                if msg.role == "probe":  # a supervisor asking whether we are up: answered, never a peer
+                    self.front.send(ident, self._ready())
+                    continue
                 heard_from(self.front, self.actors, ident, msg, now, self.counters, msg.peer_id, msg.role)
                 self.front.send(ident, self._ready())
                 # Published at the end of the turn, and Hellos arriving together share one publish.
@@ -392,6 +399,12 @@ class Broker:
             if isinstance(msg, P.Heartbeat):
                 answer_heartbeat(self.back, self.learners, ident, msg, now, "broker", self.epoch, self.counters)
                 continue
+            if isinstance(msg, P.Goodbye):
+                if self.learners.remove(ident) is not None:
+                    self.counters["learners_left"] += 1
+                    self._requeue(ident, "learner_left", msg.peer_id)
+                    self.credits.pop(ident, None)
+                continue
             heard_from(self.back, self.learners, ident, msg, now, self.counters,
                        getattr(msg, "learner_id", "") or getattr(msg, "peer_id", ""), "learner")
             if isinstance(msg, P.BatchRequest):
@@ -413,6 +426,21 @@ class Broker:
                 self.back.send(ident, self._ready())
             else:
                 self._unexpected(self.back, ident, msg)
+
+    def _actor_gone(self, peer, how: str) -> None:
+        """An actor declared dead (silent) or that left (Goodbye): its tickets' tasks go out again, its parked
+        requests are dropped."""
+        lost = self.ledger.reclaim(holder=peer.ident)
+        for t in lost:
+            self.sampler.reissue.append(t.task_id)
+            self.request_ticket.pop(t.request_id, None)
+        for key in [k for k in self.parked if k[0] == peer.ident]:
+            del self.parked[key]
+        self.counters[f"actors_{how}"] += 1
+        if how == "dead" or lost:
+            self.log.warning(f"actor_{how}", actor=peer.peer_id, tickets_reclaimed=len(lost))
+        else:
+            self.log.info(f"actor_{how}", actor=peer.peer_id)
 
     def _set_version(self, version: int) -> None:
         self.ledger.set_version(version)
@@ -518,14 +546,7 @@ class Broker:
 
     def _timers(self, now: float) -> None:
         for peer in self.actors.expire(now):
-            lost = self.ledger.reclaim(holder=peer.ident)
-            for t in lost:
-                self.sampler.reissue.append(t.task_id)
-                self.request_ticket.pop(t.request_id, None)
-            for key in [k for k in self.parked if k[0] == peer.ident]:
-                del self.parked[key]
-            self.counters["actors_dead"] += 1
-            self.log.warning("actor_dead", actor=peer.peer_id, tickets_reclaimed=len(lost))
+            self._actor_gone(peer, "dead")
         expired = self.ledger.reclaim(older_than=now - self.cfg.lease_s)
         for t in expired:
             self.sampler.reissue.append(t.task_id)
@@ -533,6 +554,7 @@ class Broker:
         if expired:
             self.log.warning("tickets_lease_expired", n=len(expired))
         for peer in self.learners.expire(now):
+            self.counters["learners_dead"] += 1
             self._requeue(peer.ident, "learner_dead", peer.peer_id)
             self.credits.pop(peer.ident, None)
         if time.monotonic() >= self._next_publish:  # not the turn's ``now``: a change made during it is due too

@@ -188,8 +188,14 @@ class EnvServer:
     def _dispatch(self, ident: bytes, msg: P.Message, now: float) -> None:
         if isinstance(msg, P.Heartbeat):
             answer_heartbeat(self.sock, self.peers, ident, msg, now, "env_server", self.epoch, self.counters)
+        elif isinstance(msg, P.Goodbye):
+            peer = self.peers.remove(ident)
+            if peer is not None:
+                self.counters["peers_left"] += 1
+                self._reclaim_sessions(peer, "actor_left_sessions_reclaimed")
         elif isinstance(msg, P.Hello):
-            heard_from(self.sock, self.peers, ident, msg, now, self.counters, msg.peer_id, msg.role)
+            if msg.role != "probe":  # a supervisor asking whether we are up is answered, never kept as a peer
+                heard_from(self.sock, self.peers, ident, msg, now, self.counters, msg.peer_id, msg.role)
             self.sock.send(ident, P.Ready(role="env_server", epoch=self.epoch, control=P.Control(version=0),
                                           info={"backend": self.cfg.backend, "pool_size": self.cfg.pool_size}))
         elif isinstance(msg, P.SessionOpen):
@@ -366,15 +372,19 @@ class EnvServer:
         if not sess.busy_job:  # else the desktop is mid-call: it goes back to the pool when the call returns
             self._release(sess.backend)
 
+    def _reclaim_sessions(self, peer, event: str) -> None:
+        """A peer declared dead, or gone without closing its sessions: their desktops go back to the pool."""
+        owned = [s for s in self.sessions.values() if s.owner == peer.ident]
+        for s in owned:
+            self._close_session(s, "reclaimed")
+        if owned:
+            self.log.warning(event, actor=peer.peer_id, sessions=len(owned))
+
     # ----- timers --------------------------------------------------------------------------------
 
     def _timers(self, now: float) -> None:
         for peer in self.peers.expire(now):
-            owned = [s for s in self.sessions.values() if s.owner == peer.ident]
-            for s in owned:
-                self._close_session(s, "reclaimed")
-            if owned:
-                self.log.warning("actor_dead_sessions_reclaimed", actor=peer.peer_id, sessions=len(owned))
+            self._reclaim_sessions(peer, "actor_dead_sessions_reclaimed")
         for s in [s for s in self.sessions.values() if now - s.last_used > self.cfg.session_idle_s]:
             self.log.warning("session_idle_reclaimed", session=s.session_id, actor=s.peer_id)
             self._close_session(s, "expired")

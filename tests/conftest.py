@@ -118,6 +118,12 @@ def pump(clients, seconds: float, until=None) -> None:
         raise AssertionError(f"condition not met within {seconds}s")
 
 
+def vanish(client) -> None:
+    """A client that dies without a word (``kill -9``, a lost node): its link closes without a Goodbye."""
+    client.link.ready = False
+    client.close()
+
+
 def kill9(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)

@@ -15,7 +15,7 @@ from broker.client import ActorBrokerClient, ControlSubscriber, LearnerBrokerCli
 from broker.config import BrokerConfig
 from common import protocol as P
 from common.net import Security, ensure_keys
-from tests.conftest import make_group, make_net, pump
+from tests.conftest import make_group, make_net, pump, vanish
 
 
 # How long a test waits for something that should happen at once: every wait ends as soon as it does, so only a
@@ -118,18 +118,60 @@ def test_duplicates_acked_once_and_never_delivered_twice(start_broker, quiet_log
     learner.close()
 
 
-def test_dead_actor_tickets_reclaimed_and_reissued(start_broker, quiet_log):
+@pytest.mark.parametrize("how", ["dead", "left"])
+def test_dead_or_leaving_actor_tickets_reclaimed_and_reissued(start_broker, quiet_log, how):
+    """Dead (silent: reclaimed after liveness x heartbeat) or left (Goodbye: reclaimed at once), counted apart."""
     tb = start_broker(BrokerConfig(groups_per_batch=2, group_size=2, eta=0))
     doomed = ActorBrokerClient(tb.net, None, quiet_log)
     doomed.connect(5)
     held = take_tickets(doomed, 2, expect=2)
-    doomed.close()  # dies holding both tickets: no heartbeats from now on
+    gone_at = time.monotonic()
+    if how == "dead":
+        vanish(doomed)  # dies holding both tickets: no heartbeats from now on
+    else:
+        doomed.close()  # leaves holding both tickets, and says so
     other = ActorBrokerClient(tb.net, None, quiet_log)
     other.connect(5)
     got = take_tickets(other, 2, expect=2, seconds=10)
     assert sorted(t.task_id for t in got) == sorted(t.task_id for t in held)
     assert stat(tb, "tickets_reclaimed") == 2 and stat(tb, "tickets_reissued") == 2
+    assert stat(tb, f"actors_{how}") == 1 and stat(tb, "actors_dead") + stat(tb, "actors_left") == 1
+    if how == "left":
+        assert time.monotonic() - gone_at < tb.net.dead_after_s, "not waited for as a dead actor"
     other.close()
+
+
+def test_a_probe_is_answered_and_never_kept_as_an_actor(start_broker, quiet_log):
+    from launch.local import probe
+
+    tb = start_broker()
+    probe("127.0.0.1", tb.net.broker_front_port, 10, tb.net, None, lambda: True)
+    time.sleep(tb.net.dead_after_s * 2)
+    assert not tb.broker.actors.peers and stat(tb, "actors_dead") == 0 and stat(tb, "actors_left") == 0
+
+
+def test_a_leaving_learner_hands_back_its_undelivered_batches_at_once(start_broker, quiet_log):
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=4))
+    actor, learner = clients(tb, quiet_log)
+    (t,) = take_tickets(actor, 1, expect=1)
+    g = make_group(t)
+    actor.submit(g)
+    pump([actor], WAIT_S, until=lambda: len(actor.acks) == 1)
+    learner.grant(1)
+    assert learner.next_batch(WAIT_S) is not None
+    learner.close()  # leaves without committing: the group is delivered again, now
+    deadline = time.monotonic() + tb.net.dead_after_s
+    while stat(tb, "groups_requeued") < 1:
+        assert time.monotonic() < deadline, "the leaving learner's batch waited for it to be declared dead"
+        time.sleep(0.02)
+    assert stat(tb, "learners_left") == 1 and stat(tb, "learners_dead") == 0
+    again = LearnerBrokerClient(tb.net, None, quiet_log)
+    again.connect(10)
+    again.grant(1)
+    batch = again.next_batch(WAIT_S)
+    assert batch is not None and [x.group_id for x in batch.groups] == [g.group_id]
+    actor.close()
+    again.close()
 
 
 def test_lease_expiry_reclaims_from_a_live_actor(start_broker, quiet_log):

@@ -18,7 +18,7 @@ from env_server.client import EnvClient, EnvError
 from env_server.config import EnvServerConfig
 from env_server.server import EnvServer
 from env_server.sim import tasks as sim_tasks
-from tests.conftest import make_net
+from tests.conftest import vanish, make_net
 from tests.plugins import ExplodingBackend
 
 
@@ -139,14 +139,30 @@ def test_backend_exception_aborts_only_that_episode(env_server, quiet_log):
     c.close()
 
 
+def test_a_client_that_leaves_gives_its_sessions_back_at_once_and_a_probe_is_never_a_peer(env_server, quiet_log):
+    """Goodbye: desktops a leaving client did not close go back to the pool now, not after it is taken for dead."""
+    from launch.local import probe
+
+    server, net = env_server(pool_size=2, session_idle_s=600.0)
+    probe("127.0.0.1", server.cfg.port, 10, net, None, lambda: True)
+    assert not server.peers.peers, "the supervisor's readiness probe is not a peer"
+    leaving = client_for(server, net, quiet_log)
+    leaving.reset(leaving.open(), "sim:train/0")
+    leaving.close()
+    wait(lambda: server.pool_stats()["sessions"] == 0, seconds=net.dead_after_s / 2)  # well before death
+    assert server.counters["peers_left"] == 1 and server.counters["sessions_reclaimed"] == 1
+    assert not server.peers.peers
+
+
 def test_dead_actor_sessions_are_reclaimed(env_server, quiet_log):
     server, net = env_server(pool_size=2)
     dead = client_for(server, net, quiet_log)
     s1, s2 = dead.open(), dead.open()
     dead.reset(s1, "sim:train/0")
-    dead.close()  # stops heartbeating without closing its sessions
+    vanish(dead)  # stops heartbeating without closing its sessions
     wait(lambda: server.pool_stats()["sessions"] == 0, seconds=5)
     assert server.counters["sessions_reclaimed"] == 2 and server.pool_stats()["idle_desktops"] == 2
+    assert server.counters["peers_left"] == 0
     alive = client_for(server, net, quiet_log)
     assert len({alive.open(), alive.open()}) == 2, "the reclaimed desktops serve the next actor"
     with pytest.raises(EnvError, match="unknown_session"):

@@ -184,6 +184,10 @@ class PeerTable:
             p.role = role
         return p
 
+    def remove(self, ident: bytes) -> PeerState | None:
+        """A peer that said goodbye; None if it was not known (already declared dead, or never met)."""
+        return self.peers.pop(ident, None)
+
     def expire(self, now: float) -> list[PeerState]:
         gap = now - self.last_check if self.last_check is not None else 0.0
         self.last_check = now

@@ -82,6 +82,15 @@ class Control(Message):
 
 
 @dataclass
+class Goodbye(Message):
+    """A peer leaving on purpose (fire and forget): the server forgets it now — its tickets, sessions or undelivered
+    batches go back at once — and counts it as left, not dead."""
+
+    peer_id: str
+    reason: str = ""
+
+
+@dataclass
 class Ready(Message):
     """Answer to ``Hello``: the server's identity and the current control state."""
 
