@@ -31,8 +31,8 @@ from broker.store import SuccessStore
 from common import protocol as P
 from common.audit import AuditLog
 from common.metrics import Histogram, MetricsWriter
-from common.net import (ConnectionMonitor, NetConfig, PeerTable, RateLimitedLog, ServerSocket, answer_heartbeat,
-                        heard_from, limit_size, listen_backlog, raise_open_files, security_for, serve)
+from common.net import (ConnectionMonitor, NetConfig, PeerState, PeerTable, RateLimitedLog, ServerSocket,
+                        answer_heartbeat, heard_from, limit_size, listen_backlog, raise_open_files, security_for, serve)
 from common.rundir import RunDir
 
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
@@ -209,9 +209,6 @@ class Broker:
                 if peer is not None:
                     self._actor_gone(peer, "left")
             elif isinstance(msg, P.Hello):
-                if msg.role == "probe":  # a supervisor asking whether we are up: answered, never a peer
-                    self.front.send(ident, self._ready())
-                    continue
                 heard_from(self.front, self.actors, ident, msg, now, self.counters, msg.peer_id, msg.role)
                 self.front.send(ident, self._ready())
                 # Published at the end of the turn, and Hellos arriving together share one publish.
@@ -400,10 +397,9 @@ class Broker:
                 answer_heartbeat(self.back, self.learners, ident, msg, now, "broker", self.epoch, self.counters)
                 continue
             if isinstance(msg, P.Goodbye):
-                if self.learners.remove(ident) is not None:
-                    self.counters["learners_left"] += 1
-                    self._requeue(ident, "learner_left", msg.peer_id)
-                    self.credits.pop(ident, None)
+                peer = self.learners.remove(ident)
+                if peer is not None:
+                    self._learner_gone(peer, "left")
                 continue
             heard_from(self.back, self.learners, ident, msg, now, self.counters,
                        getattr(msg, "learner_id", "") or getattr(msg, "peer_id", ""), "learner")
@@ -427,7 +423,7 @@ class Broker:
             else:
                 self._unexpected(self.back, ident, msg)
 
-    def _actor_gone(self, peer, how: str) -> None:
+    def _actor_gone(self, peer: PeerState, how: str) -> None:
         """An actor declared dead (silent) or that left (Goodbye): its tickets' tasks go out again, its parked
         requests are dropped."""
         lost = self.ledger.reclaim(holder=peer.ident)
@@ -441,6 +437,13 @@ class Broker:
             self.log.warning(f"actor_{how}", actor=peer.peer_id, tickets_reclaimed=len(lost))
         else:
             self.log.info(f"actor_{how}", actor=peer.peer_id)
+
+    def _learner_gone(self, peer: PeerState, how: str) -> None:
+        """A learner declared dead (silent) or that left (Goodbye): what it had not committed is delivered again, its
+        credit is forgotten."""
+        self.counters[f"learners_{how}"] += 1
+        self._requeue(peer.ident, f"learner_{how}", peer.peer_id)
+        self.credits.pop(peer.ident, None)
 
     def _set_version(self, version: int) -> None:
         self.ledger.set_version(version)
@@ -554,9 +557,7 @@ class Broker:
         if expired:
             self.log.warning("tickets_lease_expired", n=len(expired))
         for peer in self.learners.expire(now):
-            self.counters["learners_dead"] += 1
-            self._requeue(peer.ident, "learner_dead", peer.peer_id)
-            self.credits.pop(peer.ident, None)
+            self._learner_gone(peer, "dead")
         if time.monotonic() >= self._next_publish:  # not the turn's ``now``: a change made during it is due too
             self._publish()
         self.front.drain_refused()

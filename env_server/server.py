@@ -26,7 +26,7 @@ import zmq
 
 from common import protocol as P
 from common.metrics import MetricsWriter, percentile
-from common.net import (NetConfig, PeerTable, ServerSocket, answer_heartbeat, heard_from, raise_open_files,
+from common.net import (NetConfig, PeerState, PeerTable, ServerSocket, answer_heartbeat, heard_from, raise_open_files,
                         security_for, serve)
 from common.rundir import RunDir
 from env_server.actions import ActionError
@@ -194,8 +194,7 @@ class EnvServer:
                 self.counters["peers_left"] += 1
                 self._reclaim_sessions(peer, "actor_left_sessions_reclaimed")
         elif isinstance(msg, P.Hello):
-            if msg.role != "probe":  # a supervisor asking whether we are up is answered, never kept as a peer
-                heard_from(self.sock, self.peers, ident, msg, now, self.counters, msg.peer_id, msg.role)
+            heard_from(self.sock, self.peers, ident, msg, now, self.counters, msg.peer_id, msg.role)
             self.sock.send(ident, P.Ready(role="env_server", epoch=self.epoch, control=P.Control(version=0),
                                           info={"backend": self.cfg.backend, "pool_size": self.cfg.pool_size}))
         elif isinstance(msg, P.SessionOpen):
@@ -372,7 +371,7 @@ class EnvServer:
         if not sess.busy_job:  # else the desktop is mid-call: it goes back to the pool when the call returns
             self._release(sess.backend)
 
-    def _reclaim_sessions(self, peer, event: str) -> None:
+    def _reclaim_sessions(self, peer: PeerState, event: str) -> None:
         """A peer declared dead, or gone without closing its sessions: their desktops go back to the pool."""
         owned = [s for s in self.sessions.values() if s.owner == peer.ident]
         for s in owned:

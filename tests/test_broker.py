@@ -148,6 +148,7 @@ def test_a_probe_is_answered_and_never_kept_as_an_actor(start_broker, quiet_log)
     probe("127.0.0.1", tb.net.broker_front_port, 10, tb.net, None, lambda: True)
     time.sleep(tb.net.dead_after_s * 2)
     assert not tb.broker.actors.peers and stat(tb, "actors_dead") == 0 and stat(tb, "actors_left") == 0
+    assert stat(tb, "unknown_peer_heartbeats") == 0 and stat(tb, "unknown_peer_requests") == 0
 
 
 def test_a_leaving_learner_hands_back_its_undelivered_batches_at_once(start_broker, quiet_log):

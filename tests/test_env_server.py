@@ -18,7 +18,7 @@ from env_server.client import EnvClient, EnvError
 from env_server.config import EnvServerConfig
 from env_server.server import EnvServer
 from env_server.sim import tasks as sim_tasks
-from tests.conftest import vanish, make_net
+from tests.conftest import make_net, vanish
 from tests.plugins import ExplodingBackend
 
 

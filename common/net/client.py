@@ -224,8 +224,11 @@ class ServerLink:
     def _timers(self, now: float) -> None:
         if now - self.last_hb >= self.net.heartbeat_s:
             self.last_hb = now
-            self._send(P.encode(P.Heartbeat(peer_id=self.hello.peer_id, epoch=self.epoch, sent_at=time.time())))
-            if not self.ready:
+            # Until Ready the handshake is asked again instead: a heartbeat from a peer the server does not know yet
+            # is only answered "handshake again" (and counted as an unknown peer's, once per readiness probe).
+            if self.ready:
+                self._send(P.encode(P.Heartbeat(peer_id=self.hello.peer_id, epoch=self.epoch, sent_at=time.time())))
+            else:
                 self._send(P.encode(self.hello))
         if now - self.last_recv > self.net.dead_after_s + self.backoff:
             self.reconnects += 1
@@ -253,11 +256,11 @@ class ServerLink:
             self._early.extend(m for m in got if not isinstance(m, P.Ready))
         return self.ready_msg  # type: ignore[return-value]
 
-    def close(self, reason: str = "closed") -> None:
+    def close(self) -> None:
         """Leave: a server that answered us is told so (``Goodbye``), so it gives back what we held at once and
         does not count us dead a few heartbeats later."""
         if self.sock is not None:
             if self.ready:
-                self._send(P.encode(P.Goodbye(peer_id=self.hello.peer_id, reason=reason)))
+                self._send(P.encode(P.Goodbye(peer_id=self.hello.peer_id)))
             self.sock.close(GOODBYE_LINGER_MS)
             self.sock = None

@@ -222,13 +222,20 @@ def answer_heartbeat(sock: ServerSocket, peers: PeerTable, ident: bytes, msg: P.
     sock.send_frames(ident, sock.heartbeat_frames(server_id, epoch, now))
 
 
+PROBE_ROLE = "probe"
+"""the role in a readiness probe's Hello (a supervisor asking whether a server is up): answered, never kept as a peer,
+so it is neither counted dead after it hangs up nor left"""
+
+
 def heard_from(sock: ServerSocket, peers: PeerTable, ident: bytes, msg: P.Message, now: float, counters: dict,
-               peer_id: str = "", role: str = "") -> PeerState:
+               peer_id: str = "", role: str = "") -> PeerState | None:
     """A message from a peer other than a heartbeat: it is alive. One this server had forgotten (declared dead
     while it was busy, e.g. a long generation step) is served, and, unless the message is its handshake, also told
     to handshake again: what was dropped with it (a parked ticket request, a learner's credit) is re-sent after the
     new Ready. Re-admitting it silently would leave it waiting for replies to requests this server no longer
     holds, as nothing else would make it re-send them."""
+    if isinstance(msg, P.Hello) and msg.role == PROBE_ROLE:
+        return None
     if ident not in peers.peers and not isinstance(msg, P.Hello):
         _ask_to_handshake(sock, ident, msg.TYPE, counters, "unknown_peer_requests")
     return peers.touch(ident, now, peer_id, role)

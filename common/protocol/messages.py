@@ -87,7 +87,6 @@ class Goodbye(Message):
     batches go back at once — and counts it as left, not dead."""
 
     peer_id: str
-    reason: str = ""
 
 
 @dataclass
