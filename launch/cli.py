@@ -336,19 +336,21 @@ def top(run_dir: str, once: bool, interval: float) -> None:
               help="'key=v key2=w': one variant of settings that go together (repeat; crossed with --vary)")
 @click.option("--seeds", default=3, show_default=True,
               help="runs per variant (run.seed 0..N-1; a re-run may ask for more)")
+@click.option("--first-seed", default=0, show_default=True,
+              help="run.seed of each variant's first run: K..K+N-1 (split seeds between machines or sessions)")
 @click.option("--parallel", default=1, show_default=True, help="runs at once")
 @click.option("--out", type=click.Path(file_okay=False), help="sweep directory (default: sweeps/<config name>)")
 @click.option("--eval-suite", default="", help="held-out suite of the final evaluations (default: local.eval_suite)")
 @click.option("--eval-episodes", default=20, show_default=True, help="final-evaluation episodes per family")
 def sweep(config: str, overrides: tuple[str, ...], vary: tuple[str, ...], variants: tuple[str, ...], seeds: int,
-          parallel: int, out: str | None, eval_suite: str, eval_episodes: int) -> None:
+          first_seed: int, parallel: int, out: str | None, eval_suite: str, eval_episodes: int) -> None:
     """Every variant (--vary grid, --variant sets) x seeds as ordinary runs, each final checkpoint evaluated on
     the same held-out episodes; a table with 95 % intervals and learning curves. Run it again to continue.
     E.g. computerrl sweep configs/local.yaml --vary learner.loss.name=grpo,reinforce --seeds 3"""
     from launch.sweep import Sweep, spec_from_args
 
     try:
-        spec = spec_from_args(config, vary, seeds, overrides, eval_suite, eval_episodes, variants)
+        spec = spec_from_args(config, vary, seeds, overrides, eval_suite, eval_episodes, variants, first_seed)
         runner = Sweep(spec, Path(out or Path("sweeps") / Path(config).stem), parallel, click.echo)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None

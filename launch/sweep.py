@@ -17,7 +17,8 @@ Interrupting a sweep stops its runs the way ``computerrl run`` stops (the learne
 command again continues: finished and evaluated runs are kept, a run with a checkpoint resumes from it, a run
 that died before its first checkpoint starts over, a finished one without its evaluation is evaluated. Runs go
 seed by seed (every variant at seed 0, then at seed 1, ...), and a re-run may ask for more ``--seeds``: a sweep
-can start with one seed to look, then grow.
+can start with one seed to look, then grow. ``--first-seed K`` starts the seeds at K instead of 0, so seeds can be
+split between machines or sessions (one sweep directory each; the seeds never overlap, so their runs differ).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class SweepSpec:
     vary: dict[str, list[str]]
     """setting -> values, each combination one variant (in the order given)"""
     seeds: int
-    """runs per variant, with run.seed = 0..seeds-1"""
+    """runs per variant, with run.seed = first_seed .. first_seed + seeds - 1"""
     overrides: list[str] = field(default_factory=list)
     """key=value applied to every run"""
     eval_suite: str = ""
@@ -63,6 +64,8 @@ class SweepSpec:
     """final-evaluation episodes per family"""
     listed: list[dict[str, str]] = field(default_factory=list)
     """explicit variants (``--variant``), each a set of settings that go together, crossed with the grid"""
+    first_seed: int = 0
+    """run.seed of each variant's first run (another machine's or session's share of the seeds starts elsewhere)"""
 
     def variants(self) -> list[dict[str, str]]:
         keys = list(self.vary)
@@ -158,6 +161,8 @@ class Sweep:
                  env: dict | None = None):
         if spec.seeds < 1 or parallel < 1 or spec.eval_episodes < 1:
             raise ValueError("--seeds, --parallel and --eval-episodes must be >= 1")
+        if spec.first_seed < 0:
+            raise ValueError("--first-seed must be >= 0")
         self.spec, self.out, self.parallel, self.echo = spec, Path(out), parallel, echo
         self.env = env or dict(os.environ)
         self.procs: set[subprocess.Popen] = set()
@@ -182,7 +187,7 @@ class Sweep:
             saved.write_text(json.dumps(asdict(spec), indent=1))
         # Seed by seed: a sweep stopped part-way holds every variant at the seeds it reached, a paired comparison.
         self.runs = [SweepRun(v, s, self.out / "runs" / _dirname(v) / f"seed-{s}")
-                     for s in range(spec.seeds) for v in spec.variants()]
+                     for s in range(spec.first_seed, spec.first_seed + spec.seeds) for v in spec.variants()]
 
     # ----- running ------------------------------------------------------------------------------------
 
@@ -327,8 +332,9 @@ class Sweep:
                 w.writerow([*(r["variant"].get(k, "") for k in keys), r["seeds"], f"{r['success']:.4f}",
                             f"{r['low']:.4f}", f"{r['high']:.4f}",
                             *(f"{r['per_family'].get(fam, float('nan')):.4f}" for fam in families)])
-        lines = [f"Sweep of `{self.spec.config}`: {self.spec.seeds} seed(s) per variant asked for (`seeds`: how many "
-                 f"were evaluated), final checkpoints on "
+        first = f" from seed {self.spec.first_seed}" if self.spec.first_seed else ""
+        lines = [f"Sweep of `{self.spec.config}`: {self.spec.seeds} seed(s){first} per variant asked for (`seeds`: how "
+                 f"many were evaluated), final checkpoints on "
                  f"`{self.spec.eval_suite}`, {self.spec.eval_episodes} greedy episodes per family; mean across seeds "
                  "and its 95 % interval (Student's t)" + ("; `-`: the config's value." if any(
                      k not in v for v in self.spec.variants() for k in keys) else "."), "",
@@ -474,7 +480,7 @@ class Sweep:
 
 
 def spec_from_args(config: str, vary: tuple[str, ...], seeds: int, overrides: tuple[str, ...], eval_suite: str,
-                   eval_episodes: int, variants: tuple[str, ...] = ()) -> SweepSpec:
+                   eval_episodes: int, variants: tuple[str, ...] = (), first_seed: int = 0) -> SweepSpec:
     """The spec, checked against the config before anything runs: every varied value and override must load."""
     from launch.config import load_run_config
 
@@ -486,7 +492,8 @@ def spec_from_args(config: str, vary: tuple[str, ...], seeds: int, overrides: tu
         raise ValueError(f"{', '.join(both)} is set by both --vary and --variant: name it in one")
     base = load_run_config(config, overrides)
     spec = SweepSpec(config=config, vary=parsed, seeds=seeds, overrides=list(overrides),
-                     eval_suite=eval_suite or base.local.eval_suite, eval_episodes=eval_episodes, listed=listed)
+                     eval_suite=eval_suite or base.local.eval_suite, eval_episodes=eval_episodes, listed=listed,
+                     first_seed=first_seed)
     for variant in spec.variants():
         load_run_config(config, [*overrides, *(f"{k}={v}" for k, v in variant.items())])
     return spec

@@ -141,6 +141,25 @@ def test_results_table_intervals_curves_and_what_a_rerun_would_do(tmp_path):
     assert [grown._state(r) for r in grown.runs] == ["done", "evaluate", "done", "start", "start", "start"]
     assert json.loads((tmp_path / "sw" / "sweep.json").read_text())["seeds"] == 3
     assert grown.table()[0]["seeds"] == 2, "the seeds already evaluated are kept"
+    with pytest.raises(ValueError, match="holds another sweep"):
+        Sweep(SweepSpec(BASE, {"learner.lr": ["1e-4", "3e-4"]}, 3, eval_suite="sim:heldout", eval_episodes=5,
+                        first_seed=3), tmp_path / "sw")
+
+
+def test_first_seed_runs_another_share_of_the_seeds(tmp_path):
+    spec = SweepSpec(BASE, {"learner.lr": ["1e-4"]}, 2, eval_suite="sim:heldout", eval_episodes=5, first_seed=3)
+    sweep = Sweep(spec, tmp_path / "sw", echo=lambda s: None)
+    assert [(r.seed, r.root.name) for r in sweep.runs] == [(3, "seed-3"), (4, "seed-4")]
+    for run, final in zip(sweep.runs, (0.2, 0.4)):
+        _fake_run(run.root, run.seed, final, [(0, 0.1), (4, final)], latest=4)
+        run.final_eval.write_text(json.dumps({**json.loads(run.final_eval.read_text()), "variant": run.variant}))
+    sweep.summarise()
+    assert sweep.table()[0]["seeds"] == 2
+    assert "2 seed(s) from seed 3 per variant" in (tmp_path / "sw" / "results.md").read_text()
+    resumed = Sweep(spec, tmp_path / "sw", echo=lambda s: None)
+    assert [resumed._state(r) for r in resumed.runs] == ["done", "done"]
+    with pytest.raises(ValueError, match="--first-seed"):
+        Sweep(SweepSpec(BASE, {"learner.lr": ["1e-4"]}, 2, eval_suite="sim:heldout", first_seed=-1), tmp_path / "x")
 
 
 def test_a_run_stopped_part_way_does_not_cut_its_variants_curves(tmp_path):
