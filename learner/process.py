@@ -270,7 +270,10 @@ class Learner:
             self._settle(outcomes)
         self._log_step(kind, m)
         self._maybe_checkpoint()
-        return self.publish(paused=t.entropulse.phase == "sft") is not None
+        # The last step's weights go to the checkpoint, not to the actors: nothing they would sample with them
+        # is ever trained, and the round would race the actors' stop (a failed round logged at every run's end).
+        last = bool(self.cfg.total_steps) and t.version >= self.cfg.total_steps
+        return self.publish(paused=t.entropulse.phase == "sft", new_weights=not last) is not None
 
     def _maybe_checkpoint(self) -> None:
         if self.cfg.checkpoint_every and self.trainer.version % self.cfg.checkpoint_every == 0:
