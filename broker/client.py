@@ -181,7 +181,7 @@ class LearnerBrokerClient:
         self.batches: collections.deque[P.Batch] = collections.deque()
         self.successes: collections.deque[P.SuccessBatch] = collections.deque()
         self.controls: collections.deque[P.Control] = collections.deque(maxlen=64)  # newest echoes only
-        self.pending: set[str] = set()
+        self.pending: dict[str, str] = {}  # group id -> its batch's id, received and not yet settled
         self.settled: dict[str, None] = {}
         self.seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.uncommitted: dict[str, None] = {}  # covered by a durable checkpoint, not yet confirmed by the broker
@@ -195,8 +195,13 @@ class LearnerBrokerClient:
         return self.link.wait_ready(timeout_s)
 
     def _on_ready(self) -> None:
-        # The broker forgets a learner's credit on every Hello (it may be a restarted learner), so after each
-        # handshake the whole amount still owed is asked for again, once.
+        # A Hello hands our uncommitted batches back to the broker's queue (we may have restarted): say first which
+        # groups we still hold, so they neither count twice in admission nor come back in a batch. The broker also
+        # forgets a learner's credit on every Hello, so the whole amount still owed is asked for again, once.
+        held = [*self.pending, *self.settled, *self.uncommitted]
+        if held:
+            self.link.send(P.Holding(learner_id=self.learner_id, version=self.version, group_ids=held,
+                                     untrained_batches=len(set(self.pending.values()))))
         if self.credits_out > 0:
             self._credit_request(self.credits_out)
 
@@ -255,7 +260,7 @@ class LearnerBrokerClient:
                 again.append(gid)  # the broker lost our Commit (it restarted before recording it)
                 continue
             fresh.append(g)
-            self.pending.add(gid)
+            self.pending[gid] = batch.batch_id
         if again:
             self._commit(again)
         if len(fresh) != len(batch.groups):
@@ -282,7 +287,7 @@ class LearnerBrokerClient:
     def settle(self, group_ids: list[str]) -> None:
         """The trainer is done with these groups (trained, or dropped with a reason)."""
         for gid in group_ids:
-            self.pending.discard(gid)
+            self.pending.pop(gid, None)
             self.settled[gid] = None
 
     def checkpoint_state(self) -> dict:

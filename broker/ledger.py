@@ -85,6 +85,16 @@ class GroupQueue:
     def discard(self, group_id: str) -> QueuedGroup | None:
         return self._live.pop(group_id, None)
 
+    def take(self, group_ids: Iterable[str]) -> list[tuple[QueuedGroup, int]]:
+        """Remove these groups (the ones queued) with their serving order."""
+        wanted = {gid for gid in group_ids if gid in self._live}
+        out = []
+        for _, order, _, g in sorted(self._heap, key=lambda e: e[:3]):  # serving order; a group taken and queued
+            if g.group_id in wanted and self._live.get(g.group_id) is g:  # again has a dead entry beside its live one
+                del self._live[g.group_id]
+                out.append((g, order))
+        return out
+
     def __contains__(self, group_id: str) -> bool:
         return group_id in self._live
 
@@ -261,6 +271,26 @@ class Ledger:
             self.last_train_version = max([self.version - 1] + [b.train_version for b in self.delivered.values()])
             self.counters["groups_requeued"] += len(back)
         return back
+
+    def hold(self, holder: bytes, group_ids: Iterable[str],
+             untrained_batches: int) -> tuple[DeliveredBatch | None, int]:
+        """A learner that re-handshook still holds these groups (``Holding``): the ones its handshake sent back to
+        the queue are its again, as one delivered batch, and the ``untrained_batches`` it has not trained yet
+        count as handed out (train versions ``v .. v + untrained_batches - 1``). Returns (that batch, how many ids
+        were not queued: committed meanwhile, or never here)."""
+        ids = list(group_ids)
+        taken = self.queue.take(ids)
+        untrained = max(0, untrained_batches)
+        self.last_train_version = max(self.last_train_version, self.version + untrained - 1)
+        if not taken:
+            return None, len(ids)
+        batch = DeliveredBatch(f"h{self.version}-{next(self._ids)}", self.version + untrained - 1,
+                               [g for g, _ in taken], holder, [o for _, o in taken])
+        self.delivered[batch.batch_id] = batch
+        for g in batch.groups:
+            self.delivered_group[g.group_id] = batch.batch_id
+        self.counters["groups_held_again"] += len(taken)
+        return batch, len(ids) - len(taken)
 
     def queued_bytes(self) -> int:
         return sum(g.nbytes for g in self.queue)

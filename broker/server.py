@@ -3,8 +3,9 @@
 - front (ROUTER, actors): Hello → Ready, Heartbeat, TicketRequest → Ticket (parked until admission
   allows), TrajectoryGroup → Ack (after the group is durable; a burst of groups shares one fsync).
 - back (ROUTER, learner): Hello → Ready (and every batch it had not committed goes back to the queue),
-  Heartbeat, BatchRequest (credits) → Batch, Commit (its checkpoint is durable) → echoed Commit once the
-  consumed record is, Control (learner's version/phase) → echoed Control, SuccessRequest → SuccessBatch.
+  Holding (what a learner back from a lost link still has: those groups are its again), Heartbeat,
+  BatchRequest (credits) → Batch, Commit (its checkpoint is durable) → echoed Commit once the consumed record
+  is, Control (learner's version/phase) → echoed Control, SuccessRequest → SuccessBatch.
 - control (PUB): Control on every change and once per heartbeat, so a late subscriber is never
   more than one heartbeat behind; a Hello makes the broker publish at once (readiness handshake).
 
@@ -409,6 +410,8 @@ class Broker:
                     self._set_version(msg.version)
             elif isinstance(msg, P.Commit):
                 self._on_commit(ident, msg)
+            elif isinstance(msg, P.Holding):
+                self._on_holding(ident, msg)
             elif isinstance(msg, P.Control):
                 self._on_control(ident, msg)
             elif isinstance(msg, P.SuccessRequest):
@@ -481,6 +484,19 @@ class Broker:
         else:
             self._consumed(groups)
             self.back.send(ident, msg)
+
+    def _on_holding(self, ident: bytes, msg: P.Holding) -> None:
+        """A learner back from a lost link still holds groups its handshake sent back to the queue: they are its
+        again (counted once in admission, never delivered twice); whatever it does not hold stays queued."""
+        if msg.version != self.ledger.version:
+            self._set_version(msg.version)
+        batch, missing = self.ledger.hold(ident, msg.group_ids, msg.untrained_batches)
+        if batch is not None:
+            self.audit.write("held", gs=[g.group_id for g in batch.groups], b=batch.batch_id, v=msg.version)
+        if missing:
+            self.counters["held_groups_not_queued"] += missing  # consumed by a Commit re-sent before it
+        self.log.info("learner_holding", learner=msg.learner_id, groups=len(batch.groups) if batch else 0,
+                      not_queued=missing, untrained_batches=msg.untrained_batches)
 
     def _requeue(self, ident: bytes, event: str, peer_id: str) -> None:
         back = self.ledger.requeue_delivered(holder=ident)

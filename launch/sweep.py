@@ -18,7 +18,9 @@ command again continues: finished and evaluated runs are kept, a run with a chec
 that died before its first checkpoint starts over, a finished one without its evaluation is evaluated. Runs go
 seed by seed (every variant at seed 0, then at seed 1, ...), and a re-run may ask for more ``--seeds``: a sweep
 can start with one seed to look, then grow. ``--first-seed K`` starts the seeds at K instead of 0, so seeds can be
-split between machines or sessions (one sweep directory each; the seeds never overlap, so their runs differ).
+split between machines or sessions, one sweep directory each. To combine them, copy one directory's
+``runs/<variant>/seed-K`` folders into the other's ``runs/`` and re-run that sweep over the whole seed range:
+evaluated runs are kept as they are, so the re-run only summarises them.
 """
 
 from __future__ import annotations
@@ -172,10 +174,13 @@ class Sweep:
         saved = self.out / "sweep.json"
         if saved.exists():
             before = asdict(SweepSpec(**json.loads(saved.read_text())))  # a spec saved before a field was added
-            if {**before, "seeds": spec.seeds} != asdict(spec) or spec.seeds < before["seeds"]:
+            was = range(before["first_seed"], before["first_seed"] + before["seeds"])
+            now = range(spec.first_seed, spec.first_seed + spec.seeds)
+            same = {**before, "seeds": spec.seeds, "first_seed": spec.first_seed} == asdict(spec)
+            if not same or now.start > was.start or now.stop < was.stop:
                 raise ValueError(f"{saved} holds another sweep ({before}); use another --out to run this one "
-                                 "(a re-run may only ask for more --seeds)")
-            if spec.seeds > before["seeds"]:  # more seeds of the same sweep: the runs already done are kept
+                                 "(a re-run may only widen its seeds: more --seeds, or an earlier --first-seed)")
+            if now != was:  # more seeds of the same sweep: the runs already done are kept
                 saved.write_text(json.dumps(asdict(spec), indent=1))
         else:
             from common import config as configlib

@@ -243,6 +243,43 @@ def test_a_forgotten_learner_whose_first_word_is_not_a_heartbeat_gets_its_credit
     learner.close()
 
 
+def test_a_learner_back_from_a_lost_link_keeps_what_it_holds(start_broker, quiet_log):
+    """Declared dead during a long step, a live learner handshakes again, and a Hello hands every batch it had not
+    committed back to the queue (it may have restarted). It says what it still holds: one group trained, one in a
+    batch not trained yet. Before, both counted twice in admission (``v·B`` and the queue) and went out again in a
+    batch the learner dropped as duplicates, whose train version then stayed counted."""
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=4))
+    actor, learner = clients(tb, quiet_log)
+    learner.set_control(0)
+    for t in take_tickets(actor, 2, expect=2):
+        actor.submit(make_group(t))
+    pump([actor], WAIT_S, until=lambda: len(actor.acks) == 2)
+    learner.grant(2)
+    first, second = learner.next_batch(WAIT_S), learner.next_batch(WAIT_S)
+    assert first is not None and second is not None
+    learner.settle([g.group_id for g in first.groups])  # trained: version 1; the second batch waits its turn
+    learner.set_control(1)
+    pump([learner], WAIT_S, until=lambda: tb.broker.ledger.version == 1)
+    assert tb.broker.ledger.accepted == 2
+    deadline = time.monotonic() + 30
+    while tb.broker.learners.peers:  # the actor keeps talking; the learner is silent
+        assert time.monotonic() < deadline, "the silent learner was never declared dead"
+        actor.poll(0.05)
+    assert stat(tb, "learners_dead") == 1 and stat(tb, "groups_requeued") == 2
+    pump([learner, actor], WAIT_S, until=lambda: stat(tb, "groups_held_again") == 2)
+    ledger = tb.broker.ledger
+    assert len(ledger.queue) == 0 and ledger.accepted == 2, "held groups count once: v·B + one untrained batch"
+    assert ledger.next_train_version() == 2, "the held untrained batch trains at version 1"
+    learner.grant(1)
+    assert learner.next_batch(0.5) is None and learner.duplicates_dropped == 0, "nothing held goes out again"
+    learner.settle([g.group_id for g in second.groups])
+    learner.checkpoint_durable(2)
+    pump([learner], WAIT_S, until=lambda: learner.commits_confirmed == 1)
+    assert not ledger.delivered and stat(tb, "groups_committed") == 2 and stat(tb, "held_groups_not_queued") == 0
+    actor.close()
+    learner.close()
+
+
 def test_credit_after_a_rehandshake_is_what_the_learner_still_expects(start_broker, quiet_log):
     """Credit adds up at the broker and is forgotten on a Hello: a re-handshake must restate what is still owed,
     not replay every grant of the run (each step's grant was once kept for re-sending, so the link's bookkeeping

@@ -103,6 +103,31 @@ def test_uncommitted_groups_requeued_after_learner_loss():
     assert [g.group_id for g in again.groups] == ["g3", "g4"]
 
 
+def test_held_groups_leave_the_queue_once_and_keep_their_order():
+    """A learner back from a lost link holds what its handshake requeued: those groups are its again, counted once,
+    and its untrained batch counts as handed out; requeued again (it died this time) they keep their serving order."""
+    led = Ledger(groups_per_batch=2, eta=5)
+    for i in range(6):
+        led.enqueue(q(i, 0), order=i)
+    b1, _ = led.take_batch(b"L")  # g0 g1: trained (version 1)
+    b2, _ = led.take_batch(b"L")  # g2 g3: not trained yet
+    led.set_version(1)
+    assert led.accepted == (1 + 1) * 2 + 2
+    led.requeue_delivered(holder=b"L")
+    assert led.accepted == (1 + 0) * 2 + 6, "what the learner trained counts twice until it says it holds it"
+    batch, missing = led.hold(b"L", ["g0", "g1", "g2", "g3", "gone"], untrained_batches=1)
+    assert [g.group_id for g in batch.groups] == ["g0", "g1", "g2", "g3"] and missing == 1
+    assert led.accepted == (1 + 1) * 2 + 2 and sorted(g.group_id for g in led.queue) == ["g4", "g5"]
+    assert led.next_train_version() == 2
+    again, missing = led.hold(b"L", ["g0"], untrained_batches=0)
+    assert again is None and missing == 1, "a group held already is not taken twice"
+    led.requeue_delivered(holder=b"L")  # the learner died for good: everything goes out again, oldest order first
+    nxt, _ = led.take_batch(b"L2")
+    assert [g.group_id for g in nxt.groups] == ["g0", "g1"]
+    assert led.hold(b"L2", ["g0", "g2"], untrained_batches=1)[0].groups[0].group_id == "g2"
+    assert [g.group_id for g in led.take_batch(b"L2")[0].groups] == ["g3", "g4"]
+
+
 def test_commit_takes_a_requeued_group_out_of_the_queue():
     """After a broker restart a group the learner trained is queued again; its Commit removes it."""
     led = Ledger(groups_per_batch=2, eta=5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -133,7 +134,7 @@ def test_results_table_intervals_curves_and_what_a_rerun_would_do(tmp_path):
 
     with pytest.raises(ValueError, match="holds another sweep"):
         Sweep(SweepSpec(BASE, {"learner.lr": ["1e-3"]}, 2, eval_suite="sim:heldout"), tmp_path / "sw")
-    with pytest.raises(ValueError, match="only ask for more --seeds"):
+    with pytest.raises(ValueError, match="may only widen its seeds"):
         Sweep(SweepSpec(BASE, {"learner.lr": ["1e-4", "3e-4"]}, 1, eval_suite="sim:heldout", eval_episodes=5),
               tmp_path / "sw")
     grown = Sweep(SweepSpec(BASE, {"learner.lr": ["1e-4", "3e-4"]}, 3, eval_suite="sim:heldout", eval_episodes=5),
@@ -158,6 +159,21 @@ def test_first_seed_runs_another_share_of_the_seeds(tmp_path):
     assert "2 seed(s) from seed 3 per variant" in (tmp_path / "sw" / "results.md").read_text()
     resumed = Sweep(spec, tmp_path / "sw", echo=lambda s: None)
     assert [resumed._state(r) for r in resumed.runs] == ["done", "done"]
+    # Another share (seeds 0-2, elsewhere) combined into this one: its run folders copied in, the range widened.
+    other = Sweep(SweepSpec(BASE, {"learner.lr": ["1e-4"]}, 3, eval_suite="sim:heldout", eval_episodes=5),
+                  tmp_path / "other", echo=lambda s: None)
+    for run, final in zip(other.runs, (0.1, 0.3, 0.5)):
+        _fake_run(run.root, run.seed, final, [(0, 0.1), (4, final)], latest=4)
+        run.final_eval.write_text(json.dumps({**json.loads(run.final_eval.read_text()), "variant": run.variant}))
+        shutil.copytree(run.root, tmp_path / "sw" / run.root.relative_to(other.out))
+    whole = Sweep(SweepSpec(BASE, {"learner.lr": ["1e-4"]}, 5, eval_suite="sim:heldout", eval_episodes=5),
+                  tmp_path / "sw", echo=lambda s: None)
+    assert [(r.seed, whole._state(r)) for r in whole.runs] == [(s, "done") for s in range(5)]
+    whole.summarise()
+    assert whole.table()[0]["seeds"] == 5 and whole.table()[0]["success"] == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="may only widen its seeds"):
+        Sweep(SweepSpec(BASE, {"learner.lr": ["1e-4"]}, 2, eval_suite="sim:heldout", eval_episodes=5, first_seed=3),
+              tmp_path / "sw")
     with pytest.raises(ValueError, match="--first-seed"):
         Sweep(SweepSpec(BASE, {"learner.lr": ["1e-4"]}, 2, eval_suite="sim:heldout", first_seed=-1), tmp_path / "x")
 

@@ -338,6 +338,20 @@ class Commit(Message):
 
 
 @dataclass
+class Holding(Message):
+    """Sent by a learner after each handshake but its first, before any credit: the groups it still holds (in
+    batches not yet trained, or trained and not yet committed). A handshake hands every uncommitted batch back to the
+    queue, since the learner may have restarted; a learner that merely lost its link (declared dead during a long
+    step) still holds them, and without this note they would count twice in admission and go out again."""
+
+    learner_id: str
+    version: int
+    group_ids: list[str]
+    untrained_batches: int
+    """how many of the held batches are not trained yet (they train at ``version``, ``version + 1``, ...)"""
+
+
+@dataclass
 class SuccessRequest(Message):
     """Ask the broker's store of successful trajectories for up to k per task (Entropulse SFT)."""
 
