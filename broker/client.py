@@ -196,9 +196,11 @@ class LearnerBrokerClient:
 
     def _on_ready(self) -> None:
         # A Hello hands our uncommitted batches back to the broker's queue (we may have restarted): say first which
-        # groups we still hold, so they neither count twice in admission nor come back in a batch. The broker also
-        # forgets a learner's credit on every Hello, so the whole amount still owed is asked for again, once.
-        held = [*self.pending, *self.settled, *self.uncommitted]
+        # groups we still hold, so they neither count twice in admission nor come back in a batch. (Groups whose
+        # Commit is unconfirmed are not held: the link re-sent that Commit just before this, and it takes them out of
+        # the queue for good.) The broker also forgets a learner's credit on every Hello, so the whole amount still
+        # owed is asked for again, once.
+        held = [*self.pending, *self.settled]
         if held:
             self.link.send(P.Holding(learner_id=self.learner_id, version=self.version, group_ids=held,
                                      untrained_batches=len(set(self.pending.values()))))
