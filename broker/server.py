@@ -494,7 +494,7 @@ class Broker:
         if batch is not None:
             self.audit.write("held", gs=[g.group_id for g in batch.groups], b=batch.batch_id, v=msg.version)
         if missing:
-            self.counters["held_groups_not_queued"] += missing  # consumed by a Commit re-sent before it
+            self.counters["held_groups_not_queued"] += missing  # consumed or dropped meanwhile: not expected
         self.log.info("learner_holding", learner=msg.learner_id, groups=len(batch.groups) if batch else 0,
                       not_queued=missing, untrained_batches=msg.untrained_batches)
 

@@ -339,10 +339,10 @@ class Commit(Message):
 
 @dataclass
 class Holding(Message):
-    """Sent by a learner after each handshake but its first, before any credit: the groups it still holds (in
-    batches not yet trained, or trained and not yet committed). A handshake hands every uncommitted batch back to the
-    queue, since the learner may have restarted; a learner that merely lost its link (declared dead during a long
-    step) still holds them, and without this note they would count twice in admission and go out again."""
+    """Sent by a learner after a handshake, before any credit, when it holds groups (received and not trained yet, or
+    trained and not yet committed). A handshake hands every uncommitted batch back to the queue, since the learner
+    may have restarted; a learner that merely lost its link (declared dead during a long step) still holds them,
+    and without this note they would count twice in admission and go out again."""
 
     learner_id: str
     version: int
