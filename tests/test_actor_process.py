@@ -54,6 +54,11 @@ def test_actor_survives_broker_kill9_and_stops_on_control(tmp_path, quiet_log):
                 for g in batch.groups:
                     assert g.complete and len(g.trajectories) == 2
                 version += 1
+                # As a learner does: trained, then checkpointed. One that never settles holds its batches as untrained
+                # forever; declared dead on a loaded machine (it polls only here), its Holding note then kept them
+                # counted ahead of its version, and every group after went stale.
+                learner.settle([g.group_id for g in batch.groups])
+                learner.checkpoint_durable(version)
                 learner.set_control(version)
 
         take(2)
