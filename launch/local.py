@@ -202,8 +202,11 @@ class Supervisor:
         for server in [r for r in self.roles if r.ready is not None]:
             self._spawn(server)
             host, port = server.ready
-            probe(host, port, self.local.ready_timeout_s, net, self.run_dir.keys,
-                  lambda: server.proc.poll() is None)
+            try:
+                probe(host, port, self.local.ready_timeout_s, net, self.run_dir.keys,
+                      lambda: server.proc.poll() is None)
+            except RuntimeError as exc:  # which role, and why (a port taken, a bad config): its stderr says
+                raise RuntimeError(f"{server.label}: {exc}; its stderr ends:\n{self._stderr_tail(server, 4)}") from None
         for role in self.roles:
             if role.proc is None:
                 self._spawn(role)

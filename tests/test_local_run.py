@@ -141,6 +141,24 @@ def test_run_trains_checkpoints_and_leaves_no_process(tmp_path):
     assert set(result["per_family_ci95"]) == set(result["per_family"])
 
 
+def test_a_server_that_dies_before_it_is_ready_is_named_with_its_reason(tmp_path):
+    """A port already taken (two test suites on one machine picked the same free port) killed the env_server at
+    start; the run said only "the process exited before it became ready". It now says which role, and why."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        p = _run(tmp_path / "run", f"env_server.port={taken.getsockname()[1]}", "learner.anchor.suite=")
+        out, _ = p.communicate(timeout=300)
+    finally:
+        taken.close()
+    assert p.returncode == 1, out[-2000:]
+    assert "env_server-0: the process exited before it became ready" in out and "Address already in use" in out, out
+    assert not _children_of_run(tmp_path / "run")
+
+
 def test_a_killed_actor_is_restarted_and_sigint_stops_cleanly(tmp_path):
     run_dir = tmp_path / "run"
     p = _run(run_dir, "learner.total_steps=1000", "local.restart_backoff_s=0.2")
