@@ -74,6 +74,10 @@ class SweepSpec:
         grid = [dict(zip(keys, combo)) for combo in itertools.product(*(self.vary[k] for k in keys))]
         return [{**listed, **cell} for listed in (self.listed or [{}]) for cell in grid]
 
+    def seed_range(self) -> range:
+        """run.seed of every run of each variant"""
+        return range(self.first_seed, self.first_seed + self.seeds)
+
     def keys(self) -> list[str]:
         """Every setting some variant sets, in the order first named: the table's columns."""
         return list(dict.fromkeys(k for v in self.variants() for k in v))
@@ -174,8 +178,7 @@ class Sweep:
         saved = self.out / "sweep.json"
         if saved.exists():
             before = asdict(SweepSpec(**json.loads(saved.read_text())))  # a spec saved before a field was added
-            was = range(before["first_seed"], before["first_seed"] + before["seeds"])
-            now = range(spec.first_seed, spec.first_seed + spec.seeds)
+            was, now = SweepSpec(**before).seed_range(), spec.seed_range()
             same = {**before, "seeds": spec.seeds, "first_seed": spec.first_seed} == asdict(spec)
             if not same or now.start > was.start or now.stop < was.stop:
                 raise ValueError(f"{saved} holds another sweep ({before}); use another --out to run this one "
@@ -192,7 +195,7 @@ class Sweep:
             saved.write_text(json.dumps(asdict(spec), indent=1))
         # Seed by seed: a sweep stopped part-way holds every variant at the seeds it reached, a paired comparison.
         self.runs = [SweepRun(v, s, self.out / "runs" / _dirname(v) / f"seed-{s}")
-                     for s in range(spec.first_seed, spec.first_seed + spec.seeds) for v in spec.variants()]
+                     for s in spec.seed_range() for v in spec.variants()]
 
     # ----- running ------------------------------------------------------------------------------------
 
