@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+REPLAY_SCOPES = ("off", "task", "family")
+
+
 @dataclass
 class TaskSourceConfig:
     """Which tasks tickets hand out."""
@@ -63,9 +66,12 @@ class BrokerConfig:
     drop_incomplete: bool = True
     """drop groups the actor marked incomplete (an episode hit an environment error)"""
     success_per_task: int = 8
-    """successful trajectories kept per task for Entropulse SFT"""
+    """successful trajectories kept per task for Entropulse SFT (and for replay)"""
     success_max_tasks: int = 10_000
     """tasks kept in the success store (least recently added go first)"""
+    replay: str = "off"
+    """ARPO-style replay into a group whose rollouts all fail alike: off | task (a stored success of the same task
+    takes one rollout's place) | family (of any task of its family; needs tasks.curation); only successes within η"""
     dedupe_window: int = 200_000
     """recent group ids remembered to ignore actor retries"""
     metrics_interval_s: float = 5.0
@@ -86,3 +92,10 @@ class BrokerConfig:
             raise ValueError("eta must be >= 0")
         if self.max_drain < 1:
             raise ValueError("max_drain must be >= 1")
+        if self.replay not in REPLAY_SCOPES:
+            raise ValueError(f"broker.replay must be one of {', '.join(REPLAY_SCOPES)}")
+        if self.replay == "family" and self.tasks.curation == "off":
+            raise ValueError("broker.replay=family needs broker.tasks.curation (curated task ids name their family; "
+                             "uncurated ones do not): set broker.tasks.curation=adaptive, or use broker.replay=task")
+        if self.replay != "off" and self.success_per_task < 1:
+            raise ValueError("broker.replay needs broker.success_per_task >= 1 (replay draws from the success store)")

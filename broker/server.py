@@ -17,6 +17,7 @@ durable. Every group's lifecycle goes to the audit trail (``common.audit``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 import uuid
@@ -280,6 +281,8 @@ class Broker:
                     self.store.add(g.task_id, traj)
             if g.complete:  # an environment error says nothing about the policy
                 self.sampler.observe(g.task_id, [traj.success for traj in g.trajectories])
+            if self.cfg.replay != "off":
+                g, frames = self._replay(g, frames)
             reason = self._drop_reason(g)
             if reason:
                 self.counters[f"dropped_{reason}"] += 1
@@ -354,6 +357,26 @@ class Broker:
             self._audit_acked(items)
             self._send_acks(replies + [(ident, P.Ack(group_id=g.group_id, accepted=True)) for ident, g, _ in items])
         self.spill.maybe_rotate(lambda: (list(self.recent), self._durable_state()))
+
+    def _replay(self, g: P.TrajectoryGroup, frames: list) -> tuple[P.TrajectoryGroup, list]:
+        """ARPO-style replay. A complete group whose rollouts all failed alike has no advantage anywhere; when the
+        success store holds a success of its task (``replay: task``) or family (``family``) sampled within η of the
+        next train version, that success takes the last rollout's place, and the group teaches it against the
+        failures. Within η, the group still meets the staleness bound. Curation saw the group's own outcomes
+        before this, and ``info["replayed"]`` names the slot so the learner leaves it out of its success rate."""
+        if not g.complete or any(t.success for t in g.trajectories) or not zero_variance(g.rewards):
+            return g, frames
+        found = self.store.newest_fresh(g.task_id, self.cfg.replay, self.ledger.next_train_version() - self.cfg.eta)
+        if found is None:
+            self.counters["replay_none_fresh"] += 1
+            return g, frames
+        trajs = [*g.trajectories[:-1], found]
+        spans = [(int(t.versions.min()), int(t.versions.max())) for t in trajs if len(t.versions)]
+        g = dataclasses.replace(g, trajectories=trajs, behavior_version_min=min(lo for lo, _ in spans),
+                                behavior_version_max=max(hi for _, hi in spans),
+                                info={**g.info, "replayed": [len(trajs) - 1]})
+        self.counters["groups_replayed"] += 1
+        return g, P.encode(g)
 
     def _drop_reason(self, g: P.TrajectoryGroup) -> str:
         if self.cfg.drop_incomplete and not g.complete:

@@ -83,6 +83,29 @@ class SuccessStore:
                 out.append(P.SuccessSample(task_id=tid, trajectory=traj))
         return out
 
+    def newest_fresh(self, task_id: str, scope: str, min_version: int) -> P.Trajectory | None:
+        """The newest stored success whose every token was sampled at ``min_version`` or later: of ``task_id``
+        itself (``scope`` "task"), or of any task sharing its suite prefix, the id before its last '/' (``scope``
+        "family": under curation that prefix names one family)."""
+        if scope == "task":
+            return next(self._fresh(self.tasks.get(task_id, {}), min_version), None)
+        prefix = task_id.rpartition("/")[0]
+        for tid, sols in reversed(self.tasks.items()):
+            newest = next(reversed(sols.values()))
+            if len(newest.versions) and int(newest.versions.max()) < min_version:
+                # Tasks are kept in the order solutions arrived, so the rest are older still (bar a straggler from
+                # a stale group): the scan stops here instead of walking every task the store holds.
+                return None
+            if tid.rpartition("/")[0] == prefix:
+                found = next(self._fresh(sols, min_version), None)
+                if found is not None:
+                    return found
+        return None
+
+    @staticmethod
+    def _fresh(sols: dict, min_version: int):
+        return (t for t in reversed(sols.values()) if len(t.versions) and int(t.versions.min()) >= min_version)
+
     # ----- persistence -----------------------------------------------------------------------
 
     def _append(self, task_id: str, traj: P.Trajectory) -> None:

@@ -26,8 +26,8 @@ from common import protocol as P
 from common.model import ModelConfig, build_model, build_tokenizer, freeze_vision, token_logprobs, torch_dtype
 from common.vision import Image, ImageStore, ImageStoreError
 from learner import checkpoint as ckpt
-from learner.batch import (Sample, build_samples, collate, loglinear_prox, micro_batches, token_entropy,
-                           turn_samples)
+from learner.batch import (Sample, build_samples, collate, loglinear_prox, micro_batches, replayed_slots,
+                           token_entropy, turn_samples)
 from learner.config import LearnerConfig
 from learner.distributed import DistContext, full_state, load_full_state, padding_micro_batch, shard_model
 from learner.entropulse import Entropulse
@@ -236,9 +236,13 @@ class Trainer:
             outcomes.update(dict.fromkeys(stats["kept"], "nonfinite_step"))
             return {"empty": "non-finite step skipped", "outcomes": outcomes}
         outcomes.update(dict.fromkeys(stats["kept"], "trained"))
-        rewards = [float(t.reward) for g in kept for t in g.trajectories]
+        # A success the broker replayed into a group (broker.replay) was not sampled for it: the policy's rates
+        # count the rollouts it played, not the replayed one.
+        played = [t for g in kept for k, t in enumerate(g.trajectories) if k not in replayed_slots(g)]
+        rewards = [float(t.reward) for t in played]
         lags = [version_before - int(v) for s in samples for v in s.versions]
-        out.update(success_rate=sum(float(t.success) for g in kept for t in g.trajectories) / max(len(rewards), 1),
+        out.update(success_rate=sum(float(t.success) for t in played) / max(len(rewards), 1),
+                   replayed=sum(len(g.trajectories) for g in kept) - len(played),
                    reward_mean=sum(rewards) / max(len(rewards), 1), max_lag=max(lags, default=0),
                    mean_lag=sum(lags) / max(len(lags), 1), groups=len(kept), samples=len(samples),
                    zero_variance_dropped=stats["zero_variance_dropped"], outcomes=outcomes,

@@ -371,6 +371,34 @@ def test_dynamic_sampling_and_incomplete_groups_dropped(start_broker, quiet_log)
     learner.close()
 
 
+def test_replay_puts_a_stored_success_of_the_task_into_a_group_that_all_failed(start_broker, quiet_log):
+    cfg = BrokerConfig(groups_per_batch=1, group_size=2, eta=3, drop_zero_variance=True, replay="task")
+    cfg.tasks.seed_count = 1  # every ticket is the same task: it comes back, as replay needs
+    tb = start_broker(cfg)
+    actor, learner = clients(tb, quiet_log)
+    t1, t2, t3 = take_tickets(actor, 3, expect=3)
+    unsolved = make_group(t1, rewards=(0.0, 0.0))
+    unsolved.task_id = "sim:train/never-solved"
+    actor.submit(unsolved)  # all failed and nothing stored for its task: dropped as before
+    solved = make_group(t2, rewards=(1.0, 0.0))
+    actor.submit(solved)
+    pump([actor], WAIT_S, until=lambda: len(actor.acks) == 2)
+    failed = make_group(t3, rewards=(0.0, 0.0))
+    actor.submit(failed)
+    pump([actor], WAIT_S, until=lambda: len(actor.acks) == 3)
+    assert [a.reason for a in actor.acks] == ["zero_variance", "", ""]
+    assert stat(tb, "groups_replayed") == 1 and stat(tb, "replay_none_fresh") == 1
+    learner.grant(2)
+    learner.next_batch(WAIT_S)
+    replayed = learner.next_batch(WAIT_S).groups[0]
+    assert replayed.group_id == failed.group_id and replayed.info["replayed"] == [1]
+    assert [t.success for t in replayed.trajectories] == [False, True]
+    assert replayed.trajectories[0].traj_id == failed.trajectories[0].traj_id, "the group's own rollout stays"
+    assert replayed.trajectories[1].traj_id == solved.trajectories[0].traj_id, "the stored success replaces the last"
+    actor.close()
+    learner.close()
+
+
 def test_groups_dropped_in_a_row_are_counted_so_a_run_that_cannot_form_a_batch_says_so(start_broker, quiet_log):
     tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=3, drop_zero_variance=True))
     actor, learner = clients(tb, quiet_log)

@@ -73,6 +73,16 @@ def test_rl_steps_move_probability_towards_rewarded_answers():
     assert m["max_lag"] == 0 and m["is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
 
 
+def test_a_replayed_success_is_trained_but_not_counted_in_the_policys_success_rate():
+    t = Trainer(LearnerConfig(), TINY)
+    groups = groups_from(t)  # two groups of four, successes at 0 and 2
+    groups[0].info["replayed"] = [0]  # the broker's replay put slot 0 there
+    groups[1].info["replayed"] = "0"  # not the broker's list: names nothing
+    m = t.train_step(groups)
+    assert m["groups"] == 2 and m["replayed"] == 1
+    assert m["success_rate"] == pytest.approx(3 / 7), "the rollouts played: 1 of 3, and 2 of 4"
+
+
 def test_bad_groups_dropped_one_by_one_and_nonfinite_steps_skipped():
     t = Trainer(LearnerConfig(), TINY)
     groups = groups_from(t)

@@ -134,6 +134,22 @@ def test_success_store_dedupes_caps_and_persists(tmp_path, quiet_log):
     np.testing.assert_array_equal(samples[0].trajectory.output_ids, t1.output_ids)
 
 
+def test_replay_finds_the_newest_success_sampled_within_the_bound(quiet_log):
+    st = SuccessStore(per_task=4, max_tasks=100, path=None, log=quiet_log)
+    st.add("sim:train:sheet_sum/1", make_traj(version=3, seed=1))
+    st.add("sim:train:sheet_sum/1", make_traj(version=5, seed=2))
+    st.add("sim:train:files_move/7", make_traj(version=6, seed=3))
+    st.add("sim:train:sheet_sum/2", make_traj(version=7, seed=4))
+    newest_of_task = st.newest_fresh("sim:train:sheet_sum/1", "task", min_version=4)
+    assert int(newest_of_task.versions.min()) == 5
+    assert st.newest_fresh("sim:train:sheet_sum/1", "task", min_version=6) is None, "older than the bound"
+    assert st.newest_fresh("sim:train:sheet_sum/9", "task", min_version=0) is None, "never solved"
+    # family: any instance of sheet_sum (the id before its last '/'), never another family's
+    assert int(st.newest_fresh("sim:train:sheet_sum/9", "family", min_version=4).versions.min()) == 7
+    assert st.newest_fresh("sim:train:editor_append/0", "family", min_version=0) is None
+    assert st.newest_fresh("sim:train:sheet_sum/9", "family", min_version=8) is None
+
+
 def test_commit_thread_acks_in_order_only_after_a_sync_covering_the_data(tmp_path, quiet_log, monkeypatch):
     """Writes and flushes overlap; a job completes only after an fdatasync that started after its write,
     rotation in between keeps earlier rounds durable, and recovery sees every completed group."""

@@ -98,6 +98,18 @@ def test_curation_settings_are_checked_when_the_config_loads():
         build(TaskSourceConfig, {"curation": "adaptive", "curation_floor": 0.0})
 
 
+def test_replay_settings_are_checked_when_the_config_loads():
+    curated = {"curation": "adaptive", "suite": "sim:train"}
+    assert build(BrokerConfig, {"replay": "family", "tasks": curated}).replay == "family"
+    assert build(BrokerConfig, {"replay": "task"}).replay == "task"
+    with pytest.raises(ConfigError, match="replay must be one of"):
+        build(BrokerConfig, {"replay": "always"})
+    with pytest.raises(ConfigError, match="needs broker.tasks.curation"):
+        build(BrokerConfig, {"replay": "family"})  # uncurated task ids do not name their family
+    with pytest.raises(ConfigError, match="success_per_task"):
+        build(BrokerConfig, {"replay": "task", "success_per_task": 0})
+
+
 def test_broker_curates_from_the_groups_it_receives_and_keeps_it_across_a_restart(start_broker, quiet_log,
                                                                                    tmp_path):
     cfg = BrokerConfig(groups_per_batch=4, group_size=2, eta=8, metrics_interval_s=0.2, persist=True,
