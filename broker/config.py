@@ -70,8 +70,7 @@ class BrokerConfig:
     success_max_tasks: int = 10_000
     """tasks kept in the success store (least recently added go first)"""
     replay: str = "off"
-    """ARPO-style replay into a group whose rollouts all fail alike: off | task (a stored success of the same task
-    takes one rollout's place) | family (of any task of its family; needs tasks.curation); only successes within η"""
+    """into a group whose rollouts all fail, a stored success sampled within η (ARPO): off | task | family"""
     dedupe_window: int = 200_000
     """recent group ids remembered to ignore actor retries"""
     metrics_interval_s: float = 5.0
