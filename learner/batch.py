@@ -31,13 +31,14 @@ class Sample:
     images: tuple[str, ...] = ()  # content hashes of the prompt's images, in order (a VLM's)
 
 
-def replayed_slots(g: P.TrajectoryGroup) -> set[int]:
-    """Which of the group's trajectories the broker replayed into it (``broker.replay``), from ``info["replayed"]``;
-    anything else there (an actor's own info key) names none."""
+def played_trajectories(g: P.TrajectoryGroup) -> list[P.Trajectory]:
+    """The group's rollouts the policy played, without those the broker replayed into it (``broker.replay`` names
+    their slots in ``info["replayed"]``; anything else there, an actor's own info key, names none)."""
     slots = g.info.get("replayed") if isinstance(g.info, dict) else None
     if not isinstance(slots, list):
-        return set()
-    return {k for k in slots if isinstance(k, int) and not isinstance(k, bool)}
+        return list(g.trajectories)
+    named = {k for k in slots if isinstance(k, int) and not isinstance(k, bool)}
+    return [t for k, t in enumerate(g.trajectories) if k not in named]
 
 
 def group_defect(g: P.TrajectoryGroup, vocab_size: int, image_available: Callable[[str], bool] | None = None) -> str:
