@@ -70,7 +70,9 @@ class BrokerConfig:
     success_max_tasks: int = 10_000
     """tasks kept in the success store (least recently added go first)"""
     replay: str = "off"
-    """into a group whose rollouts all fail, a stored success sampled within η (ARPO): off | task | family"""
+    """into a group whose rollouts all fail, a stored success sampled within replay_max_age (ARPO): off | task | family"""
+    replay_max_age: int = 0
+    """versions a replayed success may lag the next train version (0: η, the bound every rollout meets)"""
     dedupe_window: int = 200_000
     """recent group ids remembered to ignore actor retries"""
     metrics_interval_s: float = 5.0
@@ -96,5 +98,7 @@ class BrokerConfig:
         if self.replay == "family" and self.tasks.curation == "off":
             raise ValueError("broker.replay=family needs broker.tasks.curation (curated task ids name their family; "
                              "uncurated ones do not): set broker.tasks.curation=adaptive, or use broker.replay=task")
+        if self.replay_max_age < 0:
+            raise ValueError("broker.replay_max_age must be >= 0 (0: the staleness bound eta)")
         if self.replay != "off" and self.success_per_task < 1:
             raise ValueError("broker.replay needs broker.success_per_task >= 1 (replay draws from the success store)")

@@ -272,6 +272,13 @@ class Broker:
                 replies.append((ident, P.Ack(group_id=g.group_id, accepted=True, duplicate=True)))
                 continue
             seen_now.add(g.group_id)
+            if "replayed" in g.info:
+                # Only the broker replays: a replayed slot is exempt from η, so an actor may not claim one.
+                self.counters["rejected_replayed_by_actor"] += 1
+                self.log.warning("group_rejected", group=g.group_id, actor=g.actor_id, reason="replayed_by_actor")
+                replies.append((ident, P.Ack(group_id=g.group_id, accepted=False, reason="replayed_by_actor")))
+                self._remember(g.group_id)
+                continue
             t = self.ledger.settle(g.ticket_id)
             if t is not None:
                 self.request_ticket.pop(t.request_id, None)
@@ -360,21 +367,25 @@ class Broker:
 
     def _replay(self, g: P.TrajectoryGroup, frames: list) -> tuple[P.TrajectoryGroup, list]:
         """ARPO-style replay. A complete group whose rollouts all failed alike has no advantage anywhere; when the
-        success store holds a success of its task (``replay: task``) or family (``family``) sampled within η of the
-        next train version, that success takes the last rollout's place, and the group teaches it against the
-        failures. Within η, the group still meets the staleness bound. Curation saw the group's own outcomes
+        success store holds a success of its task (``replay: task``) or family (``family``) sampled within
+        ``replay_max_age`` versions of the next train version (η unless set), that success takes the last rollout's
+        place, and the group teaches it against the failures. Successes of hard tasks are rare, so few fall within
+        η: a longer age is allowed for the replayed slot alone, whose importance weights (its own behaviour
+        log-probs and per-token versions) correct for its age. The group's behaviour versions stay those of the
+        rollouts it played, which alone the staleness bound η governs. Curation saw the group's own outcomes
         before this, and ``info["replayed"]`` names the slot so the learner leaves it out of its success rate."""
         if not g.complete or any(t.success for t in g.trajectories) or not zero_variance(g.rewards):
             return g, frames
-        found = self.store.newest_fresh(g.task_id, self.cfg.replay, self.ledger.next_train_version() - self.cfg.eta)
+        max_age = self.cfg.replay_max_age or self.cfg.eta
+        found = self.store.newest_fresh(g.task_id, self.cfg.replay, self.ledger.next_train_version() - max_age)
         if found is None:
             self.counters["replay_none_fresh"] += 1
             return g, frames
-        trajs = [*g.trajectories[:-1], found]
-        spans = [(int(t.versions.min()), int(t.versions.max())) for t in trajs if len(t.versions)]
-        g = dataclasses.replace(g, trajectories=trajs, behavior_version_min=min(lo for lo, _ in spans),
-                                behavior_version_max=max(hi for _, hi in spans),
-                                info={**g.info, "replayed": [len(trajs) - 1]})
+        played = g.trajectories[:-1]
+        spans = [(int(t.versions.min()), int(t.versions.max())) for t in played if len(t.versions)]
+        g = dataclasses.replace(g, trajectories=[*played, found], info={**g.info, "replayed": [len(played)]},
+                                behavior_version_min=min((lo for lo, _ in spans), default=g.behavior_version_min),
+                                behavior_version_max=max((hi for _, hi in spans), default=g.behavior_version_max))
         self.counters["groups_replayed"] += 1
         return g, P.encode(g)
 

@@ -31,16 +31,6 @@ class Sample:
     images: tuple[str, ...] = ()  # content hashes of the prompt's images, in order (a VLM's)
 
 
-def played_trajectories(g: P.TrajectoryGroup) -> list[P.Trajectory]:
-    """The group's rollouts the policy played, without those the broker replayed into it (``broker.replay`` names
-    their slots in ``info["replayed"]``; anything else there, an actor's own info key, names none)."""
-    slots = g.info.get("replayed") if isinstance(g.info, dict) else None
-    if not isinstance(slots, list):
-        return list(g.trajectories)
-    named = {k for k in slots if isinstance(k, int) and not isinstance(k, bool)}
-    return [t for k, t in enumerate(g.trajectories) if k not in named]
-
-
 def group_defect(g: P.TrajectoryGroup, vocab_size: int, image_available: Callable[[str], bool] | None = None) -> str:
     """Why a group must not be trained on ("" when it may): a counted reason, never an exception.
     ``image_available``: whether an image the group names can be read (None: a text policy's learner)."""

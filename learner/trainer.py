@@ -26,7 +26,7 @@ from common import protocol as P
 from common.model import ModelConfig, build_model, build_tokenizer, freeze_vision, token_logprobs, torch_dtype
 from common.vision import Image, ImageStore, ImageStoreError
 from learner import checkpoint as ckpt
-from learner.batch import (Sample, build_samples, collate, loglinear_prox, micro_batches, played_trajectories,
+from learner.batch import (Sample, build_samples, collate, loglinear_prox, micro_batches,
                            token_entropy, turn_samples)
 from learner.config import LearnerConfig
 from learner.distributed import DistContext, full_state, load_full_state, padding_micro_batch, shard_model
@@ -238,7 +238,7 @@ class Trainer:
         outcomes.update(dict.fromkeys(stats["kept"], "trained"))
         # A success the broker replayed into a group (broker.replay) was not sampled for it: the policy's rates
         # count the rollouts it played, not the replayed one.
-        played = [t for g in kept for t in played_trajectories(g)]
+        played = [t for g in kept for t in g.played()]
         rewards = [float(t.reward) for t in played]
         lags = [version_before - int(v) for s in samples for v in s.versions]
         out.update(success_rate=sum(float(t.success) for t in played) / max(len(rewards), 1),

@@ -399,6 +399,46 @@ def test_replay_puts_a_stored_success_of_the_task_into_a_group_that_all_failed(s
     learner.close()
 
 
+@pytest.mark.parametrize("max_age", [0, 3])
+def test_replay_reaches_back_replay_max_age_versions_and_the_group_stays_within_eta(start_broker, quiet_log, max_age):
+    cfg = BrokerConfig(groups_per_batch=1, group_size=2, eta=1, drop_zero_variance=True, replay="task",
+                       replay_max_age=max_age)
+    cfg.tasks.seed_count = 1
+    tb = start_broker(cfg)
+    actor, learner = clients(tb, quiet_log)
+    (t1,) = take_tickets(actor, 1, expect=1)
+    solved = make_group(t1, rewards=(1.0, 0.0))  # sampled at version 0
+    actor.submit(solved)
+    pump([actor], WAIT_S, until=lambda: len(actor.acks) == 1)
+    learner.grant(1)
+    assert learner.next_batch(WAIT_S).groups[0].group_id == solved.group_id
+    learner.set_control(3)  # three versions on: the success is older than η = 1 allows
+    pump([actor, learner], WAIT_S, until=lambda: actor.version == 3)
+    (t2,) = take_tickets(actor, 1, expect=1)
+    failed = make_group(t2, version=3, rewards=(0.0, 0.0))
+    actor.submit(failed)
+    pump([actor], WAIT_S, until=lambda: len(actor.acks) == 2)
+    if max_age == 0:  # the default bound is η: nothing old enough to replay, and the group carries no signal
+        assert actor.acks[1].reason == "zero_variance" and stat(tb, "replay_none_fresh") == 1
+    else:
+        assert actor.acks[1].accepted and stat(tb, "groups_replayed") == 1
+        learner.grant(1)
+        got = learner.next_batch(WAIT_S).groups[0]
+        assert got.group_id == failed.group_id and got.info["replayed"] == [1]
+        assert int(got.trajectories[1].versions.max()) == 0, "the replayed success is three versions old"
+        assert (got.behavior_version_min, got.behavior_version_max) == (3, 3), \
+            "the group's versions are those of the rollouts it played: it is not stale"
+        assert stat(tb, "dropped_stale") == 0
+    (t3,) = take_tickets(actor, 1, expect=1)
+    claims = make_group(t3, version=3, rewards=(0.0, 1.0))
+    claims.info["replayed"] = [1]  # an actor claiming the broker's exemption from η
+    actor.submit(claims)
+    pump([actor], WAIT_S, until=lambda: len(actor.acks) == 3)
+    assert actor.acks[2].reason == "replayed_by_actor" and stat(tb, "rejected_replayed_by_actor") == 1
+    actor.close()
+    learner.close()
+
+
 def test_groups_dropped_in_a_row_are_counted_so_a_run_that_cannot_form_a_batch_says_so(start_broker, quiet_log):
     tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=3, drop_zero_variance=True))
     actor, learner = clients(tb, quiet_log)

@@ -169,6 +169,19 @@ def test_group_must_declare_its_true_version_span():
     assert err.value.reason == "bad_group"
 
 
+def test_a_replayed_slot_is_left_out_of_the_version_span_and_must_name_a_slot():
+    g = make_group(version=5, rewards=(0.0, 0.0, 1.0))
+    g.trajectories[2].versions[:] = 1  # a stored success, sampled four versions earlier
+    g.info["replayed"] = [2]
+    back = P.decode(P.encode(g))  # the span [5, 5] is that of the rollouts the group played
+    assert back.replayed_slots == [2] and [t.traj_id for t in back.played()] == [t.traj_id for t in g.trajectories[:2]]
+    for bad in ([3], [0, 0], [0, 1, 2], [True], ["2"], "2"):
+        g.info["replayed"] = bad
+        with pytest.raises(P.ProtocolError) as err:
+            P.decode(P.encode(g))
+        assert err.value.reason == "bad_group", bad
+
+
 def test_wrong_dtype_in_trajectory_rejected():
     g = make_group()
     g.trajectories[0].logprobs = g.trajectories[0].logprobs.astype(np.float64)

@@ -281,18 +281,35 @@ class TrajectoryGroup(Message):
     def rewards(self) -> list[float]:
         return [t.reward for t in self.trajectories]
 
+    @property
+    def replayed_slots(self) -> list[int]:
+        """Slots the broker replayed a stored success into (``broker.replay``): ``info["replayed"]``, or none."""
+        slots = self.info.get("replayed", []) if isinstance(self.info, dict) else []
+        return [k for k in slots if type(k) is int] if isinstance(slots, list) else []
+
+    def played(self) -> list[Trajectory]:
+        """The rollouts the policy played for this group: all but the replayed ones."""
+        replayed = set(self.replayed_slots)
+        return [t for k, t in enumerate(self.trajectories) if k not in replayed]
+
     def validate(self) -> None:
         if not self.trajectories:
             raise ProtocolError("bad_group", "a group has no trajectories")
-        versions = [t.versions for t in self.trajectories if len(t.versions)]
+        named = self.info.get("replayed", []) if isinstance(self.info, dict) else []
+        if not isinstance(named, list) or len(set(map(repr, named))) != len(named) or len(named) >= len(
+                self.trajectories) or not all(type(k) is int and 0 <= k < len(self.trajectories) for k in named):
+            raise ProtocolError("bad_group", f"info.replayed must name distinct slots of the group's "
+                                             f"{len(self.trajectories)} and leave one played: {self.info['replayed']!r:.80}")
+        versions = [t.versions for t in self.played() if len(t.versions)]
         if versions:
             lo = min(int(v.min()) for v in versions)
             hi = max(int(v.max()) for v in versions)
-            # The broker bounds staleness with these two numbers, so they must be the tokens' own.
+            # The broker bounds staleness with these two numbers, so they must be the played tokens' own (a
+            # replayed success is older by design; its age was bounded when the broker replayed it).
             if (lo, hi) != (self.behavior_version_min, self.behavior_version_max):
                 raise ProtocolError(
                     "bad_group", f"declared versions [{self.behavior_version_min}, {self.behavior_version_max}] "
-                    f"but tokens span [{lo}, {hi}]")
+                    f"but the played tokens span [{lo}, {hi}]")
 
 
 @dataclass
