@@ -100,5 +100,7 @@ class BrokerConfig:
                              "uncurated ones do not): set broker.tasks.curation=adaptive, or use broker.replay=task")
         if self.replay_max_age < 0:
             raise ValueError("broker.replay_max_age must be >= 0 (0: the staleness bound eta)")
+        if self.replay != "off" and self.group_size < 2:
+            raise ValueError("broker.replay needs broker.group_size >= 2 (a success replaces one of a group's rollouts)")
         if self.replay != "off" and self.success_per_task < 1:
             raise ValueError("broker.replay needs broker.success_per_task >= 1 (replay draws from the success store)")

@@ -374,8 +374,9 @@ class Broker:
         log-probs and per-token versions) correct for its age. The group's behaviour versions stay those of the
         rollouts it played, which alone the staleness bound η governs. Curation saw the group's own outcomes
         before this, and ``info["replayed"]`` names the slot so the learner leaves it out of its success rate."""
-        if not g.complete or any(t.success for t in g.trajectories) or not zero_variance(g.rewards):
-            return g, frames
+        if (len(g.trajectories) < 2 or not g.complete or any(t.success for t in g.trajectories)
+                or not zero_variance(g.rewards)):
+            return g, frames  # a group keeps at least one rollout it played
         max_age = self.cfg.replay_max_age or self.cfg.eta
         found = self.store.newest_fresh(g.task_id, self.cfg.replay, self.ledger.next_train_version() - max_age)
         if found is None:

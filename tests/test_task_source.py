@@ -108,6 +108,10 @@ def test_replay_settings_are_checked_when_the_config_loads():
         build(BrokerConfig, {"replay": "family"})  # uncurated task ids do not name their family
     with pytest.raises(ConfigError, match="success_per_task"):
         build(BrokerConfig, {"replay": "task", "success_per_task": 0})
+    with pytest.raises(ConfigError, match="group_size >= 2"):
+        build(BrokerConfig, {"replay": "task", "group_size": 1})  # replacing the only rollout would leave none played
+    with pytest.raises(ConfigError, match="replay_max_age"):
+        build(BrokerConfig, {"replay": "task", "replay_max_age": -1})
 
 
 def test_broker_curates_from_the_groups_it_receives_and_keeps_it_across_a_restart(start_broker, quiet_log,
