@@ -70,7 +70,7 @@ class BrokerConfig:
     success_max_tasks: int = 10_000
     """tasks kept in the success store (least recently added go first)"""
     replay: str = "off"
-    """into a group whose rollouts all fail, a stored success sampled within replay_max_age (ARPO): off | task | family"""
+    """into a group whose rollouts all fail, a stored success no older than replay_max_age (ARPO): off|task|family"""
     replay_max_age: int = 0
     """versions a replayed success may lag the next train version (0: η, the bound every rollout meets)"""
     dedupe_window: int = 200_000
@@ -101,6 +101,7 @@ class BrokerConfig:
         if self.replay_max_age < 0:
             raise ValueError("broker.replay_max_age must be >= 0 (0: the staleness bound eta)")
         if self.replay != "off" and self.group_size < 2:
-            raise ValueError("broker.replay needs broker.group_size >= 2 (a success replaces one of a group's rollouts)")
+            raise ValueError("broker.replay needs broker.group_size >= 2 "
+                             "(a success replaces one of a group's rollouts)")
         if self.replay != "off" and self.success_per_task < 1:
             raise ValueError("broker.replay needs broker.success_per_task >= 1 (replay draws from the success store)")

@@ -295,11 +295,12 @@ class TrajectoryGroup(Message):
     def validate(self) -> None:
         if not self.trajectories:
             raise ProtocolError("bad_group", "a group has no trajectories")
+        n = len(self.trajectories)
         named = self.info.get("replayed", []) if isinstance(self.info, dict) else []
-        if not isinstance(named, list) or len(set(map(repr, named))) != len(named) or len(named) >= len(
-                self.trajectories) or not all(type(k) is int and 0 <= k < len(self.trajectories) for k in named):
-            raise ProtocolError("bad_group", f"info.replayed must name distinct slots of the group's "
-                                             f"{len(self.trajectories)} and leave one played: {self.info['replayed']!r:.80}")
+        if not (isinstance(named, list) and all(type(k) is int and 0 <= k < n for k in named)
+                and len(set(named)) == len(named) < n):
+            raise ProtocolError("bad_group", f"info.replayed must name distinct slots of the group's {n} and leave "
+                                             f"one played: {named!r:.80}")
         versions = [t.versions for t in self.played() if len(t.versions)]
         if versions:
             lo = min(int(v.min()) for v in versions)
