@@ -276,6 +276,8 @@ class Broker:
                 # Only the broker replays: a replayed slot is exempt from η, so an actor may not claim one.
                 self.counters["rejected_replayed_by_actor"] += 1
                 self.log.warning("group_rejected", group=g.group_id, actor=g.actor_id, reason="replayed_by_actor")
+                self.audit.write("dropped", g=g.group_id, task=g.task_id, r="replayed_by_actor",
+                                 bv=g.behavior_version_min)  # the audit's table accounts for it like any drop
                 replies.append((ident, P.Ack(group_id=g.group_id, accepted=False, reason="replayed_by_actor")))
                 self._remember(g.group_id)
                 continue

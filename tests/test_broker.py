@@ -435,6 +435,7 @@ def test_replay_reaches_back_replay_max_age_versions_and_the_group_stays_within_
     actor.submit(claims)
     pump([actor], WAIT_S, until=lambda: len(actor.acks) == 3)
     assert actor.acks[2].reason == "replayed_by_actor" and stat(tb, "rejected_replayed_by_actor") == 1
+    assert f'"g":"{claims.group_id}"' in (tb.run_dir.audit / "broker.jsonl").read_text().replace(" ", "")
     actor.close()
     learner.close()
 
