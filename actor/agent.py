@@ -1,9 +1,9 @@
 """The actor: tickets in, complete TrajectoryGroups out.
 
 One asyncio loop runs every episode of every ticketed group as a coroutine. Episodes ask for generations
-and env steps and await them; a batcher hands all waiting prompts to the engine at once (on its own
-thread, so env replies keep flowing meanwhile), and one pump polls the broker and env_server links and
-resolves the waiting futures. New weights are received on another thread when Control announces a round;
+and env steps and await them: each turn is submitted to the engine as it comes and joins the engine's
+running batch at its next token window (the engine decodes on its own thread, so env replies keep flowing
+meanwhile), and one pump polls the broker and env_server links and resolves the waiting futures. New weights are received on another thread when Control announces a round;
 the engine swaps them in at a token boundary, so every token keeps the version that sampled it.
 
 A desktop that fails (an ``Error`` reply or no answer in ``env_timeout_s``) aborts only its episode, which
@@ -24,7 +24,7 @@ from typing import Any
 
 from actor.config import ActorConfig
 from actor.engine import Engine, Generation
-from actor.episode import play_episode
+from actor.episode import EnginePolicy, play_episode
 from broker.client import ActorBrokerClient
 from common import protocol as P
 from common.metrics import MetricsWriter, percentile
@@ -145,13 +145,11 @@ class Actor:
             clients.append(EnvClient(net, host, int(port), keys, log, peer_id=f"{self.broker.actor_id}-env{len(clients)}"))
         self.env = EnvLinks(clients, cfg.env_timeout_s)
         self.receiver = WeightReceiver(weights, log) if weights is not None else None
+        self.engine_policy = EnginePolicy(engine, cfg.sampling)
         self.max_groups_total = max_groups_total  # stop after this many groups (0 = until told to stop)
-        self.gen_queue: list[tuple[list[int], list[Image], asyncio.Future]] = []
         self.images = ImageStore(run_dir.images) if run_dir is not None else None  # a VLM's screenshots
         # one writer thread: the store is not locked
         self.images_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="images")
-        self.gen_wakeup: asyncio.Event | None = None
-        self.engine_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.weights_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="weights")
         self.weights_round = 0
         self.weights_sender = ""  # incarnation of the learner whose rounds weights_round counts
@@ -159,7 +157,6 @@ class Actor:
         self.stats: collections.Counter = collections.Counter()
         self.episode_lens: list[int] = []
         self.env_ms: list[float] = []
-        self.engine_busy_s = 0.0
         self.metrics = MetricsWriter(run_dir.metrics / f"actor-{rank}.jsonl" if run_dir is not None else None,
                                      cfg.prometheus, "actor", rank)
         self.groups_started = 0
@@ -178,35 +175,13 @@ class Actor:
     # ----- generation ----------------------------------------------------------------------------
 
     async def generate(self, prompt: list[int], images: list[Image]) -> Generation:
-        fut = asyncio.get_running_loop().create_future()
-        self.gen_queue.append((prompt, images, fut))
-        self.gen_wakeup.set()
-        return await fut
-
-    async def batcher(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self.gen_wakeup.wait()
-            self.gen_wakeup.clear()
-            while self.gen_queue:
-                batch = self.gen_queue[:self.cfg.engine.max_batch]
-                del self.gen_queue[:len(batch)]
-                t0 = time.perf_counter()
-                try:
-                    gens = await loop.run_in_executor(self.engine_thread, self.engine.generate,
-                                                      [p for p, _, _ in batch], self.cfg.sampling,
-                                                      [im for _, im, _ in batch])
-                except Exception as exc:  # an engine failure fails these episodes, not the actor
-                    self.log.exception("generation_failed")
-                    for _, _, fut in batch:
-                        if not fut.done():
-                            fut.set_exception(exc)
-                    continue
-                finally:
-                    self.engine_busy_s += time.perf_counter() - t0
-                for (_, _, fut), g in zip(batch, gens):
-                    if not fut.done():
-                        fut.set_result(g)
+        """One turn through the engine; an engine failure fails this episode (counted), not the actor."""
+        try:
+            return await self.engine_policy(prompt, {}, images)
+        except Exception:
+            self.stats["generation_errors"] += 1
+            self.log.exception("generation_failed")
+            raise
 
     # ----- episodes and groups -------------------------------------------------------------------
 
@@ -316,8 +291,6 @@ class Actor:
 
     async def main(self) -> None:
         loop = asyncio.get_running_loop()
-        self.gen_wakeup = asyncio.Event()
-        batcher = loop.create_task(self.batcher())
         t_start = time.monotonic()
         next_metrics = t_start + self.cfg.metrics_interval_s
         stop_deadline = None
@@ -365,7 +338,6 @@ class Actor:
                 idle_sleep = 0.0 if moved else min(idle_sleep * 2 or 0.0005, 0.005)
                 await asyncio.sleep(idle_sleep)
         finally:
-            batcher.cancel()
             for t in list(self.in_flight):
                 t.cancel()
             self._write_metrics(time.monotonic() - t_start)
@@ -391,7 +363,8 @@ class Actor:
             "role": "actor", "rank": self.rank, "version": self.engine.version, "wall_s": round(wall_s, 2),
             "generated_tokens": getattr(st, "generated_tokens", 0),
             "gen_tokens_per_s": round(getattr(st, "generated_tokens", 0) / max(getattr(st, "seconds", 0), 1e-9), 1),
-            "engine_idle_ratio": round(1 - self.engine_busy_s / max(wall_s, 1e-9), 3),
+            "engine_idle_ratio": round(1 - getattr(st, "seconds", 0) / max(wall_s, 1e-9), 3),
+            "engine_mean_batch": round(st.decode_rows / st.decode_steps, 2) if getattr(st, "decode_steps", 0) else None,
             "env_step_ms_p50": round(percentile(lat, 50), 2) if lat else None,
             "env_step_ms_p99": round(percentile(lat, 99), 2) if lat else None,
             "episode_len_mean": round(sum(lens) / len(lens), 2) if lens else None,
@@ -402,7 +375,6 @@ class Actor:
         })
 
     def close(self) -> None:
-        self.engine_thread.shutdown(wait=False, cancel_futures=True)
         self.weights_thread.shutdown(wait=False, cancel_futures=True)
         self.images_thread.shutdown(wait=True)  # an image being written finishes: a group may already name it
         self.broker.close()

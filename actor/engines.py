@@ -3,7 +3,8 @@ imported only when asked for: it raises a clear error where vllm is not installe
 
 from __future__ import annotations
 
-from actor.engine import Engine, EngineConfig, HFEngine
+from actor.engine import Engine, EngineConfig
+from actor.hf_engine import HFEngine
 from common.model import ModelConfig
 
 

@@ -111,48 +111,20 @@ class LocalEnv:
         return self.backend.evaluate()
 
 
-class LockstepPolicy:
-    """An engine as the policy of ``live`` concurrent episodes: generates once every live episode is waiting, so
-    their prompts go to the engine as one batch (eval's lock step)."""
+class EnginePolicy:
+    """An engine as a policy: each turn is submitted as it comes and joins the engine's running batch (the
+    engine batches continuously, so concurrent episodes share its decode steps without waiting for each other)."""
 
-    def __init__(self, engine: Any, sampling: Any, live: int):
-        self.engine, self.sampling, self.live = engine, sampling, live
-        self.waiting: list[tuple[list[int], list[Image], asyncio.Future]] = []
+    def __init__(self, engine: Any, sampling: Any):
+        self.engine, self.sampling = engine, sampling
 
     async def __call__(self, prompt_ids: list[int], obs: dict, images: list[Image]) -> Generation:
-        fut = asyncio.get_running_loop().create_future()
-        self.waiting.append((prompt_ids, images, fut))
-        self._maybe_generate()
-        return await fut
-
-    def finished(self) -> None:
-        """One episode ended: the others need not wait for it."""
-        self.live -= 1
-        self._maybe_generate()
-
-    def _maybe_generate(self) -> None:
-        if not self.waiting or len(self.waiting) < self.live:
-            return
-        batch, self.waiting = self.waiting, []
-        try:
-            gens = self.engine.generate([ids for ids, _, _ in batch], self.sampling, [im for _, im, _ in batch])
-        except Exception as exc:  # every waiting episode fails with the engine's error
-            for _, _, fut in batch:
-                fut.set_exception(exc)
-            return
-        for (_, _, fut), g in zip(batch, gens):
-            fut.set_result(g)
+        return await asyncio.wrap_future(self.engine.submit(prompt_ids, self.sampling, images))
 
 
-async def play_lockstep(envs: list[Any], task_ids: list[str], engine: Any, sampling: Any, tokenizer: Any,
-                        prompt_cfg: PromptConfig, max_steps: int = 0) -> list[Episode]:
-    """One episode per (in-process backend, task id), all advancing together with batched generations."""
-    policy = LockstepPolicy(engine, sampling, len(task_ids))
-
-    async def one(backend: Any, task_id: str) -> Episode:
-        try:
-            return await play_episode(LocalEnv(backend), policy, task_id, tokenizer, prompt_cfg, max_steps)
-        finally:
-            policy.finished()
-
-    return list(await asyncio.gather(*(one(b, t) for b, t in zip(envs, task_ids))))
+async def play_concurrent(envs: list[Any], task_ids: list[str], engine: Any, sampling: Any, tokenizer: Any,
+                          prompt_cfg: PromptConfig, max_steps: int = 0) -> list[Episode]:
+    """One episode per (in-process backend, task id), all played at once on one engine."""
+    policy = EnginePolicy(engine, sampling)
+    return list(await asyncio.gather(*(play_episode(LocalEnv(b), policy, t, tokenizer, prompt_cfg, max_steps)
+                                       for b, t in zip(envs, task_ids))))

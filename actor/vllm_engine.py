@@ -7,8 +7,8 @@ vLLM. What runs without vLLM is unit-tested (continuation bookkeeping, the layou
 the engine arguments, the import guard).
 
 How it works:
-- AsyncLLM runs on an event loop in a background thread; ``generate`` (called from the actor's engine
-  thread) submits one request per prompt and waits for all of them, streaming outputs as they come.
+- AsyncLLM runs on an event loop in a background thread; ``submit`` (called from the actor's event loop) starts one
+  request there and returns a future; AsyncLLM batches the requests in flight continuously itself.
 - Log-probs: ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob, taken after temperature
   (``logprobs_mode="processed_logprobs"``), as the learner scores. vLLM's processed log-probs are also taken
   after top-p truncation and renormalised over the nucleus, which the learner cannot reproduce, so this engine
@@ -31,14 +31,16 @@ How it works:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import dataclasses
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from actor.engine import EngineConfig, EngineStats, Generation, SamplingParams, StopWatch
+from actor.engine import EngineConfig, EngineStats, Generation, SamplingParams, StopWatch, generate_all
 from common.model import ModelConfig, build_tokenizer, parameter_layout
 from common.tokenizer import resolved_kind
 from common.weightsync import RoundFailed
@@ -151,6 +153,8 @@ class VLLMEngine:
         self.version = 0
         self.content_version = 0
         self.stats = EngineStats()
+        self._busy_lock = threading.Lock()
+        self._in_flight, self._busy_since = 0, 0.0
         self._layout = parameter_layout(model_cfg, self.tokenizer.vocab_size)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
@@ -234,24 +238,36 @@ class VLLMEngine:
                         part.finish = "eos"
                     return part
 
-    async def _batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                     images: Sequence[Sequence[Any]]) -> list[Partial]:
-        return list(await asyncio.gather(*(self._one(list(p), params, im) for p, im in zip(prompts, images))))
+    def submit(self, prompt: Sequence[int], params: SamplingParams, images: Sequence[Any] = ()) -> cf.Future:
+        """One request into AsyncLLM (which batches continuously itself); the future gives its ``Generation``."""
+        out: cf.Future = cf.Future()
+        with self._busy_lock:
+            if not self._in_flight:
+                self._busy_since = time.perf_counter()
+            self._in_flight += 1
+            self.stats.requests += 1
+        inner = asyncio.run_coroutine_threadsafe(self._one(list(prompt), params, images), self._loop)
+
+        def finished(f: cf.Future) -> None:
+            with self._busy_lock:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self.stats.seconds += time.perf_counter() - self._busy_since
+            try:
+                p = f.result()
+            except BaseException as exc:
+                out.set_exception(exc)
+                return
+            self.stats.generated_tokens += len(p.token_ids)
+            self.stats.prompt_tokens += len(prompt)
+            out.set_result(Generation(p.token_ids, p.logprobs, p.versions, p.finish or "length",
+                                      self.tokenizer.decode([t for t in p.token_ids if t not in self.tokenizer.stop_ids])))
+        inner.add_done_callback(finished)
+        return out
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 images: Sequence[Sequence[Any]] | None = None, on_step: Any = None) -> list[Generation]:
-        import time
-
-        t0 = time.perf_counter()
-        parts = self._run(self._batch(prompts, params, images or [()] * len(prompts)))
-        gens = [Generation(p.token_ids, p.logprobs, p.versions, p.finish or "length",
-                           self.tokenizer.decode([t for t in p.token_ids if t not in self.tokenizer.stop_ids]))
-                for p in parts]
-        self.stats.generated_tokens += sum(len(g.token_ids) for g in gens)
-        self.stats.prompt_tokens += sum(len(p) for p in prompts)
-        self.stats.batches += 1
-        self.stats.seconds += time.perf_counter() - t0
-        return gens
+                 images: Sequence[Sequence[Any]] | None = None) -> list[Generation]:
+        return generate_all(self, prompts, params, images)
 
     # ----- weights -------------------------------------------------------------------------------
 

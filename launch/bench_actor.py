@@ -1,11 +1,12 @@
 """``computerrl bench actor``: a whole actor (tiny model, sim desktops) against its engine alone.
 
 A broker and an env_server run as their own processes; a learner stand-in pulls batches and advances the
-version so admission keeps flowing. The actor plays ``--groups`` task groups. Every batch the actor's
-engine generated is recorded (prompts, sampling parameters), then replayed through the same engine with no
-env and no transport: ``engine_only_tokens_per_s`` is that baseline, and ``ratio`` is the actor's
-generated tokens/s over it — how much of the engine's speed survives the agent loop. The engine itself is
-compared with transformers' ``generate`` on the same batches (``engine_vs_hf_generate``).
+version so admission keeps flowing. The actor plays ``--groups`` task groups. Every turn the actor submitted to
+its engine is recorded (prompt, sampling parameters), then replayed through the same engine with no env and no
+transport, all at once: ``engine_only_tokens_per_s`` is that baseline, and ``ratio`` is the actor's generated
+tokens/s over it — how much of the engine's speed survives the agent loop. The engine itself is compared with
+transformers' ``generate`` on the same requests in batches of ``max_batch`` (``engine_vs_hf_generate``);
+``mean_batch`` is the engine's mean decode batch during the actor's run.
 
 ``--model vlm``: a tiny Qwen2-VL (``launch.tiny_checkpoints``) shown the sim desktop's screenshots only; the
 recorded batches carry their images, the baselines get the same images, and ``images_per_s`` counts the images in
@@ -98,7 +99,8 @@ def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int
               device: str = "cpu", kind: str = "tiny") -> dict:
     from actor.agent import Actor
     from actor.config import ActorConfig
-    from actor.engine import EngineConfig, HFEngine, SamplingParams
+    from actor.engine import EngineConfig, SamplingParams
+    from actor.hf_engine import HFEngine
     from actor.prompt import PromptConfig
     from common import log as L
     from common.model import ModelConfig
@@ -110,7 +112,7 @@ def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int
     env_port = free_port()
     ctx = mp.get_context("spawn")
     sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
-    recorded: list[tuple[list, Any, list]] = []
+    submitted: list[tuple[list, Any, list]] = []  # every turn the actor asked its engine for
     with tempfile.TemporaryDirectory(prefix="bench-actor-") as tmp:
         if kind == "vlm":
             from launch.tiny_checkpoints import vlm_checkpoint
@@ -122,13 +124,13 @@ def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int
                                 num_kv_heads=2)
             prompt = PromptConfig(max_prompt_tokens=2048)
         engine = HFEngine(model, EngineConfig(seed=0, device=device))
-        real_generate = engine.generate
+        real_submit = engine.submit
 
-        def recording_generate(prompts, params, images=None, on_step=None):
-            recorded.append(([list(p) for p in prompts], params, list(images or [[] for _ in prompts])))
-            return real_generate(prompts, params, images, on_step)
+        def recording_submit(prompt, params, images=()):
+            submitted.append((list(prompt), params, list(images or ())))
+            return real_submit(prompt, params, images)
 
-        engine.generate = recording_generate  # type: ignore[method-assign]
+        engine.submit = recording_submit  # type: ignore[method-assign]
         b_ready, e_ready = ctx.Event(), ctx.Event()
         shots = "png" if kind == "vlm" else "none"
         procs = [ctx.Process(target=_broker_proc, args=(net, f"{tmp}/b", group_size, b_ready), daemon=True),
@@ -151,6 +153,10 @@ def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int
             actor.run()
             wall = time.perf_counter() - t0
             tokens = engine.stats.generated_tokens - tokens0
+            mean_batch = round(engine.stats.decode_rows / max(engine.stats.decode_steps, 1), 2)
+            engine_busy = {"engine_busy_s": round(engine.stats.seconds, 2),
+                           "engine_prefill_s": round(engine.stats.prefill_seconds, 2),
+                           "engine_prefills": engine.stats.prefill_batches, "engine_windows": engine.stats.batches}
             episodes = actor.stats["episodes"]
             stats = dict(actor.stats)
         finally:
@@ -160,18 +166,21 @@ def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int
             for p in procs:
                 p.terminate()
                 p.join(10)
-    # Baseline: the same batches through the same engine, nothing else.
-    engine.generate = real_generate  # type: ignore[method-assign]
+    # Baseline: the same requests through the same engine, nothing else (all submitted at once).
+    engine.submit = real_submit  # type: ignore[method-assign]
     base_tokens, t0 = 0, time.perf_counter()
-    for prompts, params, images in recorded:
-        base_tokens += sum(len(g.token_ids) for g in real_generate(prompts, params, images))
+    gens = engine.generate([p for p, _, _ in submitted], sampling, [im for _, _, im in submitted])
+    base_tokens = sum(len(g.token_ids) for g in gens)
     if device.startswith("cuda"):
         import torch
 
         torch.cuda.synchronize()
     base_wall = time.perf_counter() - t0
+    batch = engine.cfg.max_batch
+    recorded = [([p for p, _, _ in submitted[i:i + batch]], sampling, [im for _, _, im in submitted[i:i + batch]])
+                for i in range(0, len(submitted), batch)]
     hf_tokens, hf_wall = _hf_generate(engine, recorded, device)
-    images = sum(len(row) for _, _, rows in recorded for row in rows)
+    images = sum(len(im) for _, _, im in submitted)
     return {"device": device, "model": kind,
         "images": images, "images_per_s": round(images / wall, 2),
         "groups": groups, "group_size": group_size, "max_groups": max_groups, "hidden_size": hidden,
@@ -181,7 +190,7 @@ def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int
         "ratio": round((tokens / wall) / (base_tokens / base_wall), 3),
         "hf_generate_tokens_per_s": round(hf_tokens / hf_wall, 1),
         "engine_vs_hf_generate": round((base_tokens / base_wall) / (hf_tokens / hf_wall), 3),
-        "engine_batches": len(recorded), "mean_batch": round(sum(len(p) for p, _, _ in recorded) / len(recorded), 2),
+        "engine_requests": len(submitted), "mean_batch": mean_batch,
         "format_error_rate": round(stats.get("format_errors", 0) / max(stats.get("turns", 1), 1), 3),
-        "seconds": round(wall, 2),
+        "seconds": round(wall, 2), **engine_busy,
     }

@@ -603,6 +603,32 @@ def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: i
     _emit(result, as_json)
 
 
+@bench.command("engine")
+@click.option("--device", default="cpu", show_default=True, help="cpu | cuda | cuda:N")
+@click.option("--shape", default="", help="a real model's shape, not --hidden/--layers: qwen2.5-0.5b | qwen2.5-1.5b")
+@click.option("--hidden", default=64, show_default=True, help="model width (without --shape)")
+@click.option("--layers", default=2, show_default=True, help="transformer blocks (without --shape)")
+@click.option("--batch", "batches", multiple=True, type=int, default=(32, 128), show_default=True,
+              help="fixed-length workload at this batch (repeatable; none: --batch 0)")
+@click.option("--prompt-len", default=512, show_default=True, help="fixed workload: prompt tokens")
+@click.option("--new-tokens", default=128, show_default=True, help="fixed workload: tokens generated per prompt")
+@click.option("--workload", default="broad-sim-turns", show_default=True,
+              help="mixed multi-turn workload (launch/workloads/NAME.json or a path; empty: none)")
+@click.option("--mixed-batch", default=64, show_default=True, help="mixed workload: rows decoded at once")
+@click.option("--mixed-episodes", default=256, show_default=True, help="mixed workload: episodes played")
+@click.option("--sync-every", default=0, show_default=True, help="engine decode steps per host look (0: the default)")
+@click.option("--no-graphs", is_flag=True, help="decode eagerly on CUDA (no captured graphs)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def bench_engine(device: str, shape: str, hidden: int, layers: int, batches: tuple, prompt_len: int, new_tokens: int,
+                 workload: str, mixed_batch: int, mixed_episodes: int, sync_every: int, no_graphs: bool,
+                 as_json: bool) -> None:
+    """Our engine vs transformers' generate (static cache) on the same model, work and batch."""
+    from launch.bench_engine import run_bench
+
+    _emit(run_bench(device, shape, hidden, layers, tuple(b for b in batches if b > 0), prompt_len, new_tokens,
+                    workload, mixed_batch, mixed_episodes, sync_every, not no_graphs), as_json)
+
+
 @bench.command("learner")
 @click.option("--hidden", default=128, show_default=True, help="model width")
 @click.option("--layers", default=2, show_default=True, help="transformer blocks")

@@ -15,8 +15,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from actor.engine import HFEngine, SamplingParams
-from actor.episode import play_lockstep
+from actor.engine import SamplingParams
+from actor.hf_engine import HFEngine
+from actor.episode import play_concurrent
 from actor.prompt import PromptConfig
 from common.stats import wilson_interval
 from env_server.sim.backend import SimBackend, SimConfig
@@ -61,7 +62,7 @@ def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sa
             ids = task_ids[i:i + chunk]
             shots = "png" if prompt_cfg.observation != "tree" else "none"
             envs = pool[:len(ids)] if real else [SimBackend(SimConfig(screenshot=shots)) for _ in ids]
-            episodes = asyncio.run(play_lockstep(envs, ids, engine, sampling, engine.tokenizer, prompt_cfg, max_steps))
+            episodes = asyncio.run(play_concurrent(envs, ids, engine, sampling, engine.tokenizer, prompt_cfg, max_steps))
             for ep in episodes:
                 steps += len(ep.turns)
                 format_errors += ep.format_errors

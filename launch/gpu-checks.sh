@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The GPU checks (docs/gpu.md records their figures): CUDA tests, learner benches on real model shapes,
 # the actor bench on CUDA, and a whole run with the learner and two actors sharing one GPU.
-#   bash launch/gpu-checks.sh tests|bench-learner|bench-actor|bench-weights|run OUT_DIR
+#   bash launch/gpu-checks.sh tests|bench-engine|bench-learner|bench-actor|bench-weights|run OUT_DIR
 # Uses the current python (torch + transformers with CUDA); pyzmq/structlog/... must be importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="$1"; out="$2"; mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py="${PYTHON:-python3}"
+# A lent machine lacks some of our pure dependencies: wheels carried in build/wheels go to /tmp/site.
+if ls build/wheels/*.whl >/dev/null 2>&1 && ! "$py" -c "import zmq, structlog, msgpack" 2>/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site build/wheels/*.whl
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
 crl() { "$py" -m launch.cli "$@"; }
 case "$what" in
   tests)
@@ -15,6 +20,11 @@ case "$what" in
     "$py" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
     "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_learner.py tests/test_actor.py \
       tests/test_weightsync.py tests/test_losses.py 2>&1 | tee "$out/tests.txt" | tail -15
+    ;;
+  bench-engine)
+    # the actor's engine vs transformers' generate (static cache, compiled) on Qwen2.5-0.5B's shape
+    crl bench engine --device cuda --shape qwen2.5-0.5b --json 2>>"$out/bench-err.txt" \
+      | tee -a "$out/bench-engine.jsonl" || tail -20 "$out/bench-err.txt"
     ;;
   bench-learner)
     for args in "--shape qwen2.5-0.5b --groups 2 --group-size 8 --prompt-len 3584 --output-len 512" \
@@ -45,7 +55,7 @@ case "$what" in
   run)
     # Qwen2.5-0.5B's shape (about 1 GB of bf16 weights per round), random weights, byte tokenizer.
     rd=/tmp/gpu-run; rm -rf "$rd"
-    timeout 360 "$py" -m launch.cli run configs/local.yaml --run-dir "$rd" model.path= model.arch=qwen2 \
+    timeout "${RUN_TIMEOUT:-360}" "$py" -m launch.cli run configs/local.yaml --run-dir "$rd" model.path= model.arch=qwen2 \
       model.hidden_size=896 model.num_layers=24 model.num_heads=14 model.num_kv_heads=2 \
       model.intermediate_size=4864 model.vocab_size=151936 learner.device=cuda actor.engine.device=cuda \
       learner.anchor.suite= learner.total_steps=8 learner.checkpoint_every=0 local.eval_episodes=0 \

@@ -150,7 +150,8 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
 
 def evaluate_base(path: Path, cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, env: Any = None) -> dict:
     """Greedy held-out success of the new base policy on the families it was cloned on."""
-    from actor.engine import EngineConfig, HFEngine, SamplingParams
+    from actor.engine import EngineConfig, SamplingParams
+    from actor.hf_engine import HFEngine
     from launch.evaluate import evaluate, suite_tasks
 
     engine = HFEngine(dataclasses.replace(model_cfg, path=str(path)), EngineConfig(seed=cfg.seed, max_batch=64,

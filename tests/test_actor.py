@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 
 from actor.agent import Actor  # noqa: E402
 from actor.config import ActorConfig  # noqa: E402
-from actor.engine import EngineConfig, HFEngine, SamplingParams  # noqa: E402
+from actor.engine import EngineConfig, SamplingParams  # noqa: E402
+from actor.hf_engine import HFEngine  # noqa: E402
 from actor.prompt import EpisodePrompt, PromptConfig  # noqa: E402
 from broker.client import LearnerBrokerClient  # noqa: E402
 from broker.config import BrokerConfig  # noqa: E402
@@ -118,13 +119,16 @@ def test_weights_swap_at_a_token_boundary_and_match_the_learner(quiet_log):
     before = eng.generate([prompt], params)[0]
     steps = {"n": 0}
 
-    def on_step():
+    def after_window():
         steps["n"] += 1
         if steps["n"] == 6:
             eng.load_weights(received["t"], received["v"])  # arrives mid-generation
 
-    mid = eng.generate([prompt], params, on_step=on_step)[0]
-    assert mid.versions[:6] == [0] * 6 and set(mid.versions[6:]) == {5}, mid.versions
+    eng.step_hook = after_window
+    mid = eng.generate([prompt], params)[0]
+    eng.step_hook = None
+    # the prefill samples token 1, each window one more (sync_every 1 on CPU): 7 tokens before the swap
+    assert mid.versions[:7] == [0] * 7 and set(mid.versions[7:]) == {5}, mid.versions
     after = eng.generate([prompt] * 2, params)
     for g in after:
         assert set(g.versions) == {5}
@@ -354,6 +358,7 @@ def _vllm_engine_with(llm):
     eng.cfg, eng.tokenizer, eng.own_tokenizer = EngineConfig(kind="vllm"), ByteTokenizer(), False
     eng.version = eng.content_version = 0
     eng.stats, eng._layout, eng.llm = EngineStats(), [("w", (2,))], llm
+    eng._busy_lock, eng._in_flight, eng._busy_since = threading.Lock(), 0, 0.0
     eng.vllm = SimpleNamespace(SamplingParams=lambda **kw: kw)
     eng._inputs = lambda ids, images: ids
     eng._loop = asyncio.new_event_loop()

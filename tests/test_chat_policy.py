@@ -13,7 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from actor.demos import demonstrate  # noqa: E402
-from actor.engine import EngineConfig, HFEngine, SamplingParams  # noqa: E402
+from actor.engine import EngineConfig, SamplingParams  # noqa: E402
+from actor.hf_engine import HFEngine  # noqa: E402
 from actor.prompt import ChatTemplateRenderer, EpisodePrompt, Message, PromptConfig  # noqa: E402
 from common.model import ModelConfig, build_tokenizer, sequence_logprobs  # noqa: E402
 from common.tokenizer import load_tokenizer  # noqa: E402

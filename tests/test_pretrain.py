@@ -103,7 +103,8 @@ def test_pretrain_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
     state = json.loads((tmp_path / "base" / "state.json").read_text())
     assert state["model_config"]["tokenizer_path"] == "", "a byte-tokenizer base names no host path"
     assert losses[-1] < losses[0] * 0.7, losses
-    from actor.engine import EngineConfig, HFEngine
+    from actor.engine import EngineConfig
+    from actor.hf_engine import HFEngine
     from actor.engine import SamplingParams
 
     eng = HFEngine(ModelConfig(**{**TINY.__dict__, "path": out["checkpoint"]}), EngineConfig())

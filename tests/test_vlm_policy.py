@@ -11,8 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from actor.engine import EngineConfig, HFEngine, SamplingParams  # noqa: E402
-from actor.episode import LocalEnv, LockstepPolicy, play_episode  # noqa: E402
+from actor.engine import EngineConfig, SamplingParams  # noqa: E402
+from actor.hf_engine import HFEngine  # noqa: E402
+from actor.episode import EnginePolicy, LocalEnv, play_episode  # noqa: E402
 from actor.prompt import EpisodePrompt, PromptConfig  # noqa: E402
 from common import protocol as P  # noqa: E402
 from common.model import ModelConfig, model_kind  # noqa: E402
@@ -87,21 +88,16 @@ def _episodes(engine, store: ImageStore, n: int = 4, task: str = "sim:train:file
     """n sampled episodes from one screen, their images put in ``store`` as an actor does."""
     pc = PromptConfig(style="minimal", observation="both", history_images=2, max_prompt_tokens=2048)
     backends = [SimBackend(SimConfig(screenshot="png")) for _ in range(n)]
-    policy = LockstepPolicy(engine, SamplingParams(max_new_tokens=24), n)
+    policy = EnginePolicy(engine, SamplingParams(max_new_tokens=24))
 
     async def storing(ids, obs, images):
         for img in images:
             store.put(img)
         return await policy(ids, obs, images)
 
-    async def one(backend):
-        try:
-            return await play_episode(LocalEnv(backend), storing, task, engine.tokenizer, pc, 3)
-        finally:
-            policy.finished()
-
     async def main():
-        return await asyncio.gather(*(one(b) for b in backends))
+        return await asyncio.gather(*(play_episode(LocalEnv(b), storing, task, engine.tokenizer, pc, 3)
+                                      for b in backends))
 
     return asyncio.run(main())
 

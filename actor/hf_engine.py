@@ -1,0 +1,502 @@
+"""``HFEngine``: PyTorch + transformers on CPU or GPU, batching continuously.
+
+Every prompt submitted is a request. On the engine's own thread, a loop of windows:
+
+1. weights staged by a round are copied into the model in place (with ``interrupt``; else once nothing runs);
+2. waiting requests take free slots of the KV cache (``actor/kv_cache.py``, allocated once) and are
+   prefilled in batches of at most ``prefill_tokens`` padded tokens (a longer text prompt in chunks); each
+   samples its first token. A slot keeps what its last request left in it: a turn whose prompt begins with an
+   earlier turn's prompt and output (the same episode's history) takes that slot and prefills only the rest;
+3. every running request decodes together for ``sync_every`` tokens: the decode step (replayed as a CUDA
+   graph on a GPU, ``actor/decode_graphs.py``) and the sampling (``actor/sampler.py``) stay on the device,
+   tokens and log-probs go to a device buffer;
+4. one copy to the host; each row's new tokens are checked for stop ids and stop strings; a finished request
+   leaves its slot, and the next waiting one takes it at step 2.
+
+A request never waits for another one's longest row, and a turn submitted while others decode joins them
+at the next window. Rows that finished inside a window decode on to its end (at most ``sync_every - 1``
+tokens, thrown away); a row past its token budget stops advancing its cache position on the device, so no row
+writes beyond the columns its request reserved (prompt + max_new_tokens). Tokens keep the version of the weights that sampled them: swaps happen only
+between windows.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import heapq
+import inspect
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from actor.decode_graphs import DecodeGraphs, column_bucket, row_bucket
+from actor.engine import EngineConfig, EngineStats, Generation, SamplingParams, StopWatch, generate_all
+from actor.kv_cache import SlotKVCache
+from actor.sampler import BatchKinds, RowParams, sample
+from actor.slot_attention import use_slot_decode_attention
+from common.model import ModelConfig, ban, build_model, build_tokenizer
+
+log = logging.getLogger(__name__)
+
+MIN_REUSED_PREFIX = 16  # shorter shared prefixes are not worth leaving the lowest free slot for
+
+
+@dataclass
+class Request:
+    """One generation in the engine: waiting for a slot, then running in it until it finishes."""
+
+    prompt: list[int]
+    params: SamplingParams
+    images: list
+    future: cf.Future
+    watch: StopWatch
+    submitted: float
+    gen: Generation = field(default_factory=lambda: Generation([], [], [], "length"))
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens already in the cache (a long prompt is prefilled in chunks)
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.gen.token_ids)
+
+
+class HFEngine:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig | None = None):
+        import torch
+
+        self.cfg = cfg or EngineConfig()
+        self.cfg.validate()
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)
+        self.torch = torch
+        self.tokenizer = build_tokenizer(model_cfg)
+        self.model = build_model(model_cfg, self.tokenizer.vocab_size, self.cfg.device).eval()
+        if "flash" in str(getattr(self.model.config, "_attn_implementation", "")):
+            self.model.set_attn_implementation("sdpa")  # the slot cache attends under its own 4D masks
+        # decode steps read grouped key/value heads once (a VLM keeps SDPA: its vision tower shares the setting)
+        self.slot_attention = self.tokenizer.vision is None and use_slot_decode_attention(self.model)
+        self.device = self.cfg.device
+        self.cuda = torch.device(self.device).type == "cuda"
+        self._cuda_index = (torch.device(self.device).index if torch.device(self.device).index is not None
+                            else torch.cuda.current_device()) if self.cuda else None
+        self.vision = self.tokenizer.vision  # a VLM's image processor, else None
+        self.vocab = self.tokenizer.vocab_size  # padding rows of the embedding are never sampled (nor scored)
+        self.banned = (torch.tensor(self.vision.banned_ids, dtype=torch.long, device=self.device)
+                       if self.vision else None)
+        self.stop_ids = torch.tensor(sorted(self.tokenizer.stop_ids), dtype=torch.long, device=self.device)
+        self.version = 0
+        self.content_version = 0  # the learner version these weights came from (relabels keep it)
+        self.stats = EngineStats()
+        self.gen = torch.Generator(device=self.device)
+        self.gen.manual_seed(self.cfg.seed)
+        self.step_hook: Callable[[], None] | None = None  # called after every decode window (tests)
+        self._staged: tuple[dict, int] | None = None
+        self._lock = threading.Lock()
+        self._running = threading.Event()
+        self._running.set()
+        self._setup_slots()
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._by_slot: dict[int, Request] = {}
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def _setup_slots(self) -> None:
+        torch, dev, cfg = self.torch, self.device, self.cfg
+        body = getattr(self.model, "model", None)
+        head = self.model.get_output_embeddings()
+        if body is None or head is None:
+            raise ValueError(f"the hf engine needs a model with a .model body and an output head; "
+                             f"{type(self.model).__name__} has not")
+        self.body, self.head = body, head
+        params = inspect.signature(body.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
+        text = self.model.config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        dtype = next(self.head.parameters()).dtype
+        S = self.slots = cfg.max_batch
+        self.cache = SlotKVCache(text.num_hidden_layers, S, text.num_key_value_heads, head_dim, cfg.max_seq_len,
+                                 dtype, dev)
+        self.scratch = self.cache.scratch
+        self.free_slots = list(range(S))  # a heap: the lowest slot first keeps decode batches dense
+        self.slot_tokens: list[Any] = [None] * S  # token ids whose keys/values a free slot still holds
+        self.tok_in = torch.zeros(S, dtype=torch.long, device=dev)  # each slot's last sampled token
+        self.cache_pos = torch.full((S,), self.scratch, dtype=torch.long, device=dev)  # where it is written
+        self.active = torch.zeros(S, dtype=torch.long, device=dev)
+        self.budget = torch.zeros(S, dtype=torch.long, device=dev)  # max_new_tokens of each slot's request
+        self.rope_pos: Any = None  # a VLM's multimodal positions [axes, S] (text: rope position = cache position)
+        self.slot_index = torch.arange(S, device=dev)
+        self.key_index = torch.arange(cfg.max_seq_len + 1, device=dev)
+        self.rows = RowParams(torch.ones(S, device=dev), torch.zeros(S, dtype=torch.bool, device=dev),
+                              torch.ones(S, device=dev), torch.zeros(S, dtype=torch.long, device=dev),
+                              torch.zeros(S, dtype=torch.long, device=dev))
+        self.sync_every = cfg.sync_every or (8 if self.cuda else 1)
+        self.out = torch.zeros(2, S, self.sync_every, device=dev)  # tokens (exact in float32 below 2**24), log-probs
+        use_graphs = self.cuda and cfg.cuda_graphs and self.vision is None
+        self.graphs = DecodeGraphs(self._decode_step) if use_graphs else None
+
+    # ----- weights -------------------------------------------------------------------------------
+
+    def named_parameters(self) -> list[tuple[str, Any]]:
+        return list(self.model.named_parameters())  # tied weights once
+
+    def load_weights(self, named: Mapping[str, Any], version: int) -> None:
+        """Stage new weights; they take effect at the next decode window (or once nothing runs, without
+        interrupt)."""
+        with self._lock:
+            self._staged = (dict(named), version)
+        with self._cv:
+            self._cv.notify()
+
+    def has_staged(self) -> bool:
+        """Whether staged weights still wait for a token boundary (their buffers must not be reused yet)."""
+        with self._lock:
+            return self._staged is not None
+
+    def receive_round(self, round_no: int, epoch: int, receiver: Any) -> int:
+        reuse = not self.has_staged()  # the last weights were copied in: their buffers can take the next ones
+        version, tensors = receiver.receive(round_no, epoch, self.named_parameters(), reuse=reuse)
+        self.load_weights(tensors, version)
+        return version
+
+    def _swap_if_staged(self) -> bool:
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is None:
+            return False
+        named, version = staged
+        state = self.model.state_dict()
+        with self.torch.no_grad():  # in place: captured graphs keep reading the same parameters
+            for name, tensor in named.items():
+                if name not in state:
+                    raise KeyError(f"unknown parameter {name!r} in a weight update")
+                state[name].copy_(tensor.to(state[name].device, state[name].dtype))
+        self.version = self.content_version = version
+        self.stats.weight_swaps += 1
+        self.slot_tokens = [None] * self.slots  # cached prefixes were computed by the old weights
+        return True
+
+    def relabel(self, version: int) -> None:
+        """The learner advanced its version without changing these weights: later tokens carry the new one."""
+        with self._lock:
+            if self._staged is None and version > self.version:
+                self.version = version
+
+    def pause(self) -> None:
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    # ----- requests ------------------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams, images: Sequence[Any] = ()) -> cf.Future:
+        if params.temperature < 0:
+            raise ValueError("temperature must be >= 0 (0 = greedy, for evaluation)")
+        if params.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if images and self.vision is None:
+            raise ValueError("prompts with images need a vision-language model (model.kind vlm)")
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) + params.max_new_tokens > self.cfg.max_seq_len:
+            raise ValueError(f"a prompt of {len(prompt)} tokens with max_new_tokens {params.max_new_tokens} does not "
+                             f"fit a slot of actor.engine.max_seq_len={self.cfg.max_seq_len} tokens: raise it, or "
+                             "shorten prompts (actor.prompt.max_prompt_tokens)")
+        req = Request(list(prompt), params, list(images or ()), cf.Future(), StopWatch(self.tokenizer, params.stop),
+                      time.perf_counter())
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._waiting.append(req)
+            self.stats.requests += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="hf-engine", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return req.future
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 images: Sequence[Sequence[Any]] | None = None) -> list[Generation]:
+        if images is not None and any(images) and self.vision is None:
+            raise ValueError("prompts with images need a vision-language model (model.kind vlm)")
+        return generate_all(self, prompts, params, images)
+
+    def use_slots(self, n: int) -> None:
+        """Decode at most ``n`` requests at once from now on (benchmarks compare engines at equal batch); only
+        while no request runs."""
+        with self._cv:
+            if self._by_slot or not 1 <= n <= self.slots:
+                raise ValueError(f"use_slots({n}): needs an idle engine and 1 <= n <= {self.slots}")
+            self.free_slots = list(range(n))
+            self.slot_tokens = [None] * self.slots
+
+    def close(self) -> None:
+        """Stop the engine's thread; requests still waiting or running fail."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(30)
+
+    # ----- the loop ------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        if self.cuda:  # streams and graphs on the engine's GPU ("cuda" alone: the one current at construction)
+            self.torch.cuda.set_device(self._cuda_index)
+        with self.torch.no_grad():  # grad mode is per thread
+            while True:
+                with self._cv:  # work: requests running or waiting, or weights to swap in
+                    while not self._closed and not (self._by_slot or self._waiting or self._staged is not None):
+                        self._cv.wait()
+                    if self._closed:
+                        break
+                self._running.wait()
+                t0 = time.perf_counter()
+                try:
+                    self._window()
+                except Exception as exc:  # an engine failure fails the requests in flight, not the engine
+                    log.exception("engine window failed")
+                    self._fail(list(self._by_slot.values()), exc)
+                self.stats.seconds += time.perf_counter() - t0
+        with self._cv:
+            self._fail(list(self._by_slot.values()) + list(self._waiting), RuntimeError("the engine is closed"))
+            self._waiting.clear()
+
+    def _admitting(self) -> bool:
+        """Without ``interrupt``, staged weights wait until nothing runs: no request starts meanwhile."""
+        return self.cfg.interrupt or self._staged is None
+
+    def _window(self) -> None:
+        if self.cfg.interrupt or not self._by_slot:
+            self._swap_if_staged()
+        if self._admitting():
+            t0 = time.perf_counter()
+            self._admit()
+            self.stats.prefill_seconds += time.perf_counter() - t0
+        if self._by_slot:
+            self._decode_window()
+            if self.step_hook is not None:
+                self.step_hook()
+
+    def _fail(self, reqs: list[Request], exc: BaseException) -> None:
+        for r in reqs:
+            if r.slot >= 0:
+                self._release(r)
+            if not r.future.done():
+                r.future.set_exception(exc)
+
+    def _release(self, r: Request) -> None:
+        self._by_slot.pop(r.slot, None)
+        self.active[r.slot] = 0
+        self.cache_pos[r.slot] = self.scratch
+        heapq.heappush(self.free_slots, r.slot)
+        r.slot = -1
+
+    def _finish(self, r: Request, finish: str) -> None:
+        if self.cfg.prefix_reuse and not r.images:
+            # what the slot's columns now hold: the prompt and every kept token but the last (never fed back)
+            self.slot_tokens[r.slot] = np.asarray(r.prompt + r.gen.token_ids[:-1])
+        r.gen.finish = finish
+        stops = self.tokenizer.stop_ids
+        r.gen.text = self.tokenizer.decode([t for t in r.gen.token_ids if t not in stops])
+        self.stats.generated_tokens += len(r.gen.token_ids)
+        self._release(r)
+        if not r.future.done():
+            r.future.set_result(r.gen)
+
+    # ----- prefill -------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        torch, dev = self.torch, self.device
+        with self._cv:
+            new = []
+            while self._waiting and self.free_slots:
+                r = self._waiting.popleft()
+                self._place(r)
+                self._by_slot[r.slot] = r
+                new.append(r)
+        if not new:
+            return
+        slots = torch.tensor([r.slot for r in new], device=dev)
+        rows = self.rows
+        rows.temperature.index_copy_(0, slots, torch.tensor([r.params.temperature or 1.0 for r in new], device=dev))
+        rows.greedy.index_copy_(0, slots, torch.tensor([r.params.temperature == 0 for r in new], device=dev))
+        rows.top_p.index_copy_(0, slots, torch.tensor([float(r.params.top_p) for r in new], device=dev))
+        rows.min_new.index_copy_(0, slots, torch.tensor([r.params.min_new_tokens for r in new], device=dev))
+        rows.generated.index_fill_(0, slots, 0)
+        self.budget.index_copy_(0, slots, torch.tensor([r.params.max_new_tokens for r in new], device=dev))
+        batch: list[Request] = []
+        for r in new:
+            if self.vision is None and len(r.prompt) - r.prefilled > self.cfg.prefill_tokens:
+                while r.prefilled < len(r.prompt):  # alone, in chunks
+                    self._prefill([r], self.cfg.prefill_tokens)
+                continue
+            width = max(len(q.prompt) - q.prefilled for q in [r, *batch])
+            if batch and width * (len(batch) + 1) > self.cfg.prefill_tokens:
+                self._prefill(batch, self.cfg.max_seq_len)
+                batch = []
+            batch.append(r)
+        if batch:
+            self._prefill(batch, self.cfg.max_seq_len)
+
+    def _place(self, r: Request) -> None:
+        """A free slot for ``r``: the one whose cached tokens share the longest prefix with its prompt (then only
+        the rest is prefilled), else the lowest (decode batches stay dense)."""
+        best, shared = -1, 0
+        if self.cfg.prefix_reuse and not r.images:
+            prompt = np.asarray(r.prompt)
+            for slot in self.free_slots:
+                held = self.slot_tokens[slot]
+                if held is None:
+                    continue
+                n = min(len(held), len(prompt))
+                differ = np.flatnonzero(held[:n] != prompt[:n])
+                common = int(differ[0]) if len(differ) else n
+                if common > shared:
+                    best, shared = slot, common
+        if shared >= MIN_REUSED_PREFIX:
+            self.free_slots.remove(best)
+            heapq.heapify(self.free_slots)
+            r.slot, r.prefilled = best, min(shared, len(r.prompt) - 1)  # one token at least: its logits
+            self.stats.prefix_reused_tokens += r.prefilled
+        else:
+            r.slot = heapq.heappop(self.free_slots)
+        self.slot_tokens[r.slot] = None  # overwritten from here on
+
+    def _prefill(self, reqs: list[Request], chunk: int) -> None:
+        """Prompt tokens ``prefilled .. prefilled + chunk`` of each request into its slot (right-padded rows; the
+        padding writes to the scratch column); a request whose prompt is now all in samples its first token."""
+        torch, dev = self.torch, self.device
+        parts = [r.prompt[r.prefilled:r.prefilled + chunk] for r in reqs]
+        n, width = len(reqs), max(len(p) for p in parts)
+        ids = torch.full((n, width), self.tokenizer.pad_id, dtype=torch.long)
+        for i, p in enumerate(parts):
+            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        ids = ids.to(dev)
+        lens = torch.tensor([len(p) for p in parts], device=dev)
+        starts = torch.tensor([r.prefilled for r in reqs], device=dev)
+        q = torch.arange(width, device=dev)
+        real = q[None, :] < lens[:, None]
+        columns = max(r.prefilled + len(p) for r, p in zip(reqs, parts))
+        # a padding query attends as the row's last real token does: finite, and never read
+        last_q = starts[:, None] + torch.minimum(q[None, :], lens[:, None] - 1)
+        mask = (self.key_index[None, None, :columns] <= last_q[:, :, None])[:, None]  # [n, 1, width, columns]
+        slots = torch.tensor([r.slot for r in reqs], device=dev)
+        self.cache.write(slots, torch.where(real, starts[:, None] + q[None, :], self.scratch))
+        self.cache.read_rows(slots, columns)
+        extra: dict[str, Any] = {}
+        if self.vision is not None:  # image inputs and multimodal positions [axes, n, width]
+            extra = self.vision.model_inputs(self.model, ids, real.long(), [r.images for r in reqs])
+            positions = extra.pop("position_ids")
+        else:
+            positions = starts[:, None] + q[None, :]
+        hidden = self.body(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                           **{self.cache_kw: self.cache}, **extra).last_hidden_state
+        for r, p in zip(reqs, parts):
+            r.prefilled += len(p)
+            self.stats.prompt_tokens += len(p)
+        self.stats.prefill_batches += 1
+        done = [i for i, r in enumerate(reqs) if r.prefilled == len(r.prompt)]
+        if not done:
+            return
+        idx = torch.tensor(done, device=dev)
+        last = lens[idx] - 1
+        logits = self._logits(hidden[idx, last])
+        slots = slots[idx]
+        kinds = self._kinds([reqs[i] for i in done])
+        tokens, logps = sample(logits, self.rows.take(slots), kinds, self.stop_ids, self.gen)
+        self.tok_in.index_copy_(0, slots, tokens)
+        self.cache_pos.index_copy_(0, slots, torch.tensor([len(reqs[i].prompt) for i in done], device=dev))
+        self.active.index_fill_(0, slots, 1)
+        self.rows.generated.index_fill_(0, slots, 1)
+        if self.vision is not None:
+            if self.rope_pos is None:
+                self.rope_pos = torch.zeros(positions.shape[0], self.slots, dtype=torch.long, device=dev)
+            self.rope_pos[:, slots] = positions[:, idx, last] + 1
+        host = torch.stack([tokens.float(), logps.float()]).tolist()
+        now, version = time.perf_counter(), self.version
+        for j, i in enumerate(done):
+            r = reqs[i]
+            self.stats.first_token_s.append(now - r.submitted)
+            self._take(r, [int(host[0][j])], [host[1][j]], version)
+
+    # ----- decode --------------------------------------------------------------------------------
+
+    def _logits(self, hidden: Any) -> Any:
+        return ban(self.head(hidden)[:, :self.vocab].float(), self.banned)
+
+    def _decode_step(self, rows: int, columns: int) -> Any:
+        """One token for slots ``0 .. rows - 1`` attending over ``columns`` cache columns: the logits. Reads and
+        writes only fixed tensors (what a CUDA graph replays)."""
+        pos = self.cache_pos[:rows]
+        mask = (self.key_index[:columns][None, :] <= pos[:, None])[:, None, None, :]
+        self.cache.write(self.slot_index[:rows], pos[:, None])
+        self.cache.read_prefix(rows, columns)
+        positions = self.rope_pos[:, :rows, None] if self.rope_pos is not None else pos[:, None]
+        hidden = self.body(input_ids=self.tok_in[:rows, None], attention_mask=mask, position_ids=positions,
+                           use_cache=True, **{self.cache_kw: self.cache}).last_hidden_state
+        return self._logits(hidden[:, -1])
+
+    def _kinds(self, reqs: Sequence[Request]) -> BatchKinds:
+        temps = [r.params.temperature for r in reqs]
+        return BatchKinds(nucleus=any(r.params.top_p < 1 and r.params.temperature > 0 for r in reqs),
+                          greedy=any(t == 0 for t in temps), sampled=any(t > 0 for t in temps),
+                          min_new=any(r.params.min_new_tokens > len(r.gen.token_ids) for r in reqs))
+
+    def _decode_window(self) -> None:
+        running = list(self._by_slot.values())
+        window = self.sync_every
+        top = max(self._by_slot) + 1
+        # a row's last sampled token goes to cache column prompt + generated - 1, never past prompt + max_new - 1
+        longest = max(len(r.prompt) + min(len(r.gen.token_ids) - 1 + window, r.params.max_new_tokens - 1)
+                      for r in running) + 1
+        if self.graphs is not None and not self.graphs.disabled:  # few shapes: each is a captured graph
+            rows, columns = row_bucket(top, self.slots), column_bucket(longest, self.cfg.max_seq_len)
+        else:
+            rows, columns = top, longest
+        kinds, version = self._kinds(running), self.version
+        params = self.rows.take(slice(0, rows))
+        active, generated, budget = self.active[:rows], self.rows.generated[:rows], self.budget[:rows]
+        for i in range(window):
+            logits = self.graphs(rows, columns) if self.graphs is not None else self._decode_step(rows, columns)
+            tokens, logps = sample(logits, params, kinds, self.stop_ids, self.gen)
+            self.out[0, :rows, i] = tokens
+            self.out[1, :rows, i] = logps
+            self.tok_in[:rows] = tokens
+            generated += active
+            # A row past its token budget (its tokens are thrown away on the host) keeps rewriting its last column,
+            # so a window need not stop at the shortest budget and no row writes beyond its reserved columns.
+            advance = active * (generated <= budget)
+            self.cache_pos[:rows] += advance
+            if self.rope_pos is not None:
+                self.rope_pos[:, :rows] += advance
+        self.stats.decode_steps += window
+        self.stats.decode_rows += window * len(running)
+        self.stats.batches += 1
+        host = self.out[:, :rows, :window].tolist()  # the window's one device-to-host copy
+        for r in running:
+            n = min(window, r.remaining)
+            self._take(r, [int(t) for t in host[0][r.slot][:n]], host[1][r.slot][:n], version)
+
+    def _take(self, r: Request, tokens: list[int], logps: list[float], version: int) -> None:
+        """A row's new tokens, up to the first stop id or stop string; finishes the request when it ends."""
+        stops = self.tokenizer.stop_ids
+        eos = next((i for i, t in enumerate(tokens) if t in stops), -1)
+        hit = r.watch.first_hit(tokens[:eos] if eos >= 0 else tokens)
+        keep = hit + 1 if hit >= 0 else (eos + 1 if eos >= 0 else len(tokens))
+        g = r.gen
+        g.token_ids.extend(tokens[:keep])
+        g.logprobs.extend(logps[:keep])
+        g.versions.extend([version] * keep)
+        if hit >= 0:
+            self._finish(r, "stop")
+        elif eos >= 0:
+            self._finish(r, "eos")
+        elif r.remaining <= 0:
+            self._finish(r, "length")

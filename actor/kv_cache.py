@@ -1,0 +1,70 @@
+"""The HF engine's KV cache: allocated once, one fixed slot per in-flight request.
+
+Every layer holds keys and values as ``[slots, kv_heads, max_seq_len + 1, head_dim]``. A request owns one slot
+(a row) from its prefill to its last token; a token at cache position ``p`` of slot ``s`` is written to
+``[s, :, p]``. Nothing is concatenated or reallocated while decoding, so a decode step has the same tensors at
+every token (what a captured CUDA graph needs). The last column is a scratch column: padding tokens of a
+prefill and idle slots of a decode batch write there, and no live request ever reads it.
+
+The model sees this as a transformers ``Cache``: its attention layers call ``update(keys, values, layer)``
+and attend over what it returns, under the 4D mask the engine passes (transformers uses a 4D mask as given).
+Before each forward pass the engine says which slots are written where (``write``) and which block is read
+back (``read_prefix`` for the first ``rows`` slots, as a decode batch is laid out, or ``read_rows`` for the
+slots of a prefill batch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers.cache_utils import Cache
+
+
+class SlotKVCache(Cache):
+    def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, max_seq_len: int,
+                 dtype: Any, device: Any):
+        import torch
+
+        super().__init__(layers=[])
+        self.torch = torch
+        self.slots, self.max_seq_len = slots, max_seq_len
+        self.scratch = max_seq_len  # the column padding and idle slots write to
+        shape = (slots, kv_heads, max_seq_len + 1, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self._write_rows: Any = None  # [n, 1] slot of each row of the forward batch
+        self._write_pos: Any = None  # [n, q] cache position of each of its q new tokens
+        self._read_rows: Any = None  # [n] slots read back (a prefill), or None: the first n slots (a decode)
+        self._read_len = 0
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def write(self, rows: Any, positions: Any) -> None:
+        """The next forward pass writes row ``i``'s new token ``j`` to slot ``rows[i]`` at ``positions[i, j]``."""
+        self._write_rows, self._write_pos = rows[:, None], positions
+
+    def read_prefix(self, rows: int, length: int) -> None:
+        """Attention reads the first ``length`` columns of slots ``0 .. rows - 1`` (a view: no copy)."""
+        self._read_rows, self._read_len = None, length
+        self._read_count = rows
+
+    def read_rows(self, rows: Any, length: int) -> None:
+        """Attention reads the first ``length`` columns of the slots ``rows`` (gathered: a prefill batch)."""
+        self._read_rows, self._read_len = rows, length
+
+    def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any):
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        # [n, heads, q, dim] -> [n, q, heads, dim]: the layout advanced indexing on dims 0 and 2 expects
+        k[self._write_rows, :, self._write_pos] = key_states.transpose(1, 2).to(k.dtype)
+        v[self._write_rows, :, self._write_pos] = value_states.transpose(1, 2).to(v.dtype)
+        if self._read_rows is None:
+            return k[:self._read_count, :, :self._read_len], v[:self._read_count, :, :self._read_len]
+        return k[self._read_rows, :, :self._read_len], v[self._read_rows, :, :self._read_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._read_len
+
+    def __len__(self) -> int:
+        return len(self.keys)

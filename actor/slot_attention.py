@@ -1,0 +1,50 @@
+"""Attention for the HF engine's decode steps: one query token per row over a slot of the KV cache, with
+grouped-query heads read once.
+
+A decode step attends one new token per row over up to a few thousand cached columns, under a mask (rows have
+different lengths), so PyTorch's flash kernels, which take no mask, are out, and transformers' SDPA path then
+repeats every key/value head for each query head of its group before attending (7 copies of the whole cache
+per layer for Qwen2.5-0.5B's 14 query and 2 key/value heads). Here the query heads of a group are laid side
+by side instead: one batched matmul per group reads each cached key and value once. Prefill (many query tokens
+per row) stays on SDPA.
+
+Registered with transformers' ``AttentionInterface`` under ``ATTENTION`` and set on the engine's own model only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ATTENTION = "computerrl_slot_decode"
+
+
+def slot_decode_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
+                          scaling: float | None = None, **kwargs: Any) -> tuple[Any, None]:
+    """``query`` [rows, heads, q, dim], ``key``/``value`` [rows, kv_heads, columns, dim], ``attention_mask``
+    [rows, 1, q, columns] (bool, True = attend); returns [rows, q, heads, dim] as transformers' functions do."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rows, heads, q, dim = query.shape
+    if q != 1 or attention_mask is None or attention_mask.dtype != torch.bool:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    kv_heads = key.shape[1]
+    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)  # query head h serves kv head h // group
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * (scaling or dim ** -0.5)
+    scores = scores.masked_fill(~attention_mask, float("-inf"))  # [rows, 1, 1, columns] broadcasts over heads
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)  # [rows, kv_heads, group, dim]
+    return out.reshape(rows, 1, heads, dim), None
+
+
+def use_slot_decode_attention(model: Any) -> bool:
+    """Route ``model``'s attention through ``slot_decode_attention`` (its prefills still reach SDPA); False where
+    this transformers cannot set a custom implementation on one model."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, slot_decode_attention)
+    try:
+        model.set_attn_implementation(ATTENTION)
+    except (ValueError, AttributeError, KeyError):
+        return False
+    return model.config._attn_implementation == ATTENTION

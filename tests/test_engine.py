@@ -1,0 +1,169 @@
+"""The HF engine's continuous batching on CPU: requests join and leave a running batch, every token's log-prob
+equals a teacher-forced pass whatever the slot, window, chunking or reused prefix, and bad requests or a failing
+step are refused or failed one by one, never stalling the engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from actor.engine import EngineConfig, SamplingParams  # noqa: E402
+from actor.hf_engine import HFEngine  # noqa: E402
+from actor.slot_attention import slot_decode_attention  # noqa: E402
+from common.model import ModelConfig, build_model, sequence_logprobs  # noqa: E402
+
+TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+
+
+def _teacher_forced(model, prompt, gen, temperature=1.0):
+    with torch.no_grad():
+        return sequence_logprobs(model, torch.tensor([prompt + gen.token_ids]),
+                                 temperature=temperature or 1.0)[0, len(prompt) - 1:].numpy()
+
+
+def _agree(eng, prompts, gens, temperature=1.0):
+    for p, g in zip(prompts, gens):
+        assert len(g.token_ids) == len(g.logprobs) == len(g.versions) > 0
+        np.testing.assert_allclose(np.array(g.logprobs), _teacher_forced(eng.model, p, g, temperature), atol=3e-5)
+
+
+@pytest.mark.parametrize("cfg", [dict(max_batch=3, sync_every=1), dict(max_batch=4, sync_every=5, prefill_tokens=24),
+                                 dict(max_batch=8, sync_every=3, prefix_reuse=False)],
+                         ids=["per-token", "windows+chunked-prefill", "no-reuse"])
+def test_more_requests_than_slots_of_mixed_lengths_and_params_agree_with_the_learner(cfg):
+    eng = HFEngine(TINY, EngineConfig(seed=5, **cfg))
+    tok = eng.tokenizer
+    prompts = [tok.encode("go " * (1 + 7 * (i % 4)) + str(i)) for i in range(11)]
+    mixes = [SamplingParams(temperature=1.0, max_new_tokens=3 + 5 * (i % 3)) for i in range(4)] + \
+            [SamplingParams(temperature=0.7, top_p=0.8, max_new_tokens=12, stop=[")"])] * 4 + \
+            [SamplingParams(temperature=0, max_new_tokens=9)] * 3
+    futures = [eng.submit(p, s) for p, s in zip(prompts, mixes)]
+    gens = [f.result(60) for f in futures]
+    for p, s, g in zip(prompts, mixes, gens):
+        assert len(g.token_ids) <= s.max_new_tokens
+        assert g.finish in ("eos", "stop", "length")
+        assert g.finish != "length" or len(g.token_ids) == s.max_new_tokens
+        if g.finish == "stop":
+            assert g.text.endswith(")") and ")" not in g.text[:-1], "cut at the token that completed the stop string"
+        _agree(eng, [p], [g], s.temperature)
+    assert eng.stats.decode_rows / eng.stats.decode_steps > 1.5, "requests decoded together"
+    eng.close()
+
+
+def test_a_short_request_leaves_while_a_long_one_decodes_and_a_late_one_joins():
+    eng = HFEngine(TINY, EngineConfig(seed=1, max_batch=4))
+    tok = eng.tokenizer
+    done_at: dict[str, float] = {}
+    long = eng.submit(tok.encode("long"), SamplingParams(max_new_tokens=120, min_new_tokens=120))
+    short = eng.submit(tok.encode("short"), SamplingParams(max_new_tokens=4, min_new_tokens=4))
+    short.add_done_callback(lambda f: done_at.setdefault("short", time.perf_counter()))
+    assert len(short.result(30).token_ids) == 4
+    assert not long.done(), "the short request did not wait for the long one"
+    late = eng.submit(tok.encode("late"), SamplingParams(max_new_tokens=4, min_new_tokens=4))
+    assert len(late.result(30).token_ids) == 4 and not long.done(), "a late request joined the running batch"
+    g = long.result(60)
+    assert len(g.token_ids) == 120 and g.finish == "length"
+    assert not set(g.token_ids[:-1]) & set(tok.stop_ids), "min_new_tokens keeps stop tokens out"
+    eng.close()
+
+
+def test_a_later_turn_reuses_the_slot_holding_its_prefix():
+    eng = HFEngine(TINY, EngineConfig(seed=2, max_batch=4))
+    tok = eng.tokenizer
+    first = tok.encode("a long shared history of the episode " * 4)
+    g1 = eng.generate([first], SamplingParams(max_new_tokens=10))[0]
+    second = first + g1.token_ids + tok.encode(" and the desktop answered")
+    reused0 = eng.stats.prefix_reused_tokens
+    g2 = eng.generate([second], SamplingParams(max_new_tokens=10))[0]
+    assert eng.stats.prefix_reused_tokens - reused0 == len(first) + len(g1.token_ids) - 1
+    _agree(eng, [second], [g2])
+    before = eng.stats.prefix_reused_tokens
+    eng.load_weights(dict(build_model(ModelConfig(**{**TINY.__dict__, "init_seed": 7}),
+                                      tok.vocab_size).named_parameters()), 3)
+    g3 = eng.generate([second + g2.token_ids], SamplingParams(max_new_tokens=5))[0]
+    assert eng.stats.prefix_reused_tokens == before, "nothing computed by the old weights is reused"
+    assert set(g3.versions) == {3}
+    _agree(eng, [second + g2.token_ids], [g3])
+    eng.close()
+
+
+def test_requests_that_cannot_fit_are_refused_clearly_and_the_engine_serves_on():
+    eng = HFEngine(TINY, EngineConfig(seed=0, max_batch=2, max_seq_len=64))
+    tok = eng.tokenizer
+    with pytest.raises(ValueError, match="max_seq_len=64"):
+        eng.submit(tok.encode("x" * 60), SamplingParams(max_new_tokens=8))
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.submit([], SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        eng.submit([1], SamplingParams(temperature=-1))
+    with pytest.raises(ValueError, match="vision-language"):
+        eng.submit([1], SamplingParams(), images=[object()])
+    assert len(eng.generate([tok.encode("ok")], SamplingParams(max_new_tokens=5))[0].token_ids) > 0
+    eng.close()
+
+
+def test_a_failing_step_fails_its_requests_and_the_next_ones_are_served(monkeypatch):
+    eng = HFEngine(TINY, EngineConfig(seed=0, max_batch=4))
+    tok = eng.tokenizer
+    real = eng._decode_step
+    calls = {"n": 0}
+
+    def broken(rows, columns):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
+        return real(rows, columns)
+
+    monkeypatch.setattr(eng, "_decode_step", broken)
+    futures = [eng.submit(tok.encode(f"p{i}"), SamplingParams(max_new_tokens=20, min_new_tokens=20)) for i in range(3)]
+    for f in futures:
+        with pytest.raises(RuntimeError, match="device lost"):
+            f.result(30)
+    assert sorted(eng.free_slots) == [0, 1, 2, 3], "their slots came back"
+    g = eng.generate([tok.encode("again")], SamplingParams(max_new_tokens=6, min_new_tokens=6))[0]
+    assert len(g.token_ids) == 6
+    eng.close()
+
+
+def test_without_interrupt_staged_weights_wait_until_nothing_runs():
+    eng = HFEngine(TINY, EngineConfig(seed=0, max_batch=2, interrupt=False))
+    tok = eng.tokenizer
+    newer = dict(build_model(ModelConfig(**{**TINY.__dict__, "init_seed": 9}), tok.vocab_size).named_parameters())
+    staged = threading.Event()
+
+    def hook():
+        if not staged.is_set():
+            eng.load_weights(newer, 4)
+            staged.set()
+
+    eng.step_hook = hook
+    running = eng.submit(tok.encode("first"), SamplingParams(max_new_tokens=30, min_new_tokens=30))
+    staged.wait(30)
+    queued = eng.submit(tok.encode("second"), SamplingParams(max_new_tokens=5))
+    g1, g2 = running.result(30), queued.result(30)
+    assert set(g1.versions) == {0}, "the running request finished on the weights it started with"
+    assert set(g2.versions) == {4}, "the waiting one started after the swap"
+    eng.close()
+
+
+def test_decode_attention_reads_grouped_heads_once_and_equals_sdpa():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    rows, heads, kv_heads, cols, dim = 5, 8, 2, 37, 16
+    q = torch.randn(rows, heads, 1, dim, generator=g)
+    k, v = torch.randn(rows, kv_heads, cols, dim, generator=g), torch.randn(rows, kv_heads, cols, dim, generator=g)
+    lengths = torch.tensor([1, 5, 17, 36, 37])
+    mask = (torch.arange(cols)[None, :] < lengths[:, None])[:, None, None, :]
+    module = type("M", (), {"num_key_value_groups": heads // kv_heads, "is_causal": True})()
+    ours, _ = slot_decode_attention(module, q, k, v, mask, scaling=dim ** -0.5)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    eng = HFEngine(TINY, EngineConfig())
+    assert eng.slot_attention, "the engine's own model decodes with it"
+    eng.close()
