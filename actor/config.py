@@ -46,6 +46,7 @@ class ActorConfig:
             raise ValueError("env_error must be reroll or incomplete")
         if self.max_groups < 1 or not self.env_servers:
             raise ValueError("need max_groups >= 1 and at least one env server")
+        self.engine.fitted(self.prompt.max_prompt_tokens, self.sampling.max_new_tokens)  # a set max_seq_len holds a turn
         for addr in self.env_servers:
             host, _, port = addr.rpartition(":")
             if not host or not port.isdigit():

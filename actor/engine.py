@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence
 
@@ -126,8 +127,8 @@ class EngineConfig:
     """cpu | cuda | cuda:N"""
     max_batch: int = 64
     """most requests decoded together (the KV cache holds this many slots)"""
-    max_seq_len: int = 4096
-    """longest prompt + max_new_tokens one request may hold in the KV cache (a longer one is refused)"""
+    max_seq_len: int = 0
+    """longest prompt + max_new_tokens in one KV cache slot (longer is refused); 0 = the prompt settings' longest turn"""
     prefill_tokens: int = 8192
     """most prompt tokens (padded) prefilled in one forward pass; a longer text prompt is prefilled in chunks"""
     prefix_reuse: bool = True
@@ -150,9 +151,20 @@ class EngineConfig:
             raise ValueError("engine kind must be hf or vllm")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
-        if self.max_seq_len < 2 or self.prefill_tokens < 1 or self.sync_every < 0:
-            raise ValueError("engine: need max_seq_len >= 2, prefill_tokens >= 1, sync_every >= 0")
+        if self.max_seq_len < 0 or self.prefill_tokens < 1 or self.sync_every < 0:
+            raise ValueError("engine: need max_seq_len >= 0, prefill_tokens >= 1, sync_every >= 0")
         self.vllm.validate()
+
+    def fitted(self, max_prompt_tokens: int, max_new_tokens: int) -> "EngineConfig":
+        """These settings with ``max_seq_len`` 0 resolved to hold the longest turn those prompt settings allow; a
+        set ``max_seq_len`` that cannot hold it is refused."""
+        need = max_prompt_tokens + max_new_tokens
+        if not self.max_seq_len:
+            return dataclasses.replace(self, max_seq_len=need)
+        if self.max_seq_len < need:
+            raise ValueError(f"actor.engine.max_seq_len {self.max_seq_len} cannot hold a turn of prompt.max_prompt_tokens "
+                             f"{max_prompt_tokens} + sampling.max_new_tokens {max_new_tokens}: raise it (or set 0)")
+        return self
 
     @property
     def weight_receivers(self) -> int:

@@ -43,6 +43,7 @@ from common.model import ModelConfig, ban, build_model, build_tokenizer
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_SEQ_LEN = 4096  # engine.max_seq_len 0 with no prompt settings to fit (EngineConfig.fitted)
 MIN_REUSED_PREFIX = 16  # shorter shared prefixes are not worth leaving the lowest free slot for
 
 
@@ -120,18 +121,21 @@ class HFEngine:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         dtype = next(self.head.parameters()).dtype
         S = self.slots = cfg.max_batch
-        self.cache = SlotKVCache(text.num_hidden_layers, S, text.num_key_value_heads, head_dim, cfg.max_seq_len,
+        self.max_seq_len = cfg.max_seq_len or DEFAULT_MAX_SEQ_LEN
+        self.cache = SlotKVCache(text.num_hidden_layers, S, text.num_key_value_heads, head_dim, self.max_seq_len,
                                  dtype, dev)
         self.scratch = self.cache.scratch
         self.free_slots = list(range(S))  # a heap: the lowest slot first keeps decode batches dense
         self.slot_tokens: list[Any] = [None] * S  # token ids whose keys/values a free slot still holds
+        # a VLM's multimodal positions are computed over a whole prompt: it always prefills all of it
+        self.reuse = cfg.prefix_reuse and self.vision is None
         self.tok_in = torch.zeros(S, dtype=torch.long, device=dev)  # each slot's last sampled token
         self.cache_pos = torch.full((S,), self.scratch, dtype=torch.long, device=dev)  # where it is written
         self.active = torch.zeros(S, dtype=torch.long, device=dev)
         self.budget = torch.zeros(S, dtype=torch.long, device=dev)  # max_new_tokens of each slot's request
         self.rope_pos: Any = None  # a VLM's multimodal positions [axes, S] (text: rope position = cache position)
         self.slot_index = torch.arange(S, device=dev)
-        self.key_index = torch.arange(cfg.max_seq_len + 1, device=dev)
+        self.key_index = torch.arange(self.max_seq_len + 1, device=dev)
         self.rows = RowParams(torch.ones(S, device=dev), torch.zeros(S, dtype=torch.bool, device=dev),
                               torch.ones(S, device=dev), torch.zeros(S, dtype=torch.long, device=dev),
                               torch.zeros(S, dtype=torch.long, device=dev))
@@ -204,9 +208,9 @@ class HFEngine:
             raise ValueError("prompts with images need a vision-language model (model.kind vlm)")
         if not prompt:
             raise ValueError("empty prompt")
-        if len(prompt) + params.max_new_tokens > self.cfg.max_seq_len:
+        if len(prompt) + params.max_new_tokens > self.max_seq_len:
             raise ValueError(f"a prompt of {len(prompt)} tokens with max_new_tokens {params.max_new_tokens} does not "
-                             f"fit a slot of actor.engine.max_seq_len={self.cfg.max_seq_len} tokens: raise it, or "
+                             f"fit a slot of actor.engine.max_seq_len={self.max_seq_len} tokens: raise it, or "
                              "shorten prompts (actor.prompt.max_prompt_tokens)")
         req = Request(list(prompt), params, list(images or ()), cf.Future(), StopWatch(self.tokenizer, params.stop),
                       time.perf_counter())
@@ -299,7 +303,7 @@ class HFEngine:
         r.slot = -1
 
     def _finish(self, r: Request, finish: str) -> None:
-        if self.cfg.prefix_reuse and not r.images:
+        if self.reuse:
             # what the slot's columns now hold: the prompt and every kept token but the last (never fed back)
             self.slot_tokens[r.slot] = np.asarray(r.prompt + r.gen.token_ids[:-1])
         r.gen.finish = finish
@@ -339,17 +343,17 @@ class HFEngine:
                 continue
             width = max(len(q.prompt) - q.prefilled for q in [r, *batch])
             if batch and width * (len(batch) + 1) > self.cfg.prefill_tokens:
-                self._prefill(batch, self.cfg.max_seq_len)
+                self._prefill(batch, self.max_seq_len)
                 batch = []
             batch.append(r)
         if batch:
-            self._prefill(batch, self.cfg.max_seq_len)
+            self._prefill(batch, self.max_seq_len)
 
     def _place(self, r: Request) -> None:
         """A free slot for ``r``: the one whose cached tokens share the longest prefix with its prompt (then only
         the rest is prefilled), else the lowest (decode batches stay dense)."""
         best, shared = -1, 0
-        if self.cfg.prefix_reuse and not r.images:
+        if self.reuse:
             prompt = np.asarray(r.prompt)
             for slot in self.free_slots:
                 held = self.slot_tokens[slot]
@@ -457,7 +461,7 @@ class HFEngine:
         longest = max(len(r.prompt) + min(len(r.gen.token_ids) - 1 + window, r.params.max_new_tokens - 1)
                       for r in running) + 1
         if self.graphs is not None and not self.graphs.disabled:  # few shapes: each is a captured graph
-            rows, columns = row_bucket(top, self.slots), column_bucket(longest, self.cfg.max_seq_len)
+            rows, columns = row_bucket(top, self.slots), column_bucket(longest, self.max_seq_len)
         else:
             rows, columns = top, longest
         kinds, version = self._kinds(running), self.version

@@ -1,9 +1,9 @@
 """The ``vllm`` engine (optional extra ``gpu``): vLLM's AsyncLLM behind the actor's engine interface.
 
-UNVERIFIED: written against vLLM's V1 API as its source documents it (``AsyncLLM``, ``TokensPrompt``,
-``SamplingParams`` with ``logprobs=0``, ``pause_generation``/``resume_generation``, ``worker_extension_cls`` +
-``collective_rpc``) and never run: the CI machine has neither a GPU nor vLLM, and the lent GPU machine had no
-vLLM. What runs without vLLM is unit-tested (continuation bookkeeping, the layout, stop strings, swap failures,
+UNVERIFIED: written against vLLM's V1 API (``AsyncLLM``, ``TokensPrompt``, ``SamplingParams`` with
+``logprobs=0``, ``pause_generation``/``resume_generation``, ``worker_extension_cls`` + ``collective_rpc``), every name
+and keyword read against vLLM 0.32.0's source (``VLLM_CONTRACT``), and never run: it has not generated a token. The
+CI machine has neither a GPU nor vLLM, and the lent GPU machines have no vLLM. What runs without vLLM is unit-tested (continuation bookkeeping, the layout, stop strings, swap failures,
 the engine arguments, the import guard).
 
 How it works:
@@ -44,6 +44,29 @@ from actor.engine import EngineConfig, EngineStats, Generation, SamplingParams, 
 from common.model import ModelConfig, build_tokenizer, parameter_layout
 from common.tokenizer import resolved_kind
 from common.weightsync import RoundFailed
+
+
+# Every vLLM name this engine calls and the keywords it passes: tests/test_vllm_contract.py checks them against an
+# installed vLLM wherever one imports, and that this list covers every call in this file. Read against vLLM 0.32.0's
+# own source (the wheel's vllm/v1/engine/async_llm.py, engine/arg_utils.py, sampling_params.py, inputs/llm.py,
+# config/model.py) on 2026-11-26: every name, keyword and the logprobs_mode value below is there.
+VLLM_CONTRACT: dict[str, tuple[str, ...]] = {
+    "vllm.engine.arg_utils.AsyncEngineArgs": (
+        "model", "dtype", "seed", "max_num_seqs", "gpu_memory_utilization", "enforce_eager", "tensor_parallel_size",
+        "worker_extension_cls", "logprobs_mode", "enable_prefix_caching", "skip_tokenizer_init", "tokenizer",
+        "max_model_len"),
+    "vllm.v1.engine.async_llm.AsyncLLM.from_engine_args": ("engine_args",),
+    "vllm.v1.engine.async_llm.AsyncLLM.generate": ("prompt", "sampling_params", "request_id"),
+    "vllm.v1.engine.async_llm.AsyncLLM.abort": ("request_id",),
+    "vllm.v1.engine.async_llm.AsyncLLM.pause_generation": ("mode", "clear_cache"),
+    "vllm.v1.engine.async_llm.AsyncLLM.resume_generation": (),
+    "vllm.v1.engine.async_llm.AsyncLLM.collective_rpc": ("method", "args"),
+    "vllm.v1.engine.async_llm.AsyncLLM.reset_prefix_cache": (),
+    "vllm.SamplingParams": ("temperature", "max_tokens", "logprobs", "detokenize", "stop_token_ids", "logit_bias",
+                            "stop", "include_stop_str_in_output"),
+    "vllm.inputs.TokensPrompt": ("prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"),
+}
+LOGPROBS_MODE = "processed_logprobs"  # one of vllm.config.model's LogprobsMode values
 
 
 def require_vllm() -> Any:
@@ -87,7 +110,7 @@ def engine_args(model_cfg: ModelConfig, cfg: EngineConfig) -> dict:
             "seed": cfg.seed, "max_num_seqs": cfg.max_batch, "gpu_memory_utilization": v.gpu_memory_utilization,
             "enforce_eager": v.enforce_eager, "tensor_parallel_size": v.tensor_parallel_size,
             "worker_extension_cls": "actor.vllm_engine.VLLMWeightExtension",
-            "logprobs_mode": "processed_logprobs", "enable_prefix_caching": True,
+            "logprobs_mode": LOGPROBS_MODE, "enable_prefix_caching": True,
             "skip_tokenizer_init": not tokenizer}
     if tokenizer and model_cfg.tokenizer_path:
         args["tokenizer"] = model_cfg.tokenizer_path

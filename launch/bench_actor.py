@@ -123,7 +123,7 @@ def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int
             model = ModelConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_layers=2, num_heads=4,
                                 num_kv_heads=2)
             prompt = PromptConfig(max_prompt_tokens=2048)
-        engine = HFEngine(model, EngineConfig(seed=0, device=device))
+        engine = HFEngine(model, EngineConfig(seed=0, device=device).fitted(prompt.max_prompt_tokens, max_new_tokens))
         real_submit = engine.submit
 
         def recording_submit(prompt, params, images=()):

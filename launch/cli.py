@@ -84,6 +84,7 @@ def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[s
 
     cfg, rd, log = _start_role("actor", config, run_dir, overrides, rank)
     engine_cfg = dataclasses.replace(cfg.actor.engine, seed=cfg.actor.engine.seed + 1000 * rank + cfg.run.seed)
+    engine_cfg = engine_cfg.fitted(cfg.actor.prompt.max_prompt_tokens, cfg.actor.sampling.max_new_tokens)
     engine = make_engine(cfg.model, engine_cfg)
     a = Actor(cfg.actor, engine, cfg.net, cfg.weights, rd, log, rank=rank)
     try:

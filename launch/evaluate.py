@@ -100,5 +100,7 @@ def load_policy(checkpoint: str | Path, config: Any) -> tuple[HFEngine, PromptCo
     state = json.loads((ck / "state.json").read_text()) if (ck / "state.json").exists() else {}
     saved = state.get("model_config") or {k: getattr(config.model, k) for k in config.model.__dataclass_fields__}
     model_cfg = ModelConfig(**{**saved, "path": str(ck)})
-    engine = HFEngine(model_cfg, EngineConfig(seed=0, max_batch=64))
-    return engine, config.actor.prompt, config.actor.sampling, config.actor.max_steps
+    prompt, sampling = config.actor.prompt, config.actor.sampling
+    engine = HFEngine(model_cfg, EngineConfig(seed=0, max_batch=64).fitted(prompt.max_prompt_tokens,
+                                                                           sampling.max_new_tokens))
+    return engine, prompt, sampling, config.actor.max_steps

@@ -154,8 +154,9 @@ def evaluate_base(path: Path, cfg: PretrainConfig, model_cfg: Any, prompt_cfg: A
     from actor.hf_engine import HFEngine
     from launch.evaluate import evaluate, suite_tasks
 
-    engine = HFEngine(dataclasses.replace(model_cfg, path=str(path)), EngineConfig(seed=cfg.seed, max_batch=64,
-                                                                                  device=cfg.device))
+    engine_cfg = EngineConfig(seed=cfg.seed, max_batch=64, device=cfg.device)
+    engine = HFEngine(dataclasses.replace(model_cfg, path=str(path)),
+                      engine_cfg.fitted(prompt_cfg.max_prompt_tokens, cfg.eval_max_new_tokens))
     tasks = suite_tasks(cfg.suite("heldout"), cfg.eval_episodes, env.backend if env is not None else "")
     return evaluate(engine, tasks, prompt_cfg, SamplingParams(temperature=0.0, max_new_tokens=cfg.eval_max_new_tokens),
                     cfg.eval_max_steps, env=env)

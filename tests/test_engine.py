@@ -167,3 +167,13 @@ def test_decode_attention_reads_grouped_heads_once_and_equals_sdpa():
     eng = HFEngine(TINY, EngineConfig())
     assert eng.slot_attention, "the engine's own model decodes with it"
     eng.close()
+
+
+def test_the_cache_is_sized_for_the_longest_turn_the_prompt_settings_allow():
+    from actor.config import ActorConfig
+    from actor.prompt import PromptConfig
+
+    assert EngineConfig().fitted(512, 48).max_seq_len == 560
+    assert EngineConfig(max_seq_len=1000).fitted(512, 48).max_seq_len == 1000
+    with pytest.raises(ValueError, match="max_seq_len 500 cannot hold a turn"):
+        ActorConfig(engine=EngineConfig(max_seq_len=500), prompt=PromptConfig(max_prompt_tokens=512)).validate()
