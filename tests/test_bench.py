@@ -94,3 +94,17 @@ def test_bench_scale_prints_its_figures_and_baseline(tmp_path):
     assert result["reconcile"]["ok"] and result["acked_not_in_audit"] == 0
     assert result["storm_unrecovered"] == 0
     assert not list(tmp_path.glob("bench-scale-*")), "temporary run dirs must be cleaned up"
+
+
+def test_bench_engine_and_actor_print_their_ratios(tmp_path):
+    e = _bench_json(tmp_path, "engine", "--batch", "4", "--prompt-len", "16", "--new-tokens", "8", "--mixed-batch",
+                    "4", "--mixed-episodes", "6")
+    for workload in ("fixed_4", "mixed"):
+        w = e[workload]
+        assert w["tokens_per_s"] > 0 and w["generate_tokens_per_s"] > 0 and w["ttft_s"] > 0
+        assert abs(w["ratio"] - w["tokens_per_s"] / w["generate_tokens_per_s"]) < 0.01
+        assert 1 <= w["mean_batch"] <= 4
+    assert e["fixed_4"]["tokens"] == 4 * 8, "fixed lengths: every request generates exactly --new-tokens"
+    a = _bench_json(tmp_path, "actor", "--groups", "2", "--group-size", "2", "--max-new-tokens", "8")
+    assert a["episodes"] == 4 and a["tokens_per_s"] > 0 and a["engine_requests"] > 0
+    assert abs(a["ratio"] - a["tokens_per_s"] / a["engine_only_tokens_per_s"]) < 0.01
