@@ -106,6 +106,7 @@ class HFEngine:
         self._by_slot: dict[int, Request] = {}
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._died: BaseException | None = None
 
     def _setup_slots(self) -> None:
         torch, dev, cfg = self.torch, self.device, self.cfg
@@ -216,7 +217,8 @@ class HFEngine:
                       time.perf_counter())
         with self._cv:
             if self._closed:
-                raise RuntimeError("the engine is closed")
+                raise RuntimeError("the engine is closed" + (f": its thread died of {self._died!r}"
+                                                             if self._died is not None else ""))
             self._waiting.append(req)
             self.stats.requests += 1
             if self._thread is None:
@@ -251,6 +253,18 @@ class HFEngine:
     # ----- the loop ------------------------------------------------------------------------------
 
     def _serve(self) -> None:
+        """The engine's thread. Should it die (a bug outside a window's own error handling), every request waiting or
+        running fails with the reason and later submits are refused with it: never a silent stall."""
+        try:
+            self._serve_windows()
+        except BaseException as exc:
+            log.exception("engine thread died")
+            with self._cv:
+                self._closed, self._died = True, exc
+                self._fail(list(self._by_slot.values()) + list(self._waiting), exc)
+                self._waiting.clear()
+
+    def _serve_windows(self) -> None:
         if self.cuda:  # streams and graphs on the engine's GPU ("cuda" alone: the one current at construction)
             self.torch.cuda.set_device(self._cuda_index)
         with self.torch.no_grad():  # grad mode is per thread

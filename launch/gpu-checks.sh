@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks (docs/gpu.md records their figures): CUDA tests, learner benches on real model shapes,
 # the actor bench on CUDA, and a whole run with the learner and two actors sharing one GPU.
-#   bash launch/gpu-checks.sh tests|bench-engine|bench-learner|bench-actor|bench-weights|run OUT_DIR
+#   bash launch/gpu-checks.sh tests|engine-all|bench-engine|bench-learner|bench-actor|bench-weights|run OUT_DIR
 # Uses the current python (torch + transformers with CUDA); pyzmq/structlog/... must be importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +20,14 @@ case "$what" in
     "$py" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
     "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_learner.py tests/test_actor.py \
       tests/test_weightsync.py tests/test_losses.py 2>&1 | tee "$out/tests.txt" | tail -15
+    ;;
+  engine-all)
+    # One lent GPU session's engine checks in about 9 minutes (the device tool's budget is 15 with the start):
+    # the engine's CUDA tests, the engine bench on Qwen2.5-0.5B's shape, then a whole run with that engine.
+    nvidia-smi -L | tee "$out/gpu.txt"
+    timeout 150 "$py" -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k engine 2>&1 | tee "$out/tests.txt" | tail -5
+    timeout 240 bash "$0" bench-engine "$out"
+    RUN_TIMEOUT=170 timeout 200 bash "$0" run "$out"
     ;;
   bench-engine)
     # the actor's engine vs transformers' generate (static cache, compiled) on Qwen2.5-0.5B's shape

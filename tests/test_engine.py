@@ -177,3 +177,17 @@ def test_the_cache_is_sized_for_the_longest_turn_the_prompt_settings_allow():
     assert EngineConfig(max_seq_len=1000).fitted(512, 48).max_seq_len == 1000
     with pytest.raises(ValueError, match="max_seq_len 500 cannot hold a turn"):
         ActorConfig(engine=EngineConfig(max_seq_len=500), prompt=PromptConfig(max_prompt_tokens=512)).validate()
+
+
+def test_a_dead_engine_thread_fails_its_requests_and_refuses_new_ones(monkeypatch):
+    eng = HFEngine(TINY, EngineConfig(seed=0))
+
+    def broken(*_):
+        raise RuntimeError("no such device")
+
+    monkeypatch.setattr(eng, "_serve_windows", broken)  # e.g. a GPU the thread cannot select
+    f = eng.submit([1, 2, 3], SamplingParams(max_new_tokens=4))
+    with pytest.raises(RuntimeError, match="no such device"):
+        f.result(10)
+    with pytest.raises(RuntimeError, match="thread died of RuntimeError"):
+        eng.submit([1, 2, 3], SamplingParams(max_new_tokens=4))
