@@ -66,6 +66,7 @@ def test_every_task_page_is_a_family_and_options_are_checked():
         EnvServerConfig(backend=PLUGIN, options={"time_limit_s": "ten"}).validate()
 
 
+@pytest.mark.slow  # hundreds of sockets / a real browser per task: the full tier's (docs/tests.md)
 def test_scripted_solvers_solve_their_tasks_on_train_and_heldout_instances(page):
     for task in SOLVERS:
         for split in ("train", "heldout"):

@@ -17,6 +17,7 @@ from common.net import LinkWaiter
 from tests.conftest import REPO
 
 
+@pytest.mark.slow  # hundreds of sockets / a real browser per task: the full tier's (docs/tests.md)
 def test_reclaim_and_reconnect_storm_at_a_few_hundred_connections(tmp_path, monkeypatch):
     from launch.bench_scale import ScaleSetup, run_ours
 
