@@ -45,7 +45,7 @@ class Generation:
 class EngineStats:
     generated_tokens: int = 0
     prompt_tokens: int = 0
-    batches: int = 0  # decode windows (hf) or generate calls (vllm)
+    batches: int = 0  # decode windows (hf)
     seconds: float = 0.0  # time the engine was busy (had a request in flight)
     weight_swaps: int = 0
     requests: int = 0
@@ -199,11 +199,12 @@ class StopWatch:
         return len(token_ids) - 1  # only visible decoded together (a multi-token character): the last one
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Any, Any]:
-    """A batch of prompts as (ids, attention mask), padded on the left so every row ends at the last column."""
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, width: int = 0) -> tuple[Any, Any]:
+    """A batch of prompts as (ids, attention mask), padded on the left so every row ends at the last column;
+    ``width`` columns (0 = the longest prompt's)."""
     import torch
 
-    width = max(len(p) for p in prompts)
+    width = width or max(len(p) for p in prompts)
     if width == 0:
         raise ValueError("empty prompt")
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)

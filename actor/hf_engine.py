@@ -95,7 +95,7 @@ class HFEngine:
         self.stats = EngineStats()
         self.gen = torch.Generator(device=self.device)
         self.gen.manual_seed(self.cfg.seed)
-        self.step_hook: Callable[[], None] | None = None  # called after every decode window (tests)
+        self.step_hook: Callable[[], None] | None = None  # called before every decode window (tests)
         self._staged: tuple[dict, int] | None = None
         self._lock = threading.Lock()
         self._running = threading.Event()
@@ -229,8 +229,6 @@ class HFEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  images: Sequence[Sequence[Any]] | None = None) -> list[Generation]:
-        if images is not None and any(images) and self.vision is None:
-            raise ValueError("prompts with images need a vision-language model (model.kind vlm)")
         return generate_all(self, prompts, params, images)
 
     def use_slots(self, n: int) -> None:
@@ -298,9 +296,9 @@ class HFEngine:
             self._admit()
             self.stats.prefill_seconds += time.perf_counter() - t0
         if self._by_slot:
-            self._decode_window()
-            if self.step_hook is not None:
+            if self.step_hook is not None:  # before the window: a request finishing in it is never seen as running
                 self.step_hook()
+            self._decode_window()
 
     def _fail(self, reqs: list[Request], exc: BaseException) -> None:
         for r in reqs:

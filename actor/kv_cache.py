@@ -34,7 +34,8 @@ class SlotKVCache(Cache):
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self._write_rows: Any = None  # [n, 1] slot of each row of the forward batch
         self._write_pos: Any = None  # [n, q] cache position of each of its q new tokens
-        self._read_rows: Any = None  # [n] slots read back (a prefill), or None: the first n slots (a decode)
+        self._read_rows: Any = None  # [n] slots read back (a prefill), or None: the first _read_count slots (a decode)
+        self._read_count = 0
         self._read_len = 0
 
     @property
@@ -47,8 +48,7 @@ class SlotKVCache(Cache):
 
     def read_prefix(self, rows: int, length: int) -> None:
         """Attention reads the first ``length`` columns of slots ``0 .. rows - 1`` (a view: no copy)."""
-        self._read_rows, self._read_len = None, length
-        self._read_count = rows
+        self._read_rows, self._read_count, self._read_len = None, rows, length
 
     def read_rows(self, rows: Any, length: int) -> None:
         """Attention reads the first ``length`` columns of the slots ``rows`` (gathered: a prefill batch)."""

@@ -82,8 +82,9 @@ def _generate(model: Any, tok: Any, device: str, episodes: list[list[tuple[list[
     shape: every call is ``batch`` rows (episodes that have ended leave idle rows) left-padded to the workload's
     longest prompt, so transformers compiles its decode step once and replays it (a cache of a new shape per call
     would recompile every time, which no user would accept). ``warm_up``: one short call on the same shapes."""
-    import torch
     from transformers import StaticCache
+
+    from actor.engine import left_pad
 
     width = max(len(p) for e in episodes for p, _ in e)
     longest_out = max(n for e in episodes for _, n in e)
@@ -94,22 +95,18 @@ def _generate(model: Any, tok: Any, device: str, episodes: list[list[tuple[list[
         for turn in range(max(len(e) for e in chunk)):
             rows = [e[turn] for e in chunk if len(e) > turn]
             prompts = [p for p, _ in rows] + [rows[0][0]] * (batch - len(rows))  # idle lanes
-            ids = torch.full((batch, width), tok.pad_id, dtype=torch.long)
-            mask = torch.zeros((batch, width), dtype=torch.long)
-            for r, p in enumerate(prompts):
-                ids[r, width - len(p):] = torch.tensor(p)
-                mask[r, width - len(p):] = 1
+            ids, mask = left_pad(prompts, tok.pad_id, width)
             longest = max(n for _, n in rows)
             ids, mask = ids.to(device), mask.to(device)
             if warm_up:
                 _generate_call(model, tok, ids, mask, min(longest, 8), cache, device)
                 return {}
             if first is None:  # generate returns every token at the end: its first token needs a whole prefill
-                first = _generate_call(model, tok, ids, mask, 1, cache, device)
+                first = _generate_call(model, tok, ids, mask, 1, cache, device)  # a probe, not timed as work
             _generate_call(model, tok, ids, mask, longest, cache, device)
             useful += sum(n for _, n in rows)
     _sync(device)
-    return {"tokens": useful, "seconds": time.perf_counter() - t0, "ttft_s": round(first, 4)}
+    return {"tokens": useful, "seconds": time.perf_counter() - t0 - first, "ttft_s": round(first, 4)}
 
 
 def _generate_call(model: Any, tok: Any, ids: Any, mask: Any, new: int, cache: Any, device: str) -> float:

@@ -184,3 +184,16 @@ def slurm_cluster(tmp_path_factory):
     finally:
         cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def stage_weights_before_window(engine, window: int, named, version: int) -> None:
+    """Make new weights arrive mid-generation: ``engine`` (an HFEngine) stages ``named`` just before its
+    ``window``-th decode window from now, as a weight round landing on the actor's other thread would."""
+    seen = {"windows": 0}
+
+    def hook() -> None:
+        seen["windows"] += 1
+        if seen["windows"] == window:
+            engine.load_weights(named, version)
+
+    engine.step_hook = hook

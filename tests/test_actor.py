@@ -28,6 +28,7 @@ from common.weightsync import WeightSender, WeightSyncConfig  # noqa: E402
 from env_server.sim.backend import SimBackend  # noqa: E402
 from env_server.config import EnvServerConfig  # noqa: E402
 from env_server.server import EnvServer  # noqa: E402
+from tests.conftest import stage_weights_before_window  # noqa: E402
 
 TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 
@@ -117,19 +118,11 @@ def test_weights_swap_at_a_token_boundary_and_match_the_learner(quiet_log):
     prompt = tok.encode("click(")
     params = SamplingParams(temperature=1.0, max_new_tokens=20)
     before = eng.generate([prompt], params)[0]
-    steps = {"n": 0}
-
-    def after_window():
-        if not eng._by_slot:  # the window that finished the previous request: not one of this one's
-            return
-        steps["n"] += 1
-        if steps["n"] == 6:
-            eng.load_weights(received["t"], received["v"])  # arrives mid-generation
-
-    eng.step_hook = after_window
+    stage_weights_before_window(eng, 6, received["t"], received["v"])
     mid = eng.generate([prompt], params)[0]
     eng.step_hook = None
-    # the prefill samples token 1, each window one more (sync_every 1 on CPU): 7 tokens before the swap
+    # the prefill samples token 1, each window one more (sync_every 1 on CPU), window 6 still on the old weights:
+    # 7 tokens before the swap
     assert mid.versions[:7] == [0] * 7 and set(mid.versions[7:]) == {5}, mid.versions
     after = eng.generate([prompt] * 2, params)
     for g in after:

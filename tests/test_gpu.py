@@ -21,6 +21,7 @@ from common.net import free_port  # noqa: E402
 from common.weightsync import WeightReceiver, WeightSender, WeightSyncConfig, placement  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
+from tests.conftest import stage_weights_before_window  # noqa: E402
 from tests.test_learner import groups_from  # noqa: E402
 
 # vocab_size 512 > the byte tokenizer's: padding rows that must never be sampled or scored
@@ -78,16 +79,7 @@ def test_engine_graphs_continuous_batching_and_in_place_swaps_on_cuda():
         assert len(g.token_ids) == len(g.logprobs) == len(g.versions) > 0
         assert np.allclose(np.array(g.logprobs), _teacher_forced(eng.model, p, g, vocab), atol=2e-3)
     newer = build_model(ModelConfig(**{**F32.__dict__, "init_seed": 99}), vocab, "cuda").eval()
-    windows = {"n": 0}
-
-    def after_window():
-        if not eng._by_slot:  # the window that finished the previous request: not one of this one's
-            return
-        windows["n"] += 1
-        if windows["n"] == 2:
-            eng.load_weights(dict(newer.named_parameters()), 7)
-
-    eng.step_hook = after_window
+    stage_weights_before_window(eng, 2, dict(newer.named_parameters()), 7)
     mid = eng.generate([prompts[0]], SamplingParams(temperature=1.0, max_new_tokens=40))[0]
     eng.step_hook = None
     assert mid.versions[0] == 0 and mid.versions[-1] == 7 and sorted(mid.versions) == mid.versions
