@@ -97,8 +97,12 @@ def test_bench_scale_prints_its_figures_and_baseline(tmp_path):
 
 
 def test_bench_engine_and_actor_print_their_ratios(tmp_path):
+    rec = _bench_json(tmp_path, "engine", "--record", str(tmp_path / "wl.json"), "--record-config",
+                      str(REPO / "configs/broad.yaml"), "--record-episodes", "3")
+    assert rec["episodes"] == 3 and rec["turns"] >= 3 and rec["mean_output"] > 0
     e = _bench_json(tmp_path, "engine", "--batch", "4", "--prompt-len", "16", "--new-tokens", "8", "--mixed-batch",
-                    "4", "--mixed-episodes", "6")
+                    "4", "--mixed-episodes", "6", "--workload", str(tmp_path / "wl.json"))
+    assert e["mixed"]["turns"] == 2 * rec["turns"], "6 episodes replay the 3 recorded twice"
     for workload in ("fixed_4", "mixed"):
         w = e[workload]
         assert w["tokens_per_s"] > 0 and w["generate_tokens_per_s"] > 0 and w["ttft_s"] > 0
