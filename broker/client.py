@@ -38,7 +38,7 @@ class ControlSubscriber:
         limit_size(self.sock, net)
         security.client(self.sock)
         self.sock.setsockopt(zmq.SUBSCRIBE, P.CONTROL_TOPIC)
-        self.sock.connect(net.tcp(net.broker_control_port))
+        self.sock.connect(net.address(net.broker_control_port))
         self.net, self.log = net, log
         self.latest: P.Control | None = None
         self.rejected = 0
@@ -83,7 +83,7 @@ class ActorBrokerClient:
         self.ctx = ctx or zmq.Context.instance()
         self.security = security_for(self.ctx, net, keys_dir)
         hello = P.Hello(role="actor", peer_id=self.actor_id, rank=rank, pid=os.getpid(), host=socket.gethostname())
-        self.link = ServerLink(self.ctx, net.tcp(net.broker_front_port), hello, net, self.security, log)
+        self.link = ServerLink(self.ctx, net.address(net.broker_front_port), hello, net, self.security, log)
         self.control = ControlSubscriber(self.ctx, net, self.security, log)
         self._req = itertools.count()
         self.tickets: collections.deque[P.Ticket] = collections.deque()
@@ -174,7 +174,7 @@ class LearnerBrokerClient:
         self.ctx = ctx or zmq.Context.instance()
         self.security = security_for(self.ctx, net, keys_dir)
         hello = P.Hello(role="learner", peer_id=self.learner_id, pid=os.getpid(), host=socket.gethostname())
-        self.link = ServerLink(self.ctx, net.tcp(net.broker_back_port), hello, net, self.security, log,
+        self.link = ServerLink(self.ctx, net.address(net.broker_back_port), hello, net, self.security, log,
                                on_ready=self._on_ready)
         self.credits_out = 0  # granted and not yet answered by a batch
         self.version = 0

@@ -34,7 +34,8 @@ from common import protocol as P
 from common.audit import AuditLog
 from common.metrics import Histogram, MetricsWriter
 from common.net import (ConnectionMonitor, NetConfig, PeerState, PeerTable, RateLimitedLog, ServerSocket,
-                        answer_heartbeat, heard_from, limit_size, listen_backlog, raise_open_files, security_for, serve)
+                        answer_heartbeat, close_context, heard_from, limit_size, listen_backlog, open_context,
+                        raise_open_files, security_for, serve)
 from common.rundir import RunDir
 
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
@@ -55,11 +56,11 @@ class Broker:
         self.epoch = uuid.uuid4().hex[:12]
         self.counters: collections.Counter = collections.Counter()
         raise_open_files(log, "broker")  # two connections per actor: the common default of 1,024 holds ~500
-        self.ctx = zmq.Context()
+        self.ctx = open_context(net)
         self.security = security_for(self.ctx, net, run_dir.keys)
-        self.front = ServerSocket(self.ctx, net.tcp(net.broker_front_port, bind=True), net, self.security,
+        self.front = ServerSocket(self.ctx, net.address(net.broker_front_port, bind=True), net, self.security,
                                   self.counters, log, "front")
-        self.back = ServerSocket(self.ctx, net.tcp(net.broker_back_port, bind=True), net, self.security,
+        self.back = ServerSocket(self.ctx, net.address(net.broker_back_port, bind=True), net, self.security,
                                  self.counters, log, "back")
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.linger = 0
@@ -68,7 +69,7 @@ class Broker:
         self.security.server(self.pub)
         self.pub_monitor = ConnectionMonitor(self.pub, self.security, self.counters, log, "control",
                                              "rejected_auth_control")
-        self.pub.bind(net.tcp(net.broker_control_port, bind=True))
+        self.pub.bind(net.address(net.broker_control_port, bind=True))
 
         self.ledger = Ledger(cfg.groups_per_batch, cfg.eta)
         self.actors = PeerTable(net.dead_after_s)
@@ -105,7 +106,7 @@ class Broker:
         self._last_publish = 0.0
         self._next_metrics = now + cfg.metrics_interval_s
         self._metrics_t0 = (time.monotonic(), 0, 0)
-        log.info("broker_ready", front=self.front.addr, back=self.back.addr, control=net.tcp(net.broker_control_port),
+        log.info("broker_ready", front=self.front.addr, back=self.back.addr, control=net.address(net.broker_control_port),
                  epoch=self.epoch, curve=self.security.enabled, persist=cfg.persist,
                  recovered_groups=len(self.ledger.queue), version=self.control.version)
 
@@ -669,5 +670,5 @@ class Broker:
         self.pub_monitor.close()
         self.wake.close(0)
         self.security.close()
-        self.ctx.term()
+        close_context(self.ctx, self.net)
         self.log.info("broker_stopped", **{k: v for k, v in self.counters.items()})

@@ -47,7 +47,7 @@ class EnvClient:
         self.peer_id = peer_id or f"envc-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.security = security_for(self.ctx, net, keys_dir, host)
         hello = P.Hello(role="actor", peer_id=self.peer_id, pid=os.getpid(), host=socket.gethostname())
-        self.link = ServerLink(self.ctx, net.tcp(port, host=host), hello, net, self.security, log)
+        self.link = ServerLink(self.ctx, net.address(port, host=host), hello, net, self.security, log)
         self._held: list[P.Message] = []  # answers to other requests that arrived during a blocking call
         self.unmatched = 0
 

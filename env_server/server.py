@@ -26,8 +26,8 @@ import zmq
 
 from common import protocol as P
 from common.metrics import MetricsWriter, percentile
-from common.net import (NetConfig, PeerState, PeerTable, ServerSocket, answer_heartbeat, heard_from, raise_open_files,
-                        security_for, serve)
+from common.net import (NetConfig, PeerState, PeerTable, ServerSocket, answer_heartbeat, close_context, heard_from,
+                        open_context, raise_open_files, security_for, serve)
 from common.rundir import RunDir
 from env_server.actions import ActionError
 from env_server.backend import Backend, StepResult
@@ -76,9 +76,9 @@ class EnvServer:
         self.epoch = uuid.uuid4().hex[:12]
         self.counters: collections.Counter = collections.Counter()
         raise_open_files(log, "env_server")  # a connection per actor, a desktop's own files and sockets
-        self.ctx = zmq.Context()
+        self.ctx = open_context(net)
         self.security = security_for(self.ctx, net, run_dir.keys, cfg.host)
-        self.sock = ServerSocket(self.ctx, net.tcp(cfg.port, bind=True, host=cfg.host), net, self.security,
+        self.sock = ServerSocket(self.ctx, net.address(cfg.port, bind=True, host=cfg.host), net, self.security,
                                  self.counters, log, "sessions")
         self.addr = self.sock.addr
         self.peers = PeerTable(net.dead_after_s)
@@ -441,7 +441,7 @@ class EnvServer:
         self.workers.shutdown(wait=False, cancel_futures=True)
         self.sock.close()
         self.security.close()
-        self.ctx.term()
+        close_context(self.ctx, self.net)
         os.close(self._wake_r)
         os.close(self._wake_w)
         self.metrics.close()

@@ -77,16 +77,11 @@ def env_server(config: str | None, run_dir: str | None, rank: int, overrides: tu
 @click.option("--rank", default=0, show_default=True, help="index of this actor (offsets its sampling seed)")
 def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[str, ...]) -> None:
     """Run an actor: tickets from the broker, episodes on env_servers, groups back to the broker."""
-    import dataclasses
-
     from actor.agent import Actor
-    from actor.engines import make_engine
+    from actor.engines import actor_engine
 
     cfg, rd, log = _start_role("actor", config, run_dir, overrides, rank)
-    engine_cfg = dataclasses.replace(cfg.actor.engine, seed=cfg.actor.engine.seed + 1000 * rank + cfg.run.seed)
-    engine_cfg = engine_cfg.fitted(cfg.actor.prompt.max_prompt_tokens, cfg.actor.sampling.max_new_tokens)
-    engine = make_engine(cfg.model, engine_cfg)
-    a = Actor(cfg.actor, engine, cfg.net, cfg.weights, rd, log, rank=rank)
+    a = Actor(cfg.actor, actor_engine(cfg, rank), cfg.net, cfg.weights, rd, log, rank=rank)
     try:
         a.connect()
         a.run()

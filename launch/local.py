@@ -129,7 +129,7 @@ def probe(host: str, port: int, timeout_s: float, net: Any, keys_dir: Path, aliv
 
     ctx = zmq.Context.instance()
     security = security_for(ctx, net, keys_dir, host)
-    link = ServerLink(ctx, net.tcp(port, host=host), P.Hello(role=PROBE_ROLE, peer_id=f"probe-{os.getpid()}"), net,
+    link = ServerLink(ctx, net.address(port, host=host), P.Hello(role=PROBE_ROLE, peer_id=f"probe-{os.getpid()}"), net,
                       security, log=structlog.ReturnLogger())  # a server not up yet is expected: no warnings
     deadline = time.monotonic() + timeout_s
     try:

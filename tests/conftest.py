@@ -22,10 +22,24 @@ from broker.config import BrokerConfig
 from common import log as L
 from common import protocol as P
 from common.net import NetConfig, free_port
+from common.net.config import PORT_RANGE_ENV
 from common.rundir import RunDir
 from env_server.desktop.sandbox import missing_packages
 
 REPO = Path(__file__).resolve().parents[1]
+
+WORKER_PORTS = 1000
+"""ports per parallel test worker, from 20000 up: below the kernel's ephemeral range (32768 on), so no outgoing
+connection takes a port a test picked, and each worker's own, so two workers never pick the same one"""
+
+
+def pytest_configure(config) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ... under pytest-xdist
+    if worker.startswith("gw"):
+        lo = 20000 + WORKER_PORTS * int(worker[2:])
+        if lo + WORKER_PORTS > 32768:
+            raise pytest.UsageError(f"too many test workers for their port ranges ({worker}): at most 12")
+        os.environ[PORT_RANGE_ENV] = f"{lo}-{lo + WORKER_PORTS - 1}"  # children (runs, roles) inherit it
 
 
 def make_net(**kw) -> NetConfig:

@@ -51,6 +51,10 @@ class SlurmCluster:
             "AccountingStorageType=accounting_storage/none", "SchedulerType=sched/backfill",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "ReturnToService=2", "MpiDefault=none",
             "JobRequeue=1", "KillWait=30", "SchedulerParameters=sched_interval=1",
+            # Slurm holds a requeued job for the step credential's lifetime plus a second (22.05's
+            # batch_requeue_fini; newer releases take SchedulerParameters=requeue_delay first): 120 s by default,
+            # which was most of the preemption test. 10 s still leaves a step launch its credential's time.
+            "AuthInfo=cred_expire=10",
             *(f"NodeName={n} NodeHostname={n} NodeAddr=127.0.0.{i + 1} Port={free_port()} CPUs={os.cpu_count()} "
               "State=UNKNOWN" for i, n in enumerate(self.nodes)),
             f"PartitionName=test Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",

@@ -28,7 +28,7 @@ from common.weightsync import WeightSender, WeightSyncConfig  # noqa: E402
 from env_server.sim.backend import SimBackend  # noqa: E402
 from env_server.config import EnvServerConfig  # noqa: E402
 from env_server.server import EnvServer  # noqa: E402
-from tests.conftest import stage_weights_before_window  # noqa: E402
+from tests.conftest import make_net, stage_weights_before_window  # noqa: E402
 
 TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 
@@ -140,7 +140,9 @@ def test_weights_swap_at_a_token_boundary_and_match_the_learner(quiet_log):
 @pytest.mark.parametrize("pool_size", [8, 1])
 def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, pool_size):
     """With a pool smaller than the episodes in flight, episodes wait for a desktop instead of failing."""
-    tb = start_broker(BrokerConfig(groups_per_batch=2, group_size=2, eta=4, persist=True))
+    # Liveness of seconds, not the fixtures' 0.6 s: the checks below hold the actor's loop for a while, and on a
+    # loaded machine the env_server must not take that silence for a death (it would reclaim the sessions).
+    tb = start_broker(BrokerConfig(groups_per_batch=2, group_size=2, eta=4, persist=True), net=make_net(liveness=25))
     env_cfg = EnvServerConfig(port=free_port(), pool_size=pool_size)
     server = EnvServer(env_cfg, tb.net, RunDir.create(tmp_path / "env"), quiet_log)
     st = threading.Thread(target=server.run, daemon=True)

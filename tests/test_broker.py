@@ -315,7 +315,7 @@ def _raw_dealer(tb):
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.linger = 0
-    s.connect(tb.net.tcp(tb.net.broker_front_port))
+    s.connect(tb.net.address(tb.net.broker_front_port))
     return s
 
 
@@ -517,7 +517,7 @@ def test_curve_accepts_run_keys_and_rejects_unknown_key(start_broker, quiet_log,
     s.linger = 0
     s.sndtimeo = 1000  # a refused handshake can leave the socket with no pipe: a plain send would block forever
     Security(ctx, forged).client(s)
-    s.connect(tb.net.tcp(tb.net.broker_front_port))
+    s.connect(tb.net.address(tb.net.broker_front_port))
     _try_send(s, P.encode(P.Hello(role="actor", peer_id="intruder")))
     assert s.poll(1500) == 0
     pump([actor], WAIT_S, until=lambda: stat(tb, "rejected_auth") >= 1)
@@ -525,7 +525,7 @@ def test_curve_accepts_run_keys_and_rejects_unknown_key(start_broker, quiet_log,
     plain = ctx.socket(zmq.DEALER)
     plain.linger = 0
     plain.sndtimeo = 1000
-    plain.connect(tb.net.tcp(tb.net.broker_front_port))
+    plain.connect(tb.net.address(tb.net.broker_front_port))
     _try_send(plain, P.encode(P.Hello(role="actor", peer_id="plain")))
     assert plain.poll(1000) == 0
     take_tickets(actor, 1, expect=1)  # the legitimate actor is unaffected
@@ -534,7 +534,7 @@ def test_curve_accepts_run_keys_and_rejects_unknown_key(start_broker, quiet_log,
     sub.linger = 0
     Security(ctx, forged).client(sub)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(tb.net.tcp(tb.net.broker_control_port))
+    sub.connect(tb.net.address(tb.net.broker_control_port))
     assert sub.poll(1500) == 0
     pump([actor], WAIT_S, until=lambda: stat(tb, "rejected_auth_control") >= 1)
     # Secret keys were created private: no moment where another user could read them.
@@ -581,7 +581,7 @@ def test_control_subscriber_ignores_garbage(quiet_log):
     net = make_net()
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
-    pub.bind(net.tcp(net.broker_control_port))
+    pub.bind(net.address(net.broker_control_port))
     sub = ControlSubscriber(ctx, net, Security(ctx, None), quiet_log)
     deadline = time.monotonic() + 5
     while sub.latest is None and time.monotonic() < deadline:
@@ -776,7 +776,7 @@ from tests.conftest import make_net
 net = make_net()
 ctx = zmq.Context.instance()
 server = ctx.socket(zmq.ROUTER)
-server.bind(net.tcp(net.broker_back_port))
+server.bind(net.address(net.broker_back_port))
 
 def serve():  # answers the first Hello with an Error, and only then with Ready
     ident, *_ = server.recv_multipart()
@@ -786,7 +786,7 @@ def serve():  # answers the first Hello with an Error, and only then with Ready
 
 threading.Thread(target=serve, daemon=True).start()
 hello = P.Hello(role="learner", peer_id="learner-t", pid=1, host="h")
-link = ServerLink(ctx, net.tcp(net.broker_back_port), hello, net, Security(ctx, None), None)
+link = ServerLink(ctx, net.address(net.broker_back_port), hello, net, Security(ctx, None), None)
 ready = link.wait_ready(5)
 after = [type(m).__name__ + ":" + getattr(m, "code", "") for m in link.poll(0.5)]
 print(json.dumps({"epoch": ready.epoch, "after": after}))

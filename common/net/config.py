@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket as pysocket
 from dataclasses import dataclass
 from typing import Literal
 
-
+import zmq
 
 
 @dataclass
@@ -40,22 +41,44 @@ class NetConfig:
     """messages larger than this are rejected on receipt"""
     hwm: int = 64
     """socket high-water mark in messages (messages are large; flow control is by credits)"""
+    transport: Literal["tcp", "inproc"] = "tcp"
+    """tcp between processes; inproc when every role runs as a thread of one process (the in-process tier)"""
 
     def validate(self) -> None:
         if self.heartbeat_s <= 0 or self.liveness < 1:
             raise ValueError("heartbeat_s must be > 0 and liveness >= 1")
         if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
             raise ValueError("need 0 < reconnect_min_s <= reconnect_max_s")
+        if self.transport not in ("tcp", "inproc"):
+            raise ValueError(f"net.transport must be tcp or inproc, not {self.transport!r}")
+        if self.transport == "inproc" and self.curve == "on":
+            raise ValueError("net.curve=on needs net.transport=tcp: inproc links never leave the process")
 
     @property
     def dead_after_s(self) -> float:
         return self.heartbeat_s * self.liveness
 
-    def tcp(self, port: int, bind: bool = False, host: str | None = None) -> str:
+    def address(self, port: int, bind: bool = False, host: str | None = None) -> str:
+        """The endpoint of a server's ``port``: ``tcp://host:port``, or over inproc a name the port makes unique
+        within the process (the host does not matter there)."""
+        if self.transport == "inproc":
+            return f"inproc://computerrl-{port}"
         host = host or self.broker_host
         if bind and self.bind_host:
             host = self.bind_host
         return f"tcp://{host}:{port}"
+
+
+def open_context(net: NetConfig) -> zmq.Context:
+    """A server role's ZeroMQ context: its own over tcp; over inproc the process's shared one, since inproc
+    endpoints are visible only within the context that bound them."""
+    return zmq.Context.instance() if net.transport == "inproc" else zmq.Context()
+
+
+def close_context(ctx: zmq.Context, net: NetConfig) -> None:
+    """Terminate a context ``open_context`` made (the shared one stays: other roles of the process still use it)."""
+    if net.transport != "inproc":
+        ctx.term()
 
 
 def is_loopback(host: str) -> bool:
@@ -79,13 +102,47 @@ def curve_wanted(net: NetConfig, host: str | None = None) -> bool:
     """
     if net.curve == "on":
         return True
-    if net.curve == "off":
+    if net.curve == "off" or net.transport == "inproc":
         return False
     host = host or net.broker_host
     return not (is_loopback(host) and is_loopback(net.bind_host or host))
 
 
+PORT_RANGE_ENV = "COMPUTERRL_PORT_RANGE"
+"""``LO-HI``: ``free_port`` picks only from these ports (parallel test workers, several runs on one machine)"""
+
+_cursor: dict[tuple[int, int], int] = {}  # per range: the next port this process tries
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with pysocket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port nothing is bound to now, for a server about to bind it.
+
+    By default the kernel's choice, which is taken from the ephemeral range: another process's outgoing connection
+    can take it before the server binds. With ``COMPUTERRL_PORT_RANGE=LO-HI`` set (the test suite gives each
+    parallel worker its own range below the ephemeral one), ports come from that range only, in turn from a
+    per-process starting point, so processes given disjoint ranges never pick the same port and no connection
+    takes one by chance."""
+    spec = os.environ.get(PORT_RANGE_ENV, "")
+    if not spec:
+        with pysocket.socket() as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    try:
+        lo, hi = (int(x) for x in spec.split("-"))
+    except ValueError:
+        raise ValueError(f"{PORT_RANGE_ENV}={spec!r}: expected LO-HI, e.g. 20000-20999") from None
+    if not 0 < lo <= hi < 65536:
+        raise ValueError(f"{PORT_RANGE_ENV}={spec!r}: need 0 < LO <= HI < 65536")
+    size = hi - lo + 1
+    start = _cursor.get((lo, hi), (os.getpid() * 7919) % size)
+    for i in range(size):
+        port = lo + (start + i) % size
+        with pysocket.socket() as s:
+            s.setsockopt(pysocket.SOL_SOCKET, pysocket.SO_REUSEADDR, 1)  # as the server will: TIME_WAIT is no bar
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _cursor[(lo, hi)] = (start + i + 1) % size
+        return port
+    raise RuntimeError(f"no free port in {PORT_RANGE_ENV}={spec}")

@@ -1,0 +1,95 @@
+"""The whole async pipeline in one process (``launch/inprocess.py``): broker, env_server with sim desktops, actors
+and the learner as threads over ZeroMQ inproc, training a few steps in seconds. The quick tier's check of
+admission, staleness, ack/commit, weight versions and drops by reason; the process-level suites keep what only
+processes show (kill -9, CURVE, Slurm, real desktops)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from broker.ledger import Ledger
+from common.audit import reconcile
+from common.rundir import RunDir
+from launch.config import load_run_config
+from launch.inprocess import InProcessRun
+from launch.local import free_port_overrides
+from tests.conftest import REPO
+
+pytest.importorskip("torch")
+
+STEPS = 3
+GROUPS_PER_BATCH = 2
+DROP_REASONS = {"stale", "zero_variance", "incomplete"}
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def run_pipeline(tmp_path: Path, *overrides: str) -> tuple[RunDir, float]:
+    """A tiny run of the embedded default, in process: two actors, batches of two groups of two, every group trained
+    (none dropped for equal rewards), a commit at every step's checkpoint. Returns its run directory and seconds
+    taken."""
+    cfg = load_run_config(REPO / "configs" / "local.yaml", [
+        *free_port_overrides(), f"learner.total_steps={STEPS}", "learner.checkpoint_every=1",
+        f"broker.groups_per_batch={GROUPS_PER_BATCH}", "broker.group_size=2", "broker.eta=1", "learner.anchor.suite=",
+        "learner.advantage.drop_zero_variance=false",
+        "weights.join_window_s=0.5", "local.actors=2", "actor.max_groups=1", "net.heartbeat_s=0.2", *overrides])
+    rd = RunDir.create(tmp_path / "run")
+    t0 = time.monotonic()
+    assert InProcessRun(cfg, rd, timeout_s=120).run(), "the learner did not finish its steps"
+    return rd, time.monotonic() - t0
+
+
+def check_pipeline(rd: RunDir, eta: int = 1) -> dict:
+    """What a healthy run leaves behind; raises AssertionError naming what broke. Returns the audit's counts."""
+    learner = _records(rd.metrics / "learner.jsonl")
+    assert [r["step"] for r in learner] == list(range(1, STEPS + 1)), "one version per step"
+    assert (rd.checkpoints / "latest").read_text() == f"step-{STEPS:08d}"
+    # Staleness: nothing trained further behind than eta, on the broker's histogram and in the learner's steps.
+    assert max(r.get("max_lag", 0) for r in learner) <= eta
+    broker = _records(rd.metrics / "broker.jsonl")[-1]
+    assert all(n == 0 for k, n in broker["lag_hist"].items() if k == "16+" or int(k) > eta), broker["lag_hist"]
+    # Weight rounds: every actor took weights and sampled with a newer policy than the start.
+    for rank in (0, 1):
+        actor = _records(rd.metrics / f"actor-{rank}.jsonl")[-1]
+        assert actor["counters"]["weight_updates"] >= 1 and actor["version"] >= 1, actor
+    # Exactly once, by group id: every acked group trained once, dropped with a reason, or still queued.
+    audit = reconcile(rd.root)
+    counts = audit.as_dict()
+    assert audit.ok, audit.table()
+    assert audit.acked == audit.trained_once + counts["dropped_total"] + audit.queued, audit.table()
+    assert audit.trained_once == STEPS * GROUPS_PER_BATCH and set(audit.dropped) <= DROP_REASONS, audit.table()
+    # Commit: what the learner settled left the broker, and nothing else did.
+    settled = sum(1 for _ in _settled(rd))
+    assert broker.get("groups_committed", 0) == settled, f"broker committed {broker.get('groups_committed', 0)} of " \
+                                                          f"the {settled} groups the learner settled"
+    return counts
+
+
+def _settled(rd: RunDir):
+    """Group ids the learner settled (trained or dropped) under a checkpoint, from its audit file."""
+    for line in (rd.audit / "learner.jsonl").read_text().splitlines():
+        ev = json.loads(line)
+        if ev["e"] in ("trained", "dropped"):
+            yield from ev.get("gs") or [ev["g"]]
+
+
+def test_the_async_pipeline_trains_in_process_and_loses_nothing(tmp_path):
+    rd, seconds = run_pipeline(tmp_path)
+    counts = check_pipeline(rd)
+    assert seconds < 60, f"the in-process tier took {seconds:.0f} s"
+    assert counts["lost"] == 0 and counts["trained_twice"] == 0
+
+
+def test_the_pipeline_check_fails_when_the_broker_forgets_a_commit(tmp_path, monkeypatch):
+    """Break the commit protocol (a Commit that settles nothing: the broker keeps the groups as delivered) and the
+    check must notice."""
+    monkeypatch.setattr(Ledger, "commit", lambda self, group_ids: ([], 0))
+    rd, _ = run_pipeline(tmp_path)
+    with pytest.raises(AssertionError, match="broker committed 0 of the 6 groups the learner settled"):
+        check_pipeline(rd)
