@@ -102,6 +102,8 @@ class TaskRegistry:
     def __init__(self, kind: str, rng_prefix: str = ""):
         self.kind, self.rng_prefix = kind, rng_prefix
         self.families: dict[str, TaskFamily] = {}
+        self.unavailable = ""
+        """why this kind has no families here (an optional package missing, and how to install it), or empty"""
 
     def register(self, family: TaskFamily) -> TaskFamily:
         if family.name in self.families:
@@ -125,6 +127,8 @@ class TaskRegistry:
         kind, split, items = split_suite(suite, what)
         if kind != self.kind:
             raise ActionError(f"bad {what} {suite!r}: expected {self.grammar()}")
+        if self.unavailable:
+            raise ActionError(f"bad {what} {suite!r}: {self.kind} tasks need {self.unavailable}")
         if not items:
             return split, self.names
         fams: list[str] = []

@@ -15,7 +15,7 @@ import yaml
 
 from common import config as configlib
 from common import log as L
-from launch.config import RunConfig, load_run_config, resolve_run_dir
+from launch.config import RunConfig, check_resumable, load_run_config, resolve_run_dir
 
 CONFIG_HELP = "YAML run config (configs/*.yaml); defaults are used for anything it leaves out"
 
@@ -152,6 +152,11 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
     cfg = _load(config, overrides)
     if resume and not run_dir:
         raise click.UsageError("--resume needs the --run-dir of the run to continue")
+    if resume:
+        try:
+            check_resumable(run_dir)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
     rd = _prepare_run(cfg, run_dir)
     if not srun:
         sys.exit(Supervisor(cfg, rd.config, rd, resume).run())

@@ -83,11 +83,48 @@ def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> R
     if suite.split(":")[0] != kind:
         raise configlib.ConfigError(f"broker.tasks.suite {suite!r} names {suite.split(':')[0]!r} tasks, and "
                                     f"env_server.backend {cfg.env_server.backend!r} runs {kind!r} tasks")
+    check_suites(cfg)
+    check_import_paths(cfg)
     shows = cfg.actor.prompt.observation
     if shows != "tree" and cfg.env_server.backend == "sim" and cfg.env_server.sim.screenshot == "none":
         raise configlib.ConfigError(f"actor.prompt.observation {shows} shows screenshots, and "
                                     "env_server.sim.screenshot is none: set it to png (or jpeg)")
     return cfg
+
+
+def check_suites(cfg: RunConfig) -> None:
+    """Every suite the run will draw tasks from names families its backend has, before any role starts: a
+    family that does not exist used to pass, and the run then played nothing while looking busy."""
+    from env_server.backends import task_registry
+
+    for key, suite in (("broker.tasks.suite", cfg.broker.tasks.suite), ("local.eval_suite", cfg.local.eval_suite),
+                       ("learner.anchor.suite", cfg.learner.anchor.suite)):
+        if not suite:
+            continue
+        try:
+            task_registry(suite.split(":")[0], cfg.env_server.backend).parse_suite(suite, key)
+        except ValueError as exc:  # the registry's message names the families it has
+            raise configlib.ConfigError(str(exc)) from None
+
+
+def check_import_paths(cfg: RunConfig) -> None:
+    """Import what the config names by import path (a custom loss, a custom advantage estimator) now, before any
+    role starts: a missing module or attribute is one error at load, not a learner that exits again and again
+    after the actors have begun. (``env_server.backend`` is imported by its own check.)"""
+    from common.imports import load_by_path
+    from learner.advantages import ESTIMATORS
+    from learner.config import BUILTIN_LOSSES
+
+    for key, name, builtin in (("learner.loss.name", cfg.learner.loss.name, BUILTIN_LOSSES),
+                               ("learner.advantage.name", cfg.learner.advantage.name, tuple(ESTIMATORS))):
+        if name in builtin:
+            continue
+        try:
+            obj = load_by_path(name)
+        except ValueError as exc:
+            raise configlib.ConfigError(f"{key}: {exc}") from None
+        if not callable(obj):
+            raise configlib.ConfigError(f"{key}: {name!r} is a {type(obj).__name__}, not a function")
 
 
 def resolve_run_dir(cfg: RunConfig, run_dir: str | None) -> RunDir:
@@ -100,6 +137,23 @@ def resolve_run_dir(cfg: RunConfig, run_dir: str | None) -> RunDir:
         cfg.run.run_id = new_run_id()
     cfg.run.run_dir = cfg.run.run_dir.format(run_id=cfg.run.run_id)
     return RunDir.create(cfg.run.run_dir)
+
+
+def check_resumable(run_dir: str | Path) -> None:
+    """Refuse to resume a run directory that holds no checkpoint: a mistyped directory on a requeue would otherwise
+    start training from scratch without a word. The error names the directories beside it that can resume."""
+    from learner import checkpoint as ckpt
+
+    root = Path(run_dir)
+    if ckpt.latest(root / "checkpoints") is not None:
+        return
+    parent = root.parent if root.parent.is_dir() else None
+    beside = sorted(p.name for p in parent.iterdir() if p.is_dir() and ckpt.latest(p / "checkpoints") is not None) \
+        if parent is not None else []
+    where = f"run directories with a checkpoint in {parent}: {', '.join(beside)}" if beside else \
+        f"no run directory in {parent} has one either" if parent is not None else f"{root.parent} does not exist"
+    raise ValueError(f"--resume: {root} holds no checkpoint ({root / 'checkpoints' / 'latest'} is missing); "
+                     f"{where}. Leave out --resume to start a new run there.")
 
 
 def config_for_checkpoint(checkpoint: str | Path) -> RunConfig:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import typing
 
 import pytest
@@ -10,6 +12,7 @@ import yaml
 from click.testing import CliRunner
 
 from common import config as configlib
+from common.config import ConfigError
 from launch.cli import main
 from launch.config import RunConfig, load_run_config, resolve_run_dir
 from tests.conftest import REPO
@@ -137,3 +140,49 @@ def test_a_local_run_sizes_the_desktop_pool_and_weight_rounds_to_its_actors():
     assert cfg.env_server.pool_size == 48 and cfg.learner.expected_actors == 3 and "48" in notes[0]
     big = load_run_config(REPO_CONFIG, ["env_server.pool_size=64", "learner.expected_actors=1"])
     assert fit_to_local_run(big) == [] and big.env_server.pool_size == 64 and big.learner.expected_actors == 1
+
+
+def test_resume_refuses_a_run_directory_without_a_checkpoint_and_names_those_that_have_one(tmp_path):
+    """A mistyped --run-dir on a requeue used to start a new run from scratch, exit 0, with only a log warning."""
+    runs = tmp_path / "runs"
+    (runs / "good" / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (runs / "good" / "checkpoints" / "step-00000004" / "state.json").write_text("{}")
+    (runs / "good" / "checkpoints" / "latest").write_text("step-00000004")
+    out = CliRunner().invoke(main, ["run", str(REPO / "configs" / "local.yaml"), "--run-dir", str(runs / "godo"),
+                                    "--resume"])
+    assert out.exit_code == 2, out.output
+    assert f"{runs / 'godo'} holds no checkpoint" in out.output and "good" in out.output, out.output
+    assert not (runs / "godo").exists(), "nothing was started or created"
+
+
+@pytest.mark.parametrize("key, suite, says", [
+    ("broker.tasks.suite", "sim:train:nope", r"unknown family 'nope'; families: .*sheet_sort"),
+    ("local.eval_suite", "sim:test", "split must be one of"),
+    ("learner.anchor.suite", "sim:train:files_delete,nope", "unknown family 'nope'"),
+])
+def test_a_suite_naming_what_the_backend_lacks_is_refused_at_config_load(key, suite, says):
+    """A run whose suite named a family that does not exist played nothing for minutes while looking busy."""
+    with pytest.raises(ConfigError, match=says):
+        load_run_config(REPO_CONFIG, [f"{key}={suite}"])
+
+
+def test_a_missing_optional_package_is_named_with_its_extra_not_as_an_unknown_family():
+    probe = ("import sys; sys.modules['miniwob'] = None\n"  # as if the miniwob extra were not installed
+             "from env_server.backends import task_registry\n"
+             "task_registry('miniwob', 'env_server.miniwob:PLUGIN').parse_suite('miniwob:train:enter-text')")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "miniwob tasks need the miniwob package: pip install 'computerrl[miniwob]'" \
+        in out.stderr, out.stderr[-1500:]
+
+
+@pytest.mark.parametrize("key, name, says", [
+    ("learner.loss.name", "no_such_pkg.losses:my_loss", r"learner.loss.name: cannot load 'no_such_pkg.losses:my_loss'"),
+    ("learner.loss.name", "learner.example_loss:no_such_fn", r"cannot load 'learner.example_loss:no_such_fn'"),
+    ("learner.advantage.name", "learner.losses:LOSSES", r"learner.advantage.name: .* is a dict, not a function"),
+])
+def test_a_name_loaded_by_import_path_is_imported_at_config_load(key, name, says):
+    """A custom loss that did not import was found 68 s into a run, after six learner exits, with groups acked."""
+    with pytest.raises(ConfigError, match=says):
+        load_run_config(REPO_CONFIG, [f"{key}={name}"])
+    out = CliRunner().invoke(main, ["run", str(REPO_CONFIG), f"{key}={name}"])
+    assert out.exit_code == 2 and ("cannot load" in out.output or "not a function" in out.output), out.output

@@ -44,6 +44,12 @@ def test_the_plugin_checks_its_options_and_bad_names_fail_clearly(outside):
         EnvServerConfig(backend="no_such_env:PLUGIN").validate()
     with pytest.raises(ValueError, match="env_server.options is for a backend from outside"):
         EnvServerConfig(backend="sim", options={"max_steps": 3}).validate()
+    # A suite naming a family the plug-in lacks is refused at config load, with the families it has.
+    from launch.config import load_run_config
+    with pytest.raises(ValueError, match=r"broker.tasks.suite 'lamps:train:nope'.*unknown family 'nope'; families: lamp"):
+        load_run_config(REPO / "configs" / "local.yaml", [f"env_server.backend={NAME}", "learner.anchor.suite=",
+                                                         "broker.tasks.suite=lamps:train:nope",
+                                                         "local.eval_suite=lamps:heldout"])
 
 
 def test_every_family_is_solved_through_the_backend_and_bad_actions_are_errors_not_crashes(outside):

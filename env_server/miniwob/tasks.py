@@ -26,7 +26,8 @@ def _pages() -> list[str]:
     try:
         import miniwob
     except ImportError:
-        return []  # the plugin's option check says what to install
+        TASKS.unavailable = "the miniwob package: pip install 'computerrl[miniwob]'"
+        return []
     return sorted(p.stem for p in (Path(miniwob.__file__).resolve().parent / "html" / "miniwob").glob("*.html"))
 
 
