@@ -227,6 +227,12 @@ class LearnerBrokerClient:
         self.link.request(f"control:{next(self._seq)}", P.Control(version=version, phase=phase, paused=paused,
                                                                   stop=stop, info=info or {}))
 
+    def leaving(self, reason: str) -> None:
+        """Say this learner is stopping: the broker sends no new batches and, while the link keeps being polled
+        (heartbeats), does not take the time the last step and checkpoint need for a death."""
+        self.credits_out = 0
+        self.link.send(P.Leaving(peer_id=self.learner_id, reason=reason))
+
     def request_successes(self, k_per_task: int, max_tasks: int = 0, seed: int = 0) -> None:
         for key in [k for k in self.link.outstanding if k.startswith("success:")]:
             self.link.complete(key)

@@ -448,6 +448,8 @@ class Broker:
                     self._set_version(msg.version)
             elif isinstance(msg, P.Commit):
                 self._on_commit(ident, msg)
+            elif isinstance(msg, P.Leaving):
+                self._learner_leaving(ident, msg)
             elif isinstance(msg, P.Holding):
                 self._on_holding(ident, msg)
             elif isinstance(msg, P.Control):
@@ -478,6 +480,16 @@ class Broker:
             self.log.warning(f"actor_{how}", actor=peer.peer_id, tickets_reclaimed=len(lost))
         else:
             self.log.info(f"actor_{how}", actor=peer.peer_id)
+
+    def _learner_leaving(self, ident: bytes, msg: P.Leaving) -> None:
+        """A learner stopping on purpose: no new batches for it (it will not train them); what it holds stays its
+        own until its Goodbye or its silence, since its last step and checkpoint may still commit them."""
+        peer = self.learners.peers.get(ident)
+        if peer is not None and not peer.leaving:
+            peer.leaving = msg.reason or "stopping"
+            self.counters["learners_leaving"] += 1
+            self.log.info("learner_leaving", learner=msg.peer_id, reason=peer.leaving)
+        self.credits.pop(ident, None)
 
     def _learner_gone(self, peer: PeerState, how: str) -> None:
         """A learner declared dead (silent) or that left (Goodbye): what it had not committed is delivered again, its

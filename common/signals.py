@@ -13,6 +13,11 @@ import threading
 from typing import Iterable
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+"""what asks a role to stop cleanly: TERM and INT, and USR2 — Slurm's notice, and the one signal a supervisor can
+send through ``srun`` to a role (srun answers TERM by killing its tasks, and forwards USR2 to them)"""
+
+
 class StopSignals:
     """Set by the first of ``signals`` delivered to this process; read with ``requested`` (no lock either way)."""
 
@@ -20,7 +25,7 @@ class StopSignals:
         self.requested = False
         self.signum = 0
 
-    def install(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> "StopSignals":
+    def install(self, signals: Iterable[int] = STOP_SIGNALS) -> "StopSignals":
         """Install the handlers (only the main thread may; elsewhere this does nothing and ``requested`` stays
         False)."""
         if threading.current_thread() is threading.main_thread():

@@ -116,6 +116,8 @@ def run_chaos(config: str, run_dir: Path, steps: int, kills: list[Kill], overrid
     base = [sys.executable, "-m", "launch.cli", "run", config, *overrides, "--run-dir", str(run_dir)]
 
     def start(total: int, resume: bool) -> subprocess.Popen:
+        # Killed before its first checkpoint, the run starts again (`run --resume` refuses a directory without one).
+        resume = resume and (run_dir / "checkpoints" / "latest").exists()
         args = [*base, f"learner.total_steps={total}", *(["--resume"] if resume else [])]
         log = open(run_dir.parent / f"{run_dir.name}.supervisor.log", "a")
         return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

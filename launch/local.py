@@ -148,9 +148,10 @@ def probe(host: str, port: int, timeout_s: float, net: Any, keys_dir: Path, aliv
 class Supervisor:
     def __init__(self, cfg: Any, config_path: Path, run_dir: RunDir, resume: bool, out: Any = None,
                  roles: list[Role] | None = None, launcher: Callable[[Role], list[str]] | None = None,
-                 log_suffix: str = ""):
+                 log_suffix: str = "", stop_signal: int = signal.SIGTERM):
         """``roles`` default to every role on this machine; ``launcher`` gives the command a role runs under
-        (``srun ...`` in a Slurm allocation; nothing locally), ``log_suffix`` marks its stderr file's name."""
+        (``srun ...`` in a Slurm allocation; nothing locally), ``log_suffix`` marks its stderr file's name,
+        ``stop_signal`` is what asks a role to stop (under srun, one that srun passes on to the role)."""
         self.cfg, self.local = cfg, cfg.local
         self.local.validate()
         self.run_dir = run_dir
@@ -160,6 +161,7 @@ class Supervisor:
         self.roles = roles if roles is not None else local_roles(cfg, common_args, resume)
         self.launcher = launcher or (lambda role: [])
         self.log_suffix = log_suffix
+        self.stop_signal = stop_signal
         self.config_path = config_path
         self.eval_proc: subprocess.Popen | None = None
         self.eval_step = -1  # checkpoint version being (or last) evaluated
@@ -220,7 +222,7 @@ class Supervisor:
         for name in order:
             group = [r for r in self.roles if r.name == name and r.proc is not None and r.proc.poll() is None]
             for r in group:
-                r.proc.send_signal(signal.SIGTERM)
+                r.proc.send_signal(self.stop_signal)
             # The learner finishes the step it is in, then checkpoints: a step can outlast other roles' exits.
             timeout = self.local.learner_stop_timeout_s if name == "learner" else self.local.stop_timeout_s
             deadline = time.monotonic() + timeout

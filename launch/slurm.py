@@ -28,6 +28,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -183,6 +184,12 @@ def _q(value: Any) -> str:
 
 
 # ----- the batch script ------------------------------------------------------------------------------------------
+
+
+STEP_STOP_SIGNAL = signal.SIGUSR2
+"""how the supervisor asks a role started by ``srun`` to stop: srun forwards SIGUSR1/SIGUSR2 to its tasks as they
+are, but answers SIGTERM, SIGHUP and SIGQUIT by sending SIGKILL to every task (Slurm 22.05's
+``_srun_signal_mgr``) — so a SIGTERM to srun killed the learner mid-step, before it could checkpoint"""
 
 
 def srun_argv(role: Role, cfg: SlurmConfig) -> list[str]:

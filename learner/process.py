@@ -6,6 +6,7 @@ The training step itself, free of sockets, is ``learner.trainer.Trainer``.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import signal
 import threading
 import time
@@ -16,7 +17,7 @@ from common.audit import AuditLog
 from common.exitcodes import EXIT_RESUMABLE
 from common.metrics import MetricsWriter, TimeSplit
 from common.model import ModelConfig
-from common.signals import StopSignals
+from common.signals import STOP_SIGNALS, StopSignals
 from common.vision import ImageStore
 from common.rundir import RunDir
 from learner import checkpoint as ckpt
@@ -49,6 +50,8 @@ class Learner:
         self.metrics = MetricsWriter(run_dir.metrics / "learner.jsonl", cfg.prometheus, "learner")
         self.audit = AuditLog(run_dir.audit / "learner.jsonl")
         self._stop = threading.Event()
+        # The thread training steps and checkpoint saves run on; this one keeps the broker link polled meanwhile.
+        self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="train")
         self._round_failures = 0  # weight rounds failed in a row
         self.clock = TimeSplit("wait")  # where the loop's time goes (restarted when ``run`` begins)
         self._retry_round_at = 0.0  # monotonic time to send the current weights again after a failed round
@@ -71,14 +74,24 @@ class Learner:
         self._stop.set()
 
     def checkpoint(self) -> None:
-        """Save; once durable, the groups it covers are committed to the broker (which then forgets them)."""
+        """Save; once durable, the groups it covers are committed to the broker (which then forgets them).
+
+        The save runs on the training thread while this one keeps the broker link polled: a checkpoint of a large
+        model takes minutes, and a learner that stops heartbeating for that long is taken for dead."""
         version = self.trainer.version
-        path = self.jobs.run("save", {"root": str(self.run_dir.checkpoints)},
-                             extra={"broker_client": self.client.checkpoint_state()})
+        extra = {"broker_client": self.client.checkpoint_state()}
+        path = self._polled(self._worker.submit(self.jobs.run, "save", {"root": str(self.run_dir.checkpoints)},
+                                                extra=extra))
         self.audit.write("checkpoint", v=version)
         self.client.checkpoint_durable(version)
         self._checkpointed = version
         self.log.info("checkpoint_written", path=str(path), version=version)
+
+    def _polled(self, job: Any) -> Any:
+        """``job``'s result (a future of the training thread), the broker link polled while it runs."""
+        while not job.done():
+            self.client.poll(0.05)
+        return job.result()
 
     def publish(self, paused: bool = False, stop: bool = False, new_weights: bool = True) -> Any:
         """Tell the broker the version and phase; returns the weight round to broadcast (or None).
@@ -97,8 +110,6 @@ class Learner:
 
     def _start_broadcast(self) -> Any:
         """Run the round on a daemon thread: a stop never waits for a round stuck on a dead peer."""
-        import concurrent.futures as cf
-
         self._retry_round_at = 0.0  # this round carries the newest weights: any retry pending is moot
         self.clock.enter("broadcast")
 
@@ -139,16 +150,14 @@ class Learner:
         Main thread: the broker link (heartbeats, batches, Control) never stops being polled; training
         steps and weight broadcasts run one at a time on a worker thread, so a long step never makes the
         broker think the learner died."""
-        import concurrent.futures as cf
-
-        signalled = StopSignals().install((signal.SIGTERM, signal.SIGUSR2, signal.SIGINT))
+        signalled = StopSignals().install()
         t, c = self.trainer, self.client
         ready = c.connect(60)
         t.eta = int(ready.info.get("eta", 0)) if ready.info else None
         # Each start-up stage leaves a line: a learner that once grew without bound between "resumed" and its first
         # broadcast (docs/reliability.md) left no trace of where it was.
         self.log.info("broker_linked", eta=t.eta, broker_epoch=c.link.epoch)
-        worker = cf.ThreadPoolExecutor(1, thread_name_prefix="train")
+        worker = self._worker
         self.clock = TimeSplit("broadcast")  # the first round's gather and send, then: wait, train, bookkeeping
         job: cf.Future | None = None
         job_kind = ""
@@ -209,13 +218,17 @@ class Learner:
                     job, job_kind = worker.submit(self.jobs.run, "sft", {"lr": self.cfg.entropulse.sft_lr},
                                                   successes), "sft"
         finally:
+            if not finished:
+                # Stopping (a signal, a preemption notice): the broker hears it now, and keeps hearing from us
+                # while the step in progress and the checkpoint finish, so that is not taken for a death.
+                c.leaving("signal" if signalled.requested else "stop requested")
             if job is not None and job_kind != "broadcast":
                 # A training step ends on its own (a round stuck on a dead peer is not waited for); its
                 # metrics record, audit events and settlements are written like any other step's.
-                self._after_step(job_kind, job.result())
-            worker.shutdown(wait=True)
+                self._after_step(job_kind, self._polled(job))
             if (finished or self._want_checkpoint) and self._checkpointed != t.version:
                 self.checkpoint()
+            worker.shutdown(wait=True)
             if finished:
                 self.publish(stop=True)
             # Give the broker a moment to confirm our last commits (a resumed learner would re-send them).
@@ -313,7 +326,7 @@ def main(cfg: Any, run_dir: RunDir, log: Any, resume: bool, anchor_demos: list[P
         return 0 if finished else EXIT_RESUMABLE
     # A signal reaches every rank at once (torchrun, the local supervisor, Slurm), but rank 0 checkpoints
     # first and needs this rank for it; this rank leaves when rank 0 says stop or its connection drops.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, lambda *_: log.info("signal_left_to_rank0"))
     JobChannel(dist, Trainer(cfg.learner, cfg.model, temperature, cfg.run.seed, dist, anchor_demos,
                              ImageStore(run_dir.images))).follow(log)

@@ -74,6 +74,12 @@ def test_sigterm_checkpoints_and_resume_continues_versions(tmp_path, quiet_log):
         assert saved >= 3
         steps = [json.loads(x)["step"] for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()]
         assert steps[-1] == saved, "the step in flight at the signal has its metrics record too"
+        # A stop is not a death: the learner said it was leaving and kept its link alive through its last step
+        # and checkpoint, however long they took; the broker counted it left and declared nothing dead.
+        events = [json.loads(x) for x in (run_dir / "logs" / "broker-0.jsonl").read_text().splitlines()]
+        names = [e["event"] for e in events]
+        assert "learner_leaving" in names and "learner_left" in names and "learner_dead" not in names, names
+        assert names.index("learner_leaving") < names.index("learner_left")
         learner = _learner(run_dir, net, f"learner.total_steps={saved + 2}", resume=True)
         _feed_until(actor, lambda: learner.poll() is not None)
         assert learner.returncode == 0, learner.stderr.read().decode()[-2000:]

@@ -6,6 +6,7 @@ processes show (kill -9, CURVE, Slurm, real desktops)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -93,3 +94,43 @@ def test_the_pipeline_check_fails_when_the_broker_forgets_a_commit(tmp_path, mon
     rd, _ = run_pipeline(tmp_path)
     with pytest.raises(AssertionError, match="broker committed 0 of the 6 groups the learner settled"):
         check_pipeline(rd)
+
+
+def test_a_learner_that_stops_is_counted_as_leaving_not_dead(tmp_path, monkeypatch, start_broker, quiet_log):
+    """A stopping learner finishes its step and writes its checkpoint, which can take minutes for a large model:
+    it says it is leaving and keeps heartbeating meanwhile, so the broker counts it left and requeues nothing while
+    it stops. (It was declared dead 2.4 s after a SIGTERM, every Slurm preemption went that way.)"""
+    from broker.client import ActorBrokerClient
+    from broker.config import BrokerConfig
+    from learner.config import LearnerConfig
+    from learner.process import Learner
+    from learner.trainer import Trainer
+    from tests.test_learner import TINY
+    from tests.test_learner_process import _feed_until
+
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=4, eta=1000, persist=False))
+    dead_after = tb.net.dead_after_s
+    learner = Learner(LearnerConfig(checkpoint_every=0), TINY, None, tb.net, tb.run_dir, quiet_log)
+    thread = threading.Thread(target=learner.run, daemon=True)
+    thread.start()
+    actor = ActorBrokerClient(tb.net, None, quiet_log)
+    try:
+        actor.connect(30)
+        _feed_until(actor, lambda: actor.version >= 1)
+        save = Trainer.save
+
+        def slow_save(self, *a, **kw):  # the checkpoint of a model far larger than this one
+            time.sleep(3 * dead_after)
+            return save(self, *a, **kw)
+        monkeypatch.setattr(Trainer, "save", slow_save)
+        t0 = time.monotonic()
+        learner.request_stop(checkpoint=True)
+        while thread.is_alive() and time.monotonic() - t0 < 60:
+            actor.poll(0.05)  # the feeding actor stays alive too: only the learner's silence is in question
+        assert not thread.is_alive() and time.monotonic() - t0 > 3 * dead_after
+    finally:
+        actor.close()
+    counters = tb.broker.counters
+    assert counters["learners_leaving"] == 1 and counters["learners_left"] == 1, dict(counters)
+    assert counters.get("learners_dead", 0) == 0, dict(counters)
+    assert (tb.run_dir.checkpoints / "latest").exists()

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from common.exitcodes import EXIT_RESUMABLE
@@ -314,7 +315,11 @@ def test_a_run_over_three_nodes_preempted_on_a_real_slurm_resumes_in_its_next_at
         slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
     t_submit = time.monotonic()
-    job = _submit(slurm_cluster, run_dir, "learner.total_steps=6")
+    # The recipe's own checkpoint period (10 steps, more than the run): progress survives only if the notice
+    # makes the learner checkpoint before it exits.
+    every = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())["learner"]["checkpoint_every"]
+    assert every > 6
+    job = _submit(slurm_cluster, run_dir, "learner.total_steps=6", f"learner.checkpoint_every={every}")
     deadline = t_submit + 900
     try:
         _wait(slurm_cluster, lambda: _learner_steps(run_dir), deadline, "the job never trained")
@@ -349,6 +354,11 @@ def test_a_run_over_three_nodes_preempted_on_a_real_slurm_resumes_in_its_next_at
     assert len(ready) == 2 and all(r["curve"] for r in ready), ready
     result = _audited(slurm_cluster, run_dir)
     assert result["learner_starts"] == 2, "the second attempt resumed the learner from its checkpoint"
+    # Nothing trained before the notice is trained again: the stop's checkpoint covers every settlement.
+    assert result["rolled_back_settlements"] == 0, result
+    learner_log = [json.loads(x) for x in (run_dir / "logs" / "learner-0.jsonl").read_text().splitlines()]
+    resumed = [e["version"] for e in learner_log if e["event"] == "resumed"]
+    assert resumed and resumed[0] >= step_at_notice, (resumed, step_at_notice)
 
 
 @pytest.mark.slow
@@ -356,19 +366,22 @@ def test_a_run_over_three_nodes_preempted_on_a_real_slurm_resumes_in_its_next_at
 def test_status_and_cancel_on_a_live_job_then_resume(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
     # Two heterogeneous components: broker and learner on cn1, the env_servers and actors on cn2 and cn3.
-    job = _submit(slurm_cluster, run_dir, "learner.total_steps=3", "slurm.rollout.separate=true")
+    every = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())["learner"]["checkpoint_every"]
+    job = _submit(slurm_cluster, run_dir, "learner.total_steps=3", "slurm.rollout.separate=true",
+                  f"learner.checkpoint_every={every}")  # the recipe's: only the cancel's checkpoint saves the steps
     deadline = time.monotonic() + 900
     try:
         _wait(slurm_cluster, lambda: _learner_steps(run_dir), deadline, "the job never trained")
         status = json.loads(_cli(slurm_cluster, "slurm", "status", str(run_dir), "--json"))
         assert status["job"] == job and status["state"] == "RUNNING" and status["attempt"] == 1, status
-        assert status["learner"]["step"] >= 1 and status["checkpoint"].startswith("step-"), status
+        assert status["learner"]["step"] >= 1, status
         assert {"broker", "learner", "env_server-0", "env_server-1", "actor-0", "actor-1"} <= set(status["metrics"])
         assert any(p.name.startswith("actor-1@cn3.") for p in (run_dir / "logs").glob("*.stderr"))
         assert "stopped (the learner checkpointed" in _cli(slurm_cluster, "slurm", "cancel", str(run_dir))
         assert not slurm_cluster.job_state(job), "a cancelled job is not requeued"
         status = json.loads(_cli(slurm_cluster, "slurm", "status", str(run_dir), "--json"))
         assert status["state"] == "COMPLETED" and status["cancelled"], status
+        assert status["checkpoint"].startswith("step-"), status
         job_log = (run_dir / "logs" / f"slurm-{job}.out").read_text()
         assert "cancelled (computerrl slurm cancel)" in job_log and "requeueing" not in job_log, job_log[-2000:]
         resumed = _cli(slurm_cluster, "slurm", "resume", str(run_dir)).split("submitted job ")[1].split(";")[0]
@@ -379,7 +392,8 @@ def test_status_and_cancel_on_a_live_job_then_resume(slurm_cluster, tmp_path):
         slurm_cluster.run("scancel", job, check=False)
     assert "outcome: finished" in (run_dir / "logs" / f"slurm-{resumed}.out").read_text()
     assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000003"
-    assert _audited(slurm_cluster, run_dir)["learner_starts"] == 2
+    audit = _audited(slurm_cluster, run_dir)
+    assert audit["learner_starts"] == 2 and audit["rolled_back_settlements"] == 0, audit
 
 
 @pytest.mark.slow

@@ -230,8 +230,10 @@ def test_training_curves_smooth_rl_steps_across_seeds_and_keep_each_seeds_sft_ph
 
 
 def _sweep(out: Path, *extra: str) -> subprocess.Popen:
+    # The sweep's machinery is the point, not the recipe: no anchor, no evaluation of the starting policy.
     args = [sys.executable, "-m", "launch.cli", "sweep", "configs/local.yaml", "learner.checkpoint_every=1",
             "local.eval_episodes=1", "local.eval_suite=sim:heldout:files_delete", "weights.join_window_s=0.5",
+            "learner.anchor.suite=", "local.eval_start=false",
             "--eval-suite", "sim:heldout:files_delete", "--eval-episodes", "2", "--out", str(out), *extra]
     return subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -155,6 +155,8 @@ class PeerState:
     role: str
     last_seen: float
     info: dict = dataclasses.field(default_factory=dict)
+    leaving: str = ""
+    """why it said it is stopping (``Leaving``), or empty"""
 
 
 class PeerTable:

@@ -90,6 +90,16 @@ class Goodbye(Message):
 
 
 @dataclass
+class Leaving(Message):
+    """A peer stopping on purpose (a signal, a preemption notice): it keeps heartbeating while it finishes what it
+    is doing (a learner's step and checkpoint can take minutes) and ends with ``Goodbye``. The server gives it no
+    new work meanwhile and counts it as left, not dead; a peer that falls silent before its Goodbye is dead."""
+
+    peer_id: str
+    reason: str = ""
+
+
+@dataclass
 class Ready(Message):
     """Answer to ``Hello``: the server's identity and the current control state."""
 
