@@ -27,6 +27,9 @@ class EnvServerConfig:
     """desktops started before serving (the rest start on demand)"""
     step_timeout_s: float = 60.0
     """a step or reset slower than this aborts the episode and retires the desktop"""
+    max_steps: int = 0
+    """steps after which an episode ends if the backend has not ended it (0 = its task family's max_steps); a
+    backend option that allows longer episodes needs this raised too"""
     session_idle_s: float = 300.0
     """a session with no request for this long is reclaimed even if its actor still heartbeats"""
     health_interval_s: float = 10.0
@@ -49,5 +52,5 @@ class EnvServerConfig:
         self.desktop.validate()
         if self.pool_size < 1 or not 0 <= self.prestart <= self.pool_size:
             raise ValueError("need pool_size >= 1 and 0 <= prestart <= pool_size")
-        if self.step_timeout_s <= 0 or self.session_idle_s <= 0:
-            raise ValueError("step_timeout_s and session_idle_s must be > 0")
+        if self.step_timeout_s <= 0 or self.session_idle_s <= 0 or self.max_steps < 0:
+            raise ValueError("step_timeout_s and session_idle_s must be > 0, max_steps >= 0")

@@ -26,12 +26,12 @@ import zmq
 
 from common import protocol as P
 from common.metrics import MetricsWriter, percentile
-from common.net import (NetConfig, PeerState, PeerTable, ServerSocket, answer_heartbeat, close_context, heard_from,
-                        open_context, raise_open_files, security_for, serve)
+from common.net import (NetConfig, PeerState, PeerTable, RateLimitedLog, ServerSocket, answer_heartbeat,
+                        close_context, heard_from, open_context, raise_open_files, security_for, serve)
 from common.rundir import RunDir
 from env_server.actions import ActionError
 from env_server.backend import Backend, StepResult
-from env_server.backends import make_backend
+from env_server.backends import make_backend, task_registry
 from env_server.config import EnvServerConfig
 
 SESSION_REQUESTS = (P.EnvReset, P.EnvStep, P.EnvEvaluate, P.SessionClose)
@@ -48,6 +48,8 @@ class Session:
     last_request: str = ""
     last_reply: list | None = None
     episode: bool = False  # reset done and not aborted since
+    steps: int = 0  # steps of the episode since its reset
+    step_limit: int = 0  # where the env_server ends the episode if the backend has not (0 = no limit known)
 
 
 @dataclass
@@ -75,6 +77,7 @@ class EnvServer:
         self.cfg, self.net, self.run_dir, self.log, self.rank, self.seed = cfg, net, run_dir, log, rank, seed
         self.epoch = uuid.uuid4().hex[:12]
         self.counters: collections.Counter = collections.Counter()
+        self.step_limit_log = RateLimitedLog(log, interval_s=60.0)
         raise_open_files(log, "env_server")  # a connection per actor, a desktop's own files and sockets
         self.ctx = open_context(net)
         self.security = security_for(self.ctx, net, run_dir.keys, cfg.host)
@@ -344,6 +347,7 @@ class EnvServer:
             return
         if isinstance(req, P.EnvReset):
             sess.episode = True
+            sess.steps, sess.step_limit = 0, self._step_limit(req.task_id)
             self.counters["resets"] += 1
             reply: P.Message = P.EnvObservation(request_id=rid, session_id=sess.session_id, obs=wire_obs(result))
         elif isinstance(req, P.EnvStep):
@@ -352,8 +356,16 @@ class EnvServer:
             self.counters["format_errors"] += r.format_error
             self.counters["action_errors"] += r.action_error
             self.step_ms.append(seconds * 1000)
-            reply = P.EnvObservation(request_id=rid, session_id=sess.session_id, obs=wire_obs(r.obs), done=r.done,
-                                     format_error=r.format_error, action_error=r.action_error, info=r.info)
+            sess.steps += 1
+            done, info = r.done, r.info
+            if not done and sess.step_limit and sess.steps >= sess.step_limit:
+                # A backend that never says done (a plug-in's bug) must not make an episode run forever.
+                done, info = True, {**info, "step_limit": sess.step_limit}
+                self.counters["episodes_cut_at_step_limit"] += 1
+                self.step_limit_log.warning("episode_cut_at_step_limit", (backend.name,), backend=backend.name,
+                                            steps=sess.steps, limit=sess.step_limit)
+            reply = P.EnvObservation(request_id=rid, session_id=sess.session_id, obs=wire_obs(r.obs), done=done,
+                                     format_error=r.format_error, action_error=r.action_error, info=info)
         else:
             self.counters["evaluations"] += 1
             info = {k: v for k, v in result.items() if k not in ("reward", "success")}
@@ -362,6 +374,17 @@ class EnvServer:
         frames = P.encode(reply)
         sess.last_request, sess.last_reply = rid, frames
         self.sock.send_frames(sess.owner, frames)
+
+    def _step_limit(self, task_id: str) -> int:
+        """``env_server.max_steps``, else the step limit of the family ``task_id`` names (0 if it names none)."""
+        if self.cfg.max_steps:
+            return self.cfg.max_steps
+        try:
+            tasks = task_registry(task_id.split(":")[0], self.cfg.backend)
+            _, families, seed = tasks.parse_task_id(task_id)
+            return tasks.families[families[seed % len(families)]].max_steps
+        except (ValueError, KeyError, ZeroDivisionError):  # the backend accepted an id its registry cannot read
+            return 0
 
     def _close_session(self, sess: Session, why: str) -> None:
         del self.sessions[sess.session_id]

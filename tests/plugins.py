@@ -3,6 +3,8 @@ and the server see the same classes)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from env_server.backends import Plugin
 from env_server.sim.backend import SimBackend, SimConfig
 from env_server.sim.tasks import TASKS as SIM_TASKS
@@ -27,4 +29,14 @@ class ExplodingBackend(SimBackend):
 EXPLODING = Plugin(make=lambda options, seed: ExplodingBackend(SimConfig(), seed), tasks=SIM_TASKS)
 
 
-EXPLODING = Plugin(make=lambda options, seed: ExplodingBackend(SimConfig(), seed), tasks=SIM_TASKS)
+
+class NeverDoneBackend(SimBackend):
+    """A plug-in with a bug: it never says an episode is done (not even at its task's step limit)."""
+
+    name = "never_done"
+
+    def step(self, text):
+        return dataclasses.replace(super().step(text), done=False)
+
+
+NEVER_DONE = Plugin(make=lambda options, seed: NeverDoneBackend(SimConfig(), seed), tasks=SIM_TASKS)

@@ -139,6 +139,23 @@ def test_backend_exception_aborts_only_that_episode(env_server, quiet_log):
     c.close()
 
 
+def test_an_episode_ends_at_its_familys_step_limit_whatever_the_backend_does(env_server, quiet_log):
+    """A plug-in that never says done used to get an episode that ran forever."""
+    from env_server.sim.tasks import TASKS
+
+    server, net = env_server(backend="tests.plugins:NEVER_DONE", pool_size=1)
+    c = client_for(server, net, quiet_log)
+    s = c.open()
+    limit = TASKS.families["files_delete"].max_steps
+    c.reset(s, "sim:train:files_delete/0")
+    steps = [c.step(s, "wait()") for _ in range(limit)]
+    assert [o.done for o in steps] == [False] * (limit - 1) + [True]
+    assert steps[-1].info["step_limit"] == limit and server.counters["episodes_cut_at_step_limit"] == 1
+    c.reset(s, "sim:train:files_delete/1")  # the count starts again with each episode
+    assert not c.step(s, "wait()").done
+    c.close()
+
+
 def test_a_client_that_leaves_gives_its_sessions_back_at_once_and_a_probe_is_never_a_peer(env_server, quiet_log):
     """Goodbye: desktops a leaving client did not close go back to the pool now, not after it is taken for dead."""
     from launch.local import probe
