@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import resource
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -29,7 +31,7 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         if self._f is None and self.exposed is None:
             return
-        line = json.dumps({"time": time.time(), **record}, default=_jsonable)
+        line = json.dumps({"time": time.time(), **record, **process_memory()}, default=_jsonable)
         if self.exposed is not None:
             self.exposed.update(json.loads(line))  # plain types, as a reader of the file would get them
         if self._f is not None:
@@ -39,6 +41,21 @@ class MetricsWriter:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def process_memory() -> dict[str, float]:
+    """This process's resident set now and at its peak, in MB: every role's metrics record carries them, so a
+    role that grows with the run's length shows it (roles run as threads of one process report that process)."""
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * _PAGE_BYTES
+    except (OSError, IndexError, ValueError):  # not Linux: the peak alone
+        rss = 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"rss_mb": round(rss / 2**20, 1), "peak_rss_mb": round(peak / 2**20, 1)}
 
 
 class TimeSplit:

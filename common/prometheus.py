@@ -75,7 +75,7 @@ def serve(address: str, role: str, rank: int) -> RecordCollector:
     """Start serving ``/metrics`` on ``HOST:PORT`` (the port plus ``rank``, so ranked roles share one setting) in a
     daemon thread; a clear error when the package is missing or the port is taken."""
     try:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
     except ImportError as exc:
         raise RuntimeError(f"{role}.prometheus is set but prometheus_client is not installed: "
                            "pip install 'computerrl[tracking]'") from exc
@@ -83,6 +83,7 @@ def serve(address: str, role: str, rank: int) -> RecordCollector:
     collector = RecordCollector(role, rank)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
+    ProcessCollector(registry=registry)  # process_resident_memory_bytes, CPU seconds, open files: what operators chart
     try:
         start_http_server(int(port) + rank, addr=host or "0.0.0.0", registry=registry)
     except OSError as exc:

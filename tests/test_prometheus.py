@@ -80,6 +80,9 @@ def test_a_live_broker_and_env_server_are_scraped(tmp_path):
         depth = fams["computerrl_broker_queue_depth"]
         assert depth.type == "gauge" and depth.samples[0].labels == {"rank": "0"} and depth.samples[0].value == 0
         assert fams["computerrl_broker_lag_hist"].samples, "the staleness histogram, one series per bucket"
+        # Each role's own memory: in its records, and as the standard process metrics operators already chart.
+        assert fams["computerrl_broker_rss_mb"].samples[0].value > 0
+        assert fams["process_resident_memory_bytes"].samples[0].value > 0
         fams = _scrape(env_port, "computerrl_env_server_desktops", env)  # rank 1 serves on the port + 1
         desktops = fams["computerrl_env_server_desktops"]
         assert desktops.type == "gauge" and desktops.samples[0].labels == {"rank": "1"}
