@@ -1,13 +1,22 @@
-"""``computerrl chaos``: a real ``computerrl run`` while a seeded schedule kills its roles, then the audit.
+"""``computerrl chaos``: a real ``computerrl run`` while a seeded schedule of faults hits its roles, then the audit.
 
-The schedule picks, for each kill, a learner step at which it happens, a role (broker, env_server, an actor,
-the learner) and a signal (mostly SIGKILL, some SIGTERM). The supervisor restarts what dies (the learner
-with ``--resume``); if the run gives up anyway, it is continued with ``--resume``, as an operator would.
-After the last step, the run is resumed once more for a few steps (groups queued at the end get trained),
-then ``common.audit.reconcile`` must find every acked group trained once, dropped with a reason, or queued.
+Faults, each at a learner step, on a role (broker, env_server, an actor, the learner):
 
-Recovery time of a kill: seconds from the signal until the learner writes its next step record (training
-flows again), and until the killed role runs again (a new process of it is up).
+- ``SIGKILL`` / ``SIGTERM``: the process dies (or stops cleanly); the supervisor restarts it (the learner with
+  ``--resume``); if the run gives up anyway, it is continued with ``--resume``, as an operator would;
+- ``partition`` (``--partitions``): the role's link goes down for ``seconds`` and comes back. Every role then runs
+  in a network namespace of its own (``launch/netns.py``), so its TCP connections stay open and nothing is refused,
+  as when a switch port or a node's network fails;
+- ``hang``: the role is stopped (SIGSTOP) for ``seconds``, then continued — a process stalled in the kernel or
+  swapped out: its sockets stay open and unanswered.
+
+A partitioned or hung role must come back by itself: it is the same process after the fault (``restarted`` says
+otherwise). After the last step, the run is resumed once more for a few steps (groups queued at the end get
+trained), then ``common.audit.reconcile`` must find every acked group trained once, dropped with a reason, or
+queued.
+
+Recovery of a fault: seconds from the fault's end (the signal; the heal; the SIGCONT) until the learner writes its
+next step record (training flows again), and, for a kill, until the killed role runs again.
 """
 
 from __future__ import annotations
@@ -25,31 +34,48 @@ from pathlib import Path
 from typing import Any
 
 ROLES = ("broker", "env_server", "actor", "learner")
+KILLS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM}
 
 
 @dataclass
-class Kill:
+class Fault:
     step: int
-    """learner step after which the signal is sent"""
+    """learner step after which the fault starts"""
     role: str
-    signal: int
-    killed_at: float = 0.0
+    kind: str
+    """SIGKILL, SIGTERM, partition or hang"""
+    seconds: float = 0.0
+    """how long a partition or hang lasts"""
+    started_at: float = 0.0
+    ended_at: float = 0.0
     pid: int = 0
     rank: str = "0"
     metrics_pos: int = 0
     role_back_s: float | None = None
+    """a kill: seconds until a new process of the role runs"""
     training_back_s: float | None = None
+    """seconds from the fault's end until the learner's next step record"""
+    restarted: bool | None = None
+    """a partition or hang: whether the role had to be restarted (it should not)"""
+
+    @property
+    def signal(self) -> int:
+        return KILLS.get(self.kind, 0)
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} {self.seconds:g} s" if self.seconds else self.kind
 
 
 @dataclass
 class ChaosResult:
-    kills: list[Kill] = field(default_factory=list)
+    kills: list[Fault] = field(default_factory=list)
     resumes: int = 0
     wall_s: float = 0.0
     audit: dict = field(default_factory=dict)
 
 
-def schedule(seed: int, steps: int, kills: int, sigterm_share: float = 0.25) -> list[Kill]:
+def schedule(seed: int, steps: int, kills: int, sigterm_share: float = 0.25) -> list[Fault]:
     """``kills`` kills at random steps in 1 .. steps-2. Every role gets a SIGKILL before any role is hit
     twice; later hits are SIGTERM with probability ``sigterm_share``."""
     rng = random.Random(seed)
@@ -61,7 +87,19 @@ def schedule(seed: int, steps: int, kills: int, sigterm_share: float = 0.25) -> 
     plan = list(zip(roles[:kills], sigs))
     rng.shuffle(plan)
     at = sorted(rng.randint(1, max(1, steps - 2)) for _ in range(kills))
-    return [Kill(s, r, sig) for s, (r, sig) in zip(at, plan)]
+    return [Fault(s, r, signal.Signals(sig).name) for s, (r, sig) in zip(at, plan)]
+
+
+def network_schedule(seed: int, steps: int, spans: tuple[float, ...], roles: tuple[str, ...] = ROLES,
+                     kinds: tuple[str, ...] = ("partition", "hang")) -> list[Fault]:
+    """Every role partitioned and hung once for each of ``spans`` seconds, in a seeded order spread over steps
+    1 .. steps-2, one fault at a time (a fault starts once the previous one has ended). The learner's faults land
+    on a step boundary, when a weight round goes out and, at a checkpoint, its commit."""
+    rng = random.Random(seed)
+    plan = [(r, k, s) for r in roles for k in kinds for s in spans]
+    rng.shuffle(plan)
+    at = sorted(rng.randint(1, max(1, steps - 2)) for _ in plan)
+    return [Fault(st, r, k, s) for st, (r, k, s) in zip(at, plan)]
 
 
 def role_pids(run_dir: Path, role: str, rank: str | None = None) -> list[int]:
@@ -105,15 +143,27 @@ def _learner_steps(path: Path) -> list[tuple[float, int]]:
     return out
 
 
-def run_chaos(config: str, run_dir: Path, steps: int, kills: list[Kill], overrides: list[str],
-              resume_steps: int = 2, timeout_s: float = 1800.0, out: Any = None) -> ChaosResult:
+def run_chaos(config: str, run_dir: Path, steps: int, faults: list[Fault], overrides: list[str],
+              resume_steps: int = 2, timeout_s: float = 1800.0, out: Any = None, fabric: Any = None) -> ChaosResult:
+    """Run ``config`` for ``steps`` learner steps under ``faults`` (in step order, one at a time), then resume it
+    for ``resume_steps`` more and reconcile the audit. With ``fabric`` (``launch/netns.py``, members named by
+    role label plus ``supervisor``) every role runs in its own network namespace: partitions need it."""
     out = out or sys.stderr  # progress; the result is the caller's to print
     run_dir = Path(run_dir).resolve()
     metrics = run_dir / "metrics" / "learner.jsonl"
-    result = ChaosResult(kills=kills)
+    result = ChaosResult(kills=faults)
     t0 = time.monotonic()
     deadline = t0 + timeout_s
-    base = [sys.executable, "-m", "launch.cli", "run", config, *overrides, "--run-dir", str(run_dir)]
+    if any(f.kind == "partition" for f in faults) and fabric is None:
+        raise ValueError("partitions need the roles in network namespaces of their own (--partitions)")
+    prefix: list[str] = []
+    if fabric is not None:
+        fabric_file = run_dir.parent / f"{run_dir.name}.fabric.json"
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        fabric.save(fabric_file)
+        overrides = [*overrides, f"local.netns={fabric_file}"]
+        prefix = fabric.exec_prefix("supervisor")
+    base = [*prefix, sys.executable, "-m", "launch.cli", "run", config, *overrides, "--run-dir", str(run_dir)]
 
     def start(total: int, resume: bool) -> subprocess.Popen:
         # Killed before its first checkpoint, the run starts again (`run --resume` refuses a directory without one).
@@ -122,46 +172,64 @@ def run_chaos(config: str, run_dir: Path, steps: int, kills: list[Kill], overrid
         log = open(run_dir.parent / f"{run_dir.name}.supervisor.log", "a")
         return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
+    def say(text: str) -> None:
+        out.write(f"[chaos] {text}\n")
+        out.flush()
+
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     sup = start(steps, resume=False)
-    pending = list(kills)
-    watching: list[Kill] = []
+    pending = list(faults)
+    active: Fault | None = None  # a partition or hang in progress
+    watching: list[Fault] = []
     try:
         while True:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"chaos run not finished within {timeout_s:.0f} s")
             records = _learner_steps(metrics)
             latest = records[-1][1] if records else 0
-            while pending and latest >= pending[0].step:
-                k = pending.pop(0)
-                pids = role_pids(run_dir, k.role)
+            now = time.monotonic()
+            if active is not None and now >= active.started_at + active.seconds:
+                _end(active, fabric)
+                active.ended_at = now
+                active.metrics_pos = records[-1][0] if records else 0
+                say(f"{active.kind} of {active.role}-{active.rank} over after {now - active.started_at:.1f} s")
+                watching.append(active)
+                active = None
+            while active is None and pending and latest >= pending[0].step:
+                f = pending.pop(0)
+                pids = role_pids(run_dir, f.role)
                 if not pids:
-                    continue  # restarting right now: this kill lands on nothing; keep the schedule moving
-                k.pid = pids[0] if k.role != "actor" else random.Random(k.step).choice(pids)
+                    continue  # restarting right now: this fault lands on nothing; keep the schedule moving
+                f.pid = pids[0] if f.role != "actor" else random.Random(f.step).choice(pids)
                 try:
-                    k.rank = _rank((Path("/proc") / str(k.pid) / "cmdline").read_bytes().decode().split("\0"))
+                    f.rank = _rank((Path("/proc") / str(f.pid) / "cmdline").read_bytes().decode().split("\0"))
                 except OSError:
                     continue  # it exited just now
-                k.killed_at = time.monotonic()
-                k.metrics_pos = records[-1][0] if records else 0
-                os.kill(k.pid, k.signal)
-                out.write(f"[chaos] step {latest}: {signal.Signals(k.signal).name} {k.role} (pid {k.pid})\n")
-                out.flush()
-                watching.append(k)
+                f.started_at = time.monotonic()
+                f.metrics_pos = records[-1][0] if records else 0
+                _begin(f, fabric)
+                say(f"step {latest}: {f.label} {f.role}-{f.rank} (pid {f.pid})")
+                if f.seconds:
+                    active = f
+                else:
+                    f.ended_at = f.started_at
+                    watching.append(f)
             now = time.monotonic()
-            for k in list(watching):
-                if k.role_back_s is None and any(p != k.pid for p in role_pids(run_dir, k.role, k.rank)):
-                    k.role_back_s = round(now - k.killed_at, 2)
-                if k.training_back_s is None and records and records[-1][0] > k.metrics_pos:
-                    k.training_back_s = round(now - k.killed_at, 2)
-                if k.role_back_s is not None and k.training_back_s is not None:
-                    watching.remove(k)
+            for f in list(watching):
+                if f.signal and f.role_back_s is None and any(p != f.pid for p in role_pids(run_dir, f.role, f.rank)):
+                    f.role_back_s = round(now - f.started_at, 2)
+                if f.training_back_s is None and records and records[-1][0] > f.metrics_pos:
+                    f.training_back_s = round(now - f.ended_at, 2)
+                if not f.signal and f.restarted is None:
+                    f.restarted = f.pid not in role_pids(run_dir, f.role, f.rank)
+                if (f.role_back_s is not None or not f.signal) and f.training_back_s is not None:
+                    watching.remove(f)
             rc = sup.poll()
             if rc is not None:
                 if rc == 0:
-                    break  # finished (a kill still pending never happened: reported with no pid)
+                    break  # finished (a fault still pending never happened: reported with no pid)
                 result.resumes += 1  # the supervisor gave up (or finished early): continue the run
-                out.write(f"[chaos] supervisor exited with {rc}; resuming the run\n")
+                say(f"supervisor exited with {rc}; resuming the run")
                 sup = start(steps, resume=True)
             time.sleep(0.2)
         # Resume where the run ended, as an operator extending it would: the queued groups get their turn.
@@ -171,6 +239,8 @@ def run_chaos(config: str, run_dir: Path, steps: int, kills: list[Kill], overrid
             if final.returncode != 0:
                 raise RuntimeError(f"the final --resume exited with {final.returncode}")
     finally:
+        if active is not None:  # never leave a role stopped or cut off
+            _end(active, fabric)
         if sup.poll() is None:
             os.killpg(sup.pid, signal.SIGTERM)
             sup.wait(60)
@@ -181,15 +251,35 @@ def run_chaos(config: str, run_dir: Path, steps: int, kills: list[Kill], overrid
     return result
 
 
+def _begin(f: Fault, fabric: Any) -> None:
+    if f.signal:
+        os.kill(f.pid, f.signal)
+    elif f.kind == "hang":
+        os.kill(f.pid, signal.SIGSTOP)
+    else:
+        fabric.partition(f"{f.role}-{f.rank}")
+
+
+def _end(f: Fault, fabric: Any) -> None:
+    if f.kind == "hang":
+        try:
+            os.kill(f.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    elif f.kind == "partition":
+        fabric.heal(f"{f.role}-{f.rank}")
+
+
 def summary(result: ChaosResult) -> dict:
-    by_role: dict[str, list[float]] = {}
-    for k in result.kills:
-        if k.training_back_s is not None:
-            by_role.setdefault(k.role, []).append(k.training_back_s)
+    by_fault: dict[str, list[float]] = {}
+    for f in result.kills:
+        if f.training_back_s is not None:
+            by_fault.setdefault(f"{f.role} {f.label}", []).append(f.training_back_s)
     return {
-        "kills": [{"step": k.step, "role": k.role, "signal": signal.Signals(k.signal).name, "pid": k.pid,
-                   "role_back_s": k.role_back_s, "training_back_s": k.training_back_s} for k in result.kills],
+        "kills": [{"step": f.step, "role": f.role, "rank": f.rank, "fault": f.label,
+                   "signal": f.kind if f.signal else None, "pid": f.pid, "role_back_s": f.role_back_s,
+                   "training_back_s": f.training_back_s, "restarted": f.restarted} for f in result.kills],
         "recovery_s_by_role": {r: {"median": round(statistics.median(v), 2), "max": max(v), "n": len(v)}
-                               for r, v in sorted(by_role.items())},
+                               for r, v in sorted(by_fault.items())},
         "supervisor_resumes": result.resumes, "wall_s": result.wall_s, "audit": result.audit,
     }

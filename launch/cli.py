@@ -415,26 +415,51 @@ def audit(run_dir: str, as_json: bool) -> None:
 @click.option("--kills", default=8, show_default=True, help="signals sent (every role is hit before any twice)")
 @click.option("--seed", default=0, show_default=True, help="seed of the schedule")
 @click.option("--sigterm-share", default=0.25, show_default=True, help="share of SIGTERM among the signals (rest SIGKILL)")
+@click.option("--partitions", is_flag=True,
+              help="every role in a network namespace of its own (root): each role partitioned and hung once per span")
+@click.option("--spans", default="9,30", show_default=True,
+              help="with --partitions: seconds each partition and hang lasts (comma-separated)")
 @click.option("--resume-steps", default=2, show_default=True, help="steps of the final --resume after the run")
 @click.option("--timeout", "timeout_s", default=1800.0, show_default=True, help="give up after this many seconds")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.argument("overrides", nargs=-1)
-def chaos(config: str, run_dir: str, steps: int, kills: int, seed: int, sigterm_share: float, resume_steps: int,
-          timeout_s: float, as_json: bool, overrides: tuple[str, ...]) -> None:
-    """Kill the roles of a real run on a seeded schedule; print recovery times and the audit (exit 1 if any
-    acked group was lost or trained twice)."""
-    from launch.chaos import run_chaos, schedule, summary
+def chaos(config: str, run_dir: str, steps: int, kills: int, seed: int, sigterm_share: float, partitions: bool,
+          spans: str, resume_steps: int, timeout_s: float, as_json: bool, overrides: tuple[str, ...]) -> None:
+    """Hit the roles of a real run with a seeded schedule of faults (kills; with --partitions also partitions and
+    hangs); print recovery times and the audit (exit 1 if any acked group was lost or trained twice)."""
+    from launch.chaos import network_schedule, run_chaos, schedule, summary
 
-    plan = schedule(seed, steps, kills, sigterm_share)
-    result = summary(run_chaos(config, Path(run_dir), steps, plan, list(overrides), resume_steps, timeout_s))
+    plan = schedule(seed, steps, kills, sigterm_share) if kills else []
+    fabric = None
+    if partitions:
+        from launch.netns import Fabric, missing
+        why = missing()
+        if why:
+            raise click.ClickException(f"--partitions: {why}")
+        try:
+            span_s = tuple(float(x) for x in spans.split(","))
+        except ValueError:
+            raise click.UsageError(f"--spans {spans!r}: seconds, comma-separated (e.g. 9,30)") from None
+        plan = sorted([*plan, *network_schedule(seed, steps, span_s)], key=lambda f: f.step)
+        actors = _load(config, overrides).local.actors
+        fabric = Fabric(f"{os.getpid() % 100000}", os.getpid() % 200, ["supervisor", "broker-0", "env_server-0",
+                                                                          "learner-0",
+                                                                          *(f"actor-{i}" for i in range(actors))])
+        fabric.create()
+    try:
+        result = summary(run_chaos(config, Path(run_dir), steps, plan, list(overrides), resume_steps, timeout_s,
+                                   fabric=fabric))
+    finally:
+        if fabric is not None:
+            fabric.destroy()
     if as_json:
         click.echo(json.dumps(result))
     else:
         for k in result["kills"]:
-            click.echo(f"step {k['step']:>3}  {k['signal']:<7} {k['role']:<10}  role back {k['role_back_s']} s  "
-                       f"training back {k['training_back_s']} s")
+            click.echo(f"step {k['step']:>3}  {k['fault']:<14} {k['role']}-{k['rank']:<6}  role back {k['role_back_s']} s  "
+                       f"training back {k['training_back_s']} s" + ("  RESTARTED" if k["restarted"] else ""))
         for role, r in result["recovery_s_by_role"].items():
-            click.echo(f"recovery {role:<10} median {r['median']} s  max {r['max']} s  (n={r['n']})")
+            click.echo(f"recovery {role:<22} median {r['median']} s  max {r['max']} s  (n={r['n']})")
         click.echo(f"supervisor resumes: {result['supervisor_resumes']}  wall: {result['wall_s']} s")
         click.echo(json.dumps(result["audit"]))
     if not result["audit"].get("ok"):

@@ -30,7 +30,7 @@ from typing import Any, Callable
 from common.exitcodes import EXIT_RESUMABLE
 from common.records import last_record
 from common.rundir import RunDir
-from launch.placement import Role, local_roles
+from launch.placement import Role, fabric_roles, local_roles
 
 PR_SET_PDEATHSIG = 1
 
@@ -65,12 +65,18 @@ class LocalConfig:
     """learner processes; above 1 the model is sharded over them with FSDP2 (gloo on CPU, NCCL on GPUs)"""
     learner_dist_port: int = 25560
     """loopback port of the learner ranks' rendezvous (MASTER_PORT) when learner_ranks > 1"""
+    netns: str = ""
+    """file of a network fabric (launch/netns.py) to run each role in its own namespace of; "" = this machine's
+    network (`computerrl chaos --partitions` makes one, and runs the supervisor in it)"""
 
     def validate(self) -> None:
         if self.actors < 1 or self.learner_ranks < 1:
             raise ValueError("local.actors and local.learner_ranks must be >= 1")
         if self.stop_timeout_s <= 0 or self.learner_stop_timeout_s <= 0:
             raise ValueError("local.stop_timeout_s and local.learner_stop_timeout_s must be > 0")
+        if self.netns:
+            from launch.netns import Fabric
+            Fabric.load(self.netns)
 
 
 PORT_KEYS = ("net.broker_front_port", "net.broker_back_port", "net.broker_control_port", "weights.port",
@@ -158,6 +164,11 @@ class Supervisor:
         self.out = out or sys.stdout
         self.tty = hasattr(self.out, "isatty") and self.out.isatty()
         common_args = ["--config", str(config_path), "--run-dir", str(run_dir.root)]
+        if roles is None and self.local.netns:  # every role in its own network namespace
+            from launch.netns import Fabric
+            fabric = Fabric.load(self.local.netns)
+            roles = fabric_roles(cfg, fabric, common_args, resume)
+            launcher = launcher or (lambda role: fabric.exec_prefix(role.label))
         self.roles = roles if roles is not None else local_roles(cfg, common_args, resume)
         self.launcher = launcher or (lambda role: [])
         self.log_suffix = log_suffix

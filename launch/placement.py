@@ -76,6 +76,28 @@ def local_roles(cfg: Any, common: list[str], resume: bool) -> list[Role]:
     return roles
 
 
+def fabric_roles(cfg: Any, fabric: Any, common: list[str], resume: bool) -> list[Role]:
+    """Every role in its own member of a network fabric (``launch/netns.py``, members named by role label): each
+    server binds its member's address, every role reaches the broker and the weight store (hosted by the learner)
+    at theirs. One learner rank."""
+    local, net, es = cfg.local, cfg.net, cfg.env_server
+    if local.learner_ranks != 1:
+        raise ValueError("local.netns runs one learner rank (local.learner_ranks=1)")
+    labels = ["broker-0", "env_server-0", "learner-0", *(f"actor-{i}" for i in range(local.actors))]
+    absent = [label for label in labels if label not in fabric.members]
+    if absent:
+        raise ValueError(f"local.netns fabric {fabric.name} has no member for {', '.join(absent)}")
+    broker, env = fabric.addr("broker-0"), fabric.addr("env_server-0")
+    shared = [f"net.broker_host={broker}", f"weights.host={fabric.addr('learner-0')}"]
+    roles = [Role("broker", 0, _cli("broker", common, *shared), False, ready=(broker, net.broker_front_port)),
+             Role("env_server", 0, _cli("env-server", common, *shared, f"env_server.host={env}"), True,
+                  ready=(env, es.port)),
+             Role("learner", 0, _cli("learner", common, *shared, *(["--resume"] if resume else [])), False)]
+    roles += [Role("actor", i, _cli("actor", common, "--rank", str(i), *shared,
+                                     f"actor.env_servers=['{env}:{es.port}']"), True) for i in range(local.actors)]
+    return roles
+
+
 def check_shape(cfg: Any, num_nodes: int) -> None:
     """Refuse an allocation the run's roles cannot use: more nodes than roles, or ranks that do not split."""
     learner_nodes, ranks, actors = cfg.slurm.learner_nodes, cfg.local.learner_ranks, cfg.local.actors

@@ -11,7 +11,10 @@ import sys
 
 import pytest
 
-from launch.chaos import ROLES, run_chaos, schedule
+from launch.chaos import ROLES, network_schedule, run_chaos, schedule
+from launch.chaos import summary as chaos_summary
+from launch.netns import Fabric
+from launch.netns import missing as netns_missing
 from launch.local import free_port_overrides
 from tests.conftest import REPO
 
@@ -53,3 +56,37 @@ def test_every_role_killed_nothing_lost_nothing_trained_twice(tmp_path, monkeypa
                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert json.loads(out.stdout)["trained_once"] == audit["trained_once"]
+
+
+
+def test_partitioned_and_hung_roles_come_back_by_themselves_and_nothing_is_lost(tmp_path, monkeypatch):
+    """Every role in a network namespace of its own: each role partitioned (link down) and hung (SIGSTOP) for
+    three heartbeat timeouts, once each, one fault at a time. The learner's partition lands on a checkpoint step:
+    its weight round and its commit go out into the cut."""
+    why = netns_missing()
+    if why:
+        pytest.skip(f"no network namespaces here: {why}")
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    span = 3 * 3 * 1.0  # three times net.liveness x net.heartbeat_s of configs/local.yaml
+    plan = network_schedule(seed=6, steps=10, spans=(span,))  # faults at steps 1..8 of the run's 12
+    assert [f.step % 2 for f in plan if f.role == "learner" and f.kind == "partition"] == [0]
+    fabric = Fabric(f"t{os.getpid() % 10000}", 1, ["supervisor", "broker-0", "env_server-0", "learner-0",
+                                                  "actor-0", "actor-1"]).create()
+    try:
+        result = run_chaos("configs/local.yaml", tmp_path / "run", 12, plan,
+                           [*free_port_overrides(), "local.eval_episodes=0", "learner.checkpoint_every=2",
+                            "learner.anchor.suite=", "broker.group_size=4", "weights.join_window_s=0.5"],
+                           resume_steps=1, timeout_s=1500, fabric=fabric)
+    finally:
+        fabric.destroy()
+    summary = chaos_summary(result)
+    print(json.dumps(summary["kills"]), json.dumps(summary["recovery_s_by_role"]))
+    audit = result.audit
+    assert audit["ok"] and audit["lost"] == 0 and audit["trained_twice"] == 0, audit
+    assert audit["acked"] == audit["trained_once"] + audit["dropped_total"] + audit["queued"]
+    hit = [f for f in result.kills if f.pid]
+    assert len(hit) == len(plan), [(f.role, f.kind, f.step) for f in result.kills]
+    assert not [f for f in hit if f.restarted], "a partitioned or hung role came back by itself"
+    assert all(f.training_back_s is not None for f in hit), "training resumed after every fault"
+    assert result.resumes == 0, "the run never had to be restarted"
