@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import threading
 import time
 import uuid
@@ -152,7 +153,23 @@ def _group(store: Any, prefix: str, rank: int, world: int, backend: str, cfg: We
                     del os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
                 else:
                     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = saved
-    return dist.ProcessGroupGloo(pstore, rank, world, _timeout(cfg))
+    # Gloo's default device takes the address this machine's hostname resolves to, often 127.0.0.1: peers on
+    # other machines (or network namespaces) were then told to connect to their own loopback and every round
+    # failed. The address is the one this process reaches the store through, which its peers reach it at.
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = _timeout(cfg)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=route_address(cfg.host, cfg.port))]
+    return dist.ProcessGroupGloo(pstore, rank, world, opts)
+
+
+def route_address(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (a UDP socket's connect sends nothing; it only routes)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), port))
+            return s.getsockname()[0]
+    except OSError:  # no route at all: the group's own connect will say so
+        return host
 
 
 def _release(pg: Any, failed: bool) -> None:

@@ -46,6 +46,11 @@ class Fault:
     """SIGKILL, SIGTERM, partition or hang"""
     seconds: float = 0.0
     """how long a partition or hang lasts"""
+    every: int = 0
+    """> 0: start only right after a learner step record whose step is a multiple of this (a learner fault at a
+    weight round; at a checkpoint step, at its commit too)"""
+    at_step: int = 0
+    """the learner step it started at"""
     started_at: float = 0.0
     ended_at: float = 0.0
     pid: int = 0
@@ -91,15 +96,17 @@ def schedule(seed: int, steps: int, kills: int, sigterm_share: float = 0.25) -> 
 
 
 def network_schedule(seed: int, steps: int, spans: tuple[float, ...], roles: tuple[str, ...] = ROLES,
-                     kinds: tuple[str, ...] = ("partition", "hang")) -> list[Fault]:
+                     kinds: tuple[str, ...] = ("partition", "hang"), checkpoint_every: int = 1) -> list[Fault]:
     """Every role partitioned and hung once for each of ``spans`` seconds, in a seeded order spread over steps
-    1 .. steps-2, one fault at a time (a fault starts once the previous one has ended). The learner's faults land
-    on a step boundary, when a weight round goes out and, at a checkpoint, its commit."""
+    1 .. steps-2, one fault at a time (a fault starts once the previous one has ended). The learner's faults start
+    right after a step record, when its weight round goes out; its partitions after a checkpoint step's, when its
+    commit goes out too."""
     rng = random.Random(seed)
     plan = [(r, k, s) for r in roles for k in kinds for s in spans]
     rng.shuffle(plan)
     at = sorted(rng.randint(1, max(1, steps - 2)) for _ in plan)
-    return [Fault(st, r, k, s) for st, (r, k, s) in zip(at, plan)]
+    return [Fault(st, r, k, s, every=(checkpoint_every if k == "partition" else 1) if r == "learner" else 0)
+            for st, (r, k, s) in zip(at, plan)]
 
 
 def role_pids(run_dir: Path, role: str, rank: str | None = None) -> list[int]:
@@ -179,6 +186,7 @@ def run_chaos(config: str, run_dir: Path, steps: int, faults: list[Fault], overr
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     sup = start(steps, resume=False)
     pending = list(faults)
+    seen = 0  # the newest learner step looked at
     active: Fault | None = None  # a partition or hang in progress
     watching: list[Fault] = []
     try:
@@ -195,7 +203,11 @@ def run_chaos(config: str, run_dir: Path, steps: int, faults: list[Fault], overr
                 say(f"{active.kind} of {active.role}-{active.rank} over after {now - active.started_at:.1f} s")
                 watching.append(active)
                 active = None
+            boundary = latest > seen  # a step record appeared since the last look
+            seen = latest
             while active is None and pending and latest >= pending[0].step:
+                if pending[0].every and not (boundary and latest % pending[0].every == 0):
+                    break  # waits for the next boundary it may start at (the faults after it wait too)
                 f = pending.pop(0)
                 pids = role_pids(run_dir, f.role)
                 if not pids:
@@ -205,7 +217,7 @@ def run_chaos(config: str, run_dir: Path, steps: int, faults: list[Fault], overr
                     f.rank = _rank((Path("/proc") / str(f.pid) / "cmdline").read_bytes().decode().split("\0"))
                 except OSError:
                     continue  # it exited just now
-                f.started_at = time.monotonic()
+                f.started_at, f.at_step = time.monotonic(), latest
                 f.metrics_pos = records[-1][0] if records else 0
                 _begin(f, fabric)
                 say(f"step {latest}: {f.label} {f.role}-{f.rank} (pid {f.pid})")
@@ -276,7 +288,7 @@ def summary(result: ChaosResult) -> dict:
         if f.training_back_s is not None:
             by_fault.setdefault(f"{f.role} {f.label}", []).append(f.training_back_s)
     return {
-        "kills": [{"step": f.step, "role": f.role, "rank": f.rank, "fault": f.label,
+        "kills": [{"step": f.at_step or f.step, "role": f.role, "rank": f.rank, "fault": f.label,
                    "signal": f.kind if f.signal else None, "pid": f.pid, "role_back_s": f.role_back_s,
                    "training_back_s": f.training_back_s, "restarted": f.restarted} for f in result.kills],
         "recovery_s_by_role": {r: {"median": round(statistics.median(v), 2), "max": max(v), "n": len(v)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -442,10 +443,11 @@ def chaos(config: str, run_dir: str, steps: int, kills: int, seed: int, sigterm_
             raise click.UsageError(f"--spans {spans!r}: seconds, comma-separated (e.g. 9,30)") from None
         plan = sorted([*plan, *network_schedule(seed, steps, span_s)], key=lambda f: f.step)
         actors = _load(config, overrides).local.actors
-        fabric = Fabric(f"{os.getpid() % 100000}", os.getpid() % 200, ["supervisor", "broker-0", "env_server-0",
-                                                                          "learner-0",
-                                                                          *(f"actor-{i}" for i in range(actors))])
+        fabric = Fabric(f"{os.getpid() % 100000}", 1, ["supervisor", "broker-0", "env_server-0", "learner-0",
+                                                       *(f"actor-{i}" for i in range(actors))])
         fabric.create()
+        # A TERM (a job's end, a supervisor's stop) still removes the namespaces: as an exit, finally runs.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         result = summary(run_chaos(config, Path(run_dir), steps, plan, list(overrides), resume_steps, timeout_s,
                                    fabric=fabric))

@@ -69,12 +69,11 @@ def test_partitioned_and_hung_roles_come_back_by_themselves_and_nothing_is_lost(
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     span = 3 * 3 * 1.0  # three times net.liveness x net.heartbeat_s of configs/local.yaml
-    plan = network_schedule(seed=6, steps=10, spans=(span,))  # faults at steps 1..8 of the run's 12
-    assert [f.step % 2 for f in plan if f.role == "learner" and f.kind == "partition"] == [0]
+    plan = network_schedule(seed=6, steps=9, spans=(span,), checkpoint_every=2)  # steps 1..7 of the run's 10
     fabric = Fabric(f"t{os.getpid() % 10000}", 1, ["supervisor", "broker-0", "env_server-0", "learner-0",
                                                   "actor-0", "actor-1"]).create()
     try:
-        result = run_chaos("configs/local.yaml", tmp_path / "run", 12, plan,
+        result = run_chaos("configs/local.yaml", tmp_path / "run", 10, plan,
                            [*free_port_overrides(), "local.eval_episodes=0", "learner.checkpoint_every=2",
                             "learner.anchor.suite=", "broker.group_size=4", "weights.join_window_s=0.5"],
                            resume_steps=1, timeout_s=1500, fabric=fabric)
@@ -89,4 +88,6 @@ def test_partitioned_and_hung_roles_come_back_by_themselves_and_nothing_is_lost(
     assert len(hit) == len(plan), [(f.role, f.kind, f.step) for f in result.kills]
     assert not [f for f in hit if f.restarted], "a partitioned or hung role came back by itself"
     assert all(f.training_back_s is not None for f in hit), "training resumed after every fault"
+    cut = next(f for f in hit if f.role == "learner" and f.kind == "partition")
+    assert cut.at_step % 2 == 0, "the learner was cut off as a checkpoint's commit and a weight round went out"
     assert result.resumes == 0, "the run never had to be restarted"
