@@ -28,8 +28,7 @@ class EnvServerConfig:
     step_timeout_s: float = 60.0
     """a step or reset slower than this aborts the episode and retires the desktop"""
     max_steps: int = 0
-    """steps after which an episode ends if the backend has not ended it (0 = its task family's max_steps); a
-    backend option that allows longer episodes needs this raised too"""
+    """steps after which an episode ends if the backend has not ended it (0 = its task family's max_steps)"""
     session_idle_s: float = 300.0
     """a session with no request for this long is reclaimed even if its actor still heartbeats"""
     health_interval_s: float = 10.0

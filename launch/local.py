@@ -66,8 +66,7 @@ class LocalConfig:
     learner_dist_port: int = 25560
     """loopback port of the learner ranks' rendezvous (MASTER_PORT) when learner_ranks > 1"""
     netns: str = ""
-    """file of a network fabric (launch/netns.py) to run each role in its own namespace of; "" = this machine's
-    network (`computerrl chaos --partitions` makes one, and runs the supervisor in it)"""
+    """file of a network fabric (launch/netns.py) whose namespaces the roles run in, one each ("" = none)"""
 
     def validate(self) -> None:
         if self.actors < 1 or self.learner_ranks < 1:
