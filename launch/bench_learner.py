@@ -199,9 +199,10 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
             "ratio": round((tokens / ours_s) / (bare_tokens / bare_s), 3),
             "step_seconds": round(ours_s / steps, 4), "bare_step_seconds": round(bare_s / steps, 4),
             "peak_memory_gb": ours_gb, "bare_peak_memory_gb": bare_gb,
-            "model_tflops_per_s": round(flops_per_step * steps / ours_s / 1e12, 4),
-            "mfu": round(flops_per_step * steps / ours_s / (top * 1e12), 4) if top else None,
-            "bare_mfu": round(flops_per_step * steps / bare_s / (top * 1e12), 4) if top else None}
+            # Three significant digits, not four decimals: a tiny model on a slow CPU printed 0.0.
+            "model_tflops_per_s": float(f"{flops_per_step * steps / ours_s / 1e12:.3g}"),
+            "mfu": float(f"{flops_per_step * steps / ours_s / (top * 1e12):.3g}") if top else None,
+            "bare_mfu": float(f"{flops_per_step * steps / bare_s / (top * 1e12):.3g}") if top else None}
 
 
 # ----- weights -----------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a virtual environment on first use (or when setup.cfg changed), then runs a command in it.
 #   bash launch/bootstrap.sh test [--quick] [pytest args]  run the test suite (--quick skips the slow suites;
-#                                                          COMPUTERRL_TEST_WORKERS parallel workers, default 3)
+#                                                          COMPUTERRL_TEST_WORKERS parallel workers, default: cores)
 #   bash launch/bootstrap.sh <computerrl subcommand ...>   e.g. run configs/local.yaml, broker, bench broker
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,11 +44,11 @@ case "${1:-}" in
         echo "[bootstrap] chromium/chromedriver missing and not root: the MiniWoB tests will skip (sudo bash launch/miniwob-packages.sh)" >&2
       fi
     fi
-    # Parallel test workers (pytest-xdist): most of the suite waits on processes, sockets and timers rather than
-    # computing, so a few workers share even two cores. Tests on the one Slurm test cluster share a worker
-    # (--dist loadgroup); each worker picks ports from a range of its own (tests/conftest.py).
-    # COMPUTERRL_TEST_WORKERS=0 runs the suite in this process, one test at a time.
-    workers=(-n "${COMPUTERRL_TEST_WORKERS:-3}" --dist loadgroup)
+    # Parallel test workers (pytest-xdist), one per core by default: the slow suites' processes leave cores idle
+    # while they wait on each other. Tests on the one Slurm test cluster share a worker (--dist loadgroup); each
+    # worker picks ports from a range of its own (tests/conftest.py). COMPUTERRL_TEST_WORKERS=0: one process.
+    cores=$(nproc 2>/dev/null || echo 2)
+    workers=(-n "${COMPUTERRL_TEST_WORKERS:-$(( cores < 2 ? 2 : cores ))}" --dist loadgroup)
     set +e
     "$VENV/bin/python" -m pytest "${workers[@]}" "${marker[@]}" "$@"
     rc=$?

@@ -50,7 +50,7 @@ def test_bench_async_prints_speedup_json(tmp_path):
                           # the contract, not the recipe: no anchor, groups of 4
                           "learner.anchor.suite=", "broker.group_size=4"],
                          cwd=tmp_path, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stderr[-2000:] + out.stdout[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["sync_seconds"] > 0 and result["async_seconds"] > 0
@@ -66,7 +66,7 @@ def test_bench_async_prints_speedup_json(tmp_path):
 def _bench_json(tmp_path, *args: str) -> dict:
     out = subprocess.run([sys.executable, "-m", "launch.cli", "bench", *args, "--json"], cwd=tmp_path,
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
-                         timeout=600)
+                         timeout=1500)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -75,8 +75,8 @@ def test_bench_learner_and_weights_print_ratio_json(tmp_path):
     r = _bench_json(tmp_path, "learner", "--hidden", "32", "--groups", "2", "--group-size", "2", "--prompt-len", "32",
                     "--output-len", "8", "--steps", "2", "--peak-tflops", "0.5")
     assert r["train_tokens_per_s"] > 0 and r["bare_tokens_per_s"] > 0
-    # Both figures are printed to 4 decimals: the rounding of each (±5e-5, the first doubled by /0.5) is the slack.
-    assert r["mfu"] == pytest.approx(r["model_tflops_per_s"] / 0.5, rel=0.01, abs=1.6e-4) and r["mfu"] > 0
+    # Both figures are printed to three significant digits: their rounding is the slack.
+    assert r["mfu"] == pytest.approx(r["model_tflops_per_s"] / 0.5, rel=0.01) and r["mfu"] > 0
     assert abs(r["ratio"] - r["train_tokens_per_s"] / r["bare_tokens_per_s"]) < 0.01
     w = _bench_json(tmp_path, "weights", "--params", "100000", "--receivers", "1", "--repeats", "2")
     assert w["seconds"] > 0 and w["raw_seconds"] > 0 and w["first_round_seconds"] > 0

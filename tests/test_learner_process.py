@@ -33,7 +33,7 @@ def _learner(run_dir, net, *extra, resume=False) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def _feed_until(actor, cond, seconds=60):
+def _feed_until(actor, cond, seconds=240):
     import dataclasses
 
     from learner.config import LearnerConfig

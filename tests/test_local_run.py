@@ -28,7 +28,7 @@ def _run(run_dir: Path, *overrides: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def recipe_run(config: str, run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 900,
+def recipe_run(config: str, run_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 1500,
                policy: str = "base-policy") -> dict:
     """``computerrl run CONFIG`` for two learner steps from a shipped policy (``configs/<policy>``; a recipe's own
     base, where it has none shipped, is made by ``computerrl pretrain``, too slow for a test), with its final
@@ -63,7 +63,7 @@ def recipe_run(config: str, run_dir: Path, *overrides: str, env: dict | None = N
     assert evals[-1]["step"] == 2 and set(evals[-1]["per_family"]) == families
     ev = subprocess.run([sys.executable, "-m", "launch.cli", "eval", "--checkpoint", str(run_dir / "checkpoints"),
                          "--suite", suite, "--episodes", "1", "--json"],
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert ev.returncode == 0, ev.stderr[-2000:]
     result = json.loads(ev.stdout.strip().splitlines()[-1])
     assert result["episodes"] == len(families) and set(result["per_family"]) == families
@@ -103,7 +103,7 @@ def test_run_trains_checkpoints_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "run"
     p = _run(run_dir, "learner.total_steps=4", "learner.checkpoint_every=2", "local.eval_episodes=1",
              "local.eval_suite=sim:heldout:files_delete", "metrics.sinks=[jsonl,tensorboard]")
-    out, _ = p.communicate(timeout=600)
+    out, _ = p.communicate(timeout=1500)
     assert p.returncode == 0, out[-3000:]
     assert "outcome: finished" in out
     final = [line for line in out.splitlines() if "  resets " in line][-1]  # the final view
@@ -161,16 +161,16 @@ def test_a_server_that_dies_before_it_is_ready_is_named_with_its_reason(tmp_path
 
 def test_a_killed_actor_is_restarted_and_sigint_stops_cleanly(tmp_path):
     run_dir = tmp_path / "run"
-    p = _run(run_dir, "learner.total_steps=1000", "local.restart_backoff_s=0.2")
+    p = _run(run_dir, "learner.total_steps=1000", "local.restart_backoff_s=0.2", "learner.anchor.suite=")
     try:
         log = run_dir / "logs" / "actor-0.jsonl"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         _wait_until(p, lambda: log.exists() and '"actor_ready"' in log.read_text(), deadline, "no actor came up")
         pid = json.loads(log.read_text().splitlines()[0])["pid"]
         os.kill(pid, signal.SIGKILL)
         _wait_until(p, lambda: log.read_text().count('"actor_ready"') >= 2, deadline, "the actor was not restarted")
         p.send_signal(signal.SIGINT)
-        out, _ = p.communicate(timeout=120)
+        out, _ = p.communicate(timeout=300)
     finally:
         if p.poll() is None:
             p.kill()
@@ -186,16 +186,16 @@ def test_two_learner_ranks_train_checkpoint_and_stop_on_sigint(tmp_path):
     run_dir = tmp_path / "run"
     p = _run(run_dir, "local.learner_ranks=2", "local.actors=1",
              "learner.total_steps=1000", "learner.checkpoint_every=0", "learner.advantage.drop_zero_variance=false",
-             "local.eval_episodes=0")
+             "local.eval_episodes=0", "learner.anchor.suite=", "broker.group_size=4")  # FSDP is the point
     try:
         metrics = run_dir / "metrics" / "learner.jsonl"
 
         def trained() -> list[dict]:
             lines = metrics.read_text().splitlines() if metrics.exists() else []
             return [r for r in map(json.loads, lines) if not r.get("empty")]
-        _wait_until(p, lambda: len(trained()) >= 3, time.monotonic() + 240, "no training steps")
+        _wait_until(p, lambda: len(trained()) >= 3, time.monotonic() + 600, "no training steps")
         p.send_signal(signal.SIGINT)
-        out, _ = p.communicate(timeout=120)
+        out, _ = p.communicate(timeout=300)
     finally:
         if p.poll() is None:
             p.kill()

@@ -280,7 +280,9 @@ def _submit(cluster, run_dir: Path, *overrides: str) -> str:
             f"net.broker_control_port={free_port()}", f"env_server.port={free_port()}", f"weights.port={free_port()}",
             f"local.learner_dist_port={free_port()}", "net.curve=on", "slurm.nodes=3", "local.actors=2",
             "weights.join_window_s=0.5", "local.eval_episodes=0", "learner.checkpoint_every=1",
-            "slurm.signal_grace_s=60", "slurm.time=00:30:00", *overrides]
+            "slurm.signal_grace_s=60", "slurm.time=00:30:00",
+            # Slurm is the point, not the recipe: no anchor, groups of 4 (half the rollouts per step)
+            "learner.anchor.suite=", "broker.group_size=4", *overrides]
     out = _cli(cluster, "slurm", "submit", "configs/local.yaml", *args, "--run-dir", str(run_dir))
     return out.split("submitted job ")[1].split(";")[0]
 
