@@ -45,10 +45,10 @@ case "${1:-}" in
       fi
     fi
     # Parallel test workers (pytest-xdist), one per core by default: the slow suites' processes leave cores idle
-    # while they wait on each other. Tests on the one Slurm test cluster share a worker (--dist loadgroup); each
-    # worker picks ports from a range of its own (tests/conftest.py). COMPUTERRL_TEST_WORKERS=0: one process.
+    # while they wait on each other. The tests on the one Slurm test cluster share a worker, and each worker picks
+    # ports from a range of its own (tests/conftest.py). COMPUTERRL_TEST_WORKERS=0: one process.
     cores=$(nproc 2>/dev/null || echo 2)
-    workers=(-n "${COMPUTERRL_TEST_WORKERS:-$(( cores < 2 ? 2 : cores ))}" --dist loadgroup)
+    workers=(-n "${COMPUTERRL_TEST_WORKERS:-$(( cores < 2 ? 2 : cores ))}")
     set +e
     "$VENV/bin/python" -m pytest "${workers[@]}" "${marker[@]}" "$@"
     rc=$?

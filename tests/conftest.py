@@ -33,14 +33,32 @@ WORKER_PORTS = 1000
 connection takes a port a test picked, and each worker's own, so two workers never pick the same one"""
 
 
+ONE_WORKER_FILES = ("tests/test_slurm.py",)
+"""test files whose tests all run on one parallel worker: the Slurm tests share the session's test cluster, and a
+second worker would start a second cluster on the same munge and node addresses"""
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's load balancing, except that each of ``ONE_WORKER_FILES`` is one unit of work. (xdist's own
+    ``--dist loadgroup`` renames test ids to group them, which pytest 9.2 no longer lets a plugin do: every test was
+    its own unit again.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerFiles(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path in ONE_WORKER_FILES else nodeid
+
+    return OneWorkerFiles(config, log)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Longest first, for the parallel workers: the tests on the Slurm cluster (one worker runs them one after the
-    other), then the other slow ones, then the quick ones filling the gaps, so the suite does not end waiting on
-    a long test that started last. (Pytest's own order is kept within each rank.)"""
+    """Longest first, for the parallel workers: the slow tests of ``ONE_WORKER_FILES`` (one worker runs them one
+    after the other), then the other slow ones, then the quick ones filling the gaps, so the suite does not end
+    waiting on a long test that started last. (Pytest's own order is kept within each rank.)"""
     def rank(item) -> int:
-        if any(m.args == ("slurm",) for m in item.iter_markers("xdist_group")):
-            return 0
-        return 1 if item.get_closest_marker("slow") else 2
+        slow = item.get_closest_marker("slow") is not None
+        return 0 if slow and item.nodeid.split("::", 1)[0] in ONE_WORKER_FILES else 1 if slow else 2
     items.sort(key=rank)  # stable
 
 

@@ -27,11 +27,6 @@ from launch.slurm import SrunConfig, check_cpus, job_files, render_script
 from learner.distributed import ranks_from_slurm
 from tests.conftest import REPO
 
-ON_THE_CLUSTER = pytest.mark.xdist_group("slurm")
-"""tests on the session's Slurm cluster run on one test worker: a worker starts its own cluster, and two clusters
-would share this machine's munge and node addresses"""
-
-
 def _run_cfg(*overrides: str):
     return load_run_config(str(REPO / "configs" / "local.yaml"), overrides)
 
@@ -312,7 +307,6 @@ def _audited(cluster, run_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-@ON_THE_CLUSTER
 def test_a_run_over_three_nodes_preempted_on_a_real_slurm_resumes_in_its_next_attempt_and_loses_nothing(
         slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
@@ -364,7 +358,6 @@ def test_a_run_over_three_nodes_preempted_on_a_real_slurm_resumes_in_its_next_at
 
 
 @pytest.mark.slow
-@ON_THE_CLUSTER
 def test_status_and_cancel_on_a_live_job_then_resume(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
     # Two heterogeneous components: broker and learner on cn1, the env_servers and actors on cn2 and cn3.
@@ -399,7 +392,6 @@ def test_status_and_cancel_on_a_live_job_then_resume(slurm_cluster, tmp_path):
 
 
 @pytest.mark.slow
-@ON_THE_CLUSTER
 def test_two_learner_ranks_on_two_nodes_train_as_one_learner(slurm_cluster, tmp_path):
     """One learner step of two tasks over cn1 and cn2 (RANK from SLURM_PROCID, MASTER_ADDR the first node, gloo),
     the actor on cn3: the run trains with both ranks and finishes."""
