@@ -499,9 +499,14 @@ class Broker:
         self.credits.pop(peer.ident, None)
 
     def _set_version(self, version: int) -> None:
+        newer = version > self.state.get("version", 0)
         self.ledger.set_version(version)
         self.control.version = version
         self.state["version"] = version
+        if newer:
+            # Durable at once: a broker restarted with an older version held groups admitted at the newer one above
+            # its own admission bound (accepted + running > (eta + v + 1) x B) until the learner restated it.
+            self._consumed([])
 
     def _on_control(self, ident: bytes, msg: P.Control) -> None:
         changed = (msg.version, msg.phase, msg.paused, msg.stop) != (

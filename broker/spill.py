@@ -216,7 +216,8 @@ class SpillLog:
             os.close(fd)
 
     def _mark_consumed(self, group_ids, locations, state, sync) -> None:
-        if self.persist and group_ids:
+        # No group at all: a record of the state alone (a new learner version), so a restart resumes from it.
+        if self.persist and (group_ids or not locations):
             self._write([self._record(KIND_CONSUMED, [msgpack.packb({"ids": list(group_ids), "state": state})])])
             if sync:
                 self._sync()
