@@ -193,7 +193,8 @@ class SpillLog:
 
     def mark_consumed(self, group_ids: Sequence[str], locations: Sequence[Location | None], state: dict,
                       sync: bool = True) -> None:
-        """Record that these groups are gone for good (delivered or dropped), then free their segments."""
+        """Record that these groups are gone for good (delivered or dropped), then free their segments; with none,
+        record the state alone."""
         with self.lock:
             self._mark_consumed(group_ids, locations, state, sync)
 
@@ -216,8 +217,8 @@ class SpillLog:
             os.close(fd)
 
     def _mark_consumed(self, group_ids, locations, state, sync) -> None:
-        # No group at all: a record of the state alone (a new learner version), so a restart resumes from it.
-        if self.persist and (group_ids or not locations):
+        # With no group the record carries the state alone (a new learner version), so a restart resumes from it.
+        if self.persist:
             self._write([self._record(KIND_CONSUMED, [msgpack.packb({"ids": list(group_ids), "state": state})])])
             if sync:
                 self._sync()

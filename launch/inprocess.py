@@ -45,15 +45,13 @@ class InProcessRun:
     roles: list[RoleThread] = field(default_factory=list)
 
     def _start(self, name: str, target: Callable[[], Any], stop: Callable[[], None] = lambda: None) -> RoleThread:
-        role = RoleThread(name, threading.Thread(name=name, daemon=True), stop)
-
         def body() -> None:
             try:
                 role.result = target()
             except BaseException as exc:  # reported by run(), which stops the others
                 role.error = exc
 
-        role.thread.run = body  # type: ignore[method-assign]
+        role = RoleThread(name, threading.Thread(target=body, name=name, daemon=True), stop)
         role.thread.start()
         self.roles.append(role)
         return role
