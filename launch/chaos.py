@@ -74,7 +74,7 @@ class Fault:
 
 @dataclass
 class ChaosResult:
-    kills: list[Fault] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
     resumes: int = 0
     wall_s: float = 0.0
     audit: dict = field(default_factory=dict)
@@ -158,7 +158,7 @@ def run_chaos(config: str, run_dir: Path, steps: int, faults: list[Fault], overr
     out = out or sys.stderr  # progress; the result is the caller's to print
     run_dir = Path(run_dir).resolve()
     metrics = run_dir / "metrics" / "learner.jsonl"
-    result = ChaosResult(kills=faults)
+    result = ChaosResult(faults=faults)
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     if any(f.kind == "partition" for f in faults) and fabric is None:
@@ -284,14 +284,14 @@ def _end(f: Fault, fabric: Any) -> None:
 
 def summary(result: ChaosResult) -> dict:
     by_fault: dict[str, list[float]] = {}
-    for f in result.kills:
+    for f in result.faults:
         if f.training_back_s is not None:
             by_fault.setdefault(f"{f.role} {f.label}", []).append(f.training_back_s)
     return {
-        "kills": [{"step": f.at_step or f.step, "role": f.role, "rank": f.rank, "fault": f.label,
+        "faults": [{"step": f.at_step or f.step, "role": f.role, "rank": f.rank, "fault": f.label,
                    "signal": f.kind if f.signal else None, "pid": f.pid, "role_back_s": f.role_back_s,
-                   "training_back_s": f.training_back_s, "restarted": f.restarted} for f in result.kills],
-        "recovery_s_by_role": {r: {"median": round(statistics.median(v), 2), "max": max(v), "n": len(v)}
+                   "training_back_s": f.training_back_s, "restarted": f.restarted} for f in result.faults],
+        "recovery_s_by_fault": {r: {"median": round(statistics.median(v), 2), "max": max(v), "n": len(v)}
                                for r, v in sorted(by_fault.items())},
         "supervisor_resumes": result.resumes, "wall_s": result.wall_s, "audit": result.audit,
     }

@@ -457,10 +457,10 @@ def chaos(config: str, run_dir: str, steps: int, kills: int, seed: int, sigterm_
     if as_json:
         click.echo(json.dumps(result))
     else:
-        for k in result["kills"]:
+        for k in result["faults"]:
             click.echo(f"step {k['step']:>3}  {k['fault']:<14} {k['role']}-{k['rank']:<6}  role back {k['role_back_s']} s  "
                        f"training back {k['training_back_s']} s" + ("  RESTARTED" if k["restarted"] else ""))
-        for role, r in result["recovery_s_by_role"].items():
+        for role, r in result["recovery_s_by_fault"].items():
             click.echo(f"recovery {role:<22} median {r['median']} s  max {r['max']} s  (n={r['n']})")
         click.echo(f"supervisor resumes: {result['supervisor_resumes']}  wall: {result['wall_s']} s")
         click.echo(json.dumps(result["audit"]))

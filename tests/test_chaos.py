@@ -41,8 +41,8 @@ def test_every_role_killed_nothing_lost_nothing_trained_twice(tmp_path, monkeypa
     assert audit["trained_once"] >= 8 * 4 // 2, audit  # most of 12 steps x 4 groups were trained
     assert audit["acked"] == audit["trained_once"] + audit["dropped_total"] + audit["queued"]
     assert audit["learner_starts"] >= 2 and audit["broker_starts"] >= 2, audit
-    hit = [k for k in result.kills if k.pid]
-    assert {k.role for k in hit} == set(ROLES), [(k.role, k.step) for k in result.kills]
+    hit = [k for k in result.faults if k.pid]
+    assert {k.role for k in hit} == set(ROLES), [(k.role, k.step) for k in result.faults]
     assert all(k.training_back_s is not None for k in hit), "training resumed after every kill"
     # Every resumed learner that trained got its weights to both actors (a new sender, rounds from 1 again):
     # otherwise the actors would sample with a dead learner's weights until every group went stale.
@@ -80,12 +80,12 @@ def test_partitioned_and_hung_roles_come_back_by_themselves_and_nothing_is_lost(
     finally:
         fabric.destroy()
     summary = chaos_summary(result)
-    print(json.dumps(summary["kills"]), json.dumps(summary["recovery_s_by_role"]))
+    print(json.dumps(summary["faults"]), json.dumps(summary["recovery_s_by_fault"]))
     audit = result.audit
     assert audit["ok"] and audit["lost"] == 0 and audit["trained_twice"] == 0, audit
     assert audit["acked"] == audit["trained_once"] + audit["dropped_total"] + audit["queued"]
-    hit = [f for f in result.kills if f.pid]
-    assert len(hit) == len(plan), [(f.role, f.kind, f.step) for f in result.kills]
+    hit = [f for f in result.faults if f.pid]
+    assert len(hit) == len(plan), [(f.role, f.kind, f.step) for f in result.faults]
     assert not [f for f in hit if f.restarted], "a partitioned or hung role came back by itself"
     assert all(f.training_back_s is not None for f in hit), "training resumed after every fault"
     cut = next(f for f in hit if f.role == "learner" and f.kind == "partition")
