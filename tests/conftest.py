@@ -38,6 +38,7 @@ ONE_WORKER_FILES = ("tests/test_slurm.py",)
 second worker would start a second cluster on the same munge and node addresses"""
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: without it installed, nothing to schedule
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's load balancing, except that each of ``ONE_WORKER_FILES`` is one unit of work. (xdist's own
     ``--dist loadgroup`` renames test ids to group them, which pytest 9.2 no longer lets a plugin do: every test was
