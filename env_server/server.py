@@ -78,6 +78,7 @@ class EnvServer:
         self.epoch = uuid.uuid4().hex[:12]
         self.counters: collections.Counter = collections.Counter()
         self.step_limit_log = RateLimitedLog(log, interval_s=60.0)
+        self.registries: dict[str, Any] = {}  # task kind -> its registry, for the step limits
         raise_open_files(log, "env_server")  # a connection per actor, a desktop's own files and sockets
         self.ctx = open_context(net)
         self.security = security_for(self.ctx, net, run_dir.keys, cfg.host)
@@ -380,7 +381,10 @@ class EnvServer:
         if self.cfg.max_steps:
             return self.cfg.max_steps
         try:
-            tasks = task_registry(task_id.split(":")[0], self.cfg.backend)
+            kind = task_id.split(":")[0]
+            if kind not in self.registries:  # looked up once per kind: resets are the loop's hot path
+                self.registries[kind] = task_registry(kind, self.cfg.backend)
+            tasks = self.registries[kind]
             _, families, seed = tasks.parse_task_id(task_id)
             return tasks.families[families[seed % len(families)]].max_steps
         except (ValueError, KeyError, ZeroDivisionError):  # the backend accepted an id its registry cannot read
