@@ -90,6 +90,11 @@ class Engine(Protocol):
 
     def resume(self) -> None: ...
 
+    def close(self) -> None:
+        """Stop the engine's own threads (requests still running fail): before the process exits, so that no
+        thread is inside torch or vLLM while the interpreter tears them down."""
+        ...
+
 
 def generate_all(engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  images: Sequence[Sequence[Any]] | None = None) -> list[Generation]:

@@ -62,6 +62,7 @@ VLLM_CONTRACT: dict[str, tuple[str, ...]] = {
     "vllm.v1.engine.async_llm.AsyncLLM.resume_generation": (),
     "vllm.v1.engine.async_llm.AsyncLLM.collective_rpc": ("method", "args"),
     "vllm.v1.engine.async_llm.AsyncLLM.reset_prefix_cache": (),
+    "vllm.v1.engine.async_llm.AsyncLLM.shutdown": (),
     "vllm.SamplingParams": ("temperature", "max_tokens", "logprobs", "detokenize", "stop_token_ids", "logit_bias",
                             "stop", "include_stop_str_in_output"),
     "vllm.inputs.TokensPrompt": ("prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"),
@@ -352,3 +353,10 @@ class VLLMEngine:
 
     def resume(self) -> None:
         self._loop.call_soon_threadsafe(self._gate.set)
+
+    def close(self) -> None:
+        """Shut AsyncLLM down (its engine-core process and IPC), then stop the loop's thread."""
+        if self._thread.is_alive():
+            self.llm.shutdown()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)

@@ -494,8 +494,11 @@ def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, con
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     engine, prompt_cfg, sampling, max_steps = load_policy(checkpoint, run_cfg)
-    result = evaluate(engine, tasks, prompt_cfg, dataclasses.replace(sampling, temperature=temperature), max_steps,
-                      env=run_cfg.env_server)
+    try:
+        result = evaluate(engine, tasks, prompt_cfg, dataclasses.replace(sampling, temperature=temperature),
+                          max_steps, env=run_cfg.env_server)
+    finally:
+        engine.close()
     result.update(checkpoint=str(checkpoint), suite=suite)
     _emit(result, as_json)
 

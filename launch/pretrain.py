@@ -158,5 +158,9 @@ def evaluate_base(path: Path, cfg: PretrainConfig, model_cfg: Any, prompt_cfg: A
     engine = HFEngine(dataclasses.replace(model_cfg, path=str(path)),
                       engine_cfg.fitted(prompt_cfg.max_prompt_tokens, cfg.eval_max_new_tokens))
     tasks = suite_tasks(cfg.suite("heldout"), cfg.eval_episodes, env.backend if env is not None else "")
-    return evaluate(engine, tasks, prompt_cfg, SamplingParams(temperature=0.0, max_new_tokens=cfg.eval_max_new_tokens),
-                    cfg.eval_max_steps, env=env)
+    try:
+        return evaluate(engine, tasks, prompt_cfg,
+                        SamplingParams(temperature=0.0, max_new_tokens=cfg.eval_max_new_tokens), cfg.eval_max_steps,
+                        env=env)
+    finally:
+        engine.close()

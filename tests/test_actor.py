@@ -177,6 +177,8 @@ def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, p
         assert '"gen_tokens_per_s"' in metrics and '"engine_idle_ratio"' in metrics
         opened = server.counters["sessions_opened"]
         actor.close()
+        # An engine thread left inside torch at interpreter exit aborted actors (exit -6) at every run's end.
+        assert not engine._thread.is_alive(), "the actor's engine stops with it"
         # Leaving gives every session back at once; none waits to be reclaimed as a dead actor's.
         assert server.pool_stats()["sessions"] == 0 and server.counters["sessions_closed"] == opened
         assert server.counters["sessions_reclaimed"] == 0
@@ -336,6 +338,9 @@ class _FakeAsyncLLM:
     async def reset_prefix_cache(self):
         self.calls.append(("reset",))
 
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
     async def collective_rpc(self, method, args=()):
         self.calls.append(("rpc", method))
         if self.rpc_error is not None:
@@ -359,7 +364,8 @@ def _vllm_engine_with(llm):
     eng.vllm = SimpleNamespace(SamplingParams=lambda **kw: kw)
     eng._inputs = lambda ids, images: ids
     eng._loop = asyncio.new_event_loop()
-    threading.Thread(target=eng._loop.run_forever, daemon=True).start()
+    eng._thread = threading.Thread(target=eng._loop.run_forever, daemon=True)
+    eng._thread.start()
     eng._gate = asyncio.Event()
     eng._loop.call_soon_threadsafe(eng._gate.set)
     return eng
@@ -398,6 +404,8 @@ def test_a_failed_vllm_swap_is_a_round_failed_and_generation_resumes():
     assert eng.generate([[1]], SamplingParams(max_new_tokens=1))[0].token_ids == [65], "the gate is open again"
     llm.rpc_error = None
     assert eng.receive_round(4, 1, receiver) == 9 and eng.version == 9
+    eng.close()
+    assert llm.calls[-1] == ("shutdown",) and not eng._thread.is_alive(), "vLLM shut down, then the loop stopped"
 
 def test_actor_joins_weight_rounds_announced_on_control(start_broker, quiet_log, tmp_path):
     tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=8, persist=False))
