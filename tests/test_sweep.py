@@ -230,10 +230,12 @@ def test_training_curves_smooth_rl_steps_across_seeds_and_keep_each_seeds_sft_ph
 
 
 def _sweep(out: Path, *extra: str) -> subprocess.Popen:
-    # The sweep's machinery is the point, not the recipe: no anchor, no evaluation of the starting policy.
+    # The sweep's machinery is the point, not the recipe: no anchor, no evaluation of the starting policy, steps of
+    # two groups of 4 from one actor (each trained: the learning rates under comparison act).
     args = [sys.executable, "-m", "launch.cli", "sweep", "configs/local.yaml", "learner.checkpoint_every=1",
             "local.eval_episodes=1", "local.eval_suite=sim:heldout:files_delete", "weights.join_window_s=0.5",
-            "learner.anchor.suite=", "local.eval_start=false",
+            "learner.anchor.suite=", "local.eval_start=false", "broker.group_size=4", "broker.groups_per_batch=2",
+            "learner.advantage.drop_zero_variance=false", "local.actors=1",
             "--eval-suite", "sim:heldout:files_delete", "--eval-episodes", "2", "--out", str(out), *extra]
     return subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -253,7 +255,8 @@ def test_a_tiny_sweep_runs_evaluates_summarises_and_continues_after_an_interrupt
 
     # A longer sweep, interrupted once its run has a checkpoint: the same command resumes it and finishes.
     out2 = tmp_path / "sweep2"
-    args = ("learner.total_steps=6", "--vary", "learner.lr=1e-4", "--seeds", "1")
+    # No periodic evaluation here (the first sweep had them): a checkpoint every step made one run all along.
+    args = ("learner.total_steps=6", "local.eval_episodes=0", "--vary", "learner.lr=1e-4", "--seeds", "1")
     p = _sweep(out2, *args)
     latest = out2 / "runs" / "learner.lr=1e-4" / "seed-0" / "checkpoints" / "latest"
     deadline = time.monotonic() + 600
