@@ -61,6 +61,8 @@ class LocalConfig:
     """suite of the periodic evaluation"""
     eval_start: bool = True
     """with eval_episodes > 0, also evaluate the starting policy (model.path) as step 0 of a new run"""
+    eval_timeout_s: float = 1800.0
+    """longest one held-out evaluation may run; past it the evaluation is killed and logged as failed"""
     learner_ranks: int = 1
     """learner processes; above 1 the model is sharded over them with FSDP2 (gloo on CPU, NCCL on GPUs)"""
     learner_dist_port: int = 25560
@@ -71,8 +73,8 @@ class LocalConfig:
     def validate(self) -> None:
         if self.actors < 1 or self.learner_ranks < 1:
             raise ValueError("local.actors and local.learner_ranks must be >= 1")
-        if self.stop_timeout_s <= 0 or self.learner_stop_timeout_s <= 0:
-            raise ValueError("local.stop_timeout_s and local.learner_stop_timeout_s must be > 0")
+        if self.stop_timeout_s <= 0 or self.learner_stop_timeout_s <= 0 or self.eval_timeout_s <= 0:
+            raise ValueError("local.stop_timeout_s, local.learner_stop_timeout_s and local.eval_timeout_s must be > 0")
         if self.netns:
             from launch.netns import Fabric
             Fabric.load(self.netns)
@@ -175,6 +177,7 @@ class Supervisor:
         self.config_path = config_path
         self.eval_proc: subprocess.Popen | None = None
         self.eval_step = -1  # checkpoint version being (or last) evaluated
+        self.eval_deadline = 0.0  # monotonic time past which the running evaluation is killed
         # The curve starts from the policy RL starts from (a fresh model from config has nothing to show).
         start = Path(cfg.model.path) if cfg.model.path else None
         self.start_policy = start if (self.local.eval_start and not resume and start and start.is_dir()) else None
@@ -342,11 +345,7 @@ class Supervisor:
             for s, h in old.items():
                 signal.signal(s, h)
         if self.outcome == "finished" and self.local.eval_episodes > 0:
-            # The final checkpoint's evaluation belongs on the curve: finish any running one, then run it.
-            for _ in range(2):
-                if self.eval_proc is not None:
-                    self.eval_proc.wait()
-                self._poll_eval(final=True)
+            self._finish_evals()
         elif self.eval_proc is not None and self.eval_proc.poll() is None:
             self.eval_proc.kill()
             self.eval_proc.wait()
@@ -372,6 +371,17 @@ class Supervisor:
                         f"`computerrl metrics {self.run_dir.root}` forwards them later)")
             return None
 
+    def _finish_evals(self) -> None:
+        """The final checkpoint's evaluation belongs on the curve: finish any running one (within its deadline),
+        then run it."""
+        for _ in range(2):
+            if self.eval_proc is not None:
+                try:
+                    self.eval_proc.wait(max(0.0, self.eval_deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass  # _poll_eval kills it and says so
+            self._poll_eval(final=True)
+
     def _poll_eval(self, final: bool = False) -> None:
         """Evaluate each new checkpoint on held-out tasks in a separate process; results go to eval.jsonl."""
         if self.local.eval_episodes <= 0:
@@ -379,7 +389,12 @@ class Supervisor:
         out = self.run_dir.logs / "eval.out"
         if self.eval_proc is not None:
             if self.eval_proc.poll() is None:
-                return
+                if time.monotonic() < self.eval_deadline:
+                    return
+                self.eval_proc.kill()  # a hung desktop or engine: the run goes on, the evaluation is a failure
+                self.eval_proc.wait()
+                self._event(f"held-out eval at step {self.eval_step} killed after local.eval_timeout_s="
+                            f"{self.local.eval_timeout_s:g} s")
             lines = out.read_text(errors="replace").strip().splitlines() if out.exists() else []
             try:
                 result = json.loads(lines[-1])
@@ -387,7 +402,7 @@ class Supervisor:
                     f.write(json.dumps({"step": self.eval_step, **result}) + "\n")
                 self._event(f"held-out eval at step {self.eval_step}: success {result['success_rate']:.3f}")
             except (ValueError, IndexError, KeyError):
-                self._event(f"held-out eval at step {self.eval_step} failed (see {out})")
+                self._event(f"held-out eval at step {self.eval_step} failed (see {out} and eval.stderr)")
             self.eval_proc = None
         if self.stopping and not final:
             return
@@ -409,9 +424,10 @@ class Supervisor:
                 self.local.eval_suite, "--episodes", str(self.local.eval_episodes), "--config",
                 str(self.config_path), "--json"]
         env = {**os.environ, "OMP_NUM_THREADS": str(self.local.torch_threads)}
-        with open(out, "w") as f:
-            self.eval_proc = subprocess.Popen(args, stdout=f, stderr=subprocess.DEVNULL, env=env,
+        with open(out, "w") as f, open(self.run_dir.logs / "eval.stderr", "ab") as err:
+            self.eval_proc = subprocess.Popen(args, stdout=f, stderr=err, env=env,
                                               start_new_session=True, preexec_fn=_die_with_parent)
+        self.eval_deadline = time.monotonic() + self.local.eval_timeout_s
 
     def _curve(self) -> bool:
         from launch.curve import render_curve
