@@ -171,9 +171,10 @@ def anchor_kl_term(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
 
 
 def anchor_sft_term(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
-    """The demo tokens' negative log-likelihood (``learner.anchor.kind: sft``)."""
-    nll = -(inp.logprobs * inp.mask).sum() / inp.num_tokens
-    return LossOutputs(nll, {"anchor_loss": _token_mean(-inp.logprobs, inp.mask)})
+    """The demo tokens' negative log-likelihood (``learner.anchor.kind: sft``): ``sft_loss``, reported as the
+    anchor's."""
+    out = sft_loss(inp, cfg)
+    return LossOutputs(out.loss, {"anchor_loss": out.metrics["nll"]})
 
 
 LOSSES: dict[str, LossFn] = {"grpo": grpo_loss, "ppo": ppo_loss, "reinforce": reinforce_loss, "sft": sft_loss}
