@@ -383,7 +383,4 @@ class Actor:
             self.log.warning("sessions_not_closed", unanswered=unanswered)
         for c in self.env.clients:
             c.close()
-        # A rollout abandoned at stop may still be decoding: an engine thread inside torch while the interpreter
-        # exits aborted the process ("terminate called without an active exception", exit -6, and a restart).
-        self.engine.close()
         self.metrics.close()

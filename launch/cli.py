@@ -82,12 +82,16 @@ def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[s
     from actor.engines import actor_engine
 
     cfg, rd, log = _start_role("actor", config, run_dir, overrides, rank)
-    a = Actor(cfg.actor, actor_engine(cfg, rank), cfg.net, cfg.weights, rd, log, rank=rank)
+    engine = actor_engine(cfg, rank)
+    a = Actor(cfg.actor, engine, cfg.net, cfg.weights, rd, log, rank=rank)
     try:
         a.connect()
         a.run()
     finally:
         a.close()
+        # A rollout abandoned at stop may still be decoding: an engine thread inside torch while the interpreter
+        # exits aborted the process ("terminate called without an active exception", exit -6, and a restart).
+        engine.close()
 
 
 @main.command()

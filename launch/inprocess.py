@@ -71,6 +71,7 @@ class InProcessRun:
         fit_to_local_run(cfg)
         log = L.setup("inprocess", cfg.run.run_id, 0, self.run_dir.logs, cfg.run.log_level, quiet=True)
         deadline = time.monotonic() + self.timeout_s
+        engines: list = []
         try:
             broker = Broker(cfg.broker, cfg.net, self.run_dir, log.bind(role="broker"), seed=cfg.run.seed)
             self._start("broker", broker.run, broker.request_stop)
@@ -79,7 +80,7 @@ class InProcessRun:
             anchor_demos = self._anchor_demos(log)
             # Models are loaded one at a time, here, before the learner's thread loads its own: transformers'
             # loading switches process-wide state (the default device) and two loads at once break each other.
-            engines = [actor_engine(cfg, rank) for rank in range(cfg.local.actors)]
+            engines += [actor_engine(cfg, rank) for rank in range(cfg.local.actors)]
             learner = self._start("learner", lambda: learner_main(cfg, self.run_dir, log.bind(role="learner"),
                                                                   False, anchor_demos))
             actors = []
@@ -91,6 +92,8 @@ class InProcessRun:
             self._wait(actors, min(deadline, time.monotonic() + cfg.local.stop_timeout_s))
         finally:
             stuck = self._stop_all()
+            for engine in engines:  # their actors have stopped (or are reported stuck)
+                engine.close()
         if stuck:
             raise TimeoutError(f"in-process roles did not stop: {stuck}")
         return learner.result == 0

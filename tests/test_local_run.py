@@ -126,6 +126,11 @@ def test_run_trains_checkpoints_and_leaves_no_process(tmp_path):
     assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000002"
     assert (run_dir / "checkpoints" / "step-00000001").is_dir(), "the periodic checkpoint, then the final one"
     assert not _children_of_run(run_dir), "no role outlived the run"
+    # An engine thread left inside torch at interpreter exit aborted the actors at every run's end (exit -6, a
+    # restart, "terminate called without an active exception" in their stderr).
+    assert "exited with code" not in out, out[-3000:]
+    for err in (run_dir / "logs").glob("*.stderr"):
+        assert "terminate called" not in err.read_text(errors="replace"), err
     evals = [json.loads(x) for x in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
     assert evals and evals[-1]["step"] == 2 and evals[-1]["per_family"].keys() == {"files_delete"}
     assert evals[0]["step"] == 0 and evals[0]["checkpoint"].endswith("base-policy"), "the curve starts at the base"

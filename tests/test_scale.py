@@ -5,6 +5,7 @@ every acked group accounted for (the ``bench scale`` harness at a few hundred co
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -171,3 +172,40 @@ ctx.term()
     assert r["counters"].get("accept_failed", 0) > 0, err
     event, fields = r["events"][0]
     assert event == "accept_failed" and fields["errno"] == "EMFILE" and "open-file limit" in fields["hint"]
+
+
+
+class _DescriptorSocket:
+    """Stands in for a ZeroMQ socket whose ZMQ_FD is ``fd`` (two of them with one number: a number reused)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def getsockopt(self, opt: int) -> int:
+        if opt == zmq.FD:
+            return self.fd
+        return zmq.POLLIN if select.select([self.fd], [], [], 0)[0] else 0
+
+
+def test_a_descriptor_number_reused_by_another_links_new_socket_stays_that_links():
+    """A reconnecting link closes its old socket, and another link's new socket may get the same descriptor number
+    and register it before the first link is synced: the scale bench's swarm crashed there (KeyError in
+    unregister), and the second link's socket was no longer polled."""
+    r, w = os.pipe()
+    try:
+        current: dict[str, list] = {"b": [], "a": [_DescriptorSocket(r)]}
+        waiter = LinkWaiter(sweep_s=3600)  # no sweep: only the descriptors report input
+        waiter.add("b", lambda: current["b"])  # b is synced before a on every wait
+        waiter.add("a", lambda: current["a"])
+        assert waiter.wait(0) == set()
+        current["b"], current["a"] = [_DescriptorSocket(r)], []  # a's socket closed, its number now b's
+        assert waiter.wait(0) == set()
+        assert waiter.wait(0) == set()
+        os.write(w, b"x")
+        assert waiter.wait(1) == {"b"}, "b's socket is still polled"
+        os.read(r, 1)
+        current["b"] = []
+        assert waiter.wait(0) == set()  # unregistering b's number raised KeyError before
+    finally:
+        os.close(r)
+        os.close(w)

@@ -53,14 +53,23 @@ class LinkWaiter:
         self._recheck.update(k for k in keys if k in self._sockets)
 
     def _sync(self, key: Any, socks: list[zmq.Socket]) -> None:
-        for fd in self._registered.pop(key, {}).values():
-            self._poll.unregister(fd)
-            del self._by_fd[fd]
+        # A descriptor number outlives its socket: a link that reconnected closed its old socket, and another
+        # link's new socket may have been given the same number (and registered it) before this link is synced.
+        # Only what is still this link's is unregistered; a number taken over drops its stale owner's entry.
+        for sock, fd in self._registered.pop(key, {}).items():
+            if self._by_fd.get(fd, (None, None))[1] is sock:
+                self._poll.unregister(fd)
+                del self._by_fd[fd]
         if socks:
-            self._registered[key] = {sock: sock.getsockopt(zmq.FD) for sock in socks}
-            for sock, fd in self._registered[key].items():
-                self._poll.register(fd, select.POLLIN)
+            self._registered[key] = {}
+            for sock in socks:
+                fd = sock.getsockopt(zmq.FD)
+                owner = self._by_fd.get(fd)
+                if owner is not None and owner[1] is not sock:
+                    self._registered.get(owner[0], {}).pop(owner[1], None)
+                self._poll.register(fd, select.POLLIN)  # modifies the entry of a number already registered
                 self._by_fd[fd] = (key, sock)
+                self._registered[key][sock] = fd
 
     def wait(self, timeout_s: float) -> set[Any]:
         for key, sockets in self._sockets.items():
