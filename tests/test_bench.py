@@ -47,8 +47,8 @@ def test_bench_async_prints_speedup_json(tmp_path):
     out = subprocess.run([sys.executable, "-m", "launch.cli", "bench", "async", "--json", "--steps", "2",
                           "--config", str(REPO / "configs" / "local.yaml"), "--eval-episodes", "1",
                           "--latency", "0.05", "local.eval_suite=sim:heldout:files_delete",
-                          # the contract, not the recipe: no anchor, groups of 4
-                          "learner.anchor.suite=", "broker.group_size=4"],
+                          # the contract, not the recipe: no anchor, two groups of 4 a step
+                          "learner.anchor.suite=", "broker.group_size=4", "broker.groups_per_batch=2"],
                          cwd=tmp_path, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stderr[-2000:] + out.stdout[-2000:]
