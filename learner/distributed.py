@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from common import protocol as P
+from common.heap import return_freed_memory
 
 # A follower waits on the job channel for as long as rank 0 waits for the next batch (an SFT phase, slow
 # actors); rank 0 dying closes the gloo connections, which ends the wait at once, so no short timeout here.
@@ -207,6 +208,12 @@ class JobChannel:
             self._apply(job, None)
 
     def _apply(self, job: Job, extra: dict | None) -> Any:
+        try:
+            return self._apply_job(job, extra)
+        finally:  # a step's activations, freed, would otherwise stay resident (common/heap.py)
+            return_freed_memory()
+
+    def _apply_job(self, job: Job, extra: dict | None) -> Any:
         t, meta = self.trainer, job.meta
         if job.kind == "rl":
             assert isinstance(job.message, P.Batch)
