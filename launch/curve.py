@@ -74,7 +74,8 @@ def render_curve(metrics_dir: Path, out: Path, title: str = "") -> bool:
                                 lw=1.0, label=f"held-out: {fam}")
     success_ax.set_ylim(0.0, 1.03)  # a family at 100 % stays visible above the frame's edge
     success_ax.set_ylabel("success rate")
-    success_ax.legend(loc="lower right", fontsize=7, frameon=True, framealpha=0.85, ncol=2)
+    if success_ax.get_legend_handles_labels()[0]:  # a run with no step trained yet has nothing to name
+        success_ax.legend(loc="lower right", fontsize=7, frameon=True, framealpha=0.85, ncol=2)
     entropy = [(r["step"], r["entropy"]) for r in steps if r.get("entropy") is not None]
     if entropy:
         entropy_ax.plot(*zip(*entropy), color=COLORS["entropy"], lw=1.5)

@@ -38,3 +38,16 @@ def test_sft_spans_and_eval_intervals():
     assert eval_interval({"success_rate": 0.2, "ci95": [0.1, 0.35]}) == (0.1, 0.35)
     lo, hi = eval_interval({"success_rate": 0.2, "episodes": 25})  # a record from before evals carried one
     assert round(lo, 3) == 0.089 and round(hi, 3) == 0.391
+
+
+def test_a_run_whose_steps_trained_nothing_draws_without_a_warning(tmp_path):
+    """Steps that trained nothing (every group zero-variance) have no success rate: the curve is drawn from the
+    rest, with no legend to draw rather than matplotlib's 'No artists with labels' warning in the run's output."""
+    import warnings
+
+    m = tmp_path / "metrics"
+    m.mkdir()
+    (m / "learner.jsonl").write_text("".join(json.dumps({"step": s, "empty": "no samples"}) + "\n" for s in (1, 2)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        render_curve(m, tmp_path / "curve.png")
