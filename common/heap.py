@@ -14,18 +14,21 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
+from typing import Any
 
-_libc = None
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None where the C library has none."""
+    name = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
 
 
 def return_freed_memory() -> bool:
     """Give memory the heap holds free back to the system; False where the C library has no ``malloc_trim``
     (not glibc)."""
-    global _libc
-    if _libc is None:
-        name = ctypes.util.find_library("c")
-        _libc = ctypes.CDLL(name) if name else False
-    trim = getattr(_libc, "malloc_trim", None) if _libc else None
+    trim = _malloc_trim()
     if trim is None:
         return False
     trim(0)
