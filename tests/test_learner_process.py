@@ -76,8 +76,13 @@ def test_sigterm_checkpoints_and_resume_continues_versions(tmp_path, quiet_log):
         assert steps[-1] == saved, "the step in flight at the signal has its metrics record too"
         # A stop is not a death: the learner said it was leaving and kept its link alive through its last step
         # and checkpoint, however long they took; the broker counted it left and declared nothing dead.
-        events = [json.loads(x) for x in (run_dir / "logs" / "broker-0.jsonl").read_text().splitlines()]
-        names = [e["event"] for e in events]
+        # The broker reads the learner's Goodbye on its own loop, after the learner may have exited: wait for its log.
+        def broker_events() -> list[str]:
+            lines = (run_dir / "logs" / "broker-0.jsonl").read_text().splitlines()
+            return [json.loads(x)["event"] for x in lines if x.strip()]
+        deadline = time.monotonic() + 10
+        while "learner_left" not in (names := broker_events()) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert "learner_leaving" in names and "learner_left" in names and "learner_dead" not in names, names
         assert names.index("learner_leaving") < names.index("learner_left")
         learner = _learner(run_dir, net, f"learner.total_steps={saved + 2}", resume=True)
