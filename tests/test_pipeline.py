@@ -31,12 +31,12 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def run_pipeline(tmp_path: Path, *overrides: str) -> tuple[RunDir, float]:
+def run_pipeline(tmp_path: Path, *overrides: str, steps: int = STEPS) -> tuple[RunDir, float]:
     """A tiny run of the embedded default, in process: two actors, batches of two groups of two, every group trained
     (none dropped for equal rewards), a commit at every step's checkpoint. Returns its run directory and seconds
     taken."""
     cfg = load_run_config(REPO / "configs" / "local.yaml", [
-        *free_port_overrides(), f"learner.total_steps={STEPS}", "learner.checkpoint_every=1",
+        *free_port_overrides(), f"learner.total_steps={steps}", "learner.checkpoint_every=1",
         f"broker.groups_per_batch={GROUPS_PER_BATCH}", "broker.group_size=2", "broker.eta=1", "learner.anchor.suite=",
         "learner.advantage.drop_zero_variance=false",
         "weights.join_window_s=0.5", "local.actors=2", "actor.max_groups=1", "net.heartbeat_s=0.2", *overrides])
@@ -46,11 +46,12 @@ def run_pipeline(tmp_path: Path, *overrides: str) -> tuple[RunDir, float]:
     return rd, time.monotonic() - t0
 
 
-def check_pipeline(rd: RunDir, eta: int = 1) -> dict:
-    """What a healthy run leaves behind; raises AssertionError naming what broke. Returns the audit's counts."""
+def check_pipeline(rd: RunDir, eta: int = 1, steps: int = STEPS) -> dict:
+    """What a healthy run of ``steps`` steps leaves behind; raises AssertionError naming what broke. Returns the
+    audit's counts."""
     learner = _records(rd.metrics / "learner.jsonl")
-    assert [r["step"] for r in learner] == list(range(1, STEPS + 1)), "one version per step"
-    assert (rd.checkpoints / "latest").read_text() == f"step-{STEPS:08d}"
+    assert [r["step"] for r in learner] == list(range(1, steps + 1)), "one version per step"
+    assert (rd.checkpoints / "latest").read_text() == f"step-{steps:08d}"
     # Staleness: nothing trained further behind than eta, on the broker's histogram and in the learner's steps.
     assert max(r.get("max_lag", 0) for r in learner) <= eta
     broker = _records(rd.metrics / "broker.jsonl")[-1]
@@ -64,7 +65,7 @@ def check_pipeline(rd: RunDir, eta: int = 1) -> dict:
     counts = audit.as_dict()
     assert audit.ok, audit.table()
     assert audit.acked == audit.trained_once + counts["dropped_total"] + audit.queued, audit.table()
-    assert audit.trained_once == STEPS * GROUPS_PER_BATCH and set(audit.dropped) <= DROP_REASONS, audit.table()
+    assert audit.trained_once == steps * GROUPS_PER_BATCH and set(audit.dropped) <= DROP_REASONS, audit.table()
     # Commit: what the learner settled left the broker, and nothing else did.
     settled = sum(1 for _ in _settled(rd))
     assert broker.get("groups_committed", 0) == settled, f"broker committed {broker.get('groups_committed', 0)} of " \
@@ -89,11 +90,11 @@ def test_the_async_pipeline_trains_in_process_and_loses_nothing(tmp_path):
 
 def test_the_pipeline_check_fails_when_the_broker_forgets_a_commit(tmp_path, monkeypatch):
     """Break the commit protocol (a Commit that settles nothing: the broker keeps the groups as delivered) and the
-    check must notice."""
+    check must notice. Two steps are enough to show it (a commit after each)."""
     monkeypatch.setattr(Ledger, "commit", lambda self, group_ids: ([], 0))
-    rd, _ = run_pipeline(tmp_path)
-    with pytest.raises(AssertionError, match="broker committed 0 of the 6 groups the learner settled"):
-        check_pipeline(rd)
+    rd, _ = run_pipeline(tmp_path, steps=2)
+    with pytest.raises(AssertionError, match="broker committed 0 of the 4 groups the learner settled"):
+        check_pipeline(rd, steps=2)
 
 
 def test_a_learner_that_stops_is_counted_as_leaving_not_dead(tmp_path, monkeypatch, start_broker, quiet_log):
