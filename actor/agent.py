@@ -255,21 +255,21 @@ class Actor:
         control = self.broker.control.latest
         if control is None or self.weights_busy:
             return
-        content = control.info.get("content_version")
-        if content is not None and control.version > self.engine.version and self.engine.content_version == content:
+        content = control.content_version
+        if content >= 0 and control.version > self.engine.version and self.engine.content_version == content:
             self.engine.relabel(control.version)  # same weights, newer version: no transfer needed
-        if self.receiver is None:
+        if self.receiver is None or control.weights is None:
             return
-        sender = str(control.info.get("weights_sender", ""))
+        sender = control.weights.sender
         if sender != self.weights_sender:  # a (re)started learner: its rounds count from 1 on a new store
             self.weights_sender, self.weights_round = sender, 0
             self.receiver.new_sender()
-        r = int(control.info.get("weights_round", 0) or 0)
+        r = control.weights.round
         if r <= self.weights_round:
             return
         self.weights_round = r
         self.weights_busy = True
-        epoch = int(control.info.get("weights_epoch", 0) or 0)
+        epoch = control.weights.epoch
 
         def receive() -> None:
             try:

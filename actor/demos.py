@@ -73,9 +73,10 @@ def record_demos(suite: str, count: int, prompt_cfg: Any, tokenizer: Any, route:
     (``prompt_cfg.observation``) gets them rendered, and put in ``images``."""
     from env_server.backends import make_backend, task_registry
     from env_server.sim import tasks as sim_tasks
+    from env_server.tasks import kind_of
     from env_server.sim.backend import SimBackend, SimConfig
 
-    kind = suite.split(":")[0]
+    kind = kind_of(suite)
     task_registry(kind, env.backend if env is not None else "").parse_suite(suite)  # a bad suite fails here
     if route not in ROUTES:
         raise ValueError(f"demo route must be api, gui or mixed, not {route!r}")

@@ -219,13 +219,15 @@ class LearnerBrokerClient:
             self._credit_request(credits)
 
     def set_control(self, version: int, phase: str = "rl", paused: bool = False, stop: bool = False,
-                    info: dict | None = None) -> None:
-        """Tell the broker (and through it every actor) the learner's version and phase."""
+                    content_version: int = -1, weights: P.WeightRound | None = None) -> None:
+        """Tell the broker (and through it every actor) the learner's version and phase, and the weight round that
+        sends this version's weights, if any."""
         self.version = version
         for key in [k for k in self.link.outstanding if k.startswith("control:")]:
             self.link.complete(key)  # only the newest state matters
         self.link.request(f"control:{next(self._seq)}", P.Control(version=version, phase=phase, paused=paused,
-                                                                  stop=stop, info=info or {}))
+                                                                  stop=stop, content_version=content_version,
+                                                                  weights=weights))
 
     def leaving(self, reason: str) -> None:
         """Say this learner is stopping: the broker sends no new batches and, while the link keeps being polled

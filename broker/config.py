@@ -61,10 +61,8 @@ class BrokerConfig:
     """messages taken from a socket per loop turn (also the most groups committed per fsync)"""
     lease_s: float = 3600.0
     """a ticket is reclaimed after this long even if its actor still heartbeats"""
-    drop_zero_variance: bool = False
-    """dynamic sampling: drop groups whose rewards are all equal (no learning signal)"""
-    drop_incomplete: bool = True
-    """drop groups the actor marked incomplete (an episode hit an environment error)"""
+    dynamic_sampling: bool = False
+    """drop a group whose episode rewards are all equal when it arrives, so batches fill with groups that teach"""
     success_per_task: int = 8
     """successful trajectories kept per task for Entropulse SFT (and for replay)"""
     success_max_tasks: int = 10_000

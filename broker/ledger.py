@@ -20,15 +20,12 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from common.group_rules import too_stale
+
 
 def admission_capacity(version: int, groups_per_batch: int, eta: int, accepted: int, running: int) -> int:
     """How many more tickets may be granted now: ``(η + v + 1)·B − (accepted + running)``, at least 0."""
     return max(0, (eta + version + 1) * groups_per_batch - (accepted + running))
-
-
-def group_lag(train_version: int, behavior_version_min: int) -> int:
-    """Versions between the oldest token of a group and the version it would be trained at."""
-    return train_version - behavior_version_min
 
 
 @dataclass
@@ -200,7 +197,7 @@ class Ledger:
 
     def too_stale(self, behavior_version_min: int) -> bool:
         """Already beyond the bound for the earliest batch it could join: it will only get staler."""
-        return group_lag(self.next_train_version(), behavior_version_min) > self.eta
+        return too_stale(self.next_train_version(), behavior_version_min, self.eta)
 
     def enqueue(self, group: QueuedGroup, order: int | None = None) -> None:
         """Queue a durable group; ``order`` is its ticket's grant sequence when known."""
@@ -214,7 +211,7 @@ class Ledger:
         dropped: list[QueuedGroup] = []
         while self.queue and len(taken) < self.groups_per_batch:
             g, order = self.queue.pop()
-            if group_lag(train_version, g.behavior_version_min) > self.eta:
+            if too_stale(train_version, g.behavior_version_min, self.eta):
                 dropped.append(g)
             else:
                 taken.append((g, order))
@@ -306,8 +303,3 @@ class Ledger:
             "groups_uncommitted": len(self.delivered_group),
             "next_train_version": self.next_train_version(),
         }
-
-
-def zero_variance(rewards: Iterable[float]) -> bool:
-    rs = list(rewards)
-    return len(rs) > 0 and max(rs) - min(rs) == 0.0

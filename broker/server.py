@@ -26,12 +26,13 @@ from typing import Any
 import zmq
 
 from broker.config import BrokerConfig
-from broker.ledger import Ledger, QueuedGroup, group_lag, zero_variance
+from broker.ledger import Ledger, QueuedGroup
 from broker.tasks import make_sampler
 from broker.spill import CommitThread, SpillLog
 from broker.store import SuccessStore
 from common import protocol as P
 from common.audit import AuditLog
+from common.group_rules import group_lag, no_reward_variance
 from common.metrics import Histogram, MetricsWriter
 from common.net import (ConnectionMonitor, NetConfig, PeerState, PeerTable, RateLimitedLog, ServerSocket,
                         answer_heartbeat, close_context, heard_from, limit_size, listen_backlog, open_context,
@@ -224,8 +225,7 @@ class Broker:
             self.store.flush()
 
     def _ready(self) -> P.Ready:
-        return P.Ready(role="broker", epoch=self.epoch, control=self.control, info={
-            "group_size": self.cfg.group_size, "groups_per_batch": self.cfg.groups_per_batch, "eta": self.cfg.eta})
+        return P.Ready(role="broker", epoch=self.epoch, control=self.control, eta=self.cfg.eta)
 
     def _unexpected(self, sock: ServerSocket, ident: bytes, msg: P.Message) -> None:
         self.counters["rejected_unexpected_type"] += 1
@@ -378,7 +378,7 @@ class Broker:
         rollouts it played, which alone the staleness bound η governs. Curation saw the group's own outcomes
         before this, and ``info["replayed"]`` names the slot so the learner leaves it out of its success rate."""
         if (len(g.trajectories) < 2 or not g.complete or any(t.success for t in g.trajectories)
-                or not zero_variance(g.rewards)):
+                or not no_reward_variance(g.rewards)):
             return g, frames  # a group keeps at least one rollout it played
         max_age = self.cfg.replay_max_age or self.cfg.eta
         found = self.store.newest_fresh(g.task_id, self.cfg.replay, self.ledger.next_train_version() - max_age)
@@ -394,9 +394,9 @@ class Broker:
         return g, P.encode(g)
 
     def _drop_reason(self, g: P.TrajectoryGroup) -> str:
-        if self.cfg.drop_incomplete and not g.complete:
+        if not g.complete:  # the learner could not train it either (an episode of it is missing)
             return "incomplete"
-        if self.cfg.drop_zero_variance and zero_variance(g.rewards):
+        if self.cfg.dynamic_sampling and no_reward_variance(g.rewards):
             return "zero_variance"
         if self.ledger.too_stale(g.behavior_version_min):
             return "stale"
@@ -513,7 +513,7 @@ class Broker:
             self.control.version, self.control.phase, self.control.paused, self.control.stop)
         self._set_version(msg.version)
         self.control.phase, self.control.paused, self.control.stop = msg.phase, msg.paused, msg.stop
-        self.control.info = msg.info
+        self.control.content_version, self.control.weights = msg.content_version, msg.weights
         self.state["phase"] = msg.phase
         if changed:
             self.control.seq += 1

@@ -1,5 +1,6 @@
 """The group audit trail: lifecycle events of every trajectory group, appended by the broker and the learner
-to ``<run>/audit/<role>.jsonl``, and ``reconcile``, which answers "was any acked group lost or trained twice?".
+to ``<run>/audit/<role>.jsonl``, and ``reconcile_events``, which answers "was any acked group lost or trained
+twice?" (``launch/audit.py`` runs it on a run directory).
 
 One JSON object per line, short keys: ``e`` event, ``t`` unix time, ``g`` one group id or ``gs`` several,
 ``r`` reason, ``v`` the learner version the event happened at. Lines go to the file with one ``write`` each
@@ -16,7 +17,7 @@ Learner events: ``resume`` (the checkpoint version it continues from, 0 for a fr
 (groups used by the step that produced version ``v``), ``dropped`` (by the learner, with a reason),
 ``checkpoint`` (version ``v`` is durable: it covers every settlement at or below ``v``).
 
-Exactly-once, as ``reconcile`` checks it: a learner settlement counts only once a checkpoint covers it; a
+Exactly-once, as ``reconcile_events`` checks it: a learner settlement counts only once a checkpoint covers it; a
 ``resume`` from version ``v`` keeps the settlements at or below ``v`` and discards the rest (the learner
 rolled back and forgot them). Every acked group must then be trained exactly once, dropped with a
 reason, or still waiting in the broker's spill log (the run stopped before its turn came).
@@ -151,15 +152,14 @@ def learner_settlements(events: Iterable[dict]) -> tuple[list[tuple[str, str]], 
     return durable, discarded, resumes
 
 
-def reconcile(run_dir: str | Path) -> Reconciliation:
-    """Every acked group's fate from the run's audit files and its broker spill log."""
-    from broker.spill import SpillLog
-
-    root = Path(run_dir)
+def reconcile_events(broker_events: Iterable[dict], learner_events: Iterable[dict],
+                     queued: set[str]) -> Reconciliation:
+    """Every acked group's fate from the broker's and the learner's event streams and the ids still queued in the
+    broker's spill log (``launch/audit.py`` reads them from a run directory)."""
     out = Reconciliation()
     acked: set[str] = set()
     broker_drop: dict[str, str] = {}
-    for ev in read_events(root / "audit" / "broker.jsonl"):
+    for ev in broker_events:
         e = ev["e"]
         if e in ("acked", "recovered"):
             acked.update(_ids(ev))
@@ -169,7 +169,7 @@ def reconcile(run_dir: str | Path) -> Reconciliation:
                 broker_drop.setdefault(g, str(ev.get("r", "?")))
         elif e == "start":
             out.broker_starts += 1
-    durable, out.rolled_back, out.learner_starts = learner_settlements(read_events(root / "audit" / "learner.jsonl"))
+    durable, out.rolled_back, out.learner_starts = learner_settlements(learner_events)
     trained: collections.Counter = collections.Counter()
     learner_drop: dict[str, str] = {}
     for g, outcome in durable:
@@ -177,8 +177,6 @@ def reconcile(run_dir: str | Path) -> Reconciliation:
             trained[g] += 1
         else:
             learner_drop.setdefault(g, outcome)
-    spill_dir = root / "spill"
-    waiting = {g for g, _ in SpillLog.scan(spill_dir).groups} if spill_dir.is_dir() else set()
     out.acked, out.acked_ids = len(acked), acked
     for g in sorted(acked):
         n = trained.get(g, 0)
@@ -190,7 +188,7 @@ def reconcile(run_dir: str | Path) -> Reconciliation:
             out.dropped[learner_drop[g]] += 1
         elif g in broker_drop:
             out.dropped[broker_drop[g]] += 1
-        elif g in waiting:
+        elif g in queued:
             out.queued += 1
         else:
             out.lost.append(g)

@@ -58,6 +58,14 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
     return data
 
 
+MOVED_KEYS: dict[str, str] = {
+    "broker.drop_zero_variance": "renamed broker.dynamic_sampling (the learner's own rule is "
+                                 "learner.advantage.drop_zero_variance)",
+    "broker.drop_incomplete": "removed: an incomplete group is always dropped (the learner could never train it)",
+}
+"""keys an earlier version read, and what became of them: a config that still sets one is told where it went"""
+
+
 @dataclasses.dataclass
 class _RawOverride:
     value: Any
@@ -74,6 +82,8 @@ def build(cls: type[T], data: dict | None, path: str = "") -> T:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{path}.{unknown[0]}" if path else unknown[0]
+        if where in MOVED_KEYS:
+            raise ConfigError(f"config key '{where}': {MOVED_KEYS[where]}")
         raise ConfigError(f"unknown config key '{where}' (known keys here: {', '.join(sorted(fields))})")
     kwargs = {}
     for name, f in fields.items():

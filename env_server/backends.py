@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from common.imports import check_name, load_by_path
 from env_server.backend import Backend
-from env_server.tasks import TaskRegistry
+from env_server.tasks import TaskRegistry, kind_of
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,11 @@ def make_backend(cfg, seed: int = 0) -> Backend:
     if cfg.backend in BACKENDS:
         return BACKENDS[cfg.backend][0](cfg, seed)
     return load_plugin(cfg.backend).make(dict(cfg.options), seed)
+
+
+def registry_for(suite_or_task_id: str, backend: str = "") -> TaskRegistry:
+    """The registry that reads a suite or task id, by the kind it names (``task_registry``)."""
+    return task_registry(kind_of(suite_or_task_id), backend)
 
 
 def task_registry(kind: str, backend: str = "") -> TaskRegistry:

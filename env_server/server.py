@@ -33,6 +33,7 @@ from env_server.actions import ActionError
 from env_server.backend import Backend, StepResult
 from env_server.backends import make_backend, task_registry
 from env_server.config import EnvServerConfig
+from env_server.tasks import kind_of
 
 SESSION_REQUESTS = (P.EnvReset, P.EnvStep, P.EnvEvaluate, P.SessionClose)
 
@@ -199,8 +200,7 @@ class EnvServer:
                 self._reclaim_sessions(peer, "actor_left_sessions_reclaimed")
         elif isinstance(msg, P.Hello):
             heard_from(self.sock, self.peers, ident, msg, now, self.counters, msg.peer_id, msg.role)
-            self.sock.send(ident, P.Ready(role="env_server", epoch=self.epoch, control=P.Control(version=0),
-                                          info={"backend": self.cfg.backend, "pool_size": self.cfg.pool_size}))
+            self.sock.send(ident, P.Ready(role="env_server", epoch=self.epoch, control=P.Control(version=0)))
         elif isinstance(msg, P.SessionOpen):
             heard_from(self.sock, self.peers, ident, msg, now, self.counters, msg.actor_id, "actor")
             self._on_open(ident, msg, now)
@@ -381,7 +381,7 @@ class EnvServer:
         if self.cfg.max_steps:
             return self.cfg.max_steps
         try:
-            kind = task_id.split(":")[0]
+            kind = kind_of(task_id)
             if kind not in self.registries:  # looked up once per kind: resets are the loop's hot path
                 self.registries[kind] = task_registry(kind, self.cfg.backend)
             tasks = self.registries[kind]

@@ -27,6 +27,11 @@ SPLITS = ("train", "heldout", "paraphrase")
 HELDOUT_SEED_OFFSET = 1_000_000_007  # held-out instances come from a disjoint generator stream
 
 
+def kind_of(suite_or_task_id: str) -> str:
+    """The task kind a suite or task id names (``sim``, ``desk``, a plug-in's): the grammar's first field."""
+    return suite_or_task_id.partition(":")[0]
+
+
 def split_suite(suite: str, what: str = "suite") -> tuple[str, str, list[tuple[str, int]]]:
     """The suite grammar alone: ``<kind>:<split>[:fam[*N],...]`` -> (kind, split, [(family, N)] in the order
     written; empty when none is named). Which families exist is the kind's registry's to say."""

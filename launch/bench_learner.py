@@ -143,7 +143,6 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
     t0 = time.perf_counter()
     tokens = 0
     for d in data[1:]:
-        ours.eta = None
         ours.version = 0
         tokens += ours.train_step(d)["tokens"]
     sync()

@@ -13,7 +13,7 @@ the learner's audit events) and bumps its version, which is what frees admission
   (``reclaim_s_max`` is from the silence to the task's next Ticket, seen by whichever actor got it);
 - storm: the broker is killed (SIGKILL) and restarted on the same spill log; ``storm_recovered_s_max`` is the time
   until every live actor has handshaken with the new broker;
-- settle: everything stops and every group an actor saw acked is reconciled by id (``common.audit.reconcile``).
+- settle: everything stops and every group an actor saw acked is reconciled by id (``launch.audit.reconcile``).
 
 Baseline, in the same run: the same N as bare DEALERs against a bare ROUTER echo (the Python loop a user would
 write: drain, reply), from the same number of processes, sending heartbeat-sized requests at the heartbeat rate and
@@ -477,7 +477,7 @@ def _admission_audit(path: Path, setup: ScaleSetup) -> dict:
 
 
 def run_ours(setup: ScaleSetup) -> dict:
-    from common.audit import reconcile
+    from launch.audit import reconcile
     from common.metrics import percentile
     from common.net import free_port
 

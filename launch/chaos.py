@@ -12,7 +12,7 @@ Faults, each at a learner step, on a role (broker, env_server, an actor, the lea
 
 A partitioned or hung role must come back by itself: it is the same process after the fault (``restarted`` says
 otherwise). After the last step, the run is resumed once more for a few steps (groups queued at the end get
-trained), then ``common.audit.reconcile`` must find every acked group trained once, dropped with a reason, or
+trained), then ``launch.audit.reconcile`` must find every acked group trained once, dropped with a reason, or
 queued.
 
 Recovery of a fault: seconds from the fault's end (the signal; the heal; the SIGCONT) until the learner writes its
@@ -257,7 +257,7 @@ def run_chaos(config: str, run_dir: Path, steps: int, faults: list[Fault], overr
             os.killpg(sup.pid, signal.SIGTERM)
             sup.wait(60)
     result.wall_s = round(time.monotonic() - t0, 1)
-    from common.audit import reconcile
+    from launch.audit import reconcile
 
     result.audit = reconcile(run_dir).as_dict()
     return result

@@ -405,7 +405,7 @@ def metrics(run_dir: str, sinks: str, follow: bool) -> None:
 def audit(run_dir: str, as_json: bool) -> None:
     """Reconcile a run's group audit trail: every acked group trained once, dropped with a reason, or still
     queued. Exits 1 if any group was lost or trained twice."""
-    from common.audit import reconcile
+    from launch.audit import reconcile
 
     result = reconcile(run_dir)
     click.echo(json.dumps(result.as_dict()) if as_json else result.table())

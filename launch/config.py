@@ -78,13 +78,18 @@ def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> R
             if found is not None:  # not there at all: left as written (pretrain may be about to make it)
                 setattr(cfg.model, attr, str(found.resolve()))
     from env_server.backends import task_kind
+    from env_server.tasks import kind_of
 
     suite, kind = cfg.broker.tasks.suite, task_kind(cfg.env_server.backend)
-    if suite.split(":")[0] != kind:
-        raise configlib.ConfigError(f"broker.tasks.suite {suite!r} names {suite.split(':')[0]!r} tasks, and "
+    if kind_of(suite) != kind:
+        raise configlib.ConfigError(f"broker.tasks.suite {suite!r} names {kind_of(suite)!r} tasks, and "
                                     f"env_server.backend {cfg.env_server.backend!r} runs {kind!r} tasks")
     check_suites(cfg)
     check_import_paths(cfg)
+    if cfg.broker.dynamic_sampling and cfg.learner.advantage.level == "step":
+        raise configlib.ConfigError("broker.dynamic_sampling judges a group by its episode rewards, and "
+                                    "learner.advantage.level is step: a group whose episodes tie may still "
+                                    "teach through its turn rewards; turn dynamic sampling off")
     shows = cfg.actor.prompt.observation
     if shows != "tree" and cfg.env_server.backend == "sim" and cfg.env_server.sim.screenshot == "none":
         raise configlib.ConfigError(f"actor.prompt.observation {shows} shows screenshots, and "
@@ -95,14 +100,14 @@ def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> R
 def check_suites(cfg: RunConfig) -> None:
     """Every suite the run will draw tasks from names families its backend has, before any role starts: a
     family that does not exist used to pass, and the run then played nothing while looking busy."""
-    from env_server.backends import task_registry
+    from env_server.backends import registry_for
 
     for key, suite in (("broker.tasks.suite", cfg.broker.tasks.suite), ("local.eval_suite", cfg.local.eval_suite),
                        ("learner.anchor.suite", cfg.learner.anchor.suite)):
         if not suite:
             continue
         try:
-            task_registry(suite.split(":")[0], cfg.env_server.backend).parse_suite(suite, key)
+            registry_for(suite, cfg.env_server.backend).parse_suite(suite, key)
         except ValueError as exc:  # the registry's message names the families it has
             raise configlib.ConfigError(str(exc)) from None
 

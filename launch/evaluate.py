@@ -21,14 +21,15 @@ from actor.episode import play_concurrent
 from actor.prompt import PromptConfig
 from common.stats import wilson_interval
 from env_server.sim.backend import SimBackend, SimConfig
+from env_server.tasks import kind_of
 
 
 def suite_tasks(suite: str, episodes: int, backend: str = "") -> list[str]:
     """``<kind>:<split>[:fam,...]`` -> task ids, ``episodes`` per family (seeds 0..N-1); kinds ``sim``, ``desk``, or
     that of ``backend`` (an outside env_server.backend)."""
-    from env_server.backends import task_registry
+    from env_server.backends import registry_for
 
-    tasks = task_registry(suite.split(":")[0], backend)
+    tasks = registry_for(suite, backend)
     split, fams = tasks.parse_suite(suite)
     return [f"{tasks.kind}:{split}:{fam}/{seed}" for fam in dict.fromkeys(fams) for seed in range(episodes)]
 
@@ -52,7 +53,7 @@ def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sa
     tasks (its ``desktop`` section) and of an outside backend's tasks (its ``backend`` and ``options``)."""
     per_family: dict[str, list[int]] = {}
     steps = format_errors = 0
-    kind = task_ids[0].split(":")[0] if task_ids else "sim"
+    kind = kind_of(task_ids[0]) if task_ids else "sim"
     real = kind != "sim"
     if real:
         chunk = min(chunk, 4)  # real desktops cost hundreds of MB each: a few, reused

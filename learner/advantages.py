@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from common.group_rules import no_reward_variance
 from common.imports import check_name, load_by_path
 
 EPS = 1e-6
@@ -40,7 +41,7 @@ class AdvantageConfig:
     per_task: bool = False
     """z-score advantages among the samples of each task in the batch"""
     drop_zero_variance: bool = True
-    """leave groups whose rewards are all equal out of the loss (their advantages are all 0)"""
+    """leave groups with no reward variance at this level out of the loss (broker.dynamic_sampling refills them)"""
     weighting: str = "token"
     """token (every loss token counts alike: long trajectories weigh more) | trajectory (each weighs the same)"""
     negative_weight: float = 1.0
@@ -74,8 +75,9 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
 
 
 def zero_variance(g: GroupRewards, cfg: AdvantageConfig) -> bool:
-    xs = [r for t in g.turn_rewards for r in t] if cfg.level == "step" else g.rewards
-    return len(xs) < 2 or max(xs) - min(xs) < 1e-12
+    """No advantage anywhere in the group at the configured level: its turn rewards (step) or its episode rewards
+    cannot rank one sample above another (``common/group_rules.py``, the rule the broker applies too)."""
+    return no_reward_variance([r for t in g.turn_rewards for r in t] if cfg.level == "step" else g.rewards)
 
 
 def group_relative(groups: list[GroupRewards], cfg: AdvantageConfig) -> list[list[list[float]]]:

@@ -217,8 +217,7 @@ class JobChannel:
         t, meta = self.trainer, job.meta
         if job.kind == "rl":
             assert isinstance(job.message, P.Batch)
-            t.eta = meta.get("eta")
-            return t.train_step(job.message.groups)
+            return t.train_step(job.message.groups, meta.get("eta"))
         if job.kind == "sft":
             assert isinstance(job.message, P.SuccessBatch)
             return t.sft_step([s.trajectory for s in job.message.samples], float(meta["lr"]))

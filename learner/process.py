@@ -53,6 +53,7 @@ class Learner:
         # The thread training steps and checkpoint saves run on; this one keeps the broker link polled meanwhile.
         self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="train")
         self._round_failures = 0  # weight rounds failed in a row
+        self.eta: int | None = None  # the broker's staleness bound, from its Ready; every rl job re-checks it
         self.clock = TimeSplit("wait")  # where the loop's time goes (restarted when ``run`` begins)
         self._retry_round_at = 0.0  # monotonic time to send the current weights again after a failed round
         self._want_checkpoint = False
@@ -100,13 +101,14 @@ class Learner:
         version, which is all an update without new weights needs.
         """
         t = self.trainer
-        info: dict = {"content_version": t.content_version}
+        weights = None
         if self.sender is not None and not stop and new_weights:
-            info["weights_round"], info["weights_epoch"] = self.sender.open_round()
-            info["weights_sender"] = self.sender.incarnation
-        self.client.set_control(t.version, phase=t.entropulse.phase, paused=paused, stop=stop, info=info)
+            round_, epoch = self.sender.open_round()
+            weights = P.WeightRound(round=round_, epoch=epoch, sender=self.sender.incarnation)
+        self.client.set_control(t.version, phase=t.entropulse.phase, paused=paused, stop=stop,
+                                content_version=t.content_version, weights=weights)
         self.client.poll(0)
-        return info.get("weights_round")
+        return weights.round if weights is not None else None
 
     def _start_broadcast(self) -> Any:
         """Run the round on a daemon thread: a stop never waits for a round stuck on a dead peer."""
@@ -153,10 +155,10 @@ class Learner:
         signalled = StopSignals().install()
         t, c = self.trainer, self.client
         ready = c.connect(60)
-        t.eta = int(ready.info.get("eta", 0)) if ready.info else None
+        self.eta = ready.eta
         # Each start-up stage leaves a line: a learner that once grew without bound between "resumed" and its first
         # broadcast (docs/reliability.md) left no trace of where it was.
-        self.log.info("broker_linked", eta=t.eta, broker_epoch=c.link.epoch)
+        self.log.info("broker_linked", eta=self.eta, broker_epoch=c.link.epoch)
         worker = self._worker
         self.clock = TimeSplit("broadcast")  # the first round's gather and send, then: wait, train, bookkeeping
         job: cf.Future | None = None
@@ -242,7 +244,7 @@ class Learner:
         return finished
 
     def _rl_step(self, batch: P.Batch) -> dict:
-        m = self.jobs.run("rl", {"eta": self.trainer.eta}, batch)
+        m = self.jobs.run("rl", {"eta": self.eta}, batch)
         if "empty" not in m:
             m.update(broker_max_lag=batch.max_lag, dropped_stale=batch.dropped_stale)
         return m

@@ -23,6 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from common import protocol as P
+from common.group_rules import too_stale
 from common.model import ModelConfig, build_model, build_tokenizer, freeze_vision, token_logprobs, torch_dtype
 from common.vision import Image, ImageStore, ImageStoreError
 from learner import checkpoint as ckpt
@@ -156,7 +157,6 @@ class Trainer:
         self.entropulse = Entropulse(cfg.entropulse)
         self.version = 0
         self.content_version = 0  # the version at which the weights last changed (empty steps keep it)
-        self.eta: int | None = None  # the broker's staleness bound, re-checked here before training
         self.counters: dict[str, int] = {}
 
     def _logprobs(self, model: Any, tb: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,14 +202,16 @@ class Trainer:
 
     # ----- RL step -------------------------------------------------------------------------------
 
-    def train_step(self, groups: list[P.TrajectoryGroup]) -> dict:
-        """One update from a batch of groups. ``outcomes`` says what became of every group: "trained" or the
-        counted reason it was dropped; ``empty`` is set when nothing was trained (the caller still advances)."""
+    def train_step(self, groups: list[P.TrajectoryGroup], eta: int | None = None) -> dict:
+        """One update from a batch of groups, none of them trained further than ``eta`` versions behind the policy
+        that sampled its oldest token (the broker's bound; None: no bound). ``outcomes`` says what became of every
+        group: "trained" or the counted reason it was dropped; ``empty`` is set when nothing was trained (the
+        caller still advances)."""
         t0 = time.perf_counter()
         outcomes: dict[str, str] = {}
         fresh = []
         for g in groups:
-            if self.eta is not None and self.version - g.behavior_version_min > self.eta:
+            if too_stale(self.version, g.behavior_version_min, eta):
                 outcomes[g.group_id] = "stale"  # waited too long (e.g. through an SFT phase)
             elif not g.complete:
                 outcomes[g.group_id] = "incomplete"

@@ -21,6 +21,7 @@ from actor.prompt import EpisodePrompt, PromptConfig  # noqa: E402
 from broker.client import LearnerBrokerClient  # noqa: E402
 from broker.config import BrokerConfig  # noqa: E402
 from common.model import ModelConfig, build_model, sequence_logprobs  # noqa: E402
+from common import protocol as P  # noqa: E402
 from common.net import free_port  # noqa: E402
 from common.rundir import RunDir  # noqa: E402
 from common.tokenizer import ByteTokenizer  # noqa: E402
@@ -428,7 +429,7 @@ def test_actor_joins_weight_rounds_announced_on_control(start_broker, quiet_log,
         assert first is not None and first.groups[0].behavior_version_max == 0
         new_weights = build_model(ModelConfig(**{**TINY.__dict__, "init_seed": 7}), engine.tokenizer.vocab_size)
         r, e = sender.open_round()
-        learner.set_control(1, info={"weights_round": r, "weights_epoch": e})
+        learner.set_control(1, weights=P.WeightRound(round=r, epoch=e, sender=sender.incarnation))
         assert sender.broadcast(list(new_weights.named_parameters()), version=1, expected=1) == 1
         later = []
         for _ in range(3):

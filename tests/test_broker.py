@@ -349,7 +349,7 @@ def test_bad_input_counted_answered_and_broker_keeps_serving(start_broker, quiet
 
 
 def test_dynamic_sampling_and_incomplete_groups_dropped(start_broker, quiet_log):
-    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=3, drop_zero_variance=True))
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=3, dynamic_sampling=True))
     actor, learner = clients(tb, quiet_log)
     t1, t2, t3 = take_tickets(actor, 3, expect=3)
     actor.submit(make_group(t1, rewards=(1.0, 1.0)))
@@ -372,7 +372,7 @@ def test_dynamic_sampling_and_incomplete_groups_dropped(start_broker, quiet_log)
 
 
 def test_replay_puts_a_stored_success_of_the_task_into_a_group_that_all_failed(start_broker, quiet_log):
-    cfg = BrokerConfig(groups_per_batch=1, group_size=2, eta=3, drop_zero_variance=True, replay="task")
+    cfg = BrokerConfig(groups_per_batch=1, group_size=2, eta=3, dynamic_sampling=True, replay="task")
     cfg.tasks.seed_count = 1  # every ticket is the same task: it comes back, as replay needs
     tb = start_broker(cfg)
     actor, learner = clients(tb, quiet_log)
@@ -401,7 +401,7 @@ def test_replay_puts_a_stored_success_of_the_task_into_a_group_that_all_failed(s
 
 @pytest.mark.parametrize("max_age", [0, 3])
 def test_replay_reaches_back_replay_max_age_versions_and_the_group_stays_within_eta(start_broker, quiet_log, max_age):
-    cfg = BrokerConfig(groups_per_batch=1, group_size=2, eta=1, drop_zero_variance=True, replay="task",
+    cfg = BrokerConfig(groups_per_batch=1, group_size=2, eta=1, dynamic_sampling=True, replay="task",
                        replay_max_age=max_age)
     cfg.tasks.seed_count = 1
     tb = start_broker(cfg)
@@ -441,7 +441,7 @@ def test_replay_reaches_back_replay_max_age_versions_and_the_group_stays_within_
 
 
 def test_groups_dropped_in_a_row_are_counted_so_a_run_that_cannot_form_a_batch_says_so(start_broker, quiet_log):
-    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=3, drop_zero_variance=True))
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=3, dynamic_sampling=True))
     actor, learner = clients(tb, quiet_log)
     for t in take_tickets(actor, 3, expect=3):
         actor.submit(make_group(t, rewards=(0.0, 0.0)))  # every rollout failed alike

@@ -46,11 +46,21 @@ def test_overrides_typed_and_nested(tmp_path):
     ("learner.lr=fast", "learner.lr"),
     ("broker.eta=-1", "eta"),
     ("broker", "key=value"),
+    ("broker.drop_zero_variance=true", "renamed broker.dynamic_sampling"),  # a key that moved says where
+    ("broker.drop_incomplete=false", "always dropped"),
 ])
 def test_bad_keys_and_values_name_the_key(override, needle):
     with pytest.raises(configlib.ConfigError) as err:
         load_run_config(None, [override])
     assert needle in str(err.value)
+
+
+def test_dynamic_sampling_is_refused_where_turn_rewards_could_still_teach():
+    """The broker judges a group by its episode rewards; with step-level advantages that could drop a group whose
+    turns still rank one another."""
+    load_run_config(None, ["broker.dynamic_sampling=true"])
+    with pytest.raises(ConfigError, match="dynamic_sampling.*level is step"):
+        load_run_config(None, ["broker.dynamic_sampling=true", "learner.advantage.level=step"])
 
 
 def test_unknown_key_in_yaml_named_with_path(tmp_path):

@@ -73,3 +73,13 @@ def test_the_finder_sees_a_planted_circle():
 def test_no_import_circles_beyond_the_known_ones():
     found = {frozenset(c) for c in cycles(import_graph())}
     assert found <= KNOWN_CYCLES, sorted(sorted(c) for c in found - KNOWN_CYCLES)
+
+
+FLOORS = {"common": 0, "env_server": 1, "broker": 2, "actor": 3, "learner": 3, "launch": 4}
+"""each package imports only from floors below its own (the house in docs/architecture.md)"""
+
+
+def test_every_arrow_between_packages_runs_down_the_floors():
+    up = sorted((m, d) for m, deps in import_graph().items() for d in deps
+                if m.split(".")[0] != d.split(".")[0] and FLOORS[d.split(".")[0]] >= FLOORS[m.split(".")[0]])
+    assert not up, f"imports that run up or sideways: {up}"

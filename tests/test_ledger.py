@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from broker.ledger import Ledger, QueuedGroup, admission_capacity, group_lag, zero_variance
+from broker.ledger import Ledger, QueuedGroup, admission_capacity
+from common.group_rules import group_lag, no_reward_variance, too_stale
 
 
 def q(i: int, v: int) -> QueuedGroup:
@@ -140,8 +141,10 @@ def test_commit_takes_a_requeued_group_out_of_the_queue():
     assert led.queue.newest_first() == []
 
 
-def test_zero_variance():
-    assert zero_variance([1.0, 1.0]) and zero_variance([0.0]) and not zero_variance([0.0, 1.0])
+def test_the_group_rules_the_broker_and_the_learner_share():
+    assert no_reward_variance([1.0, 1.0]) and no_reward_variance([0.0]) and not no_reward_variance([0.0, 1.0])
+    assert no_reward_variance([0.5, 0.5 + 1e-13]) and not no_reward_variance([0.5, 0.5 + 1e-9])  # float noise
+    assert too_stale(6, 4, 1) and not too_stale(6, 5, 1) and not too_stale(60, 0, None)
 
 
 def test_lease_expiry_takes_exactly_the_tickets_granted_before_the_cutoff():

@@ -36,14 +36,14 @@ def recipe_run(config: str, run_dir: Path, *overrides: str, env: dict | None = N
     suite. Returns that eval's result."""
     import yaml
 
-    from env_server.backends import task_registry
+    from env_server.backends import registry_for
 
     args = [sys.executable, "-m", "launch.cli", "run", config, *free_port_overrides(),
             f"model.path={REPO / 'configs' / policy}",
             "learner.total_steps=2", "learner.checkpoint_every=2", "broker.groups_per_batch=2", "broker.group_size=2",
             "local.actors=1",  # the recipe's tasks and evaluation are the point: one actor plays them
             # the sim-trained base policy fails the recipe's tasks alike: dropping such groups would leave no batch
-            "broker.drop_zero_variance=false",
+            "broker.dynamic_sampling=false",
             "weights.join_window_s=0.5", "local.eval_episodes=1", "local.eval_start=false", *overrides,
             "--run-dir", str(run_dir)]
     env = env or {**os.environ, "PYTHONPATH": str(REPO)}
@@ -59,7 +59,7 @@ def recipe_run(config: str, run_dir: Path, *overrides: str, env: dict | None = N
     assert served["counters"]["resets"] > 0 and served["counters"].get("backend_errors", 0) == 0, served
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
     suite = resolved["local"]["eval_suite"]
-    families = set(task_registry(suite.split(":")[0], resolved["env_server"]["backend"]).parse_suite(suite)[1])
+    families = set(registry_for(suite, resolved["env_server"]["backend"]).parse_suite(suite)[1])
     evals = [json.loads(x) for x in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
     assert evals[-1]["step"] == 2 and set(evals[-1]["per_family"]) == families
     ev = subprocess.run([sys.executable, "-m", "launch.cli", "eval", "--checkpoint", str(run_dir / "checkpoints"),

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from broker.ledger import Ledger
-from common.audit import reconcile
+from launch.audit import reconcile
 from common.rundir import RunDir
 from launch.config import load_run_config
 from launch.inprocess import InProcessRun

@@ -9,7 +9,7 @@ from common.protocol.messages import (ALLOWED_DTYPES, CONTROL_TOPIC, MESSAGE_TYP
                                       Goodbye, Heartbeat, Hello, Holding, Leaving, Message, ProtocolError, Ready, Record,
                                       SessionClose, SessionClosed, SessionOpen, SessionOpened, SuccessBatch,
                                       SuccessRequest, SuccessSample, Ticket, TicketRequest, Trajectory, TrajectoryGroup,
-                                      TurnView)
+                                      TurnView, WeightRound)
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "INLINE_ARRAY_BYTES", "MAX_DEPTH", "MAX_EMBED_DEPTH", "MAX_NDIM",
            "PROTOCOL_VERSION", "RawMessage", "decode", "encode", "encode_with_embedded", "frame_buffer", "frame_nbytes",
@@ -17,4 +17,4 @@ __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "INLINE_ARRAY_BYTES", "MAX_DEPTH", "MAX_
            "BatchRequest", "Commit", "Control", "EnvEvaluate", "EnvEvaluation", "EnvObservation", "EnvReset", "EnvStep",
            "Error", "Goodbye", "Leaving", "Heartbeat", "Hello", "Holding", "Message", "ProtocolError", "Ready", "Record",
            "SessionClose", "SessionClosed", "SessionOpen", "SessionOpened", "SuccessBatch", "SuccessRequest",
-           "SuccessSample", "Ticket", "TicketRequest", "Trajectory", "TrajectoryGroup", "TurnView"]
+           "SuccessSample", "Ticket", "TicketRequest", "Trajectory", "TrajectoryGroup", "TurnView", "WeightRound"]

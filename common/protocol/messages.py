@@ -69,6 +69,22 @@ class Hello(Message):
 
 
 @dataclass
+class WeightRound(Record):
+    """The weight round that carries a ``Control``'s version to the actors (``common/weightsync.py``)."""
+
+    round: int
+    """the round's number, counted from 1 by each learner incarnation"""
+    epoch: int
+    """the weight group's epoch the round runs in (a group re-forms when a member dies or joins)"""
+    sender: str
+    """the learner incarnation that sends it: an actor seeing a new one starts counting rounds again"""
+
+    def validate(self) -> None:
+        if self.round < 1 or self.epoch < 0:
+            raise ValueError(f"weight round {self.round} in epoch {self.epoch}: rounds count from 1")
+
+
+@dataclass
 class Control(Message):
     """Run-wide control state, published by the broker and sent by the learner to update it."""
 
@@ -78,7 +94,11 @@ class Control(Message):
     stop: bool = False
     seq: int = 0
     broker_epoch: str = ""
-    info: dict = field(default_factory=dict)
+    content_version: int = -1
+    """the version at which the weights last changed: an actor holding those relabels them ``version`` without a
+    transfer (-1: not said)"""
+    weights: WeightRound | None = None
+    """the round that sends this version's weights; None when there are none to send (an empty step, a stop)"""
 
 
 @dataclass
@@ -106,7 +126,13 @@ class Ready(Message):
     role: str
     epoch: str
     control: Control
-    info: dict = field(default_factory=dict)
+    eta: int | None = None
+    """the broker's staleness bound η, which the learner applies again before it trains; None from a server that
+    bounds nothing (an env_server)"""
+
+    def validate(self) -> None:
+        if self.eta is not None and self.eta < 0:
+            raise ValueError(f"staleness bound {self.eta} < 0")
 
 
 @dataclass
