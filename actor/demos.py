@@ -71,9 +71,9 @@ def record_demos(suite: str, count: int, prompt_cfg: Any, tokenizer: Any, route:
     an ambiguous screen, for any desktop whose families have ``wrong`` solvers: the sim's, MiniWoB's) make demos
     imperfect. Deterministic for its arguments. A prompt that shows screenshots
     (``prompt_cfg.observation``) gets them rendered, and put in ``images``."""
-    from env_server.backends import make_backend, task_registry
-    from env_server.sim import tasks as sim_tasks
-    from env_server.tasks import kind_of
+    from env_server.backend_registry import make_backend, task_registry
+    from env_server.sim import families as sim_tasks
+    from env_server.families import kind_of
     from env_server.sim.backend import SimBackend, SimConfig
 
     kind = kind_of(suite)

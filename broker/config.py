@@ -28,7 +28,7 @@ class TaskSourceConfig:
     """adaptive: groups of a family after which an old outcome counts half in its success estimate"""
 
     def validate(self) -> None:
-        from broker.tasks import CURATION_MODES, suite_families
+        from broker.task_sampler import CURATION_MODES, suite_families
         if self.curation not in CURATION_MODES:
             raise ValueError(f"broker.tasks.curation must be one of {', '.join(CURATION_MODES)}")
         if not 0.0 < self.curation_floor <= 1.0:

@@ -27,7 +27,7 @@ import zmq
 
 from broker.config import BrokerConfig
 from broker.ledger import Ledger, QueuedGroup
-from broker.tasks import make_sampler
+from broker.task_sampler import make_sampler
 from broker.spill import CommitThread, SpillLog
 from broker.store import SuccessStore
 from common import protocol as P

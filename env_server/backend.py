@@ -5,7 +5,7 @@ with the model's raw output each turn, ``evaluate()`` at the end, ``healthy()`` 
 ``close()`` when the desktop is retired; ``scripted_actions()`` plays the current task's solver (demonstrations).
 The simulated desktop (``env_server/sim/backend.py``), the real ones (xvfb, apptainer: ``env_server/desktop/``)
 and MiniWoB (``env_server/miniwob/``) implement them; ``blocking`` tells the server to run their calls on worker
-threads with a step timeout. ``env_server/backends.py`` names them.
+threads with a step timeout. ``env_server/backend_registry.py`` names them.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from env_server.backends import check_backend
+from env_server.backend_registry import check_backend
 from env_server.sim.backend import SimConfig
 from env_server.desktop.backend import DesktopConfig
 

@@ -31,9 +31,9 @@ from common.net import (NetConfig, PeerState, PeerTable, RateLimitedLog, ServerS
 from common.rundir import RunDir
 from env_server.actions import ActionError
 from env_server.backend import Backend, StepResult
-from env_server.backends import make_backend, task_registry
+from env_server.backend_registry import make_backend, task_registry
 from env_server.config import EnvServerConfig
-from env_server.tasks import kind_of
+from env_server.families import kind_of
 
 SESSION_REQUESTS = (P.EnvReset, P.EnvStep, P.EnvEvaluate, P.SessionClose)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from env_server.actions import parse_action
 from env_server.sim.backend import SimBackend, SimConfig
-from env_server.sim import tasks as sim_tasks
+from env_server.sim import families as sim_tasks
 from launch.benchprocs import await_result, reap, start_together
 
 TASKS = 64

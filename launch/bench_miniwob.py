@@ -16,7 +16,7 @@ import statistics
 import time
 
 from env_server.miniwob.backend import MiniWoBBackend, MiniWoBOptions
-from env_server.miniwob.tasks import SOLVERS
+from env_server.miniwob.families import SOLVERS
 from launch.bench_pool import play_concurrently
 
 

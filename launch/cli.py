@@ -79,7 +79,7 @@ def env_server(config: str | None, run_dir: str | None, rank: int, overrides: tu
 def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[str, ...]) -> None:
     """Run an actor: tickets from the broker, episodes on env_servers, groups back to the broker."""
     from actor.agent import Actor
-    from actor.engines import actor_engine
+    from actor.engine_factory import actor_engine
 
     cfg, rd, log = _start_role("actor", config, run_dir, overrides, rank)
     engine = actor_engine(cfg, rank)

@@ -77,8 +77,8 @@ def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> R
             found = here if here.exists() else beside if beside is not None and beside.exists() else None
             if found is not None:  # not there at all: left as written (pretrain may be about to make it)
                 setattr(cfg.model, attr, str(found.resolve()))
-    from env_server.backends import task_kind
-    from env_server.tasks import kind_of
+    from env_server.backend_registry import task_kind
+    from env_server.families import kind_of
 
     suite, kind = cfg.broker.tasks.suite, task_kind(cfg.env_server.backend)
     if kind_of(suite) != kind:
@@ -100,7 +100,7 @@ def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> R
 def check_suites(cfg: RunConfig) -> None:
     """Every suite the run will draw tasks from names families its backend has, before any role starts: a
     family that does not exist used to pass, and the run then played nothing while looking busy."""
-    from env_server.backends import registry_for
+    from env_server.backend_registry import registry_for
 
     for key, suite in (("broker.tasks.suite", cfg.broker.tasks.suite), ("local.eval_suite", cfg.local.eval_suite),
                        ("learner.anchor.suite", cfg.learner.anchor.suite)):

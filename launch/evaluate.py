@@ -21,13 +21,13 @@ from actor.episode import play_concurrent
 from actor.prompt import PromptConfig
 from common.stats import wilson_interval
 from env_server.sim.backend import SimBackend, SimConfig
-from env_server.tasks import kind_of
+from env_server.families import kind_of
 
 
 def suite_tasks(suite: str, episodes: int, backend: str = "") -> list[str]:
     """``<kind>:<split>[:fam,...]`` -> task ids, ``episodes`` per family (seeds 0..N-1); kinds ``sim``, ``desk``, or
     that of ``backend`` (an outside env_server.backend)."""
-    from env_server.backends import registry_for
+    from env_server.backend_registry import registry_for
 
     tasks = registry_for(suite, backend)
     split, fams = tasks.parse_suite(suite)
@@ -37,7 +37,7 @@ def suite_tasks(suite: str, episodes: int, backend: str = "") -> list[str]:
 def _desktop_pool(kind: str, env: Any, n: int) -> list[Any]:
     """Reused desktops of ``env``'s backend when it runs ``kind`` tasks (real desktops, MiniWoB, a plugin); ``desk``
     tasks of a run whose backend is the sim go to xvfb desktops of its ``desktop`` section."""
-    from env_server.backends import make_backend, task_kind
+    from env_server.backend_registry import make_backend, task_kind
 
     if env is not None and task_kind(env.backend) == kind:
         return [make_backend(env, seed=i) for i in range(n)]

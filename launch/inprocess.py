@@ -60,7 +60,7 @@ class InProcessRun:
         """Run to the learner's end; returns whether it finished its steps. A role that raised stops the run
         and is re-raised with its name; so is the deadline."""
         from actor.agent import Actor
-        from actor.engines import actor_engine
+        from actor.engine_factory import actor_engine
         from broker.server import Broker
         from env_server.server import EnvServer
         from launch.local import fit_to_local_run

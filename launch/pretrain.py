@@ -76,7 +76,7 @@ class PretrainConfig:
             raise ValueError(f"pretrain.kind {self.kind}: name the families to clone (pretrain.families)")
 
     def suite(self, split: str) -> str:
-        from env_server.sim import tasks as sim_tasks
+        from env_server.sim import families as sim_tasks
 
         return f"{self.kind}:{split}:{','.join(self.families or sim_tasks.FAMILY_NAMES)}"
 

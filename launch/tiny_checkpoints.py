@@ -45,7 +45,7 @@ def sim_corpus(episodes: int = 60, seed: int = 0) -> list[str]:
     from actor.demos import demonstrate
     from actor.prompt import DEFAULT_RULES
     from env_server.actions import gui_action_help
-    from env_server.sim import tasks as sim_tasks
+    from env_server.sim import families as sim_tasks
     from env_server.sim.backend import SimBackend
 
     rng = random.Random(seed)

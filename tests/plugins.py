@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from env_server.backends import Plugin
+from env_server.backend_registry import Plugin
 from env_server.sim.backend import SimBackend, SimConfig
-from env_server.sim.tasks import TASKS as SIM_TASKS
+from env_server.sim.families import TASKS as SIM_TASKS
 
 
 class ExplodingBackend(SimBackend):

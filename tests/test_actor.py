@@ -263,7 +263,7 @@ def test_vllm_engine_parts_that_run_without_vllm(tmp_path):
     import importlib.util
 
     from actor.engine import VLLMConfig
-    from actor.engines import make_engine
+    from actor.engine_factory import make_engine
     from actor.vllm_engine import Partial, engine_args, visible_device
     from common.model import parameter_layout
     from common.weightsync import layout_hash

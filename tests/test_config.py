@@ -178,7 +178,7 @@ def test_a_suite_naming_what_the_backend_lacks_is_refused_at_config_load(key, su
 
 def test_a_missing_optional_package_is_named_with_its_extra_not_as_an_unknown_family():
     probe = ("import sys; sys.modules['miniwob'] = None\n"  # as if the miniwob extra were not installed
-             "from env_server.backends import task_registry\n"
+             "from env_server.backend_registry import task_registry\n"
              "task_registry('miniwob', 'env_server.miniwob:PLUGIN').parse_suite('miniwob:train:enter-text')")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "miniwob tasks need the miniwob package: pip install 'computerrl[miniwob]'" \

@@ -26,7 +26,7 @@ from env_server.client import EnvClient, EnvError
 from env_server.config import EnvServerConfig
 from env_server.desktop import apis
 from env_server.desktop import docfiles
-from env_server.desktop import tasks as desk_tasks
+from env_server.desktop import families as desk_tasks
 from env_server.desktop.sandbox import (AGENT_DIR, ApptainerSandbox, BwrapSandbox, SandboxSpec, desktop_packages,
                                         missing_packages, require_packages)
 from env_server.server import EnvServer

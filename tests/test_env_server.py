@@ -17,7 +17,7 @@ from env_server.sim.backend import SimBackend, SimConfig
 from env_server.client import EnvClient, EnvError
 from env_server.config import EnvServerConfig
 from env_server.server import EnvServer
-from env_server.sim import tasks as sim_tasks
+from env_server.sim import families as sim_tasks
 from tests.conftest import make_net, vanish
 from tests.plugins import ExplodingBackend
 
@@ -141,7 +141,7 @@ def test_backend_exception_aborts_only_that_episode(env_server, quiet_log):
 
 def test_an_episode_ends_at_its_familys_step_limit_whatever_the_backend_does(env_server, quiet_log):
     """A plug-in that never says done used to get an episode that ran forever."""
-    from env_server.sim.tasks import TASKS
+    from env_server.sim.families import TASKS
 
     server, net = env_server(backend="tests.plugins:NEVER_DONE", pool_size=1)
     c = client_for(server, net, quiet_log)

@@ -36,7 +36,7 @@ def recipe_run(config: str, run_dir: Path, *overrides: str, env: dict | None = N
     suite. Returns that eval's result."""
     import yaml
 
-    from env_server.backends import registry_for
+    from env_server.backend_registry import registry_for
 
     args = [sys.executable, "-m", "launch.cli", "run", config, *free_port_overrides(),
             f"model.path={REPO / 'configs' / policy}",
@@ -294,7 +294,7 @@ def test_a_vision_language_checkpoint_trains_on_screenshots(tmp_path):
 def test_broad_recipe_trains_every_family_with_curation(tmp_path):
     """configs/broad.yaml from its shipped policy: RL on every sim family at once, the broker curating tickets by
     family; its metrics show each family's success estimate and the tickets it got."""
-    from env_server.sim.tasks import FAMILY_NAMES
+    from env_server.sim.families import FAMILY_NAMES
 
     run_dir = tmp_path / "run"
     result = recipe_run("configs/broad.yaml", run_dir, "env_server.pool_size=8", policy="broad-policy")

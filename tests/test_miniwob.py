@@ -19,11 +19,11 @@ from common.net import free_port  # noqa: E402
 from common.rundir import RunDir  # noqa: E402
 from env_server.actions import ActionError  # noqa: E402
 from env_server.backend import BackendError  # noqa: E402
-from env_server.backends import make_backend  # noqa: E402
+from env_server.backend_registry import make_backend  # noqa: E402
 from env_server.client import EnvClient, EnvError  # noqa: E402
 from env_server.config import EnvServerConfig  # noqa: E402
-from env_server.miniwob.tasks import SOLVERS, TASKS, WRONG_SOLVERS  # noqa: E402
-from env_server.sim.tasks import DemoConfig  # noqa: E402
+from env_server.miniwob.families import SOLVERS, TASKS, WRONG_SOLVERS  # noqa: E402
+from env_server.sim.families import DemoConfig  # noqa: E402
 from env_server.server import EnvServer  # noqa: E402
 from tests.conftest import make_net  # noqa: E402
 

@@ -38,7 +38,7 @@ def test_the_plugin_checks_its_options_and_bad_names_fail_clearly(outside):
         EnvServerConfig(backend=NAME, options={"colour": "red"}).validate()
     with pytest.raises(ValueError, match=r"'env_server\.options\.max_steps': expected an integer"):
         EnvServerConfig(backend=NAME, options={"max_steps": "many"}).validate()
-    with pytest.raises(ValueError, match="names LampPanel, not an env_server.backends.Plugin"):
+    with pytest.raises(ValueError, match="names LampPanel, not an env_server.backend_registry.Plugin"):
         EnvServerConfig(backend="lamps_env:LampPanel").validate()
     with pytest.raises(ValueError, match="cannot load 'no_such_env:PLUGIN'"):
         EnvServerConfig(backend="no_such_env:PLUGIN").validate()
@@ -53,7 +53,7 @@ def test_the_plugin_checks_its_options_and_bad_names_fail_clearly(outside):
 
 
 def test_every_family_is_solved_through_the_backend_and_bad_actions_are_errors_not_crashes(outside):
-    from env_server.backends import make_backend, task_registry
+    from env_server.backend_registry import make_backend, task_registry
     from launch.evaluate import suite_tasks
 
     lamps = importlib.import_module("lamps_env")

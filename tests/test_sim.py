@@ -9,8 +9,8 @@ import pytest
 
 from env_server.actions import ActionError, parse_action
 from env_server.sim.backend import LatencyModel, SimBackend, SimConfig, render_screenshot
-from env_server.sim import tasks as sim_tasks
-from env_server.tasks import SPLITS
+from env_server.sim import families as sim_tasks
+from env_server.families import SPLITS
 
 SEEDS = 200
 

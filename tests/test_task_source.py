@@ -8,9 +8,9 @@ import json
 import pytest
 
 from broker.config import BrokerConfig, TaskSourceConfig
-from broker.tasks import CuratedSampler, TaskSampler, suite_families
+from broker.task_sampler import CuratedSampler, TaskSampler, suite_families
 from common.config import ConfigError, build
-from env_server.sim import tasks as sim_tasks
+from env_server.sim import families as sim_tasks
 from tests.conftest import make_group, pump
 from tests.test_broker import clients, take_tickets
 

@@ -19,8 +19,8 @@ from typing import Iterator
 from common.config import build
 from env_server.actions import Action, ActionError
 from env_server.backend import Backend, StepResult
-from env_server.backends import Plugin
-from env_server.tasks import TaskFamily, TaskRegistry
+from env_server.backend_registry import Plugin
+from env_server.families import TaskFamily, TaskRegistry
 
 TASKS = TaskRegistry("lamps")  # the prefix of this environment's task ids and suites
 

@@ -22,7 +22,7 @@ from env_server.actions import (Action, ActionError, element_text, no_element_er
                                 short_result, unknown_app_error)
 from env_server.backend import Backend, BackendError, StepResult
 from env_server.desktop import apis, homefs
-from env_server.desktop import tasks as desk_tasks
+from env_server.desktop import families as desk_tasks
 from env_server.desktop.sandbox import (AgentActionError, AgentClient, ApptainerSandbox, BwrapSandbox, SandboxSpec,
                                         require_packages)
 from env_server.tree import TREE_FIELDS, row_text

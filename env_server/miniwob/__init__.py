@@ -10,8 +10,8 @@ options are ``backend.MiniWoBOptions``, its task ids ``tasks.TASKS``.
 
 from __future__ import annotations
 
-from env_server.backends import Plugin
-from env_server.miniwob.tasks import TASKS
+from env_server.backend_registry import Plugin
+from env_server.miniwob.families import TASKS
 
 
 def _check(options: dict) -> None:

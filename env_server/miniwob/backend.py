@@ -16,7 +16,7 @@ from typing import Any, Iterator
 from env_server.actions import Action, ActionError, element_text, no_element_error, pixels, point_text, result_text
 from env_server.backend import Backend, StepResult
 from env_server.miniwob.page import MiniWoBPage
-from env_server.miniwob.tasks import TASKS
+from env_server.miniwob.families import TASKS
 from env_server.tree import TREE_FIELDS, rows_text
 
 PAGE_W, PAGE_H = 160, 210  # MiniWoB's task area: the instruction (50 px) above the 160x160 problem

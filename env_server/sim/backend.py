@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 from env_server.actions import ActionError, gui_action_help
 from env_server.backend import Backend, BackendError, StepResult
-from env_server.sim import tasks as sim_tasks
+from env_server.sim import families as sim_tasks
 from env_server.sim.app import SCREEN_H, SCREEN_W
 from env_server.tree import TREE_FIELDS
 from env_server.sim.desktop import Desktop

@@ -26,14 +26,14 @@ def suite_families(suite: str) -> tuple[str, str, list[tuple[str, int]]]:
     """(kind, split, [(family, weight)]) of a suite, a family named twice counted once with its weights summed; a
     suite naming no family gets its kind's (built-in kinds only: a plugin's families are unknown to the broker, so
     its suite must name them). The kind's registry checks the names when an env_server makes the task."""
-    from env_server.tasks import split_suite
+    from env_server.families import split_suite
 
     kind, split, items = split_suite(suite, "broker.tasks.suite")
     fams: dict[str, int] = {}
     for name, weight in items:
         fams[name] = fams.get(name, 0) + weight
     if not fams:
-        from env_server.backends import task_registry
+        from env_server.backend_registry import task_registry
 
         try:
             names = task_registry(kind).names

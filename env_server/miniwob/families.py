@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from env_server.actions import ActionError
-from env_server.tasks import TaskFamily, TaskRegistry
+from env_server.families import TaskFamily, TaskRegistry
 
 TASKS = TaskRegistry("miniwob")
 MAX_STEPS = 10
@@ -168,7 +168,7 @@ WRONG_SOLVERS: dict[str, Callable[[dict, Observe], Iterator[str]]] = {
 
 def _no_solver(name: str) -> Callable[[dict, Observe], Iterator[str]]:
     def solve(params: dict, observe: Observe) -> Iterator[str]:
-        raise ActionError(f"no scripted solver for MiniWoB's {name} (env_server.miniwob.tasks.SOLVERS)")
+        raise ActionError(f"no scripted solver for MiniWoB's {name} (env_server.miniwob.families.SOLVERS)")
     return solve
 
 

@@ -1,5 +1,5 @@
 """Procedurally generated tasks on the sim desktop, registered into the task-family protocol
-(``env_server/tasks.py``, which also defines the task ids ``sim:<split>[:<family>,...]/<seed>`` and the splits).
+(``env_server/families.py``, which also defines the task ids ``sim:<split>[:<family>,...]/<seed>`` and the splits).
 
 Each family's instruction templates are its phrasings (the last one held out for the paraphrase split).
 Verifiers read the final state of files and apps, never the agent's ``done()``; only the infeasible family asks
@@ -24,7 +24,7 @@ from env_server.sim.filesystem import HOME
 from env_server.sim.markers import COLORS, GRID_COLS, GRID_ROWS, SHAPES, Marker
 from env_server.sim.settings_app import CHOICES
 from env_server.sim.sheet_app import COLS, ROWS, format_sheet
-from env_server.tasks import Task, TaskFamily, TaskRegistry
+from env_server.families import Task, TaskFamily, TaskRegistry
 
 TASKS = TaskRegistry("sim")
 

@@ -1,6 +1,6 @@
 """Real-desktop tasks: LibreOffice Calc and Writer, a GTK text editor, a file manager, and tasks across them.
 
-Families register into the task-family protocol (``env_server/tasks.py``: task ids
+Families register into the task-family protocol (``env_server/families.py``: task ids
 ``desk:<split>[:family,...]/<seed>``, train / held-out / paraphrase splits). Each family has a setup (files
 written into the desktop's fresh home, apps opened on them), a training instruction and a held-out paraphrase, a
 verifier that reads the files the desktop saved (ods/xlsx/odt/docx/txt contents, never the agent's claim), and a
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from env_server.desktop import docfiles
-from env_server.tasks import Task, TaskFamily, TaskRegistry
+from env_server.families import Task, TaskFamily, TaskRegistry
 
 WORDS = ("budget", "report", "summary", "invoice", "agenda", "notes", "plan", "review", "minutes", "outline")
 NAMES = ("alex", "sam", "jordan", "robin", "kim", "lee", "morgan", "taylor", "casey", "drew")

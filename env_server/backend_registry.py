@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from common.imports import check_name, load_by_path
 from env_server.backend import Backend
-from env_server.tasks import TaskRegistry, kind_of
+from env_server.families import TaskRegistry, kind_of
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def load_plugin(name: str) -> Plugin:
     if not isinstance(obj, Plugin):
         what = obj.__name__ if isinstance(obj, type) else f"a {type(obj).__name__}"
         raise ValueError(f"env_server.backend {name!r} names {what}, not an "
-                         "env_server.backends.Plugin(make=..., tasks=..., check=...)")
+                         "env_server.backend_registry.Plugin(make=..., tasks=..., check=...)")
     return obj
 
 
@@ -89,10 +89,10 @@ def registry_for(suite_or_task_id: str, backend: str = "") -> TaskRegistry:
 def task_registry(kind: str, backend: str = "") -> TaskRegistry:
     """The registry of task ids ``<kind>:...``: the sim's, the real desktops', or ``backend``'s (a plugin)."""
     if kind == "sim":
-        from env_server.sim.tasks import TASKS
+        from env_server.sim.families import TASKS
         return TASKS
     if kind == "desk":
-        from env_server.desktop.tasks import TASKS
+        from env_server.desktop.families import TASKS
         return TASKS
     if backend and backend not in BACKENDS:
         tasks = load_plugin(backend).tasks
