@@ -586,7 +586,7 @@ def bench() -> None:
 def bench_broker(payload_bytes: int, persist: str, num_actors: int, groups: int, repeats: int, screenshots: bool,
                  as_json: bool) -> None:
     """K actor processes -> broker -> one consumer, vs bare ZeroMQ through a zmq.proxy."""
-    from launch.bench_broker import run_bench, screenshot_traffic
+    from launch.bench.broker import run_bench, screenshot_traffic
 
     result = run_bench(payload_bytes, persist == "on", num_actors, groups, repeats)
     if screenshots:
@@ -608,13 +608,13 @@ def bench_env(backend: str, sessions: int, desktops: int, steps: int, clients: i
     """sim: steps/s in-process vs through the env_server. xvfb, miniwob: step latency, resets, concurrent desktops,
     memory."""
     if backend == "xvfb":
-        from launch.bench_desktop import run_bench as run_desktop_bench
+        from launch.bench.desktop import run_bench as run_desktop_bench
         result = run_desktop_bench(desktops, steps)
     elif backend == "miniwob":
-        from launch.bench_miniwob import run_bench as run_miniwob_bench
+        from launch.bench.miniwob import run_bench as run_miniwob_bench
         result = run_miniwob_bench(desktops, steps)
     else:
-        from launch.bench_env import run_bench
+        from launch.bench.env import run_bench
         result = run_bench(backend, sessions, clients, seconds, screenshot)
     _emit(result, as_json)
 
@@ -632,7 +632,7 @@ def bench_env(backend: str, sessions: int, desktops: int, steps: int, clients: i
 def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: int, hidden: int, device: str,
                 kind: str, as_json: bool) -> None:
     """A whole actor against the sim desktop vs its engine alone on the same prompts."""
-    from launch.bench_actor import run_bench
+    from launch.bench.actor import run_bench
 
     result = run_bench(groups, group_size, max_groups, max_new_tokens, hidden, device, kind)
     _emit(result, as_json)
@@ -648,7 +648,7 @@ def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: i
 @click.option("--prompt-len", default=512, show_default=True, help="fixed workload: prompt tokens")
 @click.option("--new-tokens", default=128, show_default=True, help="fixed workload: tokens generated per prompt")
 @click.option("--workload", default="broad-sim-turns", show_default=True,
-              help="mixed multi-turn workload (launch/workloads/NAME.json or a path; empty: none)")
+              help="mixed multi-turn workload (launch/bench/workloads/NAME.json or a path; empty: none)")
 @click.option("--mixed-batch", default=64, show_default=True, help="mixed workload: rows decoded at once")
 @click.option("--mixed-episodes", default=256, show_default=True, help="mixed workload: episodes played")
 @click.option("--sync-every", default=0, show_default=True, help="engine decode steps per host look (0: the default)")
@@ -662,7 +662,7 @@ def bench_engine(device: str, shape: str, hidden: int, layers: int, batches: tup
                  workload: str, mixed_batch: int, mixed_episodes: int, sync_every: int, no_graphs: bool, record: str,
                  record_config: str, record_episodes: int, as_json: bool) -> None:
     """Our engine vs transformers' generate (static cache) on the same model, work and batch."""
-    from launch.bench_engine import record_workload, run_bench
+    from launch.bench.engine import record_workload, run_bench
 
     if record:
         _emit(record_workload(record_config, record_episodes, record), as_json)
@@ -690,7 +690,7 @@ def bench_learner(hidden: int, layers: int, groups: int, group_size: int, prompt
                   steps: int, device: str, shape: str, micro_batch_tokens: int, activation_checkpointing: bool,
                   peak_tflops: float, as_json: bool) -> None:
     """Learner train tokens/s vs a bare forward+backward+step of the same model and tensors (and MFU on GPUs)."""
-    from launch.bench_learner import run_learner_bench
+    from launch.bench.learner import run_learner_bench
 
     _emit(run_learner_bench(hidden, layers, groups, group_size, prompt_len, output_len, steps, device,
                             peak_tflops, shape, micro_batch_tokens, activation_checkpointing), as_json)
@@ -710,7 +710,7 @@ def bench_weights(params: int, receivers: int, repeats: int, bucket_mb: float, d
                   as_json: bool) -> None:
     """Seconds per weight round to K receivers vs the raw baseline moving the same bytes: a torch.distributed
     broadcast on CPU, device-to-device copies on a GPU."""
-    from launch.bench_learner import run_weights_bench
+    from launch.bench.learner import run_weights_bench
 
     _emit(run_weights_bench(params, receivers, repeats, bucket_mb, device, backend), as_json)
 
@@ -729,13 +729,13 @@ def bench_weights(params: int, receivers: int, repeats: int, bucket_mb: float, d
 def bench_scale(actors: int, swarms: int, env_servers: int, desktops: int, seconds: float, silence: int, storm: bool,
                 profile: str, as_json: bool) -> None:
     """N actor connections against one broker (vs bare ZeroMQ at that fan-in), and D desktops on E env_servers."""
-    from launch.bench_scale import ScaleSetup, run_bench
+    from launch.bench.scale import ScaleSetup, run_bench
 
     setup = ScaleSetup(actors=actors, swarms=swarms, seconds=seconds, silence=silence, storm=storm,
                        profile=str(Path(profile).resolve()) if profile else "")
     result = run_bench(setup)
     if env_servers > 0 and desktops > 0:
-        from launch.bench_env import run_scale
+        from launch.bench.env import run_scale
 
         result.update(run_scale(env_servers, desktops, swarms, seconds))
     _emit(result, as_json)
@@ -755,7 +755,7 @@ def bench_scale(actors: int, swarms: int, env_servers: int, desktops: int, secon
 def bench_async(config: str, steps: int, async_eta: int, latency_s: float, spread: float, max_groups: int,
                 eval_episodes: int, as_json: bool, overrides: tuple[str, ...]) -> None:
     """The same learner steps synchronously (eta = 0) and asynchronously, with slow uneven desktops."""
-    from launch.bench_async import AsyncBenchSetup, run_bench
+    from launch.bench.async_pipeline import AsyncBenchSetup, run_bench
 
     setup = AsyncBenchSetup(steps, async_eta, latency_s, spread, max_groups, eval_episodes)
     _emit(run_bench(config, setup, list(overrides)), as_json)

@@ -20,7 +20,7 @@ from tests.conftest import REPO
 
 @pytest.mark.slow  # hundreds of sockets / a real browser per task: the full tier's (docs/tests.md)
 def test_reclaim_and_reconnect_storm_at_a_few_hundred_connections(tmp_path, monkeypatch):
-    from launch.bench_scale import ScaleSetup, run_ours
+    from launch.bench.scale import ScaleSetup, run_ours
 
     monkeypatch.chdir(tmp_path)
     setup = ScaleSetup(actors=300, swarms=2, seconds=9, silence=6, groups_per_batch=16, storm=True)

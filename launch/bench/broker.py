@@ -21,7 +21,7 @@ import uuid
 import numpy as np
 import zmq
 
-from launch.benchprocs import await_go, await_result, reap, start_together
+from launch.bench.procs import await_go, await_result, reap, start_together
 
 GROUP_SIZE = 8
 GROUPS_PER_BATCH = 4

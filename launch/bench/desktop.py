@@ -17,7 +17,7 @@ import statistics
 import time
 
 from env_server.desktop.backend import DesktopConfig, XvfbBackend
-from launch.bench_pool import play_concurrently
+from launch.bench.pool import play_concurrently
 
 
 def editor_latency(steps: int) -> dict:

@@ -16,7 +16,7 @@ from typing import Any
 from env_server.actions import parse_action
 from env_server.sim.backend import SimBackend, SimConfig
 from env_server.sim import families as sim_tasks
-from launch.benchprocs import await_result, reap, start_together
+from launch.bench.procs import await_result, reap, start_together
 
 TASKS = 64
 
@@ -188,7 +188,7 @@ def split_evenly(total: int, parts: int) -> list[int]:
 
 def run_bench(backend: str, sessions: int, clients: int, seconds: float, screenshot: str) -> dict:
     if backend != "sim":
-        raise ValueError("this bench measures the sim backend; real desktops: launch/bench_desktop.py")
+        raise ValueError("this bench measures the sim backend; real desktops: launch/bench/desktop.py")
     local = in_process(seconds, screenshot)
     remote = through_server(sessions, clients, seconds, screenshot)
     return {

@@ -17,7 +17,7 @@ import time
 
 from env_server.miniwob.backend import MiniWoBBackend, MiniWoBOptions
 from env_server.miniwob.families import SOLVERS
-from launch.bench_pool import play_concurrently
+from launch.bench.pool import play_concurrently
 
 
 def _median_ms(times: list[float]) -> float:

@@ -5,9 +5,9 @@ Workloads:
 
 - ``fixed``: ``batch`` prompts of ``prompt_len`` random tokens, each generating exactly ``new_tokens`` tokens
   (stop tokens banned until then, ``min_new_tokens`` on both sides), sampled at temperature 1;
-- ``mixed``: the turns of recorded episodes (``launch/workloads/*.json``: per episode, each turn's prompt and
+- ``mixed``: the turns of recorded episodes (``launch/bench/workloads/*.json``: per episode, each turn's prompt and
   output length, recorded from the broad recipe's policy playing its training tasks:
-  ``computerrl bench engine --record launch/workloads/broad-sim-turns.json``). Ours plays every
+  ``computerrl bench engine --record launch/bench/workloads/broad-sim-turns.json``). Ours plays every
   episode at once, each turn submitted when its previous turn is done, ``batch`` rows decoding at most;
   ``generate`` plays ``batch`` episodes in lock step, one call per turn, which pads every row to the
   turn's longest prompt and decodes until its longest output: what a user without a continuous batcher does.
@@ -138,7 +138,7 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
               seed: int = 0) -> dict:
     from actor.engine import EngineConfig
     from actor.hf_engine import HFEngine
-    from launch.bench_learner import model_config
+    from launch.bench.learner import model_config
 
     rng = random.Random(seed)
     recorded = load_workload(workload) if workload else []

@@ -23,7 +23,7 @@ import uuid
 
 import numpy as np
 
-from launch.benchprocs import await_result, reap
+from launch.bench.procs import await_result, reap
 
 
 def _groups(n_groups: int, group_size: int, prompt_len: int, output_len: int, vocab: int, seed: int):

@@ -1,5 +1,5 @@
 """``computerrl bench scale``: thousands of actor connections against one broker, measured against the same number of
-bare ZeroMQ clients; and hundreds of desktops leased through several env_servers (``launch/bench_env.py``).
+bare ZeroMQ clients; and hundreds of desktops leased through several env_servers (``launch/bench/env.py``).
 
 Ours. ``swarms`` processes each serve N/swarms real ``ActorBrokerClient``s from one loop (``LinkWaiter``): Hello,
 heartbeats, parked TicketRequests, a TrajectoryGroup of ``group_size`` rollouts after a simulated rollout time,
@@ -38,9 +38,9 @@ from typing import Any
 
 import zmq
 
-from launch.bench_broker import group_for_ticket, make_group
-from launch.bench_env import split_evenly
-from launch.benchprocs import await_go, await_result, reap, start_together
+from launch.bench.broker import group_for_ticket, make_group
+from launch.bench.env import split_evenly
+from launch.bench.procs import await_go, await_result, reap, start_together
 from launch.procmem import cpu_and_rss
 
 
