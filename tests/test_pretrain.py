@@ -56,7 +56,7 @@ def test_anchor_demos_are_recorded_once_into_the_run_directory_and_refused_for_o
     from actor.demos import record_anchor_demos
     from common import demofile
     from common.rundir import RunDir
-    from launch.cli import _anchor_demos
+    from launch.cli.role_commands import _anchor_demos
     from launch.config import load_run_config
 
     cfg = load_run_config(None)

@@ -1,0 +1,69 @@
+"""The ``computerrl`` click group and what its commands share: loading a run config with its overrides, the options
+every role takes, a role's start (config, run directory, logs), a whole run's directory, and printing a result."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from common import config as configlib
+from common import log as L
+from launch.config import RunConfig, load_run_config, resolve_run_dir
+
+CONFIG_HELP = "YAML run config (configs/*.yaml); defaults are used for anything it leaves out"
+
+
+def load_config(config: str | None, overrides: tuple[str, ...]) -> RunConfig:
+    try:
+        return load_run_config(config, overrides)
+    except configlib.ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+@click.group()
+@click.version_option(package_name="computerrl")
+def main() -> None:
+    """computerrl: asynchronous actor-learner RL for computer-use agents."""
+
+
+def role_options(fn):
+    """--config, --run-dir and the dotted overrides every role command takes."""
+    fn = click.argument("overrides", nargs=-1)(fn)
+    fn = click.option("--run-dir", type=click.Path(file_okay=False),
+                      help="run directory shared by every role of the run")(fn)
+    return click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)(fn)
+
+
+def start_role(role: str, config: str | None, run_dir: str | None, overrides: tuple[str, ...], rank: int = 0):
+    """Resolve the config and run directory, record what this role runs with, set up its logs."""
+    cfg = load_config(config, overrides)
+    rd = resolve_run_dir(cfg, run_dir)
+    configlib.dump(cfg, rd.root / f"config.{role}-{rank}.yaml")
+    return cfg, rd, L.setup(role, cfg.run.run_id, rank, rd.logs, cfg.run.log_level)
+
+
+
+def prepare_run(cfg: RunConfig, run_dir: str | None) -> Any:
+    """The run directory of a whole run (every role on the machine, or in one Slurm job), with the config it
+    runs with, fitted to that shape, saved as its config.yaml."""
+    from launch.local import fit_to_local_run
+
+    rd = resolve_run_dir(cfg, run_dir)
+    for note in fit_to_local_run(cfg):
+        click.echo(note)
+    configlib.dump(cfg, rd.config)
+    return rd
+
+
+
+def emit(result: dict, as_json: bool) -> None:
+    """A benchmark's or evaluation's result: one JSON object, or one aligned line per figure."""
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        for k, v in result.items():
+            click.echo(f"{k:>24}: {v}")
+
+

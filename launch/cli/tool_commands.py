@@ -1,0 +1,111 @@
+"""Commands around a run rather than in it: ``eval``, ``pretrain``, ``tiny-checkpoint`` and ``config``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from common import config as configlib
+from common import log as L
+from launch.config import RunConfig
+from launch.cli.base import CONFIG_HELP, emit, load_config, main
+
+
+@main.command("eval")
+@click.option("--checkpoint", required=True, type=click.Path(exists=True, file_okay=False),
+              help="a checkpoint directory (step-N) or a run's checkpoints/ directory (its latest)")
+@click.option("--suite", default="sim:heldout", show_default=True,
+              help="sim:<train|heldout|paraphrase>[:family,...]; desk:<split>[:family,...] for real xvfb desktops; "
+                   "an outside backend's <kind>:<split>[:...] (its env_server.backend comes from the config)")
+@click.option("--episodes", default=20, show_default=True, help="episodes per family")
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy")
+@click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False),
+              help="prompt settings to use (default: the run's config.yaml)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, config: str | None,
+             as_json: bool) -> None:
+    """Success rate of a checkpoint on a task suite, overall and per family."""
+    import dataclasses
+
+    from launch.evaluate import evaluate, load_policy, suite_tasks
+
+    from launch.config import config_for_checkpoint
+
+    run_cfg = load_config(config, ()) if config else config_for_checkpoint(checkpoint)
+    try:
+        tasks = suite_tasks(suite, episodes, run_cfg.env_server.backend)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    engine, prompt_cfg, sampling, max_steps = load_policy(checkpoint, run_cfg)
+    try:
+        result = evaluate(engine, tasks, prompt_cfg, dataclasses.replace(sampling, temperature=temperature),
+                          max_steps, env=run_cfg.env_server)
+    finally:
+        engine.close()
+    result.update(checkpoint=str(checkpoint), suite=suite)
+    emit(result, as_json)
+
+
+@main.command()
+@click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="checkpoint directory to write")
+@click.argument("overrides", nargs=-1)
+def pretrain(config: str | None, out: str, overrides: tuple[str, ...]) -> None:
+    """Behaviour cloning on oracle demonstrations: a base checkpoint (point model.path at it)."""
+    from launch.pretrain import pretrain as run_pretrain
+
+    cfg = load_config(config, overrides)
+    log = L.setup("pretrain", "pretrain", 0, None, cfg.run.log_level)
+
+    def progress(step: int, total: int, loss: float) -> None:
+        click.echo(f"[pretrain] step {step}/{total}  loss {loss:.4f}")
+
+    result = run_pretrain(cfg.pretrain, cfg.model, cfg.actor.prompt, Path(out), log, progress, env=cfg.env_server)
+    click.echo(json.dumps(result))
+
+
+@main.command("tiny-checkpoint")
+@click.argument("kind", type=click.Choice(["chat", "vlm"]))
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--arch", type=click.Choice(["qwen2_vl", "qwen2_5_vl"]), default="qwen2_vl", show_default=True,
+              help="the VLM's architecture")
+@click.option("--hidden", default=64, show_default=True, help="language model width")
+@click.option("--layers", default=2, show_default=True, help="language model layers")
+@click.option("--vision-dim", default=32, show_default=True, help="vision tower width (vlm)")
+@click.option("--vision-depth", default=2, show_default=True, help="vision tower blocks (vlm)")
+@click.option("--max-pixels", default=28 * 28 * 64, show_default=True,
+              help="the image processor's pixel cap (vlm; 28*28 pixels per image token)")
+@click.option("--rope-theta", default=1_000_000.0, show_default=True,
+              help="the VLM's rotary base (small models need a small one to resolve screen positions)")
+@click.option("--seed", default=0, show_default=True, help="weights and tokenizer corpus seed")
+def tiny_checkpoint(kind: str, out: str, arch: str, hidden: int, layers: int, vision_dim: int, vision_depth: int,
+                    max_pixels: int, rope_theta: float, seed: int) -> None:
+    """A randomly initialised checkpoint shaped like a pretrained instruct model (tokenizer with chat template,
+    generation config; a VLM's image processor), built here with nothing downloaded: for tests, the pixel-only
+    learning check, and trying a real-model setup on a laptop."""
+    from launch import tiny_checkpoints as tc
+
+    if kind == "chat":
+        path = tc.chat_checkpoint(out, hidden_size=hidden, num_layers=layers, seed=seed)
+    else:
+        path = tc.vlm_checkpoint(out, hidden_size=hidden, num_layers=layers, vision_dim=vision_dim,
+                                 vision_depth=vision_depth, max_pixels=max_pixels, seed=seed, arch=arch,
+                                 rope_theta=rope_theta)
+    click.echo(str(path))
+
+
+@main.command("config")
+@click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@click.option("--describe", is_flag=True, help="list every key with its type, default and meaning")
+@click.argument("overrides", nargs=-1)
+def config_cmd(config: str | None, describe: bool, overrides: tuple[str, ...]) -> None:
+    """Print the resolved config (or, with --describe, every key and what it means)."""
+    import yaml
+
+    if describe:
+        for key, tp, default, doc in configlib.describe(RunConfig):
+            click.echo(f"{key:<40} {tp:<10} {default!s:<16} {doc}")
+        return
+    click.echo(yaml.safe_dump(configlib.to_dict(load_config(config, overrides)), sort_keys=False), nl=False)
