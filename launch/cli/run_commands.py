@@ -65,7 +65,7 @@ def top(run_dir: str, once: bool, interval: float) -> None:
     """The live view of any run directory, from its metric records: a run on other nodes included (all it needs
     is the shared directory). A role is shown down when its records stopped coming."""
     from common.rundir import RunDir
-    from launch.local import render_view, roles_from_records
+    from launch.live_view import render_view, roles_from_records
 
     rd = RunDir(Path(run_dir).resolve())
     cfg = load_run_config(rd.config if rd.config.exists() else None)
