@@ -159,6 +159,14 @@ def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, p
         actor.run()
         assert actor.stats["groups_submitted"] == 2 and actor.broker.unacked == 0
         assert actor.stats["env_failures"] == 0 and (actor.env.pool_waits > 0) == (pool_size == 1)
+        # Closed at once, before the checks below hold this thread: an actor whose loop has ended no longer
+        # heartbeats, and on a loaded machine those checks outlasted the env_server's liveness (it then reclaimed
+        # the sessions of an actor it took for dead, which is not what this test is about).
+        opened = server.counters["sessions_opened"]
+        actor.close()
+        # Leaving gives every session back at once; none waits to be reclaimed as a dead actor's.
+        assert server.pool_stats()["sessions"] == 0 and server.counters["sessions_closed"] == opened
+        assert server.counters["sessions_reclaimed"] == 0
         learner.grant(1)
         batch = learner.next_batch(10)
         assert batch is not None and len(batch.groups) == 2
@@ -176,11 +184,6 @@ def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, p
                 assert engine.tokenizer.decode(turn.output_ids.tolist()).startswith(tr.actions[0][:5])
         metrics = (tb.run_dir.metrics / "actor-0.jsonl").read_text()
         assert '"gen_tokens_per_s"' in metrics and '"engine_idle_ratio"' in metrics
-        opened = server.counters["sessions_opened"]
-        actor.close()
-        # Leaving gives every session back at once; none waits to be reclaimed as a dead actor's.
-        assert server.pool_stats()["sessions"] == 0 and server.counters["sessions_closed"] == opened
-        assert server.counters["sessions_reclaimed"] == 0
     finally:
         actor.close()
         learner.close()
