@@ -27,7 +27,7 @@ from actor.engine import Engine, Generation
 from actor.episode import EnginePolicy, play_episode
 from broker.client import ActorBrokerClient
 from common import protocol as P
-from common.metrics import MetricsWriter, percentile
+from common.metrics.writer import MetricsWriter, percentile
 from common.net import NetConfig
 from common.rundir import RunDir
 from common.vision import Image, ImageStore

@@ -40,7 +40,7 @@ class ActorConfig:
     """on exit, how long to wait for the env_servers to confirm this actor's sessions are closed"""
 
     def validate(self) -> None:
-        from common.prometheus import check_address
+        from common.metrics.prometheus import check_address
         check_address(self.prometheus, "actor.prometheus")
         if self.env_error not in ("reroll", "incomplete"):
             raise ValueError("env_error must be reroll or incomplete")

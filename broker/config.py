@@ -83,7 +83,7 @@ class BrokerConfig:
     """task source for tickets"""
 
     def validate(self) -> None:
-        from common.prometheus import check_address
+        from common.metrics.prometheus import check_address
         check_address(self.prometheus, "broker.prometheus")
         if self.groups_per_batch < 1 or self.group_size < 1:
             raise ValueError("groups_per_batch and group_size must be >= 1")

@@ -33,7 +33,7 @@ from broker.store import SuccessStore
 from common import protocol as P
 from common.audit import AuditLog
 from common.group_rules import group_lag, no_reward_variance
-from common.metrics import Histogram, MetricsWriter
+from common.metrics.writer import Histogram, MetricsWriter
 from common.net import (ConnectionMonitor, NetConfig, PeerState, PeerTable, RateLimitedLog, ServerSocket,
                         answer_heartbeat, close_context, heard_from, limit_size, listen_backlog, open_context,
                         raise_open_files, security_for, serve)

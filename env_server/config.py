@@ -45,7 +45,7 @@ class EnvServerConfig:
     """real desktops (backends: xvfb, apptainer)"""
 
     def validate(self) -> None:
-        from common.prometheus import check_address
+        from common.metrics.prometheus import check_address
         check_address(self.prometheus, "env_server.prometheus")
         check_backend(self.backend, self.options)
         self.desktop.validate()

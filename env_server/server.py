@@ -25,7 +25,7 @@ import numpy as np
 import zmq
 
 from common import protocol as P
-from common.metrics import MetricsWriter, percentile
+from common.metrics.writer import MetricsWriter, percentile
 from common.net import (NetConfig, PeerState, PeerTable, RateLimitedLog, ServerSocket, answer_heartbeat,
                         close_context, heard_from, open_context, raise_open_files, security_for, serve)
 from common.rundir import RunDir

@@ -9,7 +9,7 @@ from typing import Iterable
 from actor.config import ActorConfig
 from broker.config import BrokerConfig
 from common import config as configlib
-from common.metric_sinks import MetricsConfig
+from common.metrics.sinks import MetricsConfig
 from common.model import ModelConfig
 from common.net import NetConfig
 from common.weightsync import WeightSyncConfig

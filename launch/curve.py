@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.records import read_records
-from common.stats import wilson_interval
+from common.metrics.records import read_records
+from common.metrics.stats import wilson_interval
 
 COLORS = {"train": "#1f77b4", "eval": "#d62728", "entropy": "#2ca02c", "sft": "#ffecb3"}
 FAMILY_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#ff7f0e")

@@ -19,7 +19,7 @@ from actor.engine import SamplingParams
 from actor.hf_engine import HFEngine
 from actor.episode import play_concurrent
 from actor.prompt import PromptConfig
-from common.stats import wilson_interval
+from common.metrics.stats import wilson_interval
 from env_server.sim.backend import SimBackend, SimConfig
 from env_server.families import kind_of
 

@@ -9,7 +9,7 @@ import json
 import time
 from typing import Any
 
-from common.records import last_record
+from common.metrics.records import last_record
 from common.rundir import RunDir
 
 

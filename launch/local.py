@@ -313,7 +313,7 @@ class Supervisor:
         forwarder = None
         if self.cfg.metrics.forwarded:
             from common import config as configlib
-            from common.metric_sinks import MetricsForwarder
+            from common.metrics.sinks import MetricsForwarder
             forwarder = MetricsForwarder(self.run_dir.metrics, self.run_dir.root, self.cfg.metrics,
                                          self.cfg.run.run_id, configlib.to_dict(self.cfg))
         next_forward = 0.0

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from common.exitcodes import EXIT_RESUMABLE
-from common.records import last_record
+from common.metrics.records import last_record
 from common.rundir import RunDir
 from launch.placement import Node, Role, allocation_roles, check_shape
 

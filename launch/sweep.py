@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Callable
 
 from common.exitcodes import EXIT_RESUMABLE
-from common.records import read_records
-from common.stats import mean_interval
+from common.metrics.records import read_records
+from common.metrics.stats import mean_interval
 from launch.curve import sft_spans
 
 Point = tuple[int, float, float, float]  # (learner step, mean, low, high) across seeds

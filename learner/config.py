@@ -131,7 +131,7 @@ class LearnerConfig:
     """with several learner ranks: how long a training collective may wait for a slow or dead rank"""
 
     def validate(self) -> None:
-        from common.prometheus import check_address
+        from common.metrics.prometheus import check_address
         check_address(self.prometheus, "learner.prometheus")
         if self.prox not in ("recompute", "loglinear") or self.schedule not in ("constant", "cosine"):
             raise ValueError("prox must be recompute|loglinear and schedule constant|cosine")

@@ -15,7 +15,7 @@ from typing import Any
 from common import protocol as P
 from common.audit import AuditLog
 from common.exitcodes import EXIT_RESUMABLE
-from common.metrics import MetricsWriter, TimeSplit
+from common.metrics.writer import MetricsWriter, TimeSplit
 from common.model import ModelConfig
 from common.signals import STOP_SIGNALS, StopSignals
 from common.vision import ImageStore

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from common.metric_sinks import MetricsConfig, MetricsForwarder, scalars
+from common.metrics.sinks import MetricsConfig, MetricsForwarder, scalars
 
 
 def _append(path: Path, *records: dict, torn: str = "") -> None:

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from common.net import free_port
-from common.prometheus import check_address, series
+from common.metrics.prometheus import check_address, series
 from tests.conftest import REPO, broker_process, make_net
 
 pytest.importorskip("prometheus_client")
@@ -30,7 +30,7 @@ def test_a_record_maps_to_gauges_counters_and_labelled_histograms():
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from common.prometheus import RecordCollector
+    from common.metrics.prometheus import RecordCollector
 
     collector = RecordCollector("env_server", 2)
     collector.update(rec)
@@ -105,7 +105,7 @@ def dashboard_metrics() -> set[str]:
 
 def exposed_metrics(metrics_dir) -> set[str]:
     """The series the roles of a run would expose, from their newest records (the same mapping as /metrics)."""
-    from common.records import last_record
+    from common.metrics.records import last_record
 
     names = set()
     for path in metrics_dir.glob("*.jsonl"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.stats import wilson_interval
+from common.metrics.stats import wilson_interval
 
 
 @pytest.mark.parametrize("k,n,lo,hi", [(0, 10, 0.0, 0.2775), (5, 10, 0.2366, 0.7634), (10, 10, 0.7225, 1.0),
@@ -22,7 +22,7 @@ def test_no_trials_say_nothing_and_impossible_counts_fail():
 
 
 def test_mean_interval_over_seeds_uses_students_t():
-    from common.stats import mean_interval
+    from common.metrics.stats import mean_interval
 
     mean, lo, hi = mean_interval([0.2, 0.3, 0.4])  # sd 0.1, t(2) = 4.303
     assert mean == pytest.approx(0.3) and hi - mean == pytest.approx(4.303 * 0.1 / 3 ** 0.5, rel=1e-6)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.records import read_records
+from common.metrics.records import read_records
 from launch.local import free_port_overrides
 
 

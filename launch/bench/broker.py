@@ -253,7 +253,7 @@ def run_ours(payload_bytes: int, persist: bool, num_actors: int, per_actor: int)
 
 def run_bench(payload_bytes: int, persist: bool, num_actors: int, groups: int, repeats: int) -> dict:
     from common import protocol as P
-    from common.metrics import percentile
+    from common.metrics.writer import percentile
 
     wire_bytes = P.frames_nbytes(P.encode(make_group(payload_bytes)))
     per_actor = groups or max(GROUPS_PER_BATCH, (384 << 20) // wire_bytes // num_actors)

@@ -141,7 +141,7 @@ def _client_proc(session_ports: list[int], seconds: float, barrier, results) -> 
 def through_server(sessions: int, clients: int, seconds: float, screenshot: str, servers: int = 1) -> dict:
     """``sessions`` sessions driven by ``clients`` processes through ``servers`` env_servers (sessions spread evenly,
     each server's pool sized to its share)."""
-    from common.metrics import percentile
+    from common.metrics.writer import percentile
     from common.net import free_port
     from launch.procmem import pss_mb
 

@@ -448,7 +448,7 @@ def _raw_swarm_proc(index: int, addr: str, n: int, setup: ScaleSetup, rates: dic
 def _settled_record(path: str, setup: ScaleSetup) -> dict:
     """The broker's newest metrics record once every actor is either alive or declared dead: an actor silenced late
     in the hold is declared dead up to ``liveness x heartbeat_s`` after it, which may be after the hold ended."""
-    from common.records import last_record
+    from common.metrics.records import last_record
 
     deadline = time.monotonic() + setup.liveness * setup.heartbeat_s + 3.0  # + a few metrics intervals
     while True:
@@ -467,7 +467,7 @@ def _admission_audit(path: Path, setup: ScaleSetup) -> dict:
     running (``groups_without_running_ticket``) — after a restart, the groups of tickets the previous incarnation
     granted, which the new one never saw but accepts (they are durable rollouts; staleness still holds, checked
     when batches form). ``admission_over_unexplained_max`` is what no such group explains: never above 0."""
-    from common.records import read_records
+    from common.metrics.records import read_records
 
     over = unexplained = None
     fill, n = 0.0, 0
@@ -487,7 +487,7 @@ def _admission_audit(path: Path, setup: ScaleSetup) -> dict:
 
 def run_ours(setup: ScaleSetup) -> dict:
     from launch.audit import reconcile
-    from common.metrics import percentile
+    from common.metrics.writer import percentile
     from common.net import free_port
 
     ctx = mp.get_context("spawn")
@@ -616,7 +616,7 @@ def run_ours(setup: ScaleSetup) -> dict:
 
 def run_raw(setup: ScaleSetup, rates: dict) -> dict:
     """The baseline: N bare DEALERs against a bare ROUTER echo, the same load shape as ours."""
-    from common.metrics import percentile
+    from common.metrics.writer import percentile
     from common.net import free_port
 
     ctx = mp.get_context("spawn")

@@ -126,7 +126,7 @@ def sweep(config: str, overrides: tuple[str, ...], vary: tuple[str, ...], varian
 def metrics(run_dir: str, sinks: str, follow: bool) -> None:
     """Forward a run's metric records to TensorBoard / W&B (what `computerrl run` does as it goes): for roles
     started by hand, or a run that had no sink selected. Records already forwarded are not sent again."""
-    from common.metric_sinks import MetricsForwarder
+    from common.metrics.sinks import MetricsForwarder
     from common.rundir import RunDir
 
     rd = RunDir(Path(run_dir))

@@ -1,7 +1,7 @@
 """Prometheus ``/metrics`` for a role: the role's newest metric record, exposed as it was written.
 
 A role already keeps its counters, gauges and histograms and writes them as one JSONL record every few seconds
-(``common.metrics.MetricsWriter``); with ``prometheus: HOST:PORT`` in the role's config section, the same writer
+(``common.metrics.writer.MetricsWriter``); with ``prometheus: HOST:PORT`` in the role's config section, the same writer
 also serves that newest record over HTTP (``prometheus_client``), so what an operator scrapes is exactly what
 the run directory records. Mapping, for a role ``broker``:
 
@@ -19,7 +19,7 @@ import re
 import threading
 from typing import Any, Iterator
 
-from common.records import numeric_fields
+from common.metrics.records import numeric_fields
 
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -31,7 +31,7 @@ def _metric_name(*parts: str) -> str:
 
 def series(record: dict) -> Iterator[tuple[str, str, dict[str, str], float]]:
     """(kind gauge|counter, metric name without the namespace, labels, value) for every measurement of the
-    record (``common.records.numeric_fields``): the first key that is not a name (a histogram's bucket) becomes
+    record (``common.metrics.records.numeric_fields``): the first key that is not a name (a histogram's bucket) becomes
     the ``key`` label, the keys before it the name."""
     for path, value in numeric_fields(record):
         if path[0] == "counters" and len(path) == 2:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from common.records import numeric_fields
+from common.metrics.records import numeric_fields
 
 SINKS = ("jsonl", "tensorboard", "wandb")
 OFFSETS_FILE = ".forwarded.json"

@@ -1,4 +1,4 @@
-"""Metrics a role writes: JSONL records in the run directory (read back through common.records), plus a
+"""Metrics a role writes: JSONL records in the run directory (read back through common.metrics.records), plus a
 fixed-bucket histogram and percentiles."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Sequence
 class MetricsWriter:
     """Appends one JSON object per line to ``<dir>/<name>.jsonl``; a ``None`` path discards. With ``prometheus``
     (HOST:PORT, from the role's config) the newest record is also served as Prometheus ``/metrics``
-    (``common/prometheus.py``)."""
+    (``common/metrics/prometheus.py``)."""
 
     def __init__(self, path: str | Path | None, prometheus: str = "", role: str = "", rank: int = 0):
         self.path = Path(path) if path is not None else None
@@ -25,7 +25,7 @@ class MetricsWriter:
             self._f = open(self.path, "a", buffering=1)
         self.exposed = None
         if prometheus:
-            from common.prometheus import serve
+            from common.metrics.prometheus import serve
             self.exposed = serve(prometheus, role or (self.path.stem if self.path else "role"), rank)
 
     def write(self, record: dict[str, Any]) -> None:

@@ -1,6 +1,6 @@
 """Metric records as their readers see them: every whole record of a JSONL file, and every measurement in one.
 
-Roles write records with ``common.metrics.MetricsWriter``; the curve, sweeps, the TensorBoard / W&B forwarder
+Roles write records with ``common.metrics.writer.MetricsWriter``; the curve, sweeps, the TensorBoard / W&B forwarder
 and the Prometheus exposition read them through these functions; the live views take a file's newest record.
 """
 
