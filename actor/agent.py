@@ -30,8 +30,8 @@ from common import protocol as P
 from common.metrics.writer import MetricsWriter, percentile
 from common.net import NetConfig
 from common.rundir import RunDir
-from common.vision import Image, ImageStore
-from common.weightsync import RoundFailed, WeightReceiver, WeightSyncConfig
+from common.images import Image, ImageStore
+from policy.weightsync import RoundFailed, WeightReceiver, WeightSyncConfig
 from env_server.client import EnvClient, EnvError
 
 class EnvLinks:
@@ -207,7 +207,7 @@ class Actor:
         if images:
             if self.images is None:
                 raise RuntimeError("a VLM actor needs a run directory: its images go to the run's image store")
-            # Durable before any group that names it is sent (common/vision.py); the fsyncs run on the store's own
+            # Durable before any group that names it is sent (common/images.py); the fsyncs run on the store's own
             # thread, not on the loop every episode and link shares.
             for img in images:
                 await asyncio.get_running_loop().run_in_executor(self.images_thread, self.images.put, img)

@@ -27,7 +27,7 @@ class OraclePolicy:
     def __init__(self, backend: Any, tokenizer: Any, route: str, demo: Any, rng: random.Random,
                  images: Any = None):
         self.backend, self.tok, self.route, self.demo, self.rng = backend, tokenizer, route, demo, rng
-        self.images = images  # where a VLM's screenshots go (common.vision.ImageStore), for whoever trains on them
+        self.images = images  # where a VLM's screenshots go (common.images.ImageStore), for whoever trains on them
         self.end = tokenizer.eos_id
         self.actions = None
         self.seen: list[tuple[dict, str]] = []  # (observation, action) per turn
@@ -53,7 +53,7 @@ def demonstrate(backend: Any, task_id: str, route: str = "gui", demo: Any = None
     """One oracle episode of ``task_id`` on ``backend``: the episode, and the (observation, action) pairs.
     ``images``: the store a VLM prompt's screenshots are put in."""
     from actor.prompt import PromptConfig
-    from common.tokenizer import ByteTokenizer
+    from policy.tokenizer import ByteTokenizer
     tok = tokenizer or ByteTokenizer()
     policy = OraclePolicy(backend, tok, route, demo, random.Random(f"demo/{task_id}/{route}/{seed}"), images)
     episode = asyncio.run(play_episode(LocalEnv(backend), policy, task_id, tok, prompt_cfg or PromptConfig()))
@@ -105,7 +105,7 @@ def record_anchor_demos(cfg: Any, run_dir: Any, log: Any = None) -> int:
     """Record the oracle demos ``learner.anchor`` replays into the run directory, once: a file already recorded
     with this run's settings is kept. Returns how many demos the file holds."""
     from common import demofile
-    from common.model import build_tokenizer
+    from policy.model import build_tokenizer
 
     anchor, path = cfg.learner.anchor, run_dir.anchor_demos
     settings = demofile.anchor_settings(cfg)
@@ -114,7 +114,7 @@ def record_anchor_demos(cfg: Any, run_dir: Any, log: Any = None) -> int:
     except demofile.DemoFileError:
         pass  # absent, or recorded for other settings: record anew
     t0 = time.monotonic()
-    from common.vision import ImageStore
+    from common.images import ImageStore
 
     demos = record_demos(anchor.suite, anchor.demos, cfg.actor.prompt, build_tokenizer(cfg.model), anchor.route,
                          seed=anchor.seed, images=ImageStore(run_dir.images))

@@ -64,7 +64,7 @@ class Engine(Protocol):
 
     def submit(self, prompt: Sequence[int], params: SamplingParams,
                images: Sequence[Any] = ()) -> cf.Future:
-        """Start one generation; the future resolves to its ``Generation`` (``images``: ``common.vision.Image``
+        """Start one generation; the future resolves to its ``Generation`` (``images``: ``common.images.Image``
         filling the prompt's image placeholders in order, for a VLM)."""
         ...
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from actor.engine import Engine, EngineConfig
 from actor.hf_engine import HFEngine
-from common.model import ModelConfig
+from policy.model import ModelConfig
 
 
 def make_engine(model_cfg: ModelConfig, cfg: EngineConfig) -> Engine:

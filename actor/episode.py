@@ -18,7 +18,7 @@ import numpy as np
 from actor.engine import Generation
 from actor.prompt import EpisodePrompt, PromptConfig
 from common import protocol as P
-from common.vision import Image
+from common.images import Image
 
 OBS_TEXT_KEEP = 2000  # observation text kept per turn in a trajectory (debugging only)
 

@@ -39,7 +39,7 @@ from actor.engine import EngineConfig, EngineStats, Generation, SamplingParams, 
 from actor.kv_cache import SlotKVCache
 from actor.sampler import BatchKinds, RowParams, sample
 from actor.slot_attention import use_slot_decode_attention
-from common.model import ModelConfig, ban, build_model, build_tokenizer
+from policy.model import ModelConfig, ban, build_model, build_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ history goes first, then the observation text is shortened.
 A vision-language policy (``model.kind: vlm``) sees the screen as a screenshot (``prompt.observation``: ``tree``,
 ``screenshot`` or ``both``): the current turn's user message carries the observation's screenshot, and the "Step k."
 messages of the last ``history_images - 1`` past turns keep theirs. Images are known by content hash
-(``common/vision.py``); ``EpisodePrompt.images`` lists the ones the last prompt holds, in order.
+(``common/images.py``); ``EpisodePrompt.images`` lists the ones the last prompt holds, in order.
 
 Two renderers turn the conversation into ids (``prompt.format``):
 
@@ -44,8 +44,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from common.tokenizer import Tokenizer
-from common.vision import Image
+from policy.tokenizer import Tokenizer
+from common.images import Image
 from env_server.actions import gui_action_help
 
 DEFAULT_RULES = ("You operate a computer desktop to complete the task. Each turn you see the screen as an "

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from common.model import BANNED_LOGIT
+from policy.model import BANNED_LOGIT
 
 
 @dataclass

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from actor.engine import EngineConfig, EngineStats, Generation, SamplingParams, StopWatch, generate_all
-from common.model import ModelConfig, build_tokenizer, parameter_layout
-from common.tokenizer import resolved_kind
-from common.weightsync import RoundFailed
+from policy.model import ModelConfig, build_tokenizer, parameter_layout
+from policy.tokenizer import resolved_kind
+from policy.weightsync import RoundFailed
 
 
 # Every vLLM name this engine calls and the keywords it passes: tests/test_vllm_contract.py checks them against an
@@ -141,7 +141,7 @@ class VLLMWeightExtension:
                         layout: list[tuple[str, tuple[int, ...]]]) -> int:
         import torch
 
-        from common.weightsync import WeightReceiver, WeightSyncConfig
+        from policy.weightsync import WeightReceiver, WeightSyncConfig
 
         like = [(n, torch.empty(shape, device="meta")) for n, shape in layout]  # shapes only: nothing allocated
         receiver = getattr(self, "_weights_receiver", None)
@@ -221,7 +221,7 @@ class VLLMEngine:
 
         if not images:
             return TokensPrompt(prompt_token_ids=ids)
-        from common.vision import decode_image
+        from common.images import decode_image
 
         kwargs = {k: v for k, v in (("min_pixels", self.model_cfg.min_pixels),
                                     ("max_pixels", self.model_cfg.max_pixels)) if v}

@@ -49,7 +49,7 @@ class RunDir:
 
     @property
     def images(self) -> Path:
-        """a VLM run's screenshots by content hash (``common.vision.ImageStore``)"""
+        """a VLM run's screenshots by content hash (``common.images.ImageStore``)"""
         return self.root / "images"
 
     @property

@@ -10,9 +10,9 @@ from actor.config import ActorConfig
 from broker.config import BrokerConfig
 from common import config as configlib
 from common.metrics.sinks import MetricsConfig
-from common.model import ModelConfig
+from policy.model import ModelConfig
 from common.net import NetConfig
-from common.weightsync import WeightSyncConfig
+from policy.weightsync import WeightSyncConfig
 from env_server.config import EnvServerConfig
 from launch.local import LocalConfig
 from launch.pretrain import PretrainConfig

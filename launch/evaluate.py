@@ -94,7 +94,7 @@ def load_policy(checkpoint: str | Path, config: Any) -> tuple[HFEngine, PromptCo
     """The checkpoint's engine, and the prompt/sampling/step settings of ``config`` (the checkpoint's run config:
     ``launch.config.config_for_checkpoint``)."""
     from actor.engine import EngineConfig
-    from common.model import ModelConfig
+    from policy.model import ModelConfig
 
     ck = resolve_checkpoint(checkpoint)
     # Checkpoints and pretrain exports record their model; a plain HF directory does not.

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from common import protocol as P
-from common.vision import ImageStore
+from common.images import ImageStore
 
 
 @dataclass
@@ -104,7 +104,7 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
     if cfg.init == "scratch":
         # A scratch model still needs an hf tokenizer's files; a byte tokenizer needs none, so no host path is
         # recorded in the checkpoint (the shipped base policy must not name the machine that made it).
-        from common.tokenizer import resolved_kind
+        from policy.tokenizer import resolved_kind
         tok_path = model_cfg.tokenizer_path or model_cfg.path
         tok_path = tok_path if resolved_kind(model_cfg.tokenizer, tok_path) == "hf" else ""
         model_cfg = dataclasses.replace(model_cfg, path="", tokenizer_path=tok_path)

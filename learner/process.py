@@ -16,9 +16,9 @@ from common import protocol as P
 from common.audit import AuditLog
 from common.exitcodes import EXIT_RESUMABLE
 from common.metrics.writer import MetricsWriter, TimeSplit
-from common.model import ModelConfig
+from policy.model import ModelConfig
 from common.signals import STOP_SIGNALS, StopSignals
-from common.vision import ImageStore
+from common.images import ImageStore
 from common.rundir import RunDir
 from learner import checkpoint as ckpt
 from learner.config import LearnerConfig
@@ -40,7 +40,7 @@ class Learner:
                  log: Any, temperature: float = 1.0, seed: int = 0, resume: bool = False,
                  dist: DistContext | None = None, anchor_demos: list[P.Trajectory] | None = None):
         from broker.client import LearnerBrokerClient
-        from common.weightsync import WeightSender
+        from policy.weightsync import WeightSender
 
         self.cfg, self.run_dir, self.log = cfg, run_dir, log
         self.trainer = Trainer(cfg, model_cfg, temperature, seed, dist, anchor_demos, ImageStore(run_dir.images))
@@ -128,7 +128,7 @@ class Learner:
 
     def _broadcast(self) -> None:
         """Worker thread: send the current weights in the round just announced."""
-        from common.weightsync import RoundFailed
+        from policy.weightsync import RoundFailed
 
         t = self.trainer
         try:

@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from common import protocol as P
 from common.group_rules import too_stale
-from common.model import ModelConfig, build_model, build_tokenizer, freeze_vision, token_logprobs, torch_dtype
-from common.vision import Image, ImageStore, ImageStoreError
+from policy.model import ModelConfig, build_model, build_tokenizer, freeze_vision, token_logprobs, torch_dtype
+from common.images import Image, ImageStore, ImageStoreError
 from learner import checkpoint as ckpt
 from learner.batch import (Sample, build_samples, collate, loglinear_prox, micro_batches,
                            token_entropy, turn_samples)
@@ -122,7 +122,7 @@ class Trainer:
         torch.manual_seed(seed)  # the same on every rank: all shards come from one initialisation
         self.tokenizer = build_tokenizer(model_cfg)
         # A VLM's samples name their images by content hash; they are read from ``images`` (the run's image store)
-        # and become the same pixel inputs and positions the engine used (common/vision.py).
+        # and become the same pixel inputs and positions the engine used (common/images.py).
         self.vision, self.images = self.tokenizer.vision, images
         self.banned = torch.tensor(self.vision.banned_ids, dtype=torch.long) if self.vision is not None else None
         # Master weights (what AdamW steps and checkpoints hold) are float32 whatever the compute dtype: at

@@ -20,12 +20,12 @@ from actor.hf_engine import HFEngine  # noqa: E402
 from actor.prompt import EpisodePrompt, PromptConfig  # noqa: E402
 from broker.client import LearnerBrokerClient  # noqa: E402
 from broker.config import BrokerConfig  # noqa: E402
-from common.model import ModelConfig, build_model, sequence_logprobs  # noqa: E402
+from policy.model import ModelConfig, build_model, sequence_logprobs  # noqa: E402
 from common import protocol as P  # noqa: E402
 from common.net import free_port  # noqa: E402
 from common.rundir import RunDir  # noqa: E402
-from common.tokenizer import ByteTokenizer  # noqa: E402
-from common.weightsync import WeightSender, WeightSyncConfig  # noqa: E402
+from policy.tokenizer import ByteTokenizer  # noqa: E402
+from policy.weightsync import WeightSender, WeightSyncConfig  # noqa: E402
 from env_server.sim.backend import SimBackend  # noqa: E402
 from env_server.config import EnvServerConfig  # noqa: E402
 from env_server.server import EnvServer  # noqa: E402
@@ -104,7 +104,7 @@ def test_weights_swap_at_a_token_boundary_and_match_the_learner(quiet_log):
     cfg = WeightSyncConfig(port=free_port(), join_window_s=5.0, timeout_s=10.0)
     sender = WeightSender(cfg, quiet_log)
     r, e = sender.open_round()
-    from common.weightsync import WeightReceiver
+    from policy.weightsync import WeightReceiver
 
     received = {}
 
@@ -268,8 +268,8 @@ def test_vllm_engine_parts_that_run_without_vllm(tmp_path):
     from actor.engine import VLLMConfig
     from actor.engine_factory import make_engine
     from actor.vllm_engine import Partial, engine_args, visible_device
-    from common.model import parameter_layout
-    from common.weightsync import layout_hash
+    from policy.model import parameter_layout
+    from policy.weightsync import layout_hash
 
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(RuntimeError, match="pip install 'computerrl\\[gpu\\]'"):
@@ -393,7 +393,7 @@ def test_vllm_engine_stops_on_its_own_stop_strings_and_continues_after_a_pause()
 
 
 def test_a_failed_vllm_swap_is_a_round_failed_and_generation_resumes():
-    from common.weightsync import RoundFailed, WeightSyncConfig
+    from policy.weightsync import RoundFailed, WeightSyncConfig
 
     llm = _FakeAsyncLLM([], rpc_error=RuntimeError("worker 1: RoundFailed: peer died"))
     eng = _vllm_engine_with(llm)
@@ -474,7 +474,7 @@ def test_flash_attn_is_used_only_when_it_loads(tmp_path, monkeypatch, body, expe
     import sys
     import warnings
 
-    from common.model import attention_implementation
+    from policy.model import attention_implementation
 
     (tmp_path / "flash_attn").mkdir()
     (tmp_path / "flash_attn" / "__init__.py").write_text(body + "\n")

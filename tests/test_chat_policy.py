@@ -16,8 +16,8 @@ from actor.demos import demonstrate  # noqa: E402
 from actor.engine import EngineConfig, SamplingParams  # noqa: E402
 from actor.hf_engine import HFEngine  # noqa: E402
 from actor.prompt import ChatTemplateRenderer, EpisodePrompt, Message, PromptConfig  # noqa: E402
-from common.model import ModelConfig, build_tokenizer, sequence_logprobs  # noqa: E402
-from common.tokenizer import load_tokenizer  # noqa: E402
+from policy.model import ModelConfig, build_tokenizer, sequence_logprobs  # noqa: E402
+from policy.tokenizer import load_tokenizer  # noqa: E402
 from env_server.sim.backend import SimBackend  # noqa: E402
 from launch.tiny_checkpoints import chat_checkpoint  # noqa: E402
 

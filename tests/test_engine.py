@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from actor.engine import EngineConfig, SamplingParams  # noqa: E402
 from actor.hf_engine import HFEngine  # noqa: E402
 from actor.slot_attention import slot_decode_attention  # noqa: E402
-from common.model import ModelConfig, build_model, sequence_logprobs  # noqa: E402
+from policy.model import ModelConfig, build_model, sequence_logprobs  # noqa: E402
 
 TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 

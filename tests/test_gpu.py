@@ -16,9 +16,9 @@ if not torch.cuda.is_available():
 
 from actor.engine import EngineConfig, SamplingParams  # noqa: E402
 from actor.hf_engine import HFEngine  # noqa: E402
-from common.model import ModelConfig, sequence_logprobs  # noqa: E402
+from policy.model import ModelConfig, sequence_logprobs  # noqa: E402
 from common.net import free_port  # noqa: E402
-from common.weightsync import WeightReceiver, WeightSender, WeightSyncConfig, placement  # noqa: E402
+from policy.weightsync import WeightReceiver, WeightSender, WeightSyncConfig, placement  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
 from tests.conftest import stage_weights_before_window  # noqa: E402
@@ -66,7 +66,7 @@ def test_engine_graphs_continuous_batching_and_in_place_swaps_on_cuda():
     """Captured decode graphs over slots joining and leaving (prompts of many lengths, more requests than slots,
     windows of 8 tokens): every token's log-prob equals a teacher-forced pass; after a swap staged mid-decode,
     the graphs read the new parameters (checked against an independent build of the new weights)."""
-    from common.model import build_model
+    from policy.model import build_model
 
     eng = HFEngine(F32, EngineConfig(device="cuda", seed=1, max_batch=8, max_seq_len=512, sync_every=8))
     assert eng.graphs is not None

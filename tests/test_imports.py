@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-PACKAGES = ("actor", "broker", "common", "env_server", "launch", "learner")
+PACKAGES = ("actor", "broker", "common", "env_server", "launch", "learner", "policy")
 KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
@@ -75,7 +75,7 @@ def test_no_import_circles_beyond_the_known_ones():
     assert found <= KNOWN_CYCLES, sorted(sorted(c) for c in found - KNOWN_CYCLES)
 
 
-FLOORS = {"common": 0, "env_server": 1, "broker": 2, "actor": 3, "learner": 3, "launch": 4}
+FLOORS = {"common": 0, "env_server": 1, "broker": 2, "policy": 2, "actor": 3, "learner": 3, "launch": 4}
 """each package imports only from floors below its own (the house in docs/architecture.md)"""
 
 
@@ -83,3 +83,15 @@ def test_every_arrow_between_packages_runs_down_the_floors():
     up = sorted((m, d) for m, deps in import_graph().items() for d in deps
                 if m.split(".")[0] != d.split(".")[0] and FLOORS[d.split(".")[0]] >= FLOORS[m.split(".")[0]])
     assert not up, f"imports that run up or sideways: {up}"
+
+
+def test_the_ground_floor_loads_no_torch():
+    """common/ holds no model code: no module of it imports torch or transformers when it is imported (the
+    TensorBoard sink imports torch's writer inside the function that opens it)."""
+    heavy = []
+    for path in sorted((REPO / "common").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            heavy += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] in ("torch", "transformers")]
+    assert not heavy, heavy

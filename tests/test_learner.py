@@ -16,9 +16,9 @@ torch = pytest.importorskip("torch")
 from broker.client import ActorBrokerClient  # noqa: E402
 from broker.config import BrokerConfig  # noqa: E402
 from common import protocol as P  # noqa: E402
-from common.model import ModelConfig, sequence_logprobs  # noqa: E402
+from policy.model import ModelConfig, sequence_logprobs  # noqa: E402
 from common.net import free_port  # noqa: E402
-from common.weightsync import WeightSyncConfig  # noqa: E402
+from policy.weightsync import WeightSyncConfig  # noqa: E402
 from learner.advantages import AdvantageConfig  # noqa: E402
 from learner.config import AnchorConfig, LearnerConfig  # noqa: E402
 from learner.entropulse import Entropulse, EntropulseConfig  # noqa: E402
@@ -441,7 +441,7 @@ def test_a_failed_or_short_weight_round_is_sent_again_with_back_off():
     their groups would all go stale (a real-desktop run stalled that way): the learner sends the round again."""
     import types
 
-    from common.weightsync import RoundFailed
+    from policy.weightsync import RoundFailed
     from learner.process import ROUND_RETRY_MAX_S, Learner
 
     outcomes = [RoundFailed("peer closed"), 1, 2, RoundFailed("again")]

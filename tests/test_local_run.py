@@ -246,7 +246,7 @@ def test_a_pretrained_chat_checkpoint_trains_through_its_own_template(tmp_path):
     start = (chat / "chat_template.jinja").read_text()
     assert (ck / "chat_template.jinja").read_text() == start
     from common.rundir import RunDir
-    from common.tokenizer import load_tokenizer
+    from policy.tokenizer import load_tokenizer
     from launch.config import load_run_config
 
     settings = demofile.anchor_settings(load_run_config(run_dir / "config.yaml"))

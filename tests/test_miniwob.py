@@ -151,7 +151,7 @@ def test_a_crashed_browser_retires_the_desktop_and_the_next_episode_gets_a_fresh
 def test_demonstrations_are_recorded_from_the_solvers_through_the_backend():
     from actor.demos import record_demos
     from actor.prompt import PromptConfig
-    from common.tokenizer import ByteTokenizer
+    from policy.tokenizer import ByteTokenizer
 
     env = EnvServerConfig(backend=PLUGIN)
     demos = record_demos("miniwob:train:click-button,login-user", 4, PromptConfig(), ByteTokenizer(), env=env)
@@ -174,7 +174,7 @@ def test_behaviour_cloning_on_miniwob_demos_makes_a_policy_eval_judges_on_held_o
     pytest.importorskip("torch")
     from actor.prompt import PromptConfig
     from common import log as L
-    from common.model import ModelConfig
+    from policy.model import ModelConfig
     from launch.pretrain import PretrainConfig, pretrain
 
     tiny = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)

@@ -81,7 +81,7 @@ def test_every_family_is_solved_through_the_backend_and_bad_actions_are_errors_n
 def test_demonstrations_come_from_the_plugins_solvers(outside):
     from actor.demos import record_demos
     from actor.prompt import PromptConfig
-    from common.tokenizer import ByteTokenizer
+    from policy.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     demos = record_demos("lamps:train:all_off", 5, PromptConfig(), tok, env=EnvServerConfig(backend=NAME))

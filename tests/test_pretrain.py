@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")
 from actor.demos import record_demos  # noqa: E402
 from actor.prompt import EpisodePrompt, PromptConfig  # noqa: E402
 from common import log as L  # noqa: E402
-from common.model import ModelConfig  # noqa: E402
-from common.tokenizer import ByteTokenizer  # noqa: E402
+from policy.model import ModelConfig  # noqa: E402
+from policy.tokenizer import ByteTokenizer  # noqa: E402
 from launch.evaluate import evaluate, suite_tasks  # noqa: E402
 from launch.pretrain import PretrainConfig, demo_trajectories, pretrain  # noqa: E402
 

@@ -16,8 +16,8 @@ from actor.hf_engine import HFEngine  # noqa: E402
 from actor.episode import EnginePolicy, LocalEnv, play_episode  # noqa: E402
 from actor.prompt import EpisodePrompt, PromptConfig  # noqa: E402
 from common import protocol as P  # noqa: E402
-from common.model import ModelConfig, model_kind  # noqa: E402
-from common.vision import Image, ImageStore, ImageStoreError  # noqa: E402
+from policy.model import ModelConfig, model_kind  # noqa: E402
+from common.images import Image, ImageStore, ImageStoreError  # noqa: E402
 from env_server.sim.backend import SimBackend, SimConfig  # noqa: E402
 from launch.tiny_checkpoints import vlm_checkpoint  # noqa: E402
 
@@ -68,7 +68,7 @@ def test_prompts_hold_screenshots_as_expanded_placeholders(engine):
         assert len(prompt.images) == 2 and ids.count(vision.image_token_id) == 2 * vision.tokens_for(shot)
     both = EpisodePrompt(tok, PromptConfig(style="minimal", observation="both"), obs["instruction"]).build(obs)
     assert "taskbar button" in tok.tok.decode(both)
-    from common.tokenizer import ByteTokenizer
+    from policy.tokenizer import ByteTokenizer
     with pytest.raises(ValueError, match="vision-language model"):
         EpisodePrompt(ByteTokenizer(), PromptConfig(observation="screenshot"), "x")
     with pytest.raises(ValueError, match="no screenshot"):
@@ -201,7 +201,7 @@ def test_a_qwen2_5_vl_shaped_model_takes_the_same_path(tmp_path):
 def test_image_token_counts_come_from_the_size_alone_and_match_the_processor(vlm_dir, pixels):
     """A prompt is built on the actor's event loop from the image's size only (no pixel decoding); the count is what
     the processor then produces, with model.min_pixels / max_pixels alone or together."""
-    from common.vision import VisionProcessor
+    from policy.vision import VisionProcessor
 
     _, obs = screen()
     img = Image.of(obs["screenshot"])

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from common.net import free_port  # noqa: E402
-from common.weightsync import (RoundFailed, WeightReceiver, WeightSender, WeightSyncConfig, buckets,  # noqa: E402
+from policy.weightsync import (RoundFailed, WeightReceiver, WeightSender, WeightSyncConfig, buckets,  # noqa: E402
                                wire_dtype)
 
 
@@ -154,7 +154,7 @@ def test_the_wire_carries_the_senders_dtype_and_the_receiver_takes_it_whatever_i
 
 
 def test_backend_is_agreed_from_every_members_placement():
-    from common.weightsync import choose_backend
+    from policy.weightsync import choose_backend
 
     gpus = ["cuda:GPU-a", "cuda:GPU-b", "cuda:GPU-c"]
     assert choose_backend("auto", gpus) == "nccl"
@@ -224,8 +224,8 @@ def test_a_cuda_ipc_round_passes_handles_copies_and_closes_with_a_barrier_that_c
     """The cuda_ipc round's control plane on CPU: CUDA IPC itself is replaced by files standing in for mapped
     allocations (tests/test_gpu.py runs the real one). A receiver that cannot open a handle still joins the
     closing barrier, so the learner is told instead of waiting, and that receiver keeps its weights."""
-    import common.cuda_ipc as ipc
-    import common.weightsync as ws
+    import policy.cuda_ipc as ipc
+    import policy.weightsync as ws
 
     exported = []
 

@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
-from common.vision import is_digest
+from common.images import is_digest
 
 CONTROL_TOPIC = b"ctl"
 """ZeroMQ topic of the broker's published ``Control`` messages (frame 0 before the message's frames)"""
@@ -70,7 +70,7 @@ class Hello(Message):
 
 @dataclass
 class WeightRound(Record):
-    """The weight round that carries a ``Control``'s version to the actors (``common/weightsync.py``)."""
+    """The weight round that carries a ``Control``'s version to the actors (``policy/weightsync.py``)."""
 
     round: int
     """the round's number, counted from 1 by each learner incarnation"""
@@ -180,7 +180,7 @@ class TurnView:
     format_error: bool
     observation: str
     action: str
-    images: tuple[str, ...] = ()  # content hashes of the images in the prompt, in order (common/vision.py)
+    images: tuple[str, ...] = ()  # content hashes of the images in the prompt, in order (common/images.py)
 
 
 _TRAJECTORY_ARRAYS = tuple((name, ALLOWED_DTYPES[dtype]) for name, dtype in (

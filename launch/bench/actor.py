@@ -103,7 +103,7 @@ def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int
     from actor.hf_engine import HFEngine
     from actor.prompt import PromptConfig
     from common import log as L
-    from common.model import ModelConfig
+    from policy.model import ModelConfig
     from common.net import NetConfig, free_port
     from common.rundir import RunDir
 

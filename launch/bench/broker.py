@@ -312,7 +312,7 @@ def screenshot_groups(groups: int = 8, turns: int = 5, history_images: int = 2, 
     import random
 
     from common import protocol as P
-    from common.vision import Image
+    from common.images import Image
     from env_server.sim.backend import SimBackend, SimConfig
 
     rng = random.Random(seed)

@@ -74,7 +74,7 @@ def wide_tokenizer(out_dir: str, size: int) -> str:
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from common.tokenizer import ROLE_TOKENS
+    from policy.tokenizer import ROLE_TOKENS
 
     words = {f"w{i}": i for i in range(size - len(ROLE_TOKENS) - 1)}
     words["<pad>"] = len(words)
@@ -86,7 +86,7 @@ def wide_tokenizer(out_dir: str, size: int) -> str:
 
 
 def model_config(shape: str, hidden: int, layers: int, tokenizer_dir: str = "") -> "object":
-    from common.model import ModelConfig
+    from policy.model import ModelConfig
 
     if shape:
         if shape not in SHAPES:
@@ -113,7 +113,7 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
 
     import torch
 
-    from common.model import build_model, torch_dtype
+    from policy.model import build_model, torch_dtype
     from learner.batch import build_samples, collate, micro_batches
     from learner.config import LearnerConfig
     from learner.trainer import Trainer
@@ -209,7 +209,7 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
 def _our_receiver(cfg_dict: dict, numel: int, device: str, rounds, results) -> None:
     import torch
 
-    from common.weightsync import WeightReceiver, WeightSyncConfig
+    from policy.weightsync import WeightReceiver, WeightSyncConfig
 
     rx = WeightReceiver(WeightSyncConfig(**cfg_dict), None)
     like = [("w", torch.empty(numel, device=device))]
@@ -268,7 +268,7 @@ def run_weights_bench(params: int, receivers: int, repeats: int, bucket_mb: floa
 
     from common import log as L
     from common.net import free_port
-    from common.weightsync import WeightSender, WeightSyncConfig
+    from policy.weightsync import WeightSender, WeightSyncConfig
 
     ctx = mp.get_context("spawn")
     on_gpu = device.startswith("cuda")

@@ -25,7 +25,7 @@ class Tokenizer(Protocol):
     stop_ids: frozenset[int]  # every id that ends generation (eos_id among them)
     pad_id: int
     chat_template: bool  # whether prompts are rendered by the tokenizer's own chat template
-    vision: Any  # a VLM's image processor (common.vision.VisionProcessor), else None
+    vision: Any  # a VLM's image processor (policy.vision.VisionProcessor), else None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -76,7 +76,7 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        self.vision = None  # set by common.model.build_tokenizer for a VLM
+        self.vision = None  # set by policy.model.build_tokenizer for a VLM
         self.chat_template = bool(getattr(self.tok, "chat_template", None))
         if self.chat_template:
             # The end of a turn is what generation stops at: generation_config's eos ids (Qwen2.5-Instruct names

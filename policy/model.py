@@ -97,11 +97,11 @@ def model_kind(cfg: ModelConfig) -> str:
 
 def build_tokenizer(cfg: ModelConfig):
     """The policy's tokenizer; a VLM's also carries its image processor (``.vision``), as a HF processor would."""
-    from common.tokenizer import ByteTokenizer, load_tokenizer
+    from policy.tokenizer import ByteTokenizer, load_tokenizer
 
     tok = load_tokenizer(cfg.tokenizer, cfg.tokenizer_path or cfg.path, cfg.path)
     if model_kind(cfg) == "vlm":
-        from common.vision import VisionProcessor
+        from policy.vision import VisionProcessor
 
         if isinstance(tok, ByteTokenizer):
             raise ValueError("model.tokenizer is byte, and a vision-language model reads its own tokenizer: set "
@@ -232,7 +232,7 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, tempe
     (the tokenizer's size) drops embedding rows no token maps to (real checkpoints pad their vocabulary:
     Qwen2.5 has 151,936 rows for 151,665 tokens); engines sample over the same ``vocab`` columns, without the
     ``banned`` ones (a VLM's image placeholders). ``vision``: a VLM's image inputs and multimodal positions
-    (``common.vision.VisionProcessor.model_inputs``).
+    (``policy.vision.VisionProcessor.model_inputs``).
     """
     import torch
 

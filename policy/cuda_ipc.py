@@ -11,7 +11,7 @@ with ``torch.multiprocessing.reductions.rebuild_cuda_tensor``, on the receiver's
 One ``export`` serves one receiving process (its reference count expects one consumer: a block two processes
 opened under one export is never freed). The sender must keep the exported tensor alive and unchanged until
 every receiver has copied out of it; the weight round's closing barrier is that guarantee
-(``common/weightsync.py``). torch is imported lazily.
+(``policy/weightsync.py``). torch is imported lazily.
 """
 
 from __future__ import annotations

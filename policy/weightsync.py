@@ -19,7 +19,7 @@ live (``cpu`` or ``cuda:<GPU uuid>``), and the learner picks (``auto``) NCCL whe
 included, is on a GPU of its own (NCCL refuses two ranks on one device), ``cuda_ipc`` when every member is on
 the learner's own GPU, gloo otherwise; an explicit choice that cannot work is refused with the reason.
 Receivers read the choice from the store. ``cuda_ipc`` sends no tensor data through a group at all: the
-header, then the buckets' CUDA IPC handles (``common/cuda_ipc.py``) go over a gloo group, each receiver copies
+header, then the buckets' CUDA IPC handles (``policy/cuda_ipc.py``) go over a gloo group, each receiver copies
 device to device out of the learner's memory, and a closing all-reduce tells the learner every receiver is
 done with it (and which failed).
 
@@ -313,7 +313,7 @@ class WeightSender:
         members failed to (they leave the epoch and keep their old weights)."""
         import torch
 
-        from common import cuda_ipc
+        from policy import cuda_ipc
 
         torch.cuda.synchronize(device)  # the packed buckets are written before anyone maps them
         # One export per receiver, as torch.multiprocessing does per send: an export's reference count expects
@@ -458,7 +458,7 @@ class WeightReceiver:
         left waiting, before raising it here)."""
         import torch
 
-        from common import cuda_ipc
+        from policy import cuda_ipc
 
         size = torch.zeros(1, dtype=torch.int64)
         _wait(self._pg.broadcast(size, 0), self.cfg)

@@ -1,0 +1,97 @@
+"""The image half of a vision-language policy: how screenshots (``common/images.py``) become model inputs, the same
+way on the actor (sampling) and on the learner (scoring).
+
+The checkpoint's own image processor (``AutoImageProcessor``), with ``model.min_pixels``/``max_pixels`` when set,
+gives ``pixel_values`` and each image's patch grid; an image takes ``prod(grid) / merge_size**2`` placeholder tokens
+in the prompt ids. Positions are the model's multimodal RoPE indices (``get_rope_index``), computed from the ids,
+the grids and the attention mask. Supported families: those with Qwen2-VL's interface (``qwen2_vl``,
+``qwen2_5_vl``).
+"""
+
+from __future__ import annotations
+
+import io
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Sequence
+
+from common.images import Image, decode_image
+
+SUPPORTED_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+"""model types whose image tokens and RoPE index follow Qwen2-VL's interface"""
+
+class VisionProcessor:
+    """A VLM checkpoint's image processor and image token ids; the same object serves the actor and the learner."""
+
+    def __init__(self, path: str | Path, min_pixels: int = 0, max_pixels: int = 0, cache_items: int = 64):
+        from transformers import AutoConfig, AutoImageProcessor
+
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        if config.model_type not in SUPPORTED_FAMILIES:
+            raise ValueError(f"model.kind vlm: model type {config.model_type!r} is not supported; supported "
+                             f"families: {', '.join(SUPPORTED_FAMILIES)} (Qwen2-VL's image tokens and RoPE index)")
+        self.image_processor = AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
+        if min_pixels or max_pixels:  # the processors read both from ``size`` (shortest/longest edge = min/max pixels)
+            saved = self.image_processor.size
+            size = {"shortest_edge": min_pixels or int(saved["shortest_edge"]),
+                    "longest_edge": max_pixels or int(saved["longest_edge"])}
+            self.image_processor = AutoImageProcessor.from_pretrained(str(path), local_files_only=True, size=size)
+        self.merge = int(getattr(self.image_processor, "merge_size", 2))
+        self.image_token_id = int(config.image_token_id)
+        # Tokens a policy must never sample (the learner scores with the same columns removed): a placeholder in an
+        # action would ask the next forward pass for an image that does not exist.
+        self.banned_ids = sorted({int(t) for t in (config.image_token_id, getattr(config, "video_token_id", None),
+                                                   getattr(config, "vision_start_token_id", None),
+                                                   getattr(config, "vision_end_token_id", None)) if t is not None})
+        self._cache: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
+        self.cache_items = cache_items
+
+    def pixels(self, image: Image) -> tuple[Any, Any]:
+        """(pixel_values [patches, dim], grid_thw [3]) of one image, cached by digest."""
+        hit = self._cache.get(image.digest)
+        if hit is not None:
+            self._cache.move_to_end(image.digest)
+            return hit
+        out = self.image_processor(images=[decode_image(image.data)], return_tensors="pt")
+        hit = (out["pixel_values"], out["image_grid_thw"][0])
+        self._cache[image.digest] = hit
+        while len(self._cache) > self.cache_items:
+            self._cache.popitem(last=False)
+        return hit
+
+    def tokens_for(self, image: Image) -> int:
+        """Placeholder tokens the image takes in the prompt ids: from its size alone (read from the PNG/JPEG header)
+        where the image processor can say (``get_number_of_image_patches``, as vLLM uses it), so building a prompt
+        on the actor's event loop never decodes pixels; the engine's ``model_inputs`` checks the count."""
+        count = getattr(self.image_processor, "get_number_of_image_patches", None)
+        if count is None:
+            return int(self.pixels(image)[1].prod()) // (self.merge ** 2)
+        from PIL import Image as PILImage
+
+        with PILImage.open(io.BytesIO(image.data)) as header:
+            width, height = header.size
+        return int(count(height, width)) // (self.merge ** 2)
+
+    def model_inputs(self, model: Any, input_ids: Any, attention_mask: Any,
+                     images: Sequence[Sequence[Image]]) -> dict[str, Any]:
+        """Keyword inputs of the model's forward pass for a batch whose row r holds ``images[r]`` in order:
+        ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids`` and the multimodal ``position_ids``."""
+        import torch
+
+        flat = [img for row in images for img in row]
+        device = input_ids.device
+        mm = (input_ids == self.image_token_id).int()
+        parts = [self.pixels(img) for img in flat]
+        expected = sum(int(g.prod()) // self.merge ** 2 for _, g in parts)
+        if int(mm.sum()) != expected:
+            raise ValueError(f"the prompt ids hold {int(mm.sum())} image tokens, their {len(flat)} images take "
+                             f"{expected}")
+        grid = torch.stack([g for _, g in parts]).to(device) if parts else None
+        # Text positions count on across images (a vision_start/vision_end pair separates any two of them);
+        # padding gets position 0. A sampled token continues at the row's last position + 1 on all three axes.
+        positions, _ = model.model.get_rope_index(input_ids, mm_token_type_ids=mm, image_grid_thw=grid,
+                                                  attention_mask=attention_mask)
+        if not parts:
+            return {"position_ids": positions}
+        return {"pixel_values": torch.cat([p for p, _ in parts]).to(device), "image_grid_thw": grid,
+                "mm_token_type_ids": mm, "position_ids": positions}
