@@ -62,6 +62,17 @@ class Entropulse:
     entropy: list[float] = field(default_factory=list)
     success: list[float] = field(default_factory=list)
 
+    @property
+    def sft(self) -> bool:
+        """In an SFT phase: the learner imitates stored successes and the actors pause."""
+        return self.phase == "sft"
+
+    def observe(self, kind: str, metrics: dict) -> str | None:
+        """Record a finished step of ``kind`` ("rl" or "sft") with its metrics; returns the phase it switched to."""
+        if kind == "rl":
+            return self.observe_rl(metrics["entropy"], metrics["success_rate"])
+        return self.observe_sft()
+
     def observe_rl(self, entropy: float, success_rate: float | None) -> str | None:
         """Record one RL step; returns "sft" when it is time to switch."""
         self.phase_step += 1

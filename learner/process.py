@@ -54,6 +54,7 @@ class Learner:
         self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="train")
         self._round_failures = 0  # weight rounds failed in a row
         self.eta: int | None = None  # the broker's staleness bound, from its Ready; every rl job re-checks it
+        self._sft_requested = False  # an SFT phase's request for stored successes is out, not yet answered
         self.clock = TimeSplit("wait")  # where the loop's time goes (restarted when ``run`` begins)
         self._retry_round_at = 0.0  # monotonic time to send the current weights again after a failed round
         self._want_checkpoint = False
@@ -165,12 +166,11 @@ class Learner:
         job_kind = ""
         if self.sender is not None:  # the first round needs full weights on rank 0
             self.jobs.run("gather")
-        if self.publish(paused=t.entropulse.phase == "sft") is not None:
+        if self.publish(paused=t.entropulse.sft) is not None:
             self.log.info("weights_round_opened", round=self.sender.round, epoch=self.sender.epoch)
             job, job_kind = self._start_broadcast(), "broadcast"
         c.grant(self.cfg.prefetch)
         finished = False
-        sft_requested = False
         try:
             while not self._stop.is_set():
                 if signalled.requested:
@@ -193,32 +193,14 @@ class Learner:
                     break
                 if self._retry_round_at and time.monotonic() >= self._retry_round_at:
                     self._retry_round_at = 0.0
-                    if self.publish(paused=t.entropulse.phase == "sft") is not None:
+                    if self.publish(paused=t.entropulse.sft) is not None:
                         self.log.info("weights_round_retried", round=self.sender.round, version=t.version,
                                       failures=self._round_failures)
                         job, job_kind = self._start_broadcast(), "broadcast"
                         continue
-                if t.entropulse.phase == "rl":
-                    if c.batches:
-                        batch = c.batches.popleft()
-                        c.grant(1)
-                        self.clock.enter("train")
-                        job, job_kind = worker.submit(self._rl_step, batch), "rl"
-                elif not sft_requested:
-                    e = self.cfg.entropulse
-                    c.request_successes(e.k_per_task, e.max_tasks, seed=t.version)
-                    sft_requested = True
-                elif c.successes:
-                    sft_requested = False
-                    successes = c.successes.popleft()
-                    if not successes.samples:  # nothing to imitate yet: back to RL rather than stall
-                        t.entropulse.skip_sft()
-                        self.log.warning("sft_phase_skipped", reason="the success store is empty")
-                        self.publish()
-                        continue
-                    self.clock.enter("train")
-                    job, job_kind = worker.submit(self.jobs.run, "sft", {"lr": self.cfg.entropulse.sft_lr},
-                                                  successes), "sft"
+                started = self._next_step()
+                if started is not None:
+                    job, job_kind = started
         finally:
             if not finished:
                 # Stopping (a signal, a preemption notice): the broker hears it now, and keeps hearing from us
@@ -242,6 +224,34 @@ class Learner:
             self.jobs.stop()
             self.close()
         return finished
+
+    def _next_step(self) -> tuple[cf.Future, str] | None:
+        """Start the step the phase asks for once its input is here: an RL batch from the broker, or in an SFT
+        phase a batch of stored successes (asked for once per step). None while it waits."""
+        t, c = self.trainer, self.client
+        if not t.entropulse.sft:
+            if not c.batches:
+                return None
+            batch = c.batches.popleft()
+            c.grant(1)
+            self.clock.enter("train")
+            return self._worker.submit(self._rl_step, batch), "rl"
+        e = self.cfg.entropulse
+        if not self._sft_requested:
+            c.request_successes(e.k_per_task, e.max_tasks, seed=t.version)
+            self._sft_requested = True
+            return None
+        if not c.successes:
+            return None
+        self._sft_requested = False
+        successes = c.successes.popleft()
+        if not successes.samples:  # nothing to imitate yet: back to RL rather than stall
+            t.entropulse.skip_sft()
+            self.log.warning("sft_phase_skipped", reason="the success store is empty")
+            self.publish()
+            return None
+        self.clock.enter("train")
+        return self._worker.submit(self.jobs.run, "sft", {"lr": e.sft_lr}, successes), "sft"
 
     def _rl_step(self, batch: P.Batch) -> dict:
         m = self.jobs.run("rl", {"eta": self.eta}, batch)
@@ -269,18 +279,14 @@ class Learner:
             if outcomes:
                 self._settle(outcomes)
             self._log_step(kind, {"empty": True, "version": t.version})
-            self.publish(paused=t.entropulse.phase == "sft", new_weights=False)
+            self.publish(paused=t.entropulse.sft, new_weights=False)
             self._maybe_checkpoint()
             return False
-        if kind == "rl":
-            switch = t.entropulse.observe_rl(m["entropy"], m["success_rate"])
-            if switch == "sft":
-                self.log.info("phase_change", to="sft", version=t.version)
-        else:
-            if t.entropulse.observe_sft() == "rl":
-                if self.cfg.entropulse.reset_reference:
-                    self.jobs.run("reset_reference")
-                self.log.info("phase_change", to="rl", version=t.version)
+        switch = t.entropulse.observe(kind, m)
+        if switch == "rl" and self.cfg.entropulse.reset_reference:
+            self.jobs.run("reset_reference")
+        if switch is not None:
+            self.log.info("phase_change", to=switch, version=t.version)
         if outcomes:
             self._settle(outcomes)
         self._log_step(kind, m)
@@ -288,7 +294,7 @@ class Learner:
         # The last step's weights go to the checkpoint, not to the actors: nothing they would sample with them
         # is ever trained, and the round would race the actors' stop (a failed round logged at every run's end).
         last = bool(self.cfg.total_steps) and t.version >= self.cfg.total_steps
-        return self.publish(paused=t.entropulse.phase == "sft", new_weights=not last) is not None
+        return self.publish(paused=t.entropulse.sft, new_weights=not last) is not None
 
     def _maybe_checkpoint(self) -> None:
         if self.cfg.checkpoint_every and self.trainer.version % self.cfg.checkpoint_every == 0:

@@ -135,3 +135,21 @@ def test_a_learner_that_stops_is_counted_as_leaving_not_dead(tmp_path, monkeypat
     assert counters["learners_leaving"] == 1 and counters["learners_left"] == 1, dict(counters)
     assert counters.get("learners_dead", 0) == 0, dict(counters)
     assert (tb.run_dir.checkpoints / "latest").exists()
+
+
+def test_an_entropulse_phase_imitates_stored_successes_and_returns_to_rl(tmp_path):
+    """The learner loop through a whole Entropulse cycle: an RL step, then an SFT step on successes from the
+    broker's store, after which the phase is RL again; every version once, the audit balanced (with η = 1, what
+    waited through the SFT step is dropped as stale, never trained)."""
+    rd, _ = run_pipeline(tmp_path, "learner.entropulse.mode=schedule", "learner.entropulse.rl_steps=1",
+                         "learner.entropulse.sft_steps=1", "learner.entropulse.reset_reference=true", steps=2)
+    learner = _records(rd.metrics / "learner.jsonl")
+    assert [(r["step"], r["phase"]) for r in learner] == [(1, "rl"), (2, "sft")], learner
+    assert "empty" not in learner[1], "the SFT step trained on stored successes"
+    audit = reconcile(rd.root)
+    counts = audit.as_dict()
+    assert audit.ok and audit.acked == audit.trained_once + counts["dropped_total"] + audit.queued, audit.table()
+    assert audit.trained_once >= GROUPS_PER_BATCH and set(audit.dropped) <= {"stale"}, audit.table()
+    changes = [json.loads(x) for x in (rd.logs / "inprocess-0.jsonl").read_text().splitlines()
+               if '"phase_change"' in x]
+    assert [c["to"] for c in changes] == ["sft", "rl"], changes
