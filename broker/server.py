@@ -17,7 +17,6 @@ durable. Every group's lifecycle goes to the audit trail (``common.audit``).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 import time
 import uuid
@@ -25,33 +24,32 @@ from typing import Any
 
 import zmq
 
+from broker.actor_side import ActorSide
 from broker.config import BrokerConfig
+from broker.intake import GroupIntake
+from broker.learner_side import LearnerSide
 from broker.ledger import Ledger, QueuedGroup
 from broker.task_sampler import make_sampler
 from broker.spill import CommitThread, SpillLog
 from broker.store import SuccessStore
 from common import protocol as P
 from common.audit import AuditLog
-from common.group_rules import group_lag, no_reward_variance
 from common.metrics.writer import Histogram, MetricsWriter
-from common.net import (ConnectionMonitor, NetConfig, PeerState, PeerTable, RateLimitedLog, ServerSocket,
-                        answer_heartbeat, close_context, heard_from, limit_size, listen_backlog, open_context,
-                        raise_open_files, security_for, serve)
+from common.net import (ConnectionMonitor, NetConfig, PeerTable, RateLimitedLog, ServerSocket, close_context,
+                        limit_size, listen_backlog, open_context, raise_open_files, security_for, serve)
 from common.rundir import RunDir
 
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 PARKED_BUCKETS = (0, 0.01, 0.1, 1, 10, 60)  # seconds a ticket request waited for admission
 TURN_BUCKETS_MS = (0, 1, 5, 10, 25, 50, 100, 250)  # one loop turn's work, poll wait excluded
-HELLO_PUBLISH_GAP_S = 0.02
-"""a Hello asks for Control at once, but Hellos arriving together share one publish per this many seconds ..."""
-HELLO_PUBLISH_GAP_PER_ACTOR_S = 0.0001
-"""... or per this much per actor connected: a publish is one message to each, so a herd of 2,000 actors
-connecting gets 5 publishes a second (10,000 messages), not 50"""
-NO_BATCH_WARN_GROUPS = 10
-"""groups dropped in a row, in batches' worth, before the broker warns that no batch can form (once a minute)"""
 
 
-class Broker:
+class Broker(ActorSide, GroupIntake, LearnerSide):
+    """The broker: its sockets, its state and its loop (here), and its three sides, each in a file of its own —
+    tickets for actors (``actor_side.py``), groups arriving (``intake.py``: drops, replay, the memory bound) and
+    batches, commits and Control for the learner (``learner_side.py``). The bookkeeping they share is the pure
+    ``Ledger`` (``ledger.py``)."""
+
     def __init__(self, cfg: BrokerConfig, net: NetConfig, run_dir: RunDir, log: Any, seed: int = 0):
         self.cfg, self.net, self.run_dir, self.log = cfg, net, run_dir, log
         self.epoch = uuid.uuid4().hex[:12]
@@ -189,40 +187,7 @@ class Broker:
         self._deliver_batches()
         self._timers(now)
 
-    # ----- front: actors ---------------------------------------------------------------------
-
-    def _drain_front(self, now: float) -> None:
-        groups: list[tuple[bytes, P.TrajectoryGroup, list]] = []
-        for _ in range(self.cfg.max_drain):
-            try:
-                ident, msg, frames = self.front.recv_nowait()
-            except zmq.Again:
-                break
-            if msg is None:
-                continue
-            if isinstance(msg, P.TrajectoryGroup):
-                heard_from(self.front, self.actors, ident, msg, now, self.counters, msg.actor_id, "actor")
-                groups.append((ident, msg, frames))
-            elif isinstance(msg, P.TicketRequest):
-                heard_from(self.front, self.actors, ident, msg, now, self.counters, msg.actor_id, "actor")
-                self._on_ticket_request(ident, msg)
-            elif isinstance(msg, P.Heartbeat):
-                answer_heartbeat(self.front, self.actors, ident, msg, now, "broker", self.epoch, self.counters)
-            elif isinstance(msg, P.Goodbye):
-                peer = self.actors.remove(ident)
-                if peer is not None:
-                    self._actor_gone(peer, "left")
-            elif isinstance(msg, P.Hello):
-                heard_from(self.front, self.actors, ident, msg, now, self.counters, msg.peer_id, msg.role)
-                self.front.send(ident, self._ready())
-                # Published at the end of the turn, and Hellos arriving together share one publish.
-                gap = max(HELLO_PUBLISH_GAP_S, HELLO_PUBLISH_GAP_PER_ACTOR_S * len(self.actors.peers))
-                self._next_publish = min(self._next_publish, self._last_publish + gap)
-            else:
-                self._unexpected(self.front, ident, msg)
-        if groups:
-            self._on_groups(groups)
-            self.store.flush()
+    # ----- replies both sockets share --------------------------------------------------------
 
     def _ready(self) -> P.Ready:
         return P.Ready(role="broker", epoch=self.epoch, control=self.control, eta=self.cfg.eta)
@@ -232,380 +197,6 @@ class Broker:
         self.log.warning("message_rejected", socket=sock.name, reason="unexpected_type", msg_type=msg.TYPE)
         sock.send(ident, P.Error(code="unexpected_type", message=f"{msg.TYPE} is not served on {sock.name}",
                                  ref_type=msg.TYPE))
-
-    def _on_ticket_request(self, ident: bytes, msg: P.TicketRequest) -> None:
-        granted = self.request_ticket.get(msg.request_id)
-        if granted is not None and granted in self.ledger.running:
-            t = self.ledger.running[granted]
-            self.front.send(ident, self._ticket_msg(t))  # our reply was lost: same ticket again
-            return
-        self.parked.setdefault((ident, msg.request_id), time.monotonic())
-
-    def _ticket_msg(self, t, parked_s: float = 0.0) -> P.Ticket:
-        return P.Ticket(ticket_id=t.ticket_id, request_id=t.request_id, task_id=t.task_id,
-                        group_size=self.cfg.group_size, policy_version=t.version, lease_s=self.cfg.lease_s,
-                        phase=self.control.phase, parked_s=parked_s)
-
-    def _grant_tickets(self, now: float) -> None:
-        if self.control.paused or self.control.stop or self._stop_at is not None:
-            return
-        while self.parked and self.ledger.capacity() > 0:
-            (ident, request_id), parked_at = self.parked.popitem(last=False)
-            if ident not in self.actors.peers:
-                continue
-            if self.sampler.reissue:  # a reclaimed ticket's task goes out again before any new one
-                self.counters["tickets_reissued"] += 1
-            t = self.ledger.grant(request_id, self.sampler.next(), ident, now)
-            self.request_ticket[request_id] = t.ticket_id
-            self.state["tickets_issued"] = self.state.get("tickets_issued", 0) + 1
-            parked_s = time.monotonic() - parked_at  # not the turn's ``now``: requests parked during it are later
-            self.parked_hist.add(parked_s)
-            self.front.send(ident, self._ticket_msg(t, round(parked_s, 6)))
-
-    def _on_groups(self, groups: list[tuple[bytes, P.TrajectoryGroup, list]]) -> None:
-        seen_now: set[str] = set()
-        orders: dict[str, int | None] = {}
-        to_write: list[tuple[bytes, P.TrajectoryGroup, list]] = []
-        replies: list[tuple[bytes, P.Ack]] = []
-        for ident, g, frames in groups:
-            if g.group_id in self.recent or g.group_id in seen_now:
-                self.counters["dropped_duplicate"] += 1
-                replies.append((ident, P.Ack(group_id=g.group_id, accepted=True, duplicate=True)))
-                continue
-            seen_now.add(g.group_id)
-            if "replayed" in g.info:
-                # Only the broker replays: a replayed slot is exempt from η, so an actor may not claim one.
-                self.counters["rejected_replayed_by_actor"] += 1
-                self.log.warning("group_rejected", group=g.group_id, actor=g.actor_id, reason="replayed_by_actor")
-                self.audit.write("dropped", g=g.group_id, task=g.task_id, r="replayed_by_actor",
-                                 bv=g.behavior_version_min)  # the audit's table accounts for it like any drop
-                replies.append((ident, P.Ack(group_id=g.group_id, accepted=False, reason="replayed_by_actor")))
-                self._remember(g.group_id)
-                continue
-            t = self.ledger.settle(g.ticket_id)
-            if t is not None:
-                self.request_ticket.pop(t.request_id, None)
-            orders[g.group_id] = t.seq if t is not None else None
-            for traj in g.trajectories:
-                if traj.success:
-                    self.store.add(g.task_id, traj)
-            if g.complete:  # an environment error says nothing about the policy
-                self.sampler.observe(g.task_id, [traj.success for traj in g.trajectories])
-            if self.cfg.replay != "off":
-                g, frames = self._replay(g, frames)
-            reason = self._drop_reason(g)
-            if reason:
-                self.counters[f"dropped_{reason}"] += 1
-                self._dropped_in_a_row[reason] = self._dropped_in_a_row.get(reason, 0) + 1
-                in_a_row = sum(self._dropped_in_a_row.values())
-                if in_a_row >= NO_BATCH_WARN_GROUPS * self.cfg.groups_per_batch:
-                    # Nothing admitted for a long while: no batch can form and the learner waits. Say why.
-                    self.no_batch_log.warning("groups_all_dropped", ("in_a_row",), in_a_row=in_a_row,
-                                              by_reason=dict(self._dropped_in_a_row),
-                                              hint="every rollout of a group ends alike (all fail or all "
-                                                   "succeed): no learning signal while this lasts")
-                self.audit.write("dropped", g=g.group_id, task=g.task_id, r=reason, bv=g.behavior_version_min)
-                replies.append((ident, P.Ack(group_id=g.group_id, accepted=False, reason=reason)))
-                self._remember(g.group_id)
-                continue
-            to_write.append((ident, g, frames))
-            self._dropped_in_a_row.clear()
-        for _, g, _ in to_write:
-            self._remember(g.group_id)  # from now on a retry is a duplicate
-        if self.commit is None:
-            # No durability asked for: queue at once (the log is only where overflow waits).
-            self._queue_committed(to_write, [None] * len(to_write), orders)
-            self._audit_acked(to_write)
-            replies.extend((ident, P.Ack(group_id=g.group_id, accepted=True)) for ident, g, _ in to_write)
-            self._send_acks(replies)
-        elif to_write or self.commit.pending:
-            # Acks leave only after the fdatasync covering these groups (and, to keep order, every
-            # earlier one: a duplicate's original may still be in flight).
-            self.ledger.committing += len(to_write)
-            self.commit.submit([(g.group_id, f) for _, g, f in to_write], ("groups", to_write, replies, orders))
-        else:
-            self._send_acks(replies)
-
-    def _audit_acked(self, items: list) -> None:
-        self.audit.write_many(("acked", {"g": g.group_id, "task": g.task_id, "actor": g.actor_id,
-                                         "bv": [g.behavior_version_min, g.behavior_version_max]}) for _, g, _ in items)
-
-    def _send_acks(self, replies: list[tuple[bytes, P.Ack]]) -> None:
-        for ident, ack in replies:
-            self.front.send(ident, ack)
-
-    def _queue_committed(self, items: list, locations: list, orders: dict) -> None:
-        for (ident, g, frames), loc in zip(items, locations):
-            nbytes = P.frames_nbytes(frames)
-            self.ledger.enqueue(QueuedGroup(g.group_id, g.task_id, g.behavior_version_min, nbytes, loc, frames),
-                                orders[g.group_id])
-            self.mem_bytes += nbytes
-        self._bound_memory()
-
-    def _commits_done(self) -> None:
-        while True:
-            try:
-                self.wake.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-        for token, locations in self.commit.completed():
-            if token[0] == "commit":
-                if locations is not None:
-                    self.back.send(token[1], token[2])
-                continue
-            _, items, replies, orders = token
-            self.ledger.committing -= len(items)
-            if locations is None:
-                # The disk failed: nothing here is durable. Forget the ids so the actors' retries count.
-                self.counters["commit_failed_groups"] += len(items)
-                self.log.error("spill_commit_failed", groups=len(items), error=repr(self.commit.error))
-                for _, g, _ in items:
-                    self.recent.pop(g.group_id, None)
-                self._send_acks([r for r in replies if not r[1].accepted or r[1].duplicate])
-                continue
-            self._queue_committed(items, locations, orders)
-            self._audit_acked(items)
-            self._send_acks(replies + [(ident, P.Ack(group_id=g.group_id, accepted=True)) for ident, g, _ in items])
-        self.spill.maybe_rotate(lambda: (list(self.recent), self._durable_state()))
-
-    def _replay(self, g: P.TrajectoryGroup, frames: list) -> tuple[P.TrajectoryGroup, list]:
-        """ARPO-style replay. A complete group whose rollouts all failed alike has no advantage anywhere; when the
-        success store holds a success of its task (``replay: task``) or family (``family``) sampled within
-        ``replay_max_age`` versions of the next train version (η unless set), that success takes the last rollout's
-        place, and the group teaches it against the failures. Successes of hard tasks are rare, so few fall within
-        η: a longer age is allowed for the replayed slot alone, whose importance weights (its own behaviour
-        log-probs and per-token versions) correct for its age. The group's behaviour versions stay those of the
-        rollouts it played, which alone the staleness bound η governs. Curation saw the group's own outcomes
-        before this, and ``info["replayed"]`` names the slot so the learner leaves it out of its success rate."""
-        if (len(g.trajectories) < 2 or not g.complete or any(t.success for t in g.trajectories)
-                or not no_reward_variance(g.rewards)):
-            return g, frames  # a group keeps at least one rollout it played
-        max_age = self.cfg.replay_max_age or self.cfg.eta
-        found = self.store.newest_fresh(g.task_id, self.cfg.replay, self.ledger.next_train_version() - max_age)
-        if found is None:
-            self.counters["replay_none_fresh"] += 1
-            return g, frames
-        played = g.trajectories[:-1]
-        spans = [(int(t.versions.min()), int(t.versions.max())) for t in played if len(t.versions)]
-        g = dataclasses.replace(g, trajectories=[*played, found], info={**g.info, "replayed": [len(played)]},
-                                behavior_version_min=min((lo for lo, _ in spans), default=g.behavior_version_min),
-                                behavior_version_max=max((hi for _, hi in spans), default=g.behavior_version_max))
-        self.counters["groups_replayed"] += 1
-        return g, P.encode(g)
-
-    def _drop_reason(self, g: P.TrajectoryGroup) -> str:
-        if not g.complete:  # the learner could not train it either (an episode of it is missing)
-            return "incomplete"
-        if self.cfg.dynamic_sampling and no_reward_variance(g.rewards):
-            return "zero_variance"
-        if self.ledger.too_stale(g.behavior_version_min):
-            return "stale"
-        return ""
-
-    def _remember(self, group_id: str) -> None:
-        self.recent[group_id] = None
-        while len(self.recent) > self.cfg.dedupe_window:
-            self.recent.popitem(last=False)
-
-    def _bound_memory(self) -> None:
-        """Past ``memory_bytes``, the newest groups (served last) give up their frames and wait on disk."""
-        if self.mem_bytes <= self.cfg.memory_bytes:
-            return
-        for g in self.ledger.queue.newest_first():
-            if self.mem_bytes <= self.cfg.memory_bytes:
-                break
-            if g.frames is None:
-                continue
-            if g.location is None:  # not persisted: write it now, without fsync
-                (g.location,) = self.spill.append_groups([(g.group_id, g.frames)], sync=False)
-            g.frames = None
-            self.mem_bytes -= g.nbytes
-            self.counters["groups_spilled_to_disk"] += 1
-
-    # ----- back: learner ---------------------------------------------------------------------
-
-    def _drain_back(self, now: float) -> None:
-        for _ in range(self.cfg.max_drain):
-            try:
-                ident, msg, _ = self.back.recv_nowait()
-            except zmq.Again:
-                break
-            if msg is None:
-                continue
-            if isinstance(msg, P.Heartbeat):
-                answer_heartbeat(self.back, self.learners, ident, msg, now, "broker", self.epoch, self.counters)
-                continue
-            if isinstance(msg, P.Goodbye):
-                peer = self.learners.remove(ident)
-                if peer is not None:
-                    self._learner_gone(peer, "left")
-                continue
-            heard_from(self.back, self.learners, ident, msg, now, self.counters,
-                       getattr(msg, "learner_id", "") or getattr(msg, "peer_id", ""), "learner")
-            if isinstance(msg, P.BatchRequest):
-                self.credits[ident] += max(0, msg.credits)
-                if msg.version != self.ledger.version:
-                    self._set_version(msg.version)
-            elif isinstance(msg, P.Commit):
-                self._on_commit(ident, msg)
-            elif isinstance(msg, P.Leaving):
-                self._learner_leaving(ident, msg)
-            elif isinstance(msg, P.Holding):
-                self._on_holding(ident, msg)
-            elif isinstance(msg, P.Control):
-                self._on_control(ident, msg)
-            elif isinstance(msg, P.SuccessRequest):
-                samples = self.store.sample(msg.k_per_task, msg.max_tasks, msg.seed)
-                self.back.send(ident, P.SuccessBatch(samples=samples, tasks_in_store=len(self.store.tasks)))
-            elif isinstance(msg, P.Hello):
-                # A (re)connecting learner may have restarted from its last checkpoint: everything it had not
-                # committed is delivered again (a learner that merely reconnected drops what it still has).
-                self._requeue(ident, "learner_reconnected", msg.peer_id)
-                self.credits.pop(ident, None)
-                self.back.send(ident, self._ready())
-            else:
-                self._unexpected(self.back, ident, msg)
-
-    def _actor_gone(self, peer: PeerState, how: str) -> None:
-        """An actor declared dead (silent) or that left (Goodbye): its tickets' tasks go out again, its parked
-        requests are dropped."""
-        lost = self.ledger.reclaim(holder=peer.ident)
-        for t in lost:
-            self.sampler.reissue.append(t.task_id)
-            self.request_ticket.pop(t.request_id, None)
-        for key in [k for k in self.parked if k[0] == peer.ident]:
-            del self.parked[key]
-        self.counters[f"actors_{how}"] += 1
-        if how == "dead" or lost:
-            self.log.warning(f"actor_{how}", actor=peer.peer_id, tickets_reclaimed=len(lost))
-        else:
-            self.log.info(f"actor_{how}", actor=peer.peer_id)
-
-    def _learner_leaving(self, ident: bytes, msg: P.Leaving) -> None:
-        """A learner stopping on purpose: no new batches for it (it will not train them); what it holds stays its
-        own until its Goodbye or its silence, since its last step and checkpoint may still commit them."""
-        peer = self.learners.peers.get(ident)
-        if peer is not None and not peer.leaving:
-            peer.leaving = msg.reason or "stopping"
-            self.counters["learners_leaving"] += 1
-            self.log.info("learner_leaving", learner=msg.peer_id, reason=peer.leaving)
-        self.credits.pop(ident, None)
-
-    def _learner_gone(self, peer: PeerState, how: str) -> None:
-        """A learner declared dead (silent) or that left (Goodbye): what it had not committed is delivered again, its
-        credit is forgotten."""
-        self.counters[f"learners_{how}"] += 1
-        self._requeue(peer.ident, f"learner_{how}", peer.peer_id)
-        self.credits.pop(peer.ident, None)
-
-    def _set_version(self, version: int) -> None:
-        newer = version > self.state.get("version", 0)
-        self.ledger.set_version(version)
-        self.control.version = version
-        self.state["version"] = version
-        if newer:
-            # Durable at once: a broker restarted with an older version held groups admitted at the newer one above
-            # its own admission bound (accepted + running > (eta + v + 1) x B) until the learner restated it.
-            self._consumed([])
-
-    def _on_control(self, ident: bytes, msg: P.Control) -> None:
-        changed = (msg.version, msg.phase, msg.paused, msg.stop) != (
-            self.control.version, self.control.phase, self.control.paused, self.control.stop)
-        self._set_version(msg.version)
-        self.control.phase, self.control.paused, self.control.stop = msg.phase, msg.paused, msg.stop
-        self.control.content_version, self.control.weights = msg.content_version, msg.weights
-        self.state["phase"] = msg.phase
-        if changed:
-            self.control.seq += 1
-            self.log.info("control", version=msg.version, phase=msg.phase, paused=msg.paused, stop=msg.stop)
-        if msg.stop and self._stop_at is None:
-            self._stop_at = time.monotonic() + self.cfg.stop_grace_s
-        # Published at the end of this turn, after the tickets the new version lets out: a publish is a message to
-        # every actor, and tickets queued behind thousands of them waited 30 ms at 1,000 actors (docs/scale.md).
-        self._next_publish = 0.0
-        self.back.send(ident, self.control)
-
-    def _on_commit(self, ident: bytes, msg: P.Commit) -> None:
-        groups, unknown = self.ledger.commit(msg.group_ids)
-        if unknown:
-            self.counters["commit_unknown_groups"] += unknown  # consumed before: a retried Commit
-        self.audit.write("consumed", gs=[g.group_id for g in groups], v=msg.version)
-        for g in groups:
-            self._forget(g)
-        if self.commit is not None:
-            # Echo once the consumed record is durable: a committed group is never delivered again.
-            self.commit.submit_consumed([g.group_id for g in groups], [g.location for g in groups],
-                                        self._durable_state(), token=("commit", ident, msg))
-        else:
-            self._consumed(groups)
-            self.back.send(ident, msg)
-
-    def _on_holding(self, ident: bytes, msg: P.Holding) -> None:
-        """A learner back from a lost link still holds groups its handshake sent back to the queue: they are its
-        again (counted once in admission, never delivered twice); whatever it does not hold stays queued."""
-        if msg.version != self.ledger.version:
-            self._set_version(msg.version)
-        batch, missing = self.ledger.hold(ident, msg.group_ids, msg.untrained_batches)
-        if batch is not None:
-            self.audit.write("held", gs=[g.group_id for g in batch.groups], b=batch.batch_id, v=msg.version)
-        if missing:
-            self.counters["held_groups_not_queued"] += missing  # consumed or dropped meanwhile: not expected
-        self.log.info("learner_holding", learner=msg.learner_id, groups=len(batch.groups) if batch else 0,
-                      not_queued=missing, untrained_batches=msg.untrained_batches)
-
-    def _requeue(self, ident: bytes, event: str, peer_id: str) -> None:
-        back = self.ledger.requeue_delivered(holder=ident)
-        if back:
-            self.audit.write("requeued", gs=[g.group_id for g in back])
-            self.log.warning(event, learner=peer_id, groups_requeued=len(back))
-
-    def _deliver_batches(self) -> None:
-        for ident in list(self.credits):
-            while self.credits[ident] > 0:
-                batch, dropped = self.ledger.take_batch(ident)
-                for g in dropped:
-                    self._forget(g)
-                if dropped:
-                    self.audit.write_many(("dropped", {"g": g.group_id, "task": g.task_id, "r": "stale",
-                                                       "bv": g.behavior_version_min}) for g in dropped)
-                    self._consumed(dropped)
-                    # Drops found while too few groups waited for a batch ride on the next batch sent.
-                    self.unreported_drops += len(dropped)
-                if batch is None:
-                    return
-                self.credits[ident] -= 1
-                self._send_batch(ident, batch, self.unreported_drops)
-                self.unreported_drops = 0
-            del self.credits[ident]
-
-    def _consumed(self, groups: list[QueuedGroup]) -> None:
-        """Record groups as gone for good (delivered and confirmed, or dropped)."""
-        ids, locs = [g.group_id for g in groups], [g.location for g in groups]
-        if self.commit is not None:
-            self.commit.submit_consumed(ids, locs, self._durable_state())
-        else:
-            self.spill.mark_consumed(ids, locs, self._durable_state())
-
-    def _forget(self, g: QueuedGroup) -> None:
-        if g.frames is not None:
-            self.mem_bytes -= g.nbytes
-            g.frames = None
-
-    def _send_batch(self, ident: bytes, batch, dropped: int) -> None:
-        raws = []
-        lags = []
-        for g in batch.groups:
-            frames = g.frames if g.frames is not None else self.spill.read(g.location)
-            raws.append(P.RawMessage(frames))
-            lag = group_lag(batch.train_version, g.behavior_version_min)
-            lags.append(lag)
-            self.lag_hist.add(lag)
-            if g.location is not None:  # on disk: read again if the learner restarts before committing it
-                self._forget(g)
-        msg = P.Batch(batch_id=batch.batch_id, train_version=batch.train_version, groups=[],
-                      max_lag=max(lags), mean_lag=sum(lags) / len(lags), dropped_stale=dropped)
-        self.audit.write("delivered", b=batch.batch_id, v=batch.train_version, gs=[g.group_id for g in batch.groups])
-        self.back.send_frames(ident, P.encode_with_embedded(msg, groups=raws))
 
     # ----- timers ----------------------------------------------------------------------------
 
