@@ -182,7 +182,7 @@ def _release(pg: Any, failed: bool) -> None:
         pass
 
 
-def placement(device: Any) -> str:
+def tensor_home(device: Any) -> str:
     """Where a member's tensors live, as filed at join: ``cpu`` or ``cuda:<GPU uuid>``."""
     import torch
 
@@ -193,8 +193,8 @@ def placement(device: Any) -> str:
 
 
 def choose_backend(configured: str, places: Sequence[str]) -> str:
-    """The epoch's backend from every member's placement (the learner's first); raises ``ValueError``
-    with the reason when ``nccl`` or ``cuda_ipc`` is asked for and cannot work."""
+    """The epoch's backend from where every member's tensors live (``tensor_home``; the learner's first); raises
+    ``ValueError`` with the reason when ``nccl`` or ``cuda_ipc`` is asked for and cannot work."""
     all_gpu = all(p.startswith("cuda:") for p in places)
     distinct = len(set(places)) == len(places)
     one_gpu = all_gpu and len(set(places)) == 1
@@ -259,7 +259,7 @@ class WeightSender:
         self._forming, self.members = False, joined
         if not joined:
             return
-        places = [placement(device)] + [self.store.get(f"e{e}/place/{r}").decode() for r in range(1, joined + 1)]
+        places = [tensor_home(device)] + [self.store.get(f"e{e}/place/{r}").decode() for r in range(1, joined + 1)]
         try:
             self.backend = choose_backend(cfg.backend, places)
         except ValueError as exc:
@@ -372,7 +372,7 @@ class WeightReceiver:
         try:
             store = self._connect()
             rank = int(store.add(f"e{epoch}/joined", 1))
-            store.set(f"e{epoch}/place/{rank}", placement(device))
+            store.set(f"e{epoch}/place/{rank}", tensor_home(device))
             world = int(store.get(f"e{epoch}/world"))
             backend = store.get(f"e{epoch}/backend").decode() if rank < world else ""
         except Exception as exc:  # the learner is gone or the store is unreachable

@@ -18,7 +18,7 @@ from actor.engine import EngineConfig, SamplingParams  # noqa: E402
 from actor.hf_engine import HFEngine  # noqa: E402
 from policy.model import ModelConfig, sequence_logprobs  # noqa: E402
 from common.net import free_port  # noqa: E402
-from policy.weightsync import WeightReceiver, WeightSender, WeightSyncConfig, placement  # noqa: E402
+from policy.weightsync import WeightReceiver, WeightSender, WeightSyncConfig, tensor_home  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
 from tests.conftest import stage_weights_before_window  # noqa: E402
@@ -103,7 +103,7 @@ def _receive(port: int, q) -> None:
     rx = WeightReceiver(cfg, None)
     for r in (1, 2):
         version, tensors = rx.receive(r, 1, like)
-        q.put((version, {n: t.float().cpu() for n, t in tensors.items()}, str(tensors["w"].dtype), placement("cuda")))
+        q.put((version, {n: t.float().cpu() for n, t in tensors.items()}, str(tensors["w"].dtype), tensor_home("cuda")))
 
 
 @pytest.mark.parametrize("backend,expected", [("auto", "cuda_ipc"), ("gloo", "gloo")])
@@ -127,7 +127,7 @@ def test_a_round_between_two_processes_on_one_gpu(quiet_log, backend, expected):
                 "c": torch.randn(10, device="cuda", generator=g).bfloat16()}
         assert sender.broadcast(list(sent.items()), version, 1) == 1
         got_version, got, dtype, place = q.get(timeout=120)
-        assert got_version == version and dtype == "torch.bfloat16" and place == placement("cuda")
+        assert got_version == version and dtype == "torch.bfloat16" and place == tensor_home("cuda")
         for n, t in sent.items():
             assert torch.equal(got[n], t.float().cpu()), n
         del sent
