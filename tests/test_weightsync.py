@@ -243,7 +243,7 @@ def test_a_cuda_ipc_round_passes_handles_copies_and_closes_with_a_barrier_that_c
 
     monkeypatch.setattr(ipc, "export", export)
     monkeypatch.setattr(ipc, "open_tensor", open_tensor)
-    monkeypatch.setattr(ws, "placement", lambda device: "cuda:GPU-same")
+    monkeypatch.setattr(ws, "tensor_home", lambda device: "cuda:GPU-same")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     cfg = WeightSyncConfig(port=free_port(), join_window_s=3.0, timeout_s=5.0, bucket_mb=0.001)
     sender = WeightSender(cfg, quiet_log)
