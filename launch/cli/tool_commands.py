@@ -1,4 +1,5 @@
-"""Commands around a run rather than in it: ``eval``, ``pretrain``, ``tiny-checkpoint`` and ``config``."""
+"""Commands around a run rather than in it: ``eval``, ``pretrain``, ``tiny-checkpoint``, ``config`` and
+``check-families``."""
 
 from __future__ import annotations
 
@@ -109,3 +110,35 @@ def config_cmd(config: str | None, describe: bool, overrides: tuple[str, ...]) -
             click.echo(f"{key:<40} {tp:<10} {default!s:<16} {doc}")
         return
     click.echo(yaml.safe_dump(configlib.to_dict(load_config(config, overrides)), sort_keys=False), nl=False)
+
+
+@main.command("check-families")
+@click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)
+@click.option("--families", default="", help="comma-separated families to check (default: every family)")
+@click.option("--seeds", default=3, show_default=True, help="instances per split each solver plays")
+@click.option("--overlap-seeds", default=300, show_default=True,
+              help="instances per split generated to compare held-out against training")
+@click.option("--route", type=click.Choice(["api", "gui"]), default="api", show_default=True,
+              help="the solvers' route, where a desktop's solvers have two")
+@click.option("--strict-overlap", is_flag=True, help="also fail a family whose held-out instances equal training ones")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@click.argument("overrides", nargs=-1)
+def check_families_cmd(config: str | None, families: str, seeds: int, overlap_seeds: int, route: str,
+                       strict_overlap: bool, as_json: bool, overrides: tuple[str, ...]) -> None:
+    """Play every task family's scripted solver through the config's backend (env_server.backend) on training and
+    held-out instances, and count held-out instances equal to training ones; exit 1 when a solver failed."""
+    from launch.check_families import check_families, report
+
+    cfg = load_config(config, overrides)
+    try:
+        checks = check_families(cfg.env_server, [f for f in families.split(",") if f] or None, seeds,
+                                overlap_seeds, route)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    ok = all(c.ok(strict_overlap) for c in checks)
+    if as_json:
+        click.echo(json.dumps({"families": [c.as_dict(strict_overlap) for c in checks], "ok": ok}))
+    else:
+        click.echo("\n".join(report(checks, strict_overlap)))
+    if not ok:
+        raise SystemExit(1)
