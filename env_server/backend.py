@@ -6,6 +6,9 @@ with the model's raw output each turn, ``evaluate()`` at the end, ``healthy()`` 
 The simulated desktop (``env_server/sim/backend.py``), the real ones (xvfb, apptainer: ``env_server/desktop/``)
 and MiniWoB (``env_server/miniwob/``) implement them; ``blocking`` tells the server to run their calls on worker
 threads with a step timeout. ``env_server/backend_registry.py`` names them.
+
+``TaskBackend`` is the base for a desktop whose tasks come from a ``TaskRegistry`` (an environment of one's own,
+``docs/add-an-environment.md``): it owns what every such desktop does alike, and leaves four methods to write.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from env_server.actions import ActionError, parse_action
+from env_server.actions import Action, ActionError, parse_action
+from env_server.families import Task, TaskFamily, TaskRegistry
 
 
 @dataclass
@@ -21,10 +25,16 @@ class StepResult:
     """What one step returns to the actor."""
 
     obs: dict
+    """the observation after the step (``observation()``'s dict: ``text``, ``instruction``, ``last_result``, ...)"""
     done: bool
+    """the episode is over: the agent said done() or fail(), or the step limit was reached"""
     format_error: bool = False
+    """the output was not one well-formed action (the step still counts)"""
     action_error: bool = False
+    """a well-formed action the desktop refused (no such target, ...): said in the next observation's last_result"""
     info: dict = field(default_factory=dict)
+    """``outcome``: "done" or "fail" when the agent declared one, else None; ``truncated``: ended by the step limit
+    (the actor records an episode's finish as its outcome, else "step_limit")"""
 
 
 class BackendError(RuntimeError):
@@ -36,6 +46,10 @@ class Backend:
 
     name = ""
     blocking = False
+    # The per-episode counters ``_apply_text`` keeps (a backend resets them in ``reset``).
+    steps = 0
+    format_errors = 0
+    last_result = ""
 
     def reset(self, task_id: str) -> dict:
         raise NotImplementedError
@@ -76,3 +90,81 @@ class Backend:
         return False, False
 
 
+class TaskBackend(Backend):
+    """A desktop whose tasks come from a ``TaskRegistry``. It owns what every such desktop does alike: a task id
+    made into its instance (``tasks.make_task``), the per-episode counters, the step limit (``max_steps``, else the
+    family's), the agent's ``done()`` and ``fail()``, the ``StepResult.info`` fields, and playing and judging an
+    episode with the family's own ``solve`` and ``verify``, both called as ``(params, state())``. An infeasible
+    task (``feasible=False``) is solved by ``fail()`` alone; ``fail()`` on a feasible one is a failure.
+
+    What a subclass writes: ``start(task)`` (set the desktop up for the instance, e.g. from
+    ``family.setup(task.params)``), ``state()`` (what ``verify`` and ``solve`` read), ``act(action)`` (one parsed
+    action other than done/fail: its result text, or ``ActionError``), ``observation()`` (the dict the prompt
+    shows: at least ``instruction``, ``text`` and ``last_result``)."""
+
+    def __init__(self, tasks: TaskRegistry, max_steps: int = 0):
+        self.tasks, self.max_steps = tasks, max_steps
+        self.task: Task | None = None
+        self.outcome: str | None = None
+        """"done" or "fail" once the agent has said so this episode"""
+
+    @property
+    def family(self) -> TaskFamily:
+        return self.tasks.families[self._current().family]
+
+    def _current(self) -> Task:
+        if self.task is None:
+            raise ActionError("reset the session with a task first")
+        return self.task
+
+    def step_limit(self) -> int:
+        return self.max_steps or self._current().max_steps
+
+    # ----- what a subclass writes ------------------------------------------------------------------
+
+    def start(self, task: Task) -> None:
+        raise NotImplementedError
+
+    def state(self) -> Any:
+        raise NotImplementedError
+
+    def act(self, action: Action) -> str:
+        raise NotImplementedError
+
+    def observation(self) -> dict:
+        raise NotImplementedError
+
+    # ----- the interface, done once ----------------------------------------------------------------
+
+    def reset(self, task_id: str) -> dict:
+        task = self.tasks.make_task(task_id)  # ActionError for an id this registry cannot read: the actor is told
+        self.start(task)
+        self.task, self.outcome = task, None
+        self.steps, self.format_errors, self.last_result = 0, 0, ""
+        return self.observation()
+
+    def step(self, text: str) -> StepResult:
+        self._current()
+        format_error, action_error = self._apply_text(text, self._declare_or_act)
+        done = self.outcome is not None or self.steps >= self.step_limit()
+        return StepResult(self.observation(), done, format_error, action_error,
+                          {"outcome": self.outcome, "truncated": done and self.outcome is None})
+
+    def _declare_or_act(self, action: Action) -> str:
+        if action.name in ("done", "fail"):
+            self.outcome = action.name
+            return "finished" if action.name == "done" else "gave up"
+        return self.act(action)
+
+    def scripted_actions(self, route: str = "gui", rng: Any = None, demo: Any = None) -> Iterator[str]:
+        task = self._current()
+        return self.family.solver(demo, rng)(task.params, self.state())
+
+    def evaluate(self) -> dict:
+        task = self._current()
+        if not task.feasible:
+            success = self.outcome == "fail"
+        else:
+            success = self.outcome != "fail" and bool(self.family.verify(task.params, self.state()))
+        return {"reward": float(success), "success": success, "family": task.family, "steps": self.steps,
+                "format_errors": self.format_errors, "outcome": self.outcome}

@@ -18,9 +18,9 @@ from typing import Iterator
 
 from common.config import build
 from env_server.actions import Action, ActionError
-from env_server.backend import Backend, StepResult
+from env_server.backend import TaskBackend
 from env_server.backend_registry import Plugin
-from env_server.families import TaskFamily, TaskRegistry
+from env_server.families import Task, TaskFamily, TaskRegistry
 
 TASKS = TaskRegistry("lamps")  # the prefix of this environment's task ids and suites
 
@@ -59,36 +59,27 @@ TASKS.register(TaskFamily(
     max_steps=8))
 
 
-# ----- the desktop: five methods the env_server drives ---------------------------------------------------------
+# ----- the desktop: four methods; TaskBackend does the rest --------------------------------------------------
 
-class LampPanel(Backend):
-    """One panel. ``blocking = False``: calls are instant, so the env_server runs them on its loop."""
+class LampPanel(TaskBackend):
+    """One panel. ``TaskBackend`` turns task ids into instances, counts steps and format errors, ends an episode at
+    done(), fail() or the step limit, and plays and judges it with the family's ``solve`` and ``verify``.
+    ``blocking = False``: calls are instant, so the env_server runs them on its loop."""
 
     name = "lamps"
 
     def __init__(self, max_steps: int, seed: int):
-        self.max_steps_option, self.seed = max_steps, seed
-        self.task, self.on, self.finished = None, [], False
-        self.steps = self.format_errors = 0
-        self.last_result = ""
+        super().__init__(TASKS, max_steps)  # max_steps 0: each family's own limit
+        self.seed = seed
+        self.on: list[bool] = []
 
-    def reset(self, task_id: str) -> dict:
-        self.task = TASKS.make_task(task_id)  # ActionError on a malformed id: the actor is told, nothing breaks
-        self.on = TASKS.families[self.task.family].setup(self.task.params)
-        self.finished, self.steps, self.format_errors, self.last_result = False, 0, 0, ""
-        return self.observation()
+    def start(self, task: Task) -> None:
+        self.on = TASKS.families[task.family].setup(task.params)
 
-    def step(self, text: str) -> StepResult:
-        if self.task is None:
-            raise ActionError("reset the session with a task first")
-        format_error, action_error = self._apply_text(text, self._act)  # parses the API-GUI action, counts
-        done = self.finished or self.steps >= (self.max_steps_option or self.task.max_steps)
-        return StepResult(self.observation(), done, format_error, action_error)
+    def state(self) -> list[bool]:  # what the families' verify and solve read
+        return list(self.on)
 
-    def _act(self, action: Action) -> str:
-        if action.name == "done":
-            self.finished = True
-            return "finished"
+    def act(self, action: Action) -> str:
         if action.name != "click" or action.params.get("target") is None:
             raise ActionError(f"{action.name} does nothing on this panel: click(<lamp number>) or done()")
         target = action.params["target"]
@@ -98,17 +89,6 @@ class LampPanel(Backend):
             raise ActionError(f"no lamp {target!r} (lamps 1..{len(self.on)})")
         self.on[i] = not self.on[i]
         return f"lamp {i + 1} is {'on' if self.on[i] else 'off'}"
-
-    def scripted_actions(self, route: str = "gui", rng=None, demo=None) -> Iterator[str]:
-        """The task's solver from the panel as it is now (what demonstrations are recorded from)."""
-        return TASKS.families[self.task.family].solve(self.task.params, list(self.on))
-
-    def evaluate(self) -> dict:
-        if self.task is None:
-            raise ActionError("no episode to evaluate")
-        success = bool(TASKS.families[self.task.family].verify(self.task.params, self.on))
-        return {"reward": float(success), "success": success, "family": self.task.family, "steps": self.steps,
-                "format_errors": self.format_errors}
 
     def observation(self) -> dict:
         rows = [f"[{i + 1}] button 'Lamp {i + 1}' ({'on' if lit else 'off'})" for i, lit in enumerate(self.on)]
