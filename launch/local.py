@@ -69,10 +69,14 @@ class LocalConfig:
     """loopback port of the learner ranks' rendezvous (MASTER_PORT) when learner_ranks > 1"""
     netns: str = ""
     """file of a network fabric (launch/netns.py) whose namespaces the roles run in, one each ("" = none)"""
+    port_base: int = 0
+    """every port the run binds numbered from this one up, the actors pointed at its env_server (0 = each key's own)"""
 
     def validate(self) -> None:
         if self.actors < 1 or self.learner_ranks < 1:
             raise ValueError("local.actors and local.learner_ranks must be >= 1")
+        if self.port_base and not 1024 <= self.port_base <= 65535 - len(PORT_KEYS):
+            raise ValueError(f"local.port_base must be 0 or within 1024..{65535 - len(PORT_KEYS)}")
         if self.stop_timeout_s <= 0 or self.learner_stop_timeout_s <= 0 or self.eval_timeout_s <= 0:
             raise ValueError("local.stop_timeout_s, local.learner_stop_timeout_s and local.eval_timeout_s must be > 0")
         if self.netns:
@@ -105,6 +109,14 @@ def fit_to_local_run(cfg: Any) -> list[str]:
     """Settings a local run derives from its own shape (every role on this machine, their number known);
     returns a note for each value it changed."""
     notes = []
+    base = cfg.local.port_base
+    if base:
+        for i, key in enumerate(PORT_KEYS):
+            section, name = key.split(".")
+            setattr(getattr(cfg, section), name, base + i)
+        if all(a.split(":")[0] in ("127.0.0.1", "localhost") for a in cfg.actor.env_servers):
+            cfg.actor.env_servers = [f"127.0.0.1:{cfg.env_server.port}"]
+        notes.append(f"ports {base}..{base + len(PORT_KEYS) - 1} (local.port_base): {', '.join(PORT_KEYS)}")
     if cfg.learner.expected_actors == 0:
         # Every actor of this run is known: a weight round closes as soon as they all joined.
         cfg.learner.expected_actors = cfg.local.actors * cfg.actor.engine.weight_receivers

@@ -196,3 +196,15 @@ def test_a_name_loaded_by_import_path_is_imported_at_config_load(key, name, says
         load_run_config(REPO_CONFIG, [f"{key}={name}"])
     out = CliRunner().invoke(main, ["run", str(REPO_CONFIG), f"{key}={name}"])
     assert out.exit_code == 2 and ("cannot load" in out.output or "not a function" in out.output), out.output
+
+
+def test_one_key_moves_every_port_of_a_local_run():
+    from launch.local import PORT_KEYS, fit_to_local_run
+
+    cfg = load_run_config(REPO / "configs" / "local.yaml", ["local.port_base=31000"])
+    notes = fit_to_local_run(cfg)
+    ports = [getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) for k in PORT_KEYS]
+    assert ports == list(range(31000, 31000 + len(PORT_KEYS))) and any("local.port_base" in n for n in notes)
+    assert cfg.actor.env_servers == [f"127.0.0.1:{cfg.env_server.port}"]
+    with pytest.raises(ConfigError, match="port_base"):
+        load_run_config(None, ["local.port_base=80"])
