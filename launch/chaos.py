@@ -239,6 +239,12 @@ def run_chaos(config: str, run_dir: Path, steps: int, faults: list[Fault], overr
             rc = sup.poll()
             if rc is not None:
                 if rc == 0:
+                    if active is not None:  # the run finished inside a partition: the resume must not start cut off
+                        _end(active, fabric)
+                        active.ended_at = time.monotonic()
+                        say(f"{active.kind} of {active.role}-{active.rank} ended with the run, after "
+                            f"{active.ended_at - active.started_at:.1f} s")
+                        active = None
                     break  # finished (a fault still pending never happened: reported with no pid)
                 result.resumes += 1  # the supervisor gave up (or finished early): continue the run
                 say(f"supervisor exited with {rc}; resuming the run")
@@ -246,14 +252,17 @@ def run_chaos(config: str, run_dir: Path, steps: int, faults: list[Fault], overr
             time.sleep(0.2)
         # Resume where the run ended, as an operator extending it would: the queued groups get their turn.
         if resume_steps > 0:
-            final = start(steps + resume_steps, resume=True)
-            final.wait(max(1.0, deadline - time.monotonic()))
-            if final.returncode != 0:
-                raise RuntimeError(f"the final --resume exited with {final.returncode}")
+            sup = start(steps + resume_steps, resume=True)
+            try:
+                sup.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"the final --resume not finished within {timeout_s:.0f} s of the run") from None
+            if sup.returncode != 0:
+                raise RuntimeError(f"the final --resume exited with {sup.returncode}")
     finally:
         if active is not None:  # never leave a role stopped or cut off
             _end(active, fabric)
-        if sup.poll() is None:
+        if sup.poll() is None:  # the run's supervisor, or the final --resume's: never left behind
             os.killpg(sup.pid, signal.SIGTERM)
             sup.wait(60)
     result.wall_s = round(time.monotonic() - t0, 1)
