@@ -16,6 +16,7 @@ CONFIG_HELP = "YAML run config (configs/*.yaml); defaults are used for anything 
 
 
 def load_config(config: str | None, overrides: tuple[str, ...]) -> RunConfig:
+    """The run config from a file (or the defaults) and dotted overrides; a bad one is a usage error naming the key."""
     try:
         return load_run_config(config, overrides)
     except configlib.ConfigError as exc:
@@ -44,7 +45,6 @@ def start_role(role: str, config: str | None, run_dir: str | None, overrides: tu
     return cfg, rd, L.setup(role, cfg.run.run_id, rank, rd.logs, cfg.run.log_level)
 
 
-
 def prepare_run(cfg: RunConfig, run_dir: str | None) -> Any:
     """The run directory of a whole run (every role on the machine, or in one Slurm job), with the config it
     runs with, fitted to that shape, saved as its config.yaml."""
@@ -57,7 +57,6 @@ def prepare_run(cfg: RunConfig, run_dir: str | None) -> Any:
     return rd
 
 
-
 def emit(result: dict, as_json: bool) -> None:
     """A benchmark's or evaluation's result: one JSON object, or one aligned line per figure."""
     if as_json:
@@ -65,5 +64,3 @@ def emit(result: dict, as_json: bool) -> None:
     else:
         for k, v in result.items():
             click.echo(f"{k:>24}: {v}")
-
-

@@ -56,7 +56,6 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
     sys.exit(supervisor.run())
 
 
-
 @main.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--once", is_flag=True, help="print the view once and exit")
