@@ -35,17 +35,18 @@ def test_a_broken_solver_fails_its_family_by_name_and_the_command_exits_1(outsid
     assert checks["lamp_on"].ok() and not checks["all_off"].ok()
     assert all(t.startswith("lamps:") and "steps)" in t for t in checks["all_off"].failed)
     # through the command, on the unbroken plug-in: its small panels repeat instances across splits
-    out = subprocess.run([sys.executable, "-m", "launch.cli", "check-families", "--json", "--seeds", "1",
-                          "--overlap-seeds", "300", f"env_server.backend={NAME}", "learner.anchor.suite=",
-                          "broker.tasks.suite=lamps:train", "local.eval_suite=lamps:heldout"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": f"{outside}:{REPO}"})
+    out = _command(outside, "--json", "--seeds", "1", "--overlap-seeds", "300")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["ok"] and {f["family"] for f in report["families"]} == {"lamp_on", "all_off"}
     assert all(f["heldout_in_train"] > 0 for f in report["families"]), report
-    strict = subprocess.run([sys.executable, "-m", "launch.cli", "check-families", "--strict-overlap", "--seeds", "1",
-                             f"env_server.backend={NAME}", "learner.anchor.suite=", "broker.tasks.suite=lamps:train",
-                             "local.eval_suite=lamps:heldout"], cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": f"{outside}:{REPO}"})
+    strict = _command(outside, "--strict-overlap", "--seeds", "1")
     assert strict.returncode == 1 and "FAIL" in strict.stdout, strict.stdout + strict.stderr
+
+
+def _command(outside, *args: str) -> subprocess.CompletedProcess:
+    """``computerrl check-families`` on the example plug-in, importable from its folder outside the repository."""
+    return subprocess.run([sys.executable, "-m", "launch.cli", "check-families", *args, f"env_server.backend={NAME}",
+                           "learner.anchor.suite=", "broker.tasks.suite=lamps:train", "local.eval_suite=lamps:heldout"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": f"{outside}:{REPO}"})
