@@ -156,8 +156,8 @@ class Broker(ActorSide, GroupIntake, LearnerSide):
         """Serve until stopped; True when the learner's Control said stop (the run is over), False on a
         signal (the run goes on without us: a restart recovers the spill log)."""
         poller = zmq.Poller()
-        poller.register(self.front.sock, zmq.POLLIN)
-        poller.register(self.back.sock, zmq.POLLIN)
+        poller.register(self.front.pollable, zmq.POLLIN)
+        poller.register(self.back.pollable, zmq.POLLIN)
         poller.register(self.wake, zmq.POLLIN)
         try:
             serve(lambda: self.step(poller, self.net.heartbeat_s / 4), self._stop, self.log, self.counters, "broker",
@@ -177,9 +177,9 @@ class Broker(ActorSide, GroupIntake, LearnerSide):
             self.turn_hist.add(took * 1000)
 
     def _turn(self, events: dict, now: float) -> None:
-        if self.front.sock in events:
+        if self.front.pollable in events:
             self._drain_front(now)
-        if self.back.sock in events:
+        if self.back.pollable in events:
             self._drain_back(now)
         if self.wake in events:
             self._commits_done()

@@ -160,7 +160,7 @@ class EnvServer:
 
     def run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self.sock.sock, zmq.POLLIN)
+        poller.register(self.sock.pollable, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         try:
             serve(lambda: self.step(poller, self.net.heartbeat_s / 4), self._stop, self.log, self.counters,
@@ -171,7 +171,7 @@ class EnvServer:
     def step(self, poller: zmq.Poller, timeout_s: float) -> None:
         events = dict(poller.poll(int(timeout_s * 1000)))
         now = time.monotonic()
-        if self.sock.sock in events:
+        if self.sock.pollable in events:
             for _ in range(self.cfg.max_drain):
                 try:
                     ident, msg, _ = self.sock.recv_nowait()

@@ -722,7 +722,7 @@ def _zmtp_null_dealer(port: int) -> socket.socket:
 
 
 def test_a_2gib_frame_is_refused_before_it_is_buffered(start_broker, quiet_log):
-    """ZMQ_MAXMSGSIZE from net.max_message_bytes: the frame header alone gets the peer disconnected."""
+    """net.max_message_bytes: the frame header alone gets the peer refused and disconnected."""
     tb = start_broker(net=make_net(max_message_bytes=1 << 20))
     rss0 = _rss_bytes()
     conn = _zmtp_null_dealer(tb.net.broker_front_port)
@@ -737,6 +737,54 @@ def test_a_2gib_frame_is_refused_before_it_is_buffered(start_broker, quiet_log):
     assert sent < 256 << 20, f"{sent >> 20} MiB were accepted before the refusal"
     assert _rss_bytes() - rss0 < 128 << 20
     actor, _ = clients(tb, quiet_log)  # still serving
+    actor.close()
+
+
+def _read_until(conn: socket.socket, needle: bytes, timeout_s: float = 20.0) -> bytes:
+    conn.settimeout(timeout_s)
+    got = b""
+    while needle not in got:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
+def test_a_message_of_many_frames_under_the_cap_is_dropped_as_it_arrives(start_broker, quiet_log):
+    """libzmq held every frame of a message until its last (2 GiB from 4 x 500 MiB): our endpoint refuses the
+    message at the first frame header past the cap, reads the rest without holding it, and answers."""
+    tb = start_broker(net=make_net(max_message_bytes=16 << 20))
+    rss0 = _rss_bytes()
+    conn = _zmtp_null_dealer(tb.net.broker_front_port)
+    frame = bytes(12 << 20)
+    peak = 0
+    for i in range(40):  # 480 MiB in 12 MiB frames, each under the cap
+        conn.sendall(struct.pack(">BQ", 0x03 if i < 39 else 0x02, len(frame)) + frame)
+        peak = max(peak, _rss_bytes() - rss0)
+    answer = _read_until(conn, b"too_large")
+    conn.close()
+    assert b"too_large" in answer, "the sender is told why"
+    assert peak < 128 << 20, f"the broker held {peak >> 20} MiB for one refused message"
+    assert stat(tb, "rejected_too_large") == 1
+    actor, _ = clients(tb, quiet_log)  # still serving
+    actor.close()
+
+
+def test_four_500mib_frames_are_refused_at_the_first_header(start_broker, quiet_log):
+    tb = start_broker()  # the default cap (256 MiB)
+    rss0 = _rss_bytes()
+    conn = _zmtp_null_dealer(tb.net.broker_front_port)
+    conn.sendall(struct.pack(">BQ", 0x03, 500 << 20) + bytes(1 << 20))
+    answer = _read_until(conn, b"too_large")
+    assert b"too_large" in answer, "answered before the connection closes"
+    with pytest.raises(OSError):  # the rest of the 4 x 500 MiB is never read
+        for _ in range(2000):
+            conn.sendall(bytes(1 << 20))
+    conn.close()
+    assert _rss_bytes() - rss0 < 128 << 20
+    assert stat(tb, "rejected_too_large") == 1
+    actor, _ = clients(tb, quiet_log)
     actor.close()
 
 

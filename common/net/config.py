@@ -37,8 +37,10 @@ class NetConfig:
     """longest reconnect back-off"""
     request_timeout_s: float = 30.0
     """re-send an unanswered (non-parked) request after this long"""
-    max_message_bytes: int = 512 * 1024 * 1024
-    """messages larger than this are rejected on receipt"""
+    max_message_bytes: int = 256 * 1024 * 1024
+    """messages larger than this are refused (by a server as their frames arrive, before they are held)"""
+    max_frames: int = 1024
+    """frames one message may have on its way into a server (ours: a header and one per large array)"""
     hwm: int = 64
     """socket high-water mark in messages (messages are large; flow control is by credits)"""
     transport: Literal["tcp", "inproc"] = "tcp"
@@ -49,6 +51,8 @@ class NetConfig:
             raise ValueError("heartbeat_s must be > 0 and liveness >= 1")
         if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
             raise ValueError("need 0 < reconnect_min_s <= reconnect_max_s")
+        if self.max_message_bytes < 1 << 16 or self.max_frames < 2:
+            raise ValueError("net.max_message_bytes must be >= 65536 and net.max_frames >= 2")
         if self.transport not in ("tcp", "inproc"):
             raise ValueError(f"net.transport must be tcp or inproc, not {self.transport!r}")
         if self.transport == "inproc" and self.curve == "on":

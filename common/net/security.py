@@ -13,8 +13,10 @@ from typing import Any
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from common.net.config import NetConfig, curve_wanted
+from common.net.zmtp import CurveKeys32, CurveServer, NullServer
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Security:
     def __init__(self, ctx: zmq.Context, keys: CurveKeys | None):
         self.ctx, self.keys = ctx, keys
         self._auth: ThreadAuthenticator | None = None
+        self._curve32: CurveKeys32 | None = None
 
     @property
     def enabled(self) -> bool:
@@ -87,6 +90,16 @@ class Security:
         sock.curve_secretkey = self.keys.server_secret
         sock.curve_publickey = self.keys.server_public
         sock.curve_server = True
+
+    def mechanism(self) -> NullServer | CurveServer:
+        """A fresh server-side handshake for one connection to our own ZMTP endpoint (``listener.py``)."""
+        if self.keys is None:
+            return NullServer()
+        if self._curve32 is None:
+            authorized = zmq.auth.load_certificates(str(self.keys.authorized_dir))
+            self._curve32 = CurveKeys32(z85.decode(self.keys.server_public), z85.decode(self.keys.server_secret),
+                                        frozenset(z85.decode(k) for k in authorized))
+        return CurveServer(self._curve32)
 
     def client(self, sock: zmq.Socket) -> None:
         if self.keys is None:
@@ -130,8 +143,8 @@ def listen_backlog(sock: zmq.Socket) -> None:
 
 
 def limit_size(sock: zmq.Socket, net: NetConfig) -> None:
-    """ZMQ_MAXMSGSIZE: a peer announcing a larger frame is disconnected by ZeroMQ before the frame is
-    buffered (the cap on the whole multipart message is checked again on decode)."""
+    """ZMQ_MAXMSGSIZE on a libzmq socket: a peer announcing a larger frame is disconnected before the frame is
+    buffered (per frame only: our servers' own endpoints bound whole messages, ``listener.py``)."""
     sock.setsockopt(zmq.MAXMSGSIZE, net.max_message_bytes)
 
 

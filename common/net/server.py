@@ -1,4 +1,4 @@
-"""The server side of a link: a ROUTER socket, the monitor of what it refused (handshakes, connections), its table of
+"""The server side of a link: its endpoint (our own ZMTP reader over tcp, a ROUTER over inproc), the monitor of what it refused (handshakes, connections), its table of
 peers and their liveness (Paranoid Pirate: peers heartbeat every ``heartbeat_s``; one silent for
 ``liveness x heartbeat_s`` is dead), and the serve loop."""
 
@@ -18,28 +18,41 @@ from common import protocol as P
 from common.signals import StopSignals
 from common.net.config import NetConfig
 from common.net.limits import open_files_limit
-from common.net.security import RateLimitedLog, Security, listen_backlog, tune
+from common.net.listener import Refused, ZmtpListener
+from common.net.security import LISTEN_BACKLOG, RateLimitedLog, Security, tune
 
 
 class ServerSocket:
-    """A ROUTER that decodes/validates requests, counts rejections and answers them with ``Error``."""
+    """A server's endpoint that decodes/validates requests, counts rejections and answers them with ``Error``.
+
+    Over tcp it reads ZMTP itself (``listener.py``), so every size bound holds as frames arrive, before a
+    message is held whole; over inproc (every role a thread of one process, nothing untrusted on the wire) it is
+    a libzmq ROUTER. Poll ``pollable``; a peer's routing id is its identity either way."""
 
     def __init__(self, ctx: zmq.Context, addr: str, net: NetConfig, security: Security, counters: dict,
                  log: Any, name: str):
-        self.sock = ctx.socket(zmq.ROUTER)
-        tune(self.sock, net)
-        listen_backlog(self.sock)
-        self.sock.router_mandatory = False
-        # Clients keep their routing id across reconnects; the newest connection takes it over.
-        self.sock.router_handover = True
-        security.server(self.sock)
-        self.monitor = ConnectionMonitor(self.sock, security, counters, log, name)
-        self.sock.bind(addr)
-        self.addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.net, self.counters, self.log, self.name = net, counters, log, name
+        self.net, self.counters, self.log, self.name, self.security = net, counters, log, name, security
+        self.listener: ZmtpListener | None = None
+        self.router: zmq.Socket | None = None
+        if addr.startswith("tcp://"):
+            host, port = addr[len("tcp://"):].rsplit(":", 1)
+            self.listener = ZmtpListener(host, int(port), security.mechanism, net.max_message_bytes, net.max_frames,
+                                         net.hwm, counters, log, name, LISTEN_BACKLOG)
+            self.pollable: Any = self.listener.fileno()  # a zmq.Poller reports a plain descriptor by its number
+            self.addr = self.listener.addr
+        else:
+            self.router = ctx.socket(zmq.ROUTER)
+            tune(self.router, net)
+            self.router.router_mandatory = False
+            # Clients keep their routing id across reconnects; the newest connection takes it over.
+            self.router.router_handover = True
+            self.router.bind(addr)
+            self.pollable = self.router
+            self.addr = addr
         self.rejections = RateLimitedLog(log)
         self.bytes_in = 0
         self.bytes_out = 0
+        self._handshakes_counted = 0
         self._heartbeat: tuple[tuple[str, str], float, list[Any]] | None = None  # (server id, epoch), made at, frames
 
     def recv_nowait(self) -> tuple[bytes, P.Message | None, list[Any]]:
@@ -47,17 +60,28 @@ class ServerSocket:
 
         Never raises on bad input: a rejected message is counted, logged and answered with ``Error``.
         """
-        parts = self.sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
-        size = sum(f.buffer.nbytes for f in parts)
-        self.bytes_in += size
-        if len(parts) < 2:
-            self._reject("no_identity", b"", "message without identity or body", "?")
-            return b"", None, []
-        ident, frames = parts[0].bytes, parts[1:]
+        if self.listener is not None:
+            item = self.listener.recv()
+            if item is None:
+                raise zmq.Again()
+            if isinstance(item, Refused):  # refused as its frames arrived: never held whole
+                self._reject(item.reason, item.ident, item.detail, "?")
+                self.send(item.ident, P.Error(code=item.reason, message=item.detail[:500], ref_type="?"))
+                return item.ident, None, []
+            ident, frames = item.ident, item.frames
+            self.bytes_in += sum(P.frame_nbytes(f) for f in frames)
+        else:
+            parts = self.router.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+            self.bytes_in += sum(f.buffer.nbytes for f in parts)
+            ident, frames = parts[0].bytes, parts[1:]
+        if not frames:
+            self._reject("empty", ident, "message without a body", "?")
+            return ident, None, []
         try:
             return ident, P.decode(frames, self.net.max_message_bytes), frames
         except P.ProtocolError as exc:  # decode raises nothing else, whatever the bytes
-            kind = P.peek_type(frames[0].bytes) if frames[0].buffer.nbytes < 1 << 20 else "?"
+            head = P.frame_buffer(frames[0])
+            kind = P.peek_type(head) if P.frame_nbytes(head) < 1 << 20 else "?"
             self._reject(exc.reason, ident, exc.detail, kind)
             self.send(ident, P.Error(code=exc.reason, message=str(exc)[:500], ref_type=kind[:64]))
             return ident, None, []
@@ -72,8 +96,13 @@ class ServerSocket:
 
     def send_frames(self, ident: bytes, frames: list[Any]) -> None:
         self.bytes_out += P.frames_nbytes(frames)
+        if self.listener is not None:
+            # A peer gone (unroutable) is dropped silently, as a ROUTER does: it re-sends after it reconnects.
+            if self.listener.send(ident, frames) == "hwm":
+                self.counters["send_dropped_hwm"] = self.counters.get("send_dropped_hwm", 0) + 1
+            return
         try:
-            self.sock.send_multipart([ident, *frames], copy=False, flags=zmq.NOBLOCK)
+            self.router.send_multipart([ident, *frames], copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:  # the peer's queue is full; it will re-request (clients resend on timeout)
             self.counters["send_dropped_hwm"] = self.counters.get("send_dropped_hwm", 0) + 1
 
@@ -86,12 +115,24 @@ class ServerSocket:
         return self._heartbeat[2]
 
     def drain_refused(self) -> int:
-        """Count (and log) CURVE handshakes refused since the last call."""
-        return self.monitor.drain()
+        """Call once a turn: the endpoint does its I/O and timers, and handshakes refused since the last call (a wrong or
+        missing CURVE key, a peer that is not ZMTP) are counted, as ``rejected_auth`` with CURVE on and
+        ``rejected_handshake`` without. Returns how many."""
+        if self.listener is None:
+            return 0
+        self.listener.pump()
+        n = self.listener.handshakes_failed - self._handshakes_counted
+        if n:
+            self._handshakes_counted += n
+            key = "rejected_auth" if self.security.enabled else "rejected_handshake"
+            self.counters[key] = self.counters.get(key, 0) + n
+        return n
 
     def close(self) -> None:
-        self.sock.close(0)
-        self.monitor.close()
+        if self.listener is not None:
+            self.listener.close()
+        else:
+            self.router.close(0)
 
 
 HANDSHAKE_FAILURES = (
