@@ -24,7 +24,9 @@ from typing import Any
 
 from actor.config import ActorConfig
 from actor.engine import Engine, Generation
-from actor.episode import EnginePolicy, play_episode
+from actor.episode import EnginePolicy, Episode, play_episode
+from actor.recorder import episode_record
+from common.episode_log import EpisodeWriter
 from broker.client import ActorBrokerClient
 from common import protocol as P
 from common.metrics.writer import MetricsWriter, percentile
@@ -159,6 +161,8 @@ class Actor:
         self.env_ms: list[float] = []
         self.metrics = MetricsWriter(run_dir.metrics / f"actor-{rank}.jsonl" if run_dir is not None else None,
                                      cfg.prometheus, "actor", rank)
+        self.recorder = (EpisodeWriter(run_dir.episodes / f"actor-{rank}.jsonl", int(cfg.record.max_mb * 1e6))
+                         if run_dir is not None and cfg.record.enabled else None)
         self.groups_started = 0
         self.in_flight: set[asyncio.Task] = set()
         self.stopping = False
@@ -185,7 +189,7 @@ class Actor:
 
     # ----- episodes and groups -------------------------------------------------------------------
 
-    async def episode(self, ticket: P.Ticket) -> P.Trajectory:
+    async def episode(self, ticket: P.Ticket) -> Episode:
         i = self.env.pick()
         sid = await self.env.session(i)
         healthy = False
@@ -201,7 +205,7 @@ class Actor:
         self.episode_lens.append(len(ep.turns))
         self.stats["episodes"] += 1
         self.stats["successes"] += int(ep.evaluation["success"])
-        return ep.trajectory(uuid.uuid4().hex[:12])
+        return ep
 
     async def policy(self, prompt_ids: list[int], obs: dict, images: list[Image]) -> Generation:
         if images:
@@ -213,7 +217,7 @@ class Actor:
                 await asyncio.get_running_loop().run_in_executor(self.images_thread, self.images.put, img)
         return await self.generate(prompt_ids, images)
 
-    async def episode_with_rerolls(self, ticket: P.Ticket) -> P.Trajectory | None:
+    async def episode_with_rerolls(self, ticket: P.Ticket) -> Episode | None:
         attempts = 1 + (self.cfg.max_rerolls if self.cfg.env_error == "reroll" else 0)
         for attempt in range(attempts):
             try:
@@ -227,25 +231,34 @@ class Actor:
         t0 = time.time()
         results = await asyncio.gather(*(self.episode_with_rerolls(ticket) for _ in range(ticket.group_size)),
                                        return_exceptions=True)
-        trajs = []
+        episodes: list[tuple[str, Episode]] = []
         for r in results:
             if isinstance(r, BaseException):  # a bug or an engine failure: counted, the group goes incomplete
                 self.stats["episode_errors"] += 1
                 self.log.error("episode_failed", task=ticket.task_id, error=repr(r)[:300])
             elif r is not None:
-                trajs.append(r)
+                episodes.append((uuid.uuid4().hex[:12], r))
+        trajs = [ep.trajectory(traj_id) for traj_id, ep in episodes]
         if not trajs:
             # Nothing to publish; the broker re-issues the task once the ticket's lease runs out.
             self.stats["groups_lost"] += 1
             self.log.error("group_failed", task=ticket.task_id, ticket=ticket.ticket_id)
             return
         versions = [int(v) for t in trajs for v in (t.versions.min(), t.versions.max()) if len(t.versions)]
-        group = P.TrajectoryGroup(group_id=uuid.uuid4().hex, ticket_id=ticket.ticket_id, task_id=ticket.task_id,
+        group_id = uuid.uuid4().hex
+        record = self.recorder is not None and self.cfg.record.wants(
+            group_id, str(episodes[0][1].evaluation.get("family", "")), (ep.evaluation["success"] for _, ep in episodes))
+        group = P.TrajectoryGroup(group_id=group_id, ticket_id=ticket.ticket_id, task_id=ticket.task_id,
                                   actor_id=self.broker.actor_id, trajectories=trajs,
                                   behavior_version_min=min(versions), behavior_version_max=max(versions),
                                   created_at=time.time(), complete=len(trajs) == ticket.group_size,
-                                  info={"seconds": round(time.time() - t0, 3)})
+                                  info={"seconds": round(time.time() - t0, 3), **({"recorded": True} if record else {})})
         self.broker.submit(group)
+        if record:  # the learner writes this group's advantages beside it (``recorded``)
+            rewards = [float(t.reward) for t in trajs]
+            self.recorder.offer([episode_record(ep, traj_id, "train", group=group_id, index=i, group_rewards=rewards,
+                                                actor=self.broker.actor_id, version=[min(versions), max(versions)])
+                                 for i, (traj_id, ep) in enumerate(episodes)])
         self.stats["groups_submitted"] += 1
         self.stats["groups_incomplete"] += int(not group.complete)
 
@@ -371,7 +384,8 @@ class Actor:
             "success_rate": round(self.stats["successes"] / eps, 4) if eps else None,
             "format_error_rate": round(self.stats["format_errors"] / max(self.stats["turns"], 1), 4),
             "counters": {**self.stats, "env_pool_waits": self.env.pool_waits,
-                         **(self.images.stats if self.images is not None else {})},
+                         **(self.images.stats if self.images is not None else {}),
+                         **(self.recorder.counts if self.recorder is not None else {})},
         })
 
     def close(self) -> None:
@@ -383,4 +397,6 @@ class Actor:
             self.log.warning("sessions_not_closed", unanswered=unanswered)
         for c in self.env.clients:
             c.close()
+        if self.recorder is not None:
+            self.recorder.close()
         self.metrics.close()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from actor.engine import EngineConfig, SamplingParams
 from actor.prompt import PromptConfig
+from actor.recorder import RecordConfig
 
 
 @dataclass
@@ -38,10 +39,13 @@ class ActorConfig:
     """after a stop, how long in-flight groups may finish and be acked (until the broker has left, if sooner)"""
     close_sessions_s: float = 5.0
     """on exit, how long to wait for the env_servers to confirm this actor's sessions are closed"""
+    record: RecordConfig = field(default_factory=RecordConfig)
+    """which training groups' episodes are written to the run directory (``computerrl episodes``)"""
 
     def validate(self) -> None:
         from common.metrics.prometheus import check_address
         check_address(self.prometheus, "actor.prometheus")
+        self.record.validate()
         if self.env_error not in ("reroll", "incomplete"):
             raise ValueError("env_error must be reroll or incomplete")
         if self.max_groups < 1 or not self.env_servers:

@@ -49,6 +49,9 @@ class Episode:
     evaluation: dict
     finish_reason: str
     step_seconds: list[float] = field(default_factory=list)
+    results: list[str] = field(default_factory=list)
+    """per turn, what the desktop answered (its ``last_result``: the action's result or its error)"""
+    instruction: str = ""
 
     @property
     def format_errors(self) -> int:
@@ -66,10 +69,11 @@ async def play_episode(env: EpisodeEnv, policy: Policy, task_id: str, tokenizer:
                        max_steps: int = 0) -> Episode:
     """Play ``task_id`` on ``env`` with ``policy``; ``max_steps`` = 0 leaves the step limit to the desktop."""
     loop = asyncio.get_running_loop()
-    obs = await env.reset(task_id)
+    obs = first = await env.reset(task_id)
     prompt = EpisodePrompt(tokenizer, prompt_cfg, obs.get("instruction", ""))
     turns: list[P.TurnView] = []
     seconds: list[float] = []
+    results: list[str] = []
     finish = "truncated"
     while not max_steps or len(turns) < max_steps:
         ids = prompt.build(obs)
@@ -87,12 +91,13 @@ async def play_episode(env: EpisodeEnv, policy: Policy, task_id: str, tokenizer:
                                 np.ones(n, np.uint8), 0.0, bool(step.format_error),
                                 str(obs.get("text", ""))[:OBS_TEXT_KEEP], gen.text,
                                 tuple(img.digest for img in images)))
-        prompt.record(gen.token_ids, str(step.obs.get("last_result", "")))
+        results.append(str(step.obs.get("last_result", "")))
+        prompt.record(gen.token_ids, results[-1])
         obs = step.obs
         if step.done:
             finish = str(step.info.get("outcome") or "step_limit")
             break
-    return Episode(task_id, turns, await env.evaluate(), finish, seconds)
+    return Episode(task_id, turns, await env.evaluate(), finish, seconds, results, str(first.get("instruction", "")))
 
 
 class LocalEnv:

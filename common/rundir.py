@@ -53,6 +53,11 @@ class RunDir:
         return self.root / "images"
 
     @property
+    def episodes(self) -> Path:
+        """recorded episodes for people to read (``actor/recorder.py``, ``computerrl episodes``)"""
+        return self.root / "episodes"
+
+    @property
     def anchor_demos(self) -> Path:
         """the oracle demonstrations the learner's anchor replays (``computerrl demos``)"""
         return self.root / "demos" / "anchor.msgpack"

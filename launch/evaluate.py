@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +49,13 @@ def _desktop_pool(kind: str, env: Any, n: int) -> list[Any]:
 
 
 def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sampling: SamplingParams,
-             max_steps: int = 0, chunk: int = 64, env: Any = None) -> dict:
+             max_steps: int = 0, chunk: int = 64, env: Any = None, record: Any = None,
+             version: int | None = None) -> dict:
     """Greedy (or sampled) episodes of ``task_ids``; ``env`` (an EnvServerConfig) makes the desktops of ``desk``
-    tasks (its ``desktop`` section) and of an outside backend's tasks (its ``backend`` and ``options``)."""
+    tasks (its ``desktop`` section) and of an outside backend's tasks (its ``backend`` and ``options``). With
+    ``record`` (a ``common.episode_log.EpisodeWriter``) every episode is written to the run's episode log, labelled
+    with the policy ``version`` evaluated."""
+    from actor.recorder import episode_record
     per_family: dict[str, list[int]] = {}
     steps = format_errors = 0
     kind = kind_of(task_ids[0]) if task_ids else "sim"
@@ -64,6 +69,9 @@ def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sa
             shots = "png" if prompt_cfg.observation != "tree" else "none"
             envs = pool[:len(ids)] if real else [SimBackend(SimConfig(screenshot=shots)) for _ in ids]
             episodes = asyncio.run(play_concurrent(envs, ids, engine, sampling, engine.tokenizer, prompt_cfg, max_steps))
+            if record is not None:
+                record.offer([episode_record(ep, uuid.uuid4().hex[:12], "eval", eval_version=version)
+                              for ep in episodes])
             for ep in episodes:
                 steps += len(ep.turns)
                 format_errors += ep.format_errors
@@ -80,6 +88,16 @@ def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sa
             "per_family": {f: round(sum(v) / len(v), 4) for f, v in sorted(per_family.items())},
             "per_family_ci95": {f: ci95(sum(v), len(v)) for f, v in sorted(per_family.items())},
             "format_error_rate": round(format_errors / max(steps, 1), 4), "mean_steps": round(steps / max(n, 1), 2)}
+
+
+def checkpoint_version(checkpoint: str | Path) -> int | None:
+    """The policy version a checkpoint holds: its ``state.json``'s, else the N of a ``step-N`` directory."""
+    ck = resolve_checkpoint(checkpoint)
+    try:
+        return int(json.loads((ck / "state.json").read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        tail = ck.name.rpartition("-")[2]
+        return int(tail) if tail.isdigit() else None
 
 
 def resolve_checkpoint(checkpoint: str | Path) -> Path:

@@ -434,7 +434,7 @@ class Supervisor:
         self.eval_step = step
         args = [sys.executable, "-m", "launch.cli", "eval", "--checkpoint", str(ckpt), "--suite",
                 self.local.eval_suite, "--episodes", str(self.local.eval_episodes), "--config",
-                str(self.config_path), "--json"]
+                str(self.config_path), "--record", str(self.run_dir.episodes), "--json"]
         env = {**os.environ, "OMP_NUM_THREADS": str(self.local.torch_threads)}
         with open(out, "w") as f, open(self.run_dir.logs / "eval.stderr", "ab") as err:
             self.eval_proc = subprocess.Popen(args, stdout=f, stderr=err, env=env,

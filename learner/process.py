@@ -14,6 +14,7 @@ from typing import Any
 
 from common import protocol as P
 from common.audit import AuditLog
+from common.episode_log import RECORD_VERSION, EpisodeWriter
 from common.exitcodes import EXIT_RESUMABLE
 from common.metrics.writer import MetricsWriter, TimeSplit
 from policy.model import ModelConfig
@@ -27,6 +28,10 @@ from learner.trainer import Trainer
 
 ROUND_RETRY_MAX_S = 30.0
 """a failed weight round is sent again after 2, 4, 8, ... seconds, at most this long"""
+
+
+EPISODE_LOG_BYTES = 50_000_000
+"""the learner's share of the episode log: a few hundred bytes per recorded group"""
 
 
 class Learner:
@@ -49,6 +54,7 @@ class Learner:
         self.sender = WeightSender(weights, log) if (weights is not None and cfg.broadcast_weights) else None
         self.metrics = MetricsWriter(run_dir.metrics / "learner.jsonl", cfg.prometheus, "learner")
         self.audit = AuditLog(run_dir.audit / "learner.jsonl")
+        self.episode_log: EpisodeWriter | None = None  # opened by the first recorded group trained
         self._stop = threading.Event()
         # The thread training steps and checkpoint saves run on; this one keeps the broker link polled meanwhile.
         self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="train")
@@ -272,6 +278,9 @@ class Learner:
         """Main thread, after a step: metrics, phase logic, Control; True when weights should go out."""
         t = self.trainer
         outcomes = m.pop("outcomes", None) if m is not None else None
+        recorded = m.pop("recorded_advantages", None) if m is not None else None
+        if recorded:
+            self._record_advantages(recorded)
         if m is None or "empty" in m:
             if m is not None:
                 self.log.warning("step_without_update", reason=m["empty"])
@@ -296,6 +305,14 @@ class Learner:
         last = bool(self.cfg.total_steps) and t.version >= self.cfg.total_steps
         return self.publish(paused=t.entropulse.sft, new_weights=not last) is not None
 
+    def _record_advantages(self, recorded: dict[str, dict[str, list]]) -> None:
+        """Beside the episodes an actor recorded (``actor/recorder.py``): what each of their turns weighed here."""
+        if self.episode_log is None:
+            self.episode_log = EpisodeWriter(self.run_dir.episodes / "learner.jsonl", EPISODE_LOG_BYTES)
+        v = self.trainer.version
+        self.episode_log.offer([{"v": RECORD_VERSION, "group": g, "trained_version": v, "advantages": per_traj}
+                                for g, per_traj in recorded.items()])
+
     def _maybe_checkpoint(self) -> None:
         if self.cfg.checkpoint_every and self.trainer.version % self.cfg.checkpoint_every == 0:
             self.checkpoint()
@@ -313,6 +330,8 @@ class Learner:
                       max_lag=m.get("max_lag"))
 
     def close(self) -> None:
+        if self.episode_log is not None:
+            self.episode_log.close()
         self.client.close()
         if self.sender is not None:
             self.sender.close()

@@ -238,6 +238,15 @@ class Trainer:
             outcomes.update(dict.fromkeys(stats["kept"], "nonfinite_step"))
             return {"empty": "non-finite step skipped", "outcomes": outcomes}
         outcomes.update(dict.fromkeys(stats["kept"], "trained"))
+        recorded = [g for g in kept if g.info.get("recorded")]
+        if recorded:  # the actor wrote these groups' episodes for people to read: their advantages go beside them
+            ids = {t.traj_id for g in recorded for t in g.trajectories}
+            per_traj: dict[str, list] = {}
+            for s in samples:
+                if s.traj_id in ids:
+                    per_traj.setdefault(s.traj_id, []).append([s.turn, round(float(s.advantage), 5)])
+            out["recorded_advantages"] = {g.group_id: {t.traj_id: per_traj.get(t.traj_id, []) for t in g.trajectories}
+                                          for g in recorded}
         # A success the broker replayed into a group (broker.replay) was not sampled for it: the policy's rates
         # count the rollouts it played, not the replayed one.
         played = [t for g in kept for t in g.played()]

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from common.net import zmtp
+import common.net.zmtp as zmtp
 
 SCRATCH_BYTES = 256 * 1024
 DIRECT_BODY_BYTES = 64 * 1024  # a frame body at least this large is received straight into its own buffer

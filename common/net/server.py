@@ -36,6 +36,8 @@ class ServerSocket:
         self.router: zmq.Socket | None = None
         if addr.startswith("tcp://"):
             host, port = addr[len("tcp://"):].rsplit(":", 1)
+            if host.startswith("["):
+                raise ValueError(f"{addr}: IPv6 server addresses are not supported (bind an IPv4 address)")
             self.listener = ZmtpListener(host, int(port), security.mechanism, net.max_message_bytes, net.max_frames,
                                          net.hwm, counters, log, name, LISTEN_BACKLOG)
             self.pollable: Any = self.listener.fileno()  # a zmq.Poller reports a plain descriptor by its number

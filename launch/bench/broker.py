@@ -6,12 +6,15 @@ step: admission keeps flowing and the broker forgets what it delivered).
 Raw: K PUSH processes → a ``zmq.proxy`` (PULL→PUSH, C loop) process → one PULL consumer, sending the
 same encoded multipart frames. Both are timed from a common barrier to the consumer's last receipt.
 Runs alternate raw/ours ``repeats`` times; medians are reported, so one noisy run does not decide.
+With ``curve``, both are encrypted and authenticated on both hops (ours: the run's keys on our own ZMTP endpoint;
+raw: libzmq's CURVE on the proxy's two sockets and their peers, the same keys).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import shutil
 import statistics
 import struct
 import tempfile
@@ -21,6 +24,7 @@ import uuid
 import numpy as np
 import zmq
 
+from common.rundir import RunDir
 from launch.bench.procs import await_go, await_result, reap, start_together
 
 GROUP_SIZE = 8
@@ -60,9 +64,21 @@ def group_for_ticket(template, ticket, actor_id: str | None = None):
 # ----- raw ZeroMQ ------------------------------------------------------------------------------
 
 
-def _raw_proxy(front: str, back: str) -> None:
+def _curve(ctx: zmq.Context, keys_dir: str | None, socks: list[zmq.Socket], server: bool) -> None:
+    """CURVE on raw sockets with the run's keys (nothing when ``keys_dir`` is None): one authenticator a process."""
+    if keys_dir is None:
+        return
+    from common.net import Security, load_keys
+
+    security = Security(ctx, load_keys(keys_dir))
+    for sock in socks:
+        security.server(sock) if server else security.client(sock)
+
+
+def _raw_proxy(front: str, back: str, keys_dir: str | None = None) -> None:
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    _curve(ctx, keys_dir, [pull, push], server=True)
     pull.bind(front)
     push.bind(back)
     try:
@@ -71,12 +87,13 @@ def _raw_proxy(front: str, back: str) -> None:
         pass
 
 
-def _raw_sender(front: str, payload_bytes: int, n: int, barrier) -> None:
+def _raw_sender(front: str, payload_bytes: int, n: int, barrier, keys_dir: str | None = None) -> None:
     from common import protocol as P
 
     frames = P.encode(make_group(payload_bytes))
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
+    _curve(ctx, keys_dir, [push], server=False)
     push.connect(front)
     push.send(b"warm-up")  # connections are up before the clock starts (ours handshakes first too)
     barrier.wait()
@@ -86,9 +103,10 @@ def _raw_sender(front: str, payload_bytes: int, n: int, barrier) -> None:
     ctx.term()
 
 
-def _raw_consumer(back: str, total: int, warmups: int, barrier, results) -> None:
+def _raw_consumer(back: str, total: int, warmups: int, barrier, results, keys_dir: str | None = None) -> None:
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
+    _curve(ctx, keys_dir, [pull], server=False)
     pull.connect(back)
     for _ in range(warmups):
         pull.recv()
@@ -104,18 +122,18 @@ def _raw_consumer(back: str, total: int, warmups: int, barrier, results) -> None
     ctx.term()
 
 
-def run_raw(payload_bytes: int, num_actors: int, per_actor: int) -> dict:
+def run_raw(payload_bytes: int, num_actors: int, per_actor: int, keys_dir: str | None = None) -> dict:
     from common.net import free_port
 
     ctx = mp.get_context("spawn")
     front, back = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     barrier, results = ctx.Barrier(num_actors + 1), ctx.Queue()
-    proxy = ctx.Process(target=_raw_proxy, args=(front, back), daemon=True)
+    proxy = ctx.Process(target=_raw_proxy, args=(front, back, keys_dir), daemon=True)
     proxy.start()
     cpu0 = _cpu_s(proxy.pid)  # idle until the senders start: what it uses from here on is the moving
-    procs = [ctx.Process(target=_raw_consumer, args=(back, num_actors * per_actor, num_actors, barrier, results),
-                         daemon=True)]
-    procs += [ctx.Process(target=_raw_sender, args=(front, payload_bytes, per_actor, barrier), daemon=True)
+    procs = [ctx.Process(target=_raw_consumer,
+                         args=(back, num_actors * per_actor, num_actors, barrier, results, keys_dir), daemon=True)]
+    procs += [ctx.Process(target=_raw_sender, args=(front, payload_bytes, per_actor, barrier, keys_dir), daemon=True)
               for _ in range(num_actors)]
     for p in procs:
         p.start()
@@ -130,14 +148,14 @@ def run_raw(payload_bytes: int, num_actors: int, per_actor: int) -> dict:
 # ----- ours ------------------------------------------------------------------------------------
 
 
-def _bench_net(ports: tuple[int, int, int]):
+def _bench_net(ports: tuple[int, int, int], curve: bool = False):
     from common.net import NetConfig
 
     return NetConfig(broker_front_port=ports[0], broker_back_port=ports[1], broker_control_port=ports[2],
-                     curve="off", heartbeat_s=1.0)
+                     curve="on" if curve else "off", heartbeat_s=1.0)
 
 
-def _broker_proc(ports, run_dir: str, persist: bool, ready) -> None:
+def _broker_proc(ports, run_dir: str, persist: bool, ready, curve: bool = False) -> None:
     from broker.config import BrokerConfig
     from broker.server import Broker
     from common import log as L
@@ -147,17 +165,18 @@ def _broker_proc(ports, run_dir: str, persist: bool, ready) -> None:
     log = L.setup("broker", "bench", 0, rd.logs, "warning", quiet=True)
     cfg = BrokerConfig(groups_per_batch=GROUPS_PER_BATCH, group_size=GROUP_SIZE, eta=ETA, persist=persist,
                        metrics_interval_s=2.0)
-    b = Broker(cfg, _bench_net(ports), rd, log)
+    b = Broker(cfg, _bench_net(ports, curve), rd, log)
     ready.set()
     b.run()
 
 
-def _actor_proc(ports, payload_bytes: int, n: int, window: int, barrier, actors_done) -> None:
+def _actor_proc(ports, payload_bytes: int, n: int, window: int, barrier, actors_done,
+                keys_dir: str | None = None) -> None:
     from broker.client import ActorBrokerClient
     from common import log as L
 
     log = L.setup("actor", "bench", 0, None, "warning", quiet=True)
-    client = ActorBrokerClient(_bench_net(ports), None, log)
+    client = ActorBrokerClient(_bench_net(ports, keys_dir is not None), keys_dir, log)
     client.connect(30)
     template = make_group(payload_bytes, actor_id=client.actor_id)
     await_go(barrier, client.poll)
@@ -176,12 +195,13 @@ def _actor_proc(ports, payload_bytes: int, n: int, window: int, barrier, actors_
     client.close()
 
 
-def _consumer_proc(ports, total: int, num_actors: int, actors_done, wire_bytes: int, barrier, results) -> None:
+def _consumer_proc(ports, total: int, num_actors: int, actors_done, wire_bytes: int, barrier, results,
+                   keys_dir: str | None = None) -> None:
     from broker.client import LearnerBrokerClient
     from common import log as L
 
     log = L.setup("learner", "bench", 0, None, "warning", quiet=True)
-    client = LearnerBrokerClient(_bench_net(ports), None, log)
+    client = LearnerBrokerClient(_bench_net(ports, keys_dir is not None), keys_dir, log)
     client.connect(30)
     version = 0
     client.set_control(version)
@@ -219,7 +239,7 @@ def _cpu_s(pid: int) -> float:
     return cpu_and_rss(pid)[0]
 
 
-def run_ours(payload_bytes: int, persist: bool, num_actors: int, per_actor: int) -> dict:
+def run_ours(payload_bytes: int, persist: bool, num_actors: int, per_actor: int, keys_dir: str | None = None) -> dict:
     from common import protocol as P
     from common.net import free_port
 
@@ -232,14 +252,17 @@ def run_ours(payload_bytes: int, persist: bool, num_actors: int, per_actor: int)
     with tempfile.TemporaryDirectory(prefix="bench-broker-", dir=".") as run_dir:
         ready, results = ctx.Event(), ctx.Queue()
         barrier = (ctx.Semaphore(0), ctx.Event())  # (workers ready, go)
-        broker = ctx.Process(target=_broker_proc, args=(ports, run_dir, persist, ready))
+        if keys_dir is not None:  # the broker reads the run's keys from its run directory
+            shutil.copytree(keys_dir, RunDir.create(run_dir).keys, dirs_exist_ok=True)
+        broker = ctx.Process(target=_broker_proc, args=(ports, run_dir, persist, ready, keys_dir is not None))
         broker.start()
         if not ready.wait(60):
             raise RuntimeError("broker did not start")
         actors_done = ctx.Value("i", 0)
         procs = [ctx.Process(target=_consumer_proc,
-                             args=(ports, total, num_actors, actors_done, wire_bytes, barrier, results))]
-        procs += [ctx.Process(target=_actor_proc, args=(ports, payload_bytes, per_actor, 8, barrier, actors_done))
+                             args=(ports, total, num_actors, actors_done, wire_bytes, barrier, results, keys_dir))]
+        procs += [ctx.Process(target=_actor_proc,
+                              args=(ports, payload_bytes, per_actor, 8, barrier, actors_done, keys_dir))
                   for _ in range(num_actors)]
         start_together(procs, barrier, "bench workers")
         cpu0 = _cpu_s(broker.pid)
@@ -251,16 +274,22 @@ def run_ours(payload_bytes: int, persist: bool, num_actors: int, per_actor: int)
     return res
 
 
-def run_bench(payload_bytes: int, persist: bool, num_actors: int, groups: int, repeats: int) -> dict:
+def run_bench(payload_bytes: int, persist: bool, num_actors: int, groups: int, repeats: int,
+              curve: bool = False) -> dict:
     from common import protocol as P
     from common.metrics.writer import percentile
+    from common.net import ensure_keys
 
     wire_bytes = P.frames_nbytes(P.encode(make_group(payload_bytes)))
     per_actor = groups or max(GROUPS_PER_BATCH, (384 << 20) // wire_bytes // num_actors)
     raw_runs, our_runs = [], []
-    for _ in range(repeats):
-        raw_runs.append(run_raw(payload_bytes, num_actors, per_actor))
-        our_runs.append(run_ours(payload_bytes, persist, num_actors, per_actor))
+    with tempfile.TemporaryDirectory(prefix="bench-keys-") as keys_parent:
+        keys_dir = f"{keys_parent}/keys" if curve else None
+        if keys_dir is not None:
+            ensure_keys(keys_dir)
+        for _ in range(repeats):
+            raw_runs.append(run_raw(payload_bytes, num_actors, per_actor, keys_dir))
+            our_runs.append(run_ours(payload_bytes, persist, num_actors, per_actor, keys_dir))
 
     def mbps(r):
         return r["bytes"] / r["seconds"] / 1e6
@@ -277,6 +306,7 @@ def run_bench(payload_bytes: int, persist: bool, num_actors: int, groups: int, r
         "payload_bytes": payload_bytes,
         "wire_bytes_per_group": wire_bytes,
         "persist": persist,
+        "curve": curve,
         "actors": num_actors,
         "groups_per_run": our_runs[0]["count"],
         "repeats": repeats,

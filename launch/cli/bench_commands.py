@@ -22,13 +22,15 @@ def bench() -> None:
 @click.option("--groups", default=0, help="groups per actor (0 = about 384 MiB in total)")
 @click.option("--repeats", default=3, show_default=True, help="alternate raw/ours this many times, report medians")
 @click.option("--screenshots", is_flag=True, help="also: bytes per VLM trajectory with and without content addressing")
+@click.option("--curve", type=click.Choice(["on", "off"]), default="off", show_default=True,
+              help="encrypt both hops, ours and the raw baseline's, with the same keys")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def bench_broker(payload_bytes: int, persist: str, num_actors: int, groups: int, repeats: int, screenshots: bool,
-                 as_json: bool) -> None:
+                 curve: str, as_json: bool) -> None:
     """K actor processes -> broker -> one consumer, vs bare ZeroMQ through a zmq.proxy."""
     from launch.bench.broker import run_bench, screenshot_traffic
 
-    result = run_bench(payload_bytes, persist == "on", num_actors, groups, repeats)
+    result = run_bench(payload_bytes, persist == "on", num_actors, groups, repeats, curve == "on")
     if screenshots:
         result.update(screenshot_traffic())
     emit(result, as_json)

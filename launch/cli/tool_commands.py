@@ -24,13 +24,16 @@ from launch.cli.base import CONFIG_HELP, emit, load_config, main
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy")
 @click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False),
               help="prompt settings to use (default: the run's config.yaml)")
+@click.option("--record", "record_dir", type=click.Path(file_okay=False),
+              help="write every episode to DIR/eval.jsonl (a run's episodes/ folder: computerrl episodes reads it)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, config: str | None,
-             as_json: bool) -> None:
+             record_dir: str | None, as_json: bool) -> None:
     """Success rate of a checkpoint on a task suite, overall and per family."""
     import dataclasses
 
-    from launch.evaluate import evaluate, load_policy, suite_tasks
+    from common.episode_log import EpisodeWriter
+    from launch.evaluate import checkpoint_version, evaluate, load_policy, suite_tasks
 
     from launch.config import config_for_checkpoint
 
@@ -40,11 +43,17 @@ def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, con
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     engine, prompt_cfg, sampling, max_steps = load_policy(checkpoint, run_cfg)
+    record = (EpisodeWriter(Path(record_dir) / "eval.jsonl", int(run_cfg.actor.record.max_mb * 1e6))
+              if record_dir else None)
     try:
         result = evaluate(engine, tasks, prompt_cfg, dataclasses.replace(sampling, temperature=temperature),
-                          max_steps, env=run_cfg.env_server)
+                          max_steps, env=run_cfg.env_server, record=record, version=checkpoint_version(checkpoint))
     finally:
         engine.close()
+        if record is not None:
+            record.close()
+    if record is not None:
+        result["recorded"] = dict(record.counts)
     result.update(checkpoint=str(checkpoint), suite=suite)
     emit(result, as_json)
 

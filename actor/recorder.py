@@ -1,0 +1,82 @@
+"""Which episodes an actor records for people to read (``computerrl episodes``), and what a record of one holds.
+
+One JSON line per episode in ``<run>/episodes/<writer>.jsonl`` (written by ``common.episode_log.EpisodeWriter``): the task (id, family, split, instruction), per
+turn the observation text the policy saw and its screenshots by digest (``<run>/images/``), the sampled text,
+what the desktop answered, the token count, mean log-prob and policy version; at the end the reward, success and
+how it ended, with the rewards of its whole group. What the learner then did with the group (trained at version
+k, or dropped and why) is in the audit trail, its advantages in ``episodes/learner.jsonl``: the viewer joins them
+by group id. Records are built from data the episode already holds and written by a thread of their own, under a
+disk budget per writer; what does not fit, or finds the writer's queue full, is counted, never waited for.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from common.episode_log import RECORD_VERSION
+
+OUTCOMES = ("", "success", "fail")
+
+
+@dataclass
+class RecordConfig:
+    """Which played episodes are written to ``<run>/episodes/`` for ``computerrl episodes``."""
+
+    every: int = 20
+    """record one training group in this many, all its episodes (chosen by group id; 0 = none by sampling)"""
+    families: list[str] = field(default_factory=list)
+    """also record every group of these task families"""
+    outcome: str = ""
+    """also record every group with an episode of this outcome: success | fail ("" = none)"""
+    max_mb: float = 200.0
+    """disk budget of each writer's file (an actor's, the evaluations'); past it episodes are counted, not written"""
+
+    def validate(self) -> None:
+        if self.every < 0 or self.max_mb <= 0:
+            raise ValueError("actor.record.every must be >= 0 and actor.record.max_mb > 0")
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"actor.record.outcome must be one of {OUTCOMES[1:]} or empty, not {self.outcome!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.every or self.families or self.outcome)
+
+    def wants(self, group_id: str, family: str, successes: Iterable[bool]) -> bool:
+        """Whether a training group is recorded: its id's hash in one of ``every`` slots, its family asked for,
+        or an episode of the asked outcome in it."""
+        if self.every and zlib.crc32(group_id.encode()) % self.every == 0:
+            return True
+        if family in self.families:
+            return True
+        s = list(successes)
+        return (self.outcome == "success" and any(s)) or (self.outcome == "fail" and not all(s))
+
+
+def split_of(task_id: str) -> str:
+    """The split a task id names (``kind:split[:families]/seed``), or "" for an id of another form."""
+    parts = task_id.rpartition("/")[0].split(":")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def episode_record(ep: Any, episode_id: str, source: str, **extra: Any) -> dict:
+    """A JSON-ready record of one played ``actor.episode.Episode``."""
+    turns = []
+    for i, t in enumerate(ep.turns):
+        n = len(t.token_ids)
+        turns.append({
+            "obs": t.obs_text, "images": list(t.images), "text": t.text,
+            "result": ep.results[i] if i < len(ep.results) else "",
+            "format_error": bool(t.format_error), "tokens": n,
+            "logprob": round(float(t.logprobs.mean()), 4) if n else None,
+            "version": int(t.versions.max()) if len(t.versions) else None,
+            "seconds": round(ep.step_seconds[i], 4) if i < len(ep.step_seconds) else None,
+        })
+    ev = ep.evaluation
+    return {"v": RECORD_VERSION, "id": episode_id, "source": source, "task": ep.task_id,
+            "family": str(ev.get("family", "")), "split": split_of(ep.task_id), "instruction": ep.instruction,
+            "reward": float(ev.get("reward", 0.0)), "success": bool(ev.get("success", False)),
+            "finish": ep.finish_reason, "steps": len(ep.turns), "format_errors": ep.format_errors,
+            "t": round(time.time(), 3), "turns": turns, **extra}
