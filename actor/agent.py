@@ -255,10 +255,19 @@ class Actor:
                                   info={"seconds": round(time.time() - t0, 3), **({"recorded": True} if record else {})})
         self.broker.submit(group)
         if record:  # the learner writes this group's advantages beside it (``recorded``)
-            rewards = [float(t.reward) for t in trajs]
-            self.recorder.offer([episode_record(ep, traj_id, "train", group=group_id, index=i, group_rewards=rewards,
-                                                actor=self.broker.actor_id, version=[min(versions), max(versions)])
+            self._record(group, episodes)
+
+    def _record(self, group: P.TrajectoryGroup, episodes: list[tuple[str, Episode]]) -> None:
+        """Offer a submitted group's episodes to the episode log; a failure here is counted, never the rollout's."""
+        try:
+            rewards = [float(t.reward) for t in group.trajectories]
+            self.recorder.offer([episode_record(ep, traj_id, "train", group=group.group_id, index=i,
+                                                group_rewards=rewards, actor=self.broker.actor_id,
+                                                version=[group.behavior_version_min, group.behavior_version_max])
                                  for i, (traj_id, ep) in enumerate(episodes)])
+        except Exception:
+            self.stats["episodes_not_recorded"] += 1
+            self.log.exception("episode_record_failed", group=group.group_id)
         self.stats["groups_submitted"] += 1
         self.stats["groups_incomplete"] += int(not group.complete)
 

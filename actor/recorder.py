@@ -65,9 +65,9 @@ def episode_record(ep: Any, episode_id: str, source: str, **extra: Any) -> dict:
     """A JSON-ready record of one played ``actor.episode.Episode``."""
     turns = []
     for i, t in enumerate(ep.turns):
-        n = len(t.token_ids)
+        n = len(t.output_ids)
         turns.append({
-            "obs": t.obs_text, "images": list(t.images), "text": t.text,
+            "obs": t.observation, "images": list(t.images), "text": t.action,
             "result": ep.results[i] if i < len(ep.results) else "",
             "format_error": bool(t.format_error), "tokens": n,
             "logprob": round(float(t.logprobs.mean()), 4) if n else None,

@@ -152,6 +152,28 @@ def learner_settlements(events: Iterable[dict]) -> tuple[list[tuple[str, str]], 
     return durable, discarded, resumes
 
 
+def group_fates(broker_events: Iterable[dict], learner_events: Iterable[dict]) -> dict[str, str]:
+    """What became of each group, in words for people (the episode viewer): "trained at version k", "dropped by
+    the learner (reason)", "dropped by the broker (reason)", or "queued" for a group acked and not yet settled. The
+    latest learner settlement of a group wins (a resume may settle it again)."""
+    fates: dict[str, str] = {}
+    for ev in broker_events:
+        if ev["e"] in ("acked", "recovered"):
+            for g in _ids(ev):
+                fates.setdefault(g, "queued")
+        elif ev["e"] == "dropped":
+            for g in _ids(ev):
+                fates[g] = f"dropped by the broker ({ev.get('r', '?')})"
+    for ev in learner_events:
+        if ev["e"] == "trained":
+            for g in _ids(ev):
+                fates[g] = f"trained at version {ev.get('v', '?')}"
+        elif ev["e"] == "dropped":
+            for g in _ids(ev):
+                fates[g] = f"dropped by the learner ({ev.get('r', '?')})"
+    return fates
+
+
 def reconcile_events(broker_events: Iterable[dict], learner_events: Iterable[dict],
                      queued: set[str]) -> Reconciliation:
     """Every acked group's fate from the broker's and the learner's event streams and the ids still queued in the

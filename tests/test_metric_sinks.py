@@ -83,3 +83,49 @@ def test_bad_sink_settings_fail_at_config_load():
         MetricsConfig(sinks=["prometheus"]).validate()
     with pytest.raises(ValueError, match="wandb_mode must be offline or online"):
         MetricsConfig(wandb_mode="cloud").validate()
+
+
+def test_each_evaluation_sends_a_table_of_its_episodes_once(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    m, e = tmp_path / "metrics", tmp_path / "episodes"
+    m.mkdir()
+    e.mkdir()
+
+    def episode(i: int, version: int) -> dict:
+        return {"v": 1, "id": f"ep{i}", "source": "eval", "eval_version": version, "family": "files_move",
+                "success": i % 2 == 0, "reward": float(i % 2 == 0), "steps": 2, "finish": "done",
+                "instruction": "Move a|b", "turns": [{"text": "click(1)"}, {"text": "done()"}]}
+    _append(e / "eval.jsonl", episode(0, 4), episode(1, 4), episode(2, 8), torn='{"v": 1, "id": "ep3"')
+    cfg = MetricsConfig(sinks=["jsonl", "tensorboard"])
+    fwd = MetricsForwarder(m, tmp_path, cfg, "run-a")
+    fwd.poll()
+    fwd.close()
+    fwd = MetricsForwarder(m, tmp_path, cfg, "run-a")  # a resumed run sends none of them again
+    fwd.poll()
+    fwd.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard" / "eval"))
+    acc.Reload()
+    texts = acc.Tensors("episodes/text_summary")
+    assert [t.step for t in texts] == [4, 8]
+    table = texts[0].tensor_proto.string_val[0].decode()
+    assert "| ep0 | files_move | True | 1.0 | 2 | done | Move a\\|b | done() |" in table and "ep1" in table
+
+
+def test_wandb_gets_each_evaluation_as_a_table(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "episodes").mkdir()
+    _append(tmp_path / "episodes" / "eval.jsonl",
+            {"v": 1, "id": "ep0", "source": "eval", "eval_version": 3, "family": "files_move", "success": True,
+             "reward": 1.0, "steps": 1, "finish": "done", "instruction": "Move it", "turns": [{"text": "done()"}]})
+    fwd = MetricsForwarder(tmp_path / "metrics", tmp_path, MetricsConfig(sinks=["wandb"], wandb_mode="offline"),
+                           "run-c")
+    fwd.poll()
+    fwd.close()
+    tables = list((tmp_path / "wandb" / "wandb").glob("offline-run-*-run-c/files/media/table/eval/episodes_*.table.json"))
+    assert len(tables) == 1
+    table = json.loads(tables[0].read_text())
+    assert table["columns"][:3] == ["episode", "family", "success"] and table["data"][0][:3] == ["ep0", "files_move", True]

@@ -82,10 +82,28 @@ def _settled(rd: RunDir):
 
 
 def test_the_async_pipeline_trains_in_process_and_loses_nothing(tmp_path):
-    rd, seconds = run_pipeline(tmp_path)
+    rd, seconds = run_pipeline(tmp_path, "actor.record.every=1")
     counts = check_pipeline(rd)
     assert seconds < 60, f"the in-process tier took {seconds:.0f} s"
     assert counts["lost"] == 0 and counts["trained_twice"] == 0
+    check_recorded_episodes(rd)
+
+
+def check_recorded_episodes(rd: RunDir) -> None:
+    """Every group an actor recorded is in the episode log, joined with what the learner did with it."""
+    from launch.episodes.collect import load
+    from launch.episodes.text import render_text
+
+    eps = load(rd.root)
+    groups = {e["group"] for e in eps.episodes}
+    assert len(groups) >= STEPS * GROUPS_PER_BATCH and len(eps.episodes) == 2 * len(groups), "every episode of a group"
+    trained = [e for e in eps.episodes if e["fate"].startswith("trained at version")]
+    assert trained and all(len(e["advantages"]) == e["steps"] for e in trained), "each turn's advantage, from the learner"
+    for e in eps.episodes:
+        assert e["family"] and e["instruction"] and e["turns"] and e["split"] == "train"
+        assert all(t["tokens"] > 0 and t["text"] and t["obs"] for t in e["turns"])
+    text = render_text(trained[0], eps.images)
+    assert trained[0]["instruction"] in text and "desktop: " in text and "advantage " in text
 
 
 def test_the_pipeline_check_fails_when_the_broker_forgets_a_commit(tmp_path, monkeypatch):

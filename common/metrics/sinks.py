@@ -12,6 +12,10 @@ hand — and hands each new record to the selected sinks, in time order across f
   named ``<source>/<field>`` and plotted against ``policy_version`` (a custom step metric, so a learner that resumes
   from an older checkpoint and repeats versions is not dropped as W&B drops out-of-order steps).
 
+Each evaluation's episodes (``<run>/episodes/eval.jsonl``, ``common/episode_log.py``) go along too, as a sample a
+person reads: a text table per evaluation in TensorBoard (``eval`` / ``episodes``), a ``wandb.Table``
+(``eval/episodes``) in W&B, at the evaluated policy version; ``computerrl episodes`` shows them whole.
+
 The policy version of a record is its own ``step`` (learner, eval) or ``version`` (actors, broker) field, or else
 the newest learner step seen before it. How far each file was forwarded is kept in ``<run>/metrics/.forwarded.json``
 after every poll, so a resumed run (or a second ``computerrl metrics``) does not send a record twice.
@@ -29,6 +33,29 @@ from common.metrics.records import numeric_fields
 
 SINKS = ("jsonl", "tensorboard", "wandb")
 OFFSETS_FILE = ".forwarded.json"
+EVAL_EPISODES = "eval.jsonl"
+"""the evaluations' file in ``<run>/episodes``, whose episodes the sinks get a sample of"""
+EPISODE_COLUMNS = ("episode", "family", "success", "reward", "turns", "ended by", "instruction", "last action")
+EPISODE_ROWS = 50
+"""episodes per evaluation in a sink's table (the rest are in the episode viewer)"""
+
+
+def episode_rows(records: list[dict]) -> list[list]:
+    """One table row per episode record (``EPISODE_COLUMNS``), at most ``EPISODE_ROWS``."""
+    rows = []
+    for r in records[:EPISODE_ROWS]:
+        turns = r.get("turns") or [{}]
+        rows.append([str(r.get("id", "")), str(r.get("family", "")), bool(r.get("success")),
+                     float(r.get("reward", 0.0)), int(r.get("steps", len(turns))), str(r.get("finish", "")),
+                     str(r.get("instruction", ""))[:200], str(turns[-1].get("text", ""))[:200]])
+    return rows
+
+
+def markdown_table(rows: list[list]) -> str:
+    def cell(x: Any) -> str:
+        return str(x).replace("|", "\\|").replace("\n", " ")
+    head = "| " + " | ".join(EPISODE_COLUMNS) + " |\n|" + "---|" * len(EPISODE_COLUMNS)
+    return head + "".join("\n| " + " | ".join(cell(x) for x in row) + " |" for row in rows)
 
 
 @dataclass
@@ -96,6 +123,12 @@ class _TensorBoard:
         for name, value in scalars(record):
             w.add_scalar(name, value, global_step=version, walltime=record.get("time"))
 
+    def episodes(self, version: int, rows: list[list]) -> None:
+        w = self.writers.get("eval")
+        if w is None:
+            w = self.writers["eval"] = self.writer_cls(str(self.root / "eval"))
+        w.add_text("episodes", markdown_table(rows), global_step=version)
+
     def flush(self) -> None:
         for w in self.writers.values():
             w.flush()
@@ -123,6 +156,11 @@ class _WandB:
         if data:
             self.run.log({"policy_version": version, **data})
 
+    def episodes(self, version: int, rows: list[list]) -> None:
+        import wandb
+        self.run.log({"policy_version": version, "eval/episodes": wandb.Table(columns=list(EPISODE_COLUMNS),
+                                                                              data=rows)})
+
     def flush(self) -> None:
         pass
 
@@ -149,28 +187,43 @@ class MetricsForwarder:
             self.sinks.append(_TensorBoard(Path(run_root) / "tensorboard"))
         if "wandb" in cfg.sinks:
             self.sinks.append(_WandB(Path(run_root) / "wandb", cfg, run_id, config))
+        self.eval_episodes = Path(run_root) / "episodes" / EVAL_EPISODES
+
+    def _appended(self, path: Path, key: str) -> list[dict]:
+        """The whole JSON lines appended to ``path`` since the last poll (its offset kept under ``key``)."""
+        start = self.offsets.get(key, 0)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a torn line from a killed writer: JSONL readers skip it too
+            if isinstance(rec, dict):
+                out.append(rec)
+        self.offsets[key] = start + end
+        return out
 
     def _new_records(self) -> list[tuple[float, str, dict]]:
-        out = []
-        for path in sorted(self.dir.glob("*.jsonl")):
-            start = self.offsets.get(path.name, 0)
-            try:
-                with open(path, "rb") as f:
-                    f.seek(start)
-                    data = f.read()
-            except OSError:
-                continue
-            end = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
-            for line in data[:end].splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue  # a torn line from a killed writer: JSONL readers skip it too
-                if isinstance(rec, dict):
-                    out.append((float(rec.get("time", 0.0)), path.stem, rec))
-            self.offsets[path.name] = start + end
+        out = [(float(rec.get("time", 0.0)), path.stem, rec)
+               for path in sorted(self.dir.glob("*.jsonl")) for rec in self._appended(path, path.name)]
         out.sort(key=lambda r: r[0])
         return out
+
+    def _new_eval_episodes(self) -> dict[int, list[dict]]:
+        """New evaluation episodes by the policy version they evaluated."""
+        by_version: dict[int, list[dict]] = {}
+        for rec in self._appended(self.eval_episodes, f"../episodes/{EVAL_EPISODES}"):
+            v = rec.get("eval_version")
+            if rec.get("source") == "eval" and isinstance(v, int):
+                by_version.setdefault(v, []).append(rec)
+        return by_version
 
     def poll(self) -> int:
         """Forward what was appended since the last poll; returns how many records."""
@@ -184,6 +237,10 @@ class MetricsForwarder:
             version = own if own is not None else self.version
             for sink in self.sinks:
                 sink.write(source, rec, version)
+        for version, episodes in sorted(self._new_eval_episodes().items()):
+            rows = episode_rows(episodes)
+            for sink in self.sinks:
+                sink.episodes(version, rows)
         for sink in self.sinks:
             sink.flush()
         tmp = self.offsets_path.with_suffix(".tmp")

@@ -4,7 +4,9 @@ A broker and an env_server run as their own processes; a learner stand-in pulls 
 version so admission keeps flowing. The actor plays ``--groups`` task groups. Every turn the actor submitted to
 its engine is recorded (prompt, sampling parameters), then replayed through the same engine with no env and no
 transport, all at once: ``engine_only_tokens_per_s`` is that baseline, and ``ratio`` is the actor's generated
-tokens/s over it — how much of the engine's speed survives the agent loop. The engine itself is compared with
+tokens/s over it — how much of the engine's speed survives the agent loop. ``--record-every N`` plays the same
+groups twice, without and with the episode log recording one group in N, and reports ``record_ratio`` (tokens/s
+with it over without it): what recording episodes for people to read costs the actor. The engine itself is compared with
 transformers' ``generate`` on the same requests in batches of ``max_batch`` (``engine_vs_hf_generate``);
 ``mean_batch`` is the engine's mean decode batch during the actor's run.
 
@@ -96,9 +98,10 @@ def _hf_generate(engine: Any, recorded: list, device: str) -> tuple[int, float]:
 
 
 def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int, hidden: int,
-              device: str = "cpu", kind: str = "tiny") -> dict:
+              device: str = "cpu", kind: str = "tiny", record_every: int = 0) -> dict:
     from actor.agent import Actor
     from actor.config import ActorConfig
+    from actor.recorder import RecordConfig
     from actor.engine import EngineConfig, SamplingParams
     from actor.hf_engine import HFEngine
     from actor.prompt import PromptConfig
@@ -144,7 +147,7 @@ def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int
         learner = threading.Thread(target=_learner_stand_in, args=(net, log, stop), daemon=True)
         learner.start()
         cfg = ActorConfig(env_servers=[f"127.0.0.1:{env_port}"], max_groups=max_groups, sampling=sampling,
-                          prompt=prompt)
+                          prompt=prompt, record=RecordConfig(every=record_every))
         actor = Actor(cfg, engine, net, None, RunDir.create(f"{tmp}/actor"), log, max_groups_total=groups)
         try:
             actor.connect(60)
@@ -160,7 +163,8 @@ def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int
             episodes = actor.stats["episodes"]
             stats = dict(actor.stats)
         finally:
-            actor.close()
+            actor.close()  # the episode log is flushed: its counts are final
+            episode_counts = dict(actor.recorder.counts) if actor.recorder is not None else {}
             stop.set()
             learner.join(10)
             for p in procs:
@@ -192,5 +196,5 @@ def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int
         "engine_vs_hf_generate": round((base_tokens / base_wall) / (hf_tokens / hf_wall), 3),
         "engine_requests": len(submitted), "mean_batch": mean_batch,
         "format_error_rate": round(stats.get("format_errors", 0) / max(stats.get("turns", 1), 1), 3),
-        "seconds": round(wall, 2), **engine_busy,
+        "seconds": round(wall, 2), **engine_busy, "record_every": record_every, **episode_counts,
     }

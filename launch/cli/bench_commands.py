@@ -70,13 +70,19 @@ def bench_env(backend: str, sessions: int, desktops: int, steps: int, clients: i
 @click.option("--device", default="cpu", show_default=True, help="engine device: cpu | cuda | cuda:N")
 @click.option("--model", "kind", default="tiny", show_default=True, type=click.Choice(["tiny", "vlm"]),
               help="tiny: byte-level text model | vlm: tiny Qwen2-VL on screenshots")
+@click.option("--record-every", default=0, show_default=True,
+              help="also run it recording one group in N to the episode log; report the throughput ratio")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: int, hidden: int, device: str,
-                kind: str, as_json: bool) -> None:
+                kind: str, record_every: int, as_json: bool) -> None:
     """A whole actor against the sim desktop vs its engine alone on the same prompts."""
     from launch.bench.actor import run_bench
 
     result = run_bench(groups, group_size, max_groups, max_new_tokens, hidden, device, kind)
+    if record_every:
+        on = run_bench(groups, group_size, max_groups, max_new_tokens, hidden, device, kind, record_every)
+        result = {**on, "tokens_per_s_without_record": result["tokens_per_s"],
+                  "record_ratio": round(on["tokens_per_s"] / max(result["tokens_per_s"], 1e-9), 3)}
     emit(result, as_json)
 
 

@@ -151,3 +151,35 @@ def check_families_cmd(config: str | None, families: str, seeds: int, overlap_se
         click.echo("\n".join(report(checks, strict_overlap)))
     if not ok:
         raise SystemExit(1)
+
+
+@main.command("episodes")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--out", type=click.Path(file_okay=False), help="where the pages go (default: RUN_DIR/episodes/html)")
+@click.option("--text", "episode_id", help="print this episode as text instead of writing pages")
+@click.option("--open", "open_browser", is_flag=True, help="open the index in this machine's browser")
+def episodes_cmd(run_dir: str, out: str | None, episode_id: str | None, open_browser: bool) -> None:
+    """A run's recorded episodes as static pages (open index.html in a browser; no server) or one as text."""
+    from launch.episodes.collect import NoEpisodes, load
+    from launch.episodes.pages import write_site
+    from launch.episodes.text import render_text
+
+    try:
+        eps = load(run_dir)
+    except NoEpisodes as exc:
+        raise click.ClickException(str(exc)) from None
+    if episode_id:
+        try:
+            click.echo(render_text(eps.by_id(episode_id), eps.images), nl=False)
+        except KeyError as exc:
+            raise click.ClickException(exc.args[0]) from None
+        return
+    index = write_site(eps, Path(out) if out else eps.run / "episodes" / "html")
+    skipped = sum(eps.skipped.values())
+    click.echo(f"{len(eps.episodes)} episodes" + (f" ({skipped} unreadable lines skipped)" if skipped else "")
+               + f": {index.as_uri()}")
+    if open_browser:
+        import webbrowser
+
+        if not webbrowser.open(index.as_uri()):
+            click.echo("no browser found here: open the address above on a machine that sees this file system")

@@ -1,0 +1,2 @@
+"""The episode viewer (``computerrl episodes``): a run's recorded episodes (``collect.py``) as static pages
+(``pages.py``) or as text for a terminal (``text.py``)."""
