@@ -144,3 +144,35 @@ def test_the_pages_in_a_real_browser(run, tmp_path):
     assert "trained at version 2" in page and "lag 0 when trained" in page
     missing = _dom(chromium, (index.parent / page_name(eps.by_id("ep001"))).as_uri())
     assert "is missing from the image store" in missing and "dropped by the broker (zero_variance)" in missing
+
+
+def test_serve_shows_new_episodes_and_nothing_else_of_the_run(run):
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from launch.episodes.serve import serve
+
+    run.keys.mkdir(exist_ok=True)
+    (run.keys / "server.key_secret").write_text("secret")
+    started: list = []
+    ready = threading.Event()
+    t = threading.Thread(target=serve, args=(run.root, "127.0.0.1", 0, lambda *a: (started.extend(a), ready.set())),
+                         daemon=True)
+    t.start()
+    assert ready.wait(30)
+    url, server = started
+    try:
+        index = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert "ep000" in index and "ep009" not in index
+        with open(run.episodes / "actor-1.jsonl", "w") as f:  # the run goes on: a new group is recorded
+            f.write(json.dumps(_episode(9, "files_move", True, 4)) + "\n")
+        index = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert "ep009" in index
+        base = url.split("/episodes/")[0]
+        for secret in ("/keys/server.key_secret", "/episodes/html/../../keys/server.key_secret", "/config.yaml"):
+            with pytest.raises(urllib.error.HTTPError, match="404"):
+                urllib.request.urlopen(base + secret, timeout=10)
+    finally:
+        server.shutdown()
+        t.join(10)

@@ -158,7 +158,10 @@ def check_families_cmd(config: str | None, families: str, seeds: int, overlap_se
 @click.option("--out", type=click.Path(file_okay=False), help="where the pages go (default: RUN_DIR/episodes/html)")
 @click.option("--text", "episode_id", help="print this episode as text instead of writing pages")
 @click.option("--open", "open_browser", is_flag=True, help="open the index in this machine's browser")
-def episodes_cmd(run_dir: str, out: str | None, episode_id: str | None, open_browser: bool) -> None:
+@click.option("--serve", "port", type=int, help="serve the pages on this port, rewritten as a live run records more")
+@click.option("--host", default="127.0.0.1", show_default=True, help="with --serve: the address to listen on")
+def episodes_cmd(run_dir: str, out: str | None, episode_id: str | None, open_browser: bool, port: int | None,
+                 host: str) -> None:
     """A run's recorded episodes as static pages (open index.html in a browser; no server) or one as text."""
     from launch.episodes.collect import NoEpisodes, load
     from launch.episodes.pages import write_site
@@ -173,6 +176,11 @@ def episodes_cmd(run_dir: str, out: str | None, episode_id: str | None, open_bro
             click.echo(render_text(eps.by_id(episode_id), eps.images), nl=False)
         except KeyError as exc:
             raise click.ClickException(exc.args[0]) from None
+        return
+    if port is not None:
+        from launch.episodes.serve import serve
+
+        serve(run_dir, host, port, lambda url, _server: click.echo(f"serving {url} (Ctrl-C stops)"))
         return
     index = write_site(eps, Path(out) if out else eps.run / "episodes" / "html")
     skipped = sum(eps.skipped.values())
