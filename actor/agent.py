@@ -254,6 +254,8 @@ class Actor:
                                   created_at=time.time(), complete=len(trajs) == ticket.group_size,
                                   info={"seconds": round(time.time() - t0, 3), **({"recorded": True} if record else {})})
         self.broker.submit(group)
+        self.stats["groups_submitted"] += 1
+        self.stats["groups_incomplete"] += int(not group.complete)
         if record:  # the learner writes this group's advantages beside it (``recorded``)
             self._record(group, episodes)
 
@@ -268,8 +270,6 @@ class Actor:
         except Exception:
             self.stats["episodes_not_recorded"] += 1
             self.log.exception("episode_record_failed", group=group.group_id)
-        self.stats["groups_submitted"] += 1
-        self.stats["groups_incomplete"] += int(not group.complete)
 
     # ----- weights -------------------------------------------------------------------------------
 

@@ -157,7 +157,7 @@ def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, p
     try:
         actor.connect(10)
         actor.run()
-        assert actor.stats["groups_submitted"] == 2 and actor.broker.unacked == 0
+        assert actor.stats["groups_submitted"] == 2 and actor.broker.unacked == 0, dict(actor.stats)
         assert actor.stats["env_failures"] == 0 and (actor.env.pool_waits > 0) == (pool_size == 1)
         # Closed at once, before the checks below hold this thread: an actor whose loop has ended no longer
         # heartbeats, and on a loaded machine those checks outlasted the env_server's liveness (it then reclaimed
