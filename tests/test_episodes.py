@@ -127,6 +127,7 @@ def _dom(chromium: str, url: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow  # a browser per page: the whole suite's (docs/tests.md)
 def test_the_pages_in_a_real_browser(run, tmp_path):
     chromium = _chromium()
     eps = load(run.root)

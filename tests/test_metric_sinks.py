@@ -61,12 +61,16 @@ def test_tensorboard_gets_every_record_once_at_its_policy_version(tmp_path):
     assert _events(tmp_path, "learner")["loss"] == [(1, 0.5), (2, 0.25)], "nothing sent twice"
 
 
-def test_wandb_offline_run_is_one_per_run_id_across_resumes(tmp_path, monkeypatch):
+def test_wandb_offline_run_is_one_per_run_id_across_resumes_with_each_evaluations_table(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
     m = tmp_path / "metrics"
     m.mkdir()
     cfg = MetricsConfig(sinks=["wandb"], wandb_mode="offline")
+    (tmp_path / "episodes").mkdir()
+    _append(tmp_path / "episodes" / "eval.jsonl",  # an evaluation's episodes: a table
+            {"v": 1, "id": "ep0", "source": "eval", "eval_version": 1, "family": "files_move", "success": True,
+             "reward": 1.0, "steps": 1, "finish": "done", "instruction": "Move it", "turns": [{"text": "done()"}]})
     for step in (1, 2):  # two supervisor lifetimes: the run started, then resumed
         _append(m / "learner.jsonl", {"time": float(step), "step": step, "loss": 1.0 / step})
         fwd = MetricsForwarder(m, tmp_path, cfg, "run-b", {"learner": {"lr": 1e-4}})
@@ -75,6 +79,10 @@ def test_wandb_offline_run_is_one_per_run_id_across_resumes(tmp_path, monkeypatc
         fwd.close()
     runs = sorted((tmp_path / "wandb" / "wandb").glob("offline-run-*-run-b"))
     assert len(runs) == 2 and all((r / "run-run-b.wandb").stat().st_size > 0 for r in runs)
+    tables = list((tmp_path / "wandb" / "wandb").glob("offline-run-*-run-b/files/media/table/eval/episodes_*.table.json"))
+    assert len(tables) == 1, "the evaluation's table, once across the resume"
+    table = json.loads(tables[0].read_text())
+    assert table["columns"][:3] == ["episode", "family", "success"] and table["data"][0][:3] == ["ep0", "files_move", True]
     del wandb
 
 
@@ -111,21 +119,3 @@ def test_each_evaluation_sends_a_table_of_its_episodes_once(tmp_path):
     assert [t.step for t in texts] == [4, 8]
     table = texts[0].tensor_proto.string_val[0].decode()
     assert "| ep0 | files_move | True | 1.0 | 2 | done | Move a\\|b | done() |" in table and "ep1" in table
-
-
-def test_wandb_gets_each_evaluation_as_a_table(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    (tmp_path / "metrics").mkdir()
-    (tmp_path / "episodes").mkdir()
-    _append(tmp_path / "episodes" / "eval.jsonl",
-            {"v": 1, "id": "ep0", "source": "eval", "eval_version": 3, "family": "files_move", "success": True,
-             "reward": 1.0, "steps": 1, "finish": "done", "instruction": "Move it", "turns": [{"text": "done()"}]})
-    fwd = MetricsForwarder(tmp_path / "metrics", tmp_path, MetricsConfig(sinks=["wandb"], wandb_mode="offline"),
-                           "run-c")
-    fwd.poll()
-    fwd.close()
-    tables = list((tmp_path / "wandb" / "wandb").glob("offline-run-*-run-c/files/media/table/eval/episodes_*.table.json"))
-    assert len(tables) == 1
-    table = json.loads(tables[0].read_text())
-    assert table["columns"][:3] == ["episode", "family", "success"] and table["data"][0][:3] == ["ep0", "files_move", True]
