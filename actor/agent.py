@@ -246,13 +246,15 @@ class Actor:
             return
         versions = [int(v) for t in trajs for v in (t.versions.min(), t.versions.max()) if len(t.versions)]
         group_id = uuid.uuid4().hex
+        family = str(episodes[0][1].evaluation.get("family", ""))
         record = self.recorder is not None and self.cfg.record.wants(
-            group_id, str(episodes[0][1].evaluation.get("family", "")), (ep.evaluation["success"] for _, ep in episodes))
+            group_id, family, (ep.evaluation["success"] for _, ep in episodes))
         group = P.TrajectoryGroup(group_id=group_id, ticket_id=ticket.ticket_id, task_id=ticket.task_id,
                                   actor_id=self.broker.actor_id, trajectories=trajs,
                                   behavior_version_min=min(versions), behavior_version_max=max(versions),
                                   created_at=time.time(), complete=len(trajs) == ticket.group_size,
-                                  info={"seconds": round(time.time() - t0, 3), **({"recorded": True} if record else {})})
+                                  info={"seconds": round(time.time() - t0, 3),
+                                        **({"recorded": True} if record else {})})
         self.broker.submit(group)
         self.stats["groups_submitted"] += 1
         self.stats["groups_incomplete"] += int(not group.complete)

@@ -1,6 +1,6 @@
-"""The server side of a link: its endpoint (our own ZMTP reader over tcp, a ROUTER over inproc), the monitor of what it refused (handshakes, connections), its table of
-peers and their liveness (Paranoid Pirate: peers heartbeat every ``heartbeat_s``; one silent for
-``liveness x heartbeat_s`` is dead), and the serve loop."""
+"""The server side of a link: its endpoint (our own ZMTP reader over tcp, a ROUTER over inproc), the monitor of
+what it refused (handshakes, connections), its table of peers and their liveness (Paranoid Pirate: peers heartbeat
+every ``heartbeat_s``; one silent for ``liveness x heartbeat_s`` is dead), and the serve loop."""
 
 from __future__ import annotations
 
@@ -117,8 +117,8 @@ class ServerSocket:
         return self._heartbeat[2]
 
     def drain_refused(self) -> int:
-        """Call once a turn: the endpoint does its I/O and timers, and handshakes refused since the last call (a wrong or
-        missing CURVE key, a peer that is not ZMTP) are counted, as ``rejected_auth`` with CURVE on and
+        """Call once a turn: the endpoint does its I/O and timers, and handshakes refused since the last call (a
+        wrong or missing CURVE key, a peer that is not ZMTP) are counted, as ``rejected_auth`` with CURVE on and
         ``rejected_handshake`` without. Returns how many."""
         if self.listener is None:
             return 0
