@@ -2,11 +2,12 @@
 
 One JSON line per episode in ``<run>/episodes/<writer>.jsonl`` (written by ``common.episode_log.EpisodeWriter``):
 the task (id, family, split, instruction), per turn the observation text the policy saw and its screenshots by
-digest (``<run>/images/``), the sampled text, what the desktop answered, the token count, mean log-prob and
-policy version; at the end the reward, success and how it ended, with the rewards of its whole group. What the learner then did with the group (trained at version
-k, or dropped and why) is in the audit trail, its advantages in ``episodes/learner.jsonl``: the viewer joins them
-by group id. Records are built from data the episode already holds and written by a thread of their own, under a
-disk budget per writer; what does not fit, or finds the writer's queue full, is counted, never waited for.
+digest (``<run>/images/``), the sampled text, what the desktop answered, the token count, mean log-prob and policy
+version; at the end the reward, success and how it ended, with the rewards of its whole group. What the learner then
+did with the group (trained at version k, or dropped and why) is in the audit trail, its advantages in
+``episodes/learner.jsonl``: the viewer joins them by group id. Records are built from data the episode already holds
+and written by a thread of their own, under a disk budget per writer; what does not fit, or finds the writer's queue
+full, is counted, never waited for.
 """
 
 from __future__ import annotations
