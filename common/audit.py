@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from common.jsonl import read_jsonl
+
 
 class AuditLog:
     """Appends events for one role; ``None`` path makes every call a no-op (auditing is off)."""
@@ -66,18 +68,7 @@ class AuditLog:
 
 def read_events(path: Path) -> Iterator[dict]:
     """Events of one file in order; a torn or garbled line is skipped."""
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        return
-    with f:
-        for line in f:
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(ev, dict) and "e" in ev:
-                yield ev
+    return (ev for ev in read_jsonl(path) if "e" in ev)
 
 
 def _ids(ev: dict) -> list[str]:

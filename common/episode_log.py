@@ -16,6 +16,8 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
+from common.jsonl import read_jsonl
+
 RECORD_VERSION = 1
 
 
@@ -71,20 +73,8 @@ def read_records(path: Path, counts: collections.Counter | None = None) -> Itera
     """The records of one episode file in order. A line that is not JSON (a write torn by a crash) is counted as
     ``torn``, a record of another format version as ``other_version``; neither stops the reading."""
     counts = counts if counts is not None else collections.Counter()
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        return
-    with f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                counts["torn"] += 1
-                continue
-            if not isinstance(rec, dict):
-                counts["torn"] += 1
-            elif rec.get("v") != RECORD_VERSION:
-                counts["other_version"] += 1
-            else:
-                yield rec
+    for rec in read_jsonl(path, counts):
+        if rec.get("v") == RECORD_VERSION:
+            yield rec
+        else:
+            counts["other_version"] += 1

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+from common.jsonl import read_jsonl
+
 RECORD_KEYS = ("time", "role", "rank")
 """what every record carries about itself (when, who); not measurements"""
 
@@ -34,17 +36,7 @@ def numeric_fields(record: dict, path: tuple[str, ...] = ()) -> Iterator[tuple[t
 
 def read_records(path: Path) -> list[dict]:
     """Every whole JSON record of a JSONL file (a torn or foreign line is skipped); [] when there is none."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
+    return list(read_jsonl(path))
 
 
 def last_record(path: Path, max_bytes: int = 65536) -> dict | None:
