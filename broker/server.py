@@ -222,8 +222,8 @@ class Broker(ActorSide, GroupIntake, LearnerSide):
             self._learner_gone(peer, "dead")
         if time.monotonic() >= self._next_publish:  # not the turn's ``now``: a change made during it is due too
             self._publish()
-        self.front.drain_refused()
-        self.back.drain_refused()
+        self.front.tick()
+        self.back.tick()
         self.pub_monitor.drain()
         if now >= self._next_metrics:
             self._next_metrics = now + self.cfg.metrics_interval_s

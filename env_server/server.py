@@ -430,7 +430,7 @@ class EnvServer:
                 if not self._healthy(backend):
                     self.idle.remove(backend)
                     self._retire(backend, "unhealthy")
-        self.sock.drain_refused()
+        self.sock.tick()
         if now >= self._next_metrics:
             self._write_metrics(now)
 

@@ -131,7 +131,7 @@ print(json.dumps({"got": got, "soft": resource.getrlimit(resource.RLIMIT_NOFILE)
 
 @pytest.mark.parametrize("limit", [48])
 def test_connections_refused_for_want_of_file_descriptors_are_counted_and_explained(tmp_path, limit):
-    """A server out of descriptors refuses connections; its monitor counts ``accept_failed`` and says why."""
+    """A server out of descriptors refuses connections; its endpoint counts ``accept_failed`` and says why."""
     code = rf"""
 import json, resource, time, zmq
 from common.net import NetConfig, ServerSocket, Security
@@ -146,7 +146,7 @@ server = ServerSocket(ctx, "tcp://127.0.0.1:0", NetConfig(), Security(ctx, None)
 print(server.addr, flush=True)
 deadline = time.monotonic() + 20
 while time.monotonic() < deadline and not counters.get("accept_failed"):
-    server.drain_refused()
+    server.tick()
     time.sleep(0.05)
 print(json.dumps({{"counters": counters, "events": log.events}}), flush=True)
 server.close()

@@ -63,7 +63,7 @@ def serve_until(server: ServerSocket, n: int, timeout_s: float = 10.0) -> list:
         try:
             got.append(server.recv_nowait())
         except zmq.Again:
-            server.drain_refused()
+            server.tick()
             time.sleep(0.002)
     return got
 
@@ -71,7 +71,7 @@ def serve_until(server: ServerSocket, n: int, timeout_s: float = 10.0) -> list:
 def reply(sock: zmq.Socket, server: ServerSocket, timeout_s: float = 10.0) -> P.Message:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        server.drain_refused()  # writes what is queued
+        server.tick()  # writes what is queued
         if sock.poll(10):
             return P.decode(sock.recv_multipart())
     raise AssertionError("no reply")
@@ -140,7 +140,7 @@ def test_a_frame_over_the_cap_is_refused_from_its_header_answered_and_the_peer_d
     assert reply(s, server).code == "too_large", "the peer hears why"
     deadline = time.monotonic() + 10
     while refused in server.listener.conns.values() and time.monotonic() < deadline:
-        server.drain_refused()
+        server.tick()
         time.sleep(0.05)
     assert refused not in server.listener.conns.values(), "the refused connection is closed"
     s.send_multipart(P.encode(P.Heartbeat(peer_id="again", epoch="e", sent_at=0.0)))  # libzmq reconnects
@@ -155,7 +155,7 @@ def test_a_peer_the_application_does_not_read_is_not_read_either(endpoint):
         s.send_multipart(P.encode(P.Heartbeat(peer_id=f"{i}", epoch="e", sent_at=0.0)))
     time.sleep(0.5)
     for _ in range(20):
-        server.drain_refused()
+        server.tick()
     listener = server.listener
     (conn,) = listener.conns.values()
     assert conn.queued_msgs <= server.net.hwm, f"{conn.queued_msgs} messages held for a peer (hwm {server.net.hwm})"
@@ -181,7 +181,7 @@ def test_curve_refuses_a_client_without_the_run_keys(tmp_path):
     while counters.get("rejected_auth", 0) < 2 and time.monotonic() < deadline:
         with pytest.raises(zmq.Again):
             server.recv_nowait()
-        server.drain_refused()
+        server.tick()
         time.sleep(0.02)
     assert counters.get("rejected_auth", 0) >= 2
     s.close(0)

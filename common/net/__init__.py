@@ -1,6 +1,7 @@
 """ZeroMQ links shared by every role: their config and addresses (``config.py``), CURVE keys and socket options
-(``security.py``), the open-file limit (``limits.py``), the server side with its peer table and the monitor of
-refused connections (``server.py``) and the reliable client link (``client.py``). Roles import from here:
+(``security.py``), the open-file limit (``limits.py``), the servers' own ZMTP endpoint (``zmtp.py``: the wire and
+its NULL/CURVE handshakes; ``listener.py``: the sockets, with every size bound checked as frames arrive), the server
+side with its peer table (``server.py``) and the reliable client link (``client.py``). Roles import from here:
 ``from common.net import NetConfig, ServerLink``."""
 
 from common.net.client import LinkWaiter, ServerLink

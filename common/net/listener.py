@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import common.net.zmtp as zmtp
+from common.net.security import RateLimitedLog
 
 SCRATCH_BYTES = 256 * 1024
 DIRECT_BODY_BYTES = 64 * 1024  # a frame body at least this large is received straight into its own buffer
@@ -45,6 +46,7 @@ class Inbound:
     ident: bytes
     frames: list
     conn: "Connection"
+    nbytes: int
 
 
 @dataclass
@@ -86,9 +88,11 @@ class ZmtpListener:
     """The TCP server: accepts, handshakes, reads frames under the limits, queues whole messages, writes replies."""
 
     def __init__(self, host: str, port: int, mechanism: Callable[[], Any], max_message_bytes: int, max_frames: int,
-                 hwm: int, counters: dict, log: Any, name: str, backlog: int = 4096):
+                 hwm: int, counters: dict, log: Any, name: str, handshake_counter: str, backlog: int = 4096):
+        """``handshake_counter``: the counter a failed handshake adds to (``rejected_auth`` where it is CURVE's)."""
         self.mechanism, self.max_bytes, self.max_frames, self.hwm = mechanism, max_message_bytes, max_frames, hwm
-        self.counters, self.log, self.name = counters, log, name
+        self.counters, self.name, self.handshake_counter = counters, name, handshake_counter
+        self.warnings = RateLimitedLog(log, interval_s=30.0)
         self.listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as libzmq: TIME_WAIT is no bar
         self.listen.bind(("0.0.0.0" if host in ("*", "") else host, port))
@@ -105,12 +109,10 @@ class ZmtpListener:
         self.conns: dict[int, Connection] = {}
         self.by_ident: dict[bytes, Connection] = {}
         self.inbox: collections.deque = collections.deque()
-        self.handshakes_failed = 0
         self._next_id = 0
         self._accept_paused_until = 0.0
         self._next_sweep = 0.0
         self._scratch = bytearray(SCRATCH_BYTES)
-        self._log_times: dict[tuple, float] = {}
 
     def fileno(self) -> int:
         """One descriptor for a poller: readable while any connection (or the listening socket) has events."""
@@ -122,33 +124,35 @@ class ZmtpListener:
         if not self.inbox:
             self.pump()
         if not self.inbox:
-            if self._waiting_set:
-                os.eventfd_read(self.waiting)
-                self._waiting_set = False
+            self._sync_waiting()
             return None
         item = self.inbox.popleft()
         if isinstance(item, Inbound):
             c = item.conn
             c.queued_msgs -= 1
-            c.queued_bytes -= sum(zmtp.buffer_len(f) for f in item.frames)
+            c.queued_bytes -= item.nbytes
             if c.state == "ready" and not c.events & select.EPOLLIN and not self._held_back(c):
                 if c.rbuf:  # read already, left unparsed while it was held back
                     self._parse(c)
                 if c.fd in self.conns:
                     self._watch(c)
-        if self.inbox and not self._waiting_set:
-            os.eventfd_write(self.waiting, 1)
-            self._waiting_set = True
+        self._sync_waiting()
         return item
 
-    def send(self, ident: bytes, frames: list, command: bool = False) -> str:
+    def _sync_waiting(self) -> None:
+        """The ``waiting`` descriptor readable exactly while ``inbox`` holds something."""
+        if bool(self.inbox) != self._waiting_set:
+            os.eventfd_write(self.waiting, 1) if self.inbox else os.eventfd_read(self.waiting)
+            self._waiting_set = bool(self.inbox)
+
+    def send(self, ident: bytes, frames: list) -> str:
         """Queue a message for a peer: "" when queued, else why not (``unroutable``, ``hwm``)."""
         c = self.by_ident.get(ident)
         if c is None or c.state not in ("ready", "closing"):
             return "unroutable"
         if c.out_msgs >= self.hwm:
             return "hwm"
-        self._queue(c, c.mech.seal(frames, command))
+        self._queue(c, c.mech.seal(frames))
         return ""
 
     def close(self) -> None:
@@ -186,9 +190,7 @@ class ZmtpListener:
                     self._drop(c)
                 else:
                     self._read(c)  # reads what is left, then the end
-        if self.inbox and not self._waiting_set:
-            os.eventfd_write(self.waiting, 1)
-            self._waiting_set = True
+        self._sync_waiting()
 
     def _accept(self, now: float) -> None:
         for _ in range(ACCEPTS_PER_PUMP):
@@ -198,7 +200,7 @@ class ZmtpListener:
                 return
             except OSError as exc:  # EMFILE/ENFILE at scale: counted, and accepting pauses briefly
                 self.counters["accept_failed"] = self.counters.get("accept_failed", 0) + 1
-                self._warn("accept_failed", (exc.errno,), errno=errno.errorcode.get(exc.errno, exc.errno),
+                self.warnings.warning("accept_failed", (exc.errno,), socket=self.name, errno=errno.errorcode.get(exc.errno, exc.errno),
                            hint="the open-file limit is reached: raise it (ulimit -n / LimitNOFILE=)"
                            if exc.errno == errno.EMFILE else "")
                 self.epoll.unregister(self.listen.fileno())
@@ -376,7 +378,7 @@ class ZmtpListener:
             c.frames, c.msg_bytes = [], 0
             c.queued_msgs += 1
             c.queued_bytes += nbytes
-            self.inbox.append(Inbound(c.ident, frames, c))
+            self.inbox.append(Inbound(c.ident, frames, c, nbytes))
 
     def _frame_dropped(self, c: Connection, more: bool) -> None:
         if not more:
@@ -403,8 +405,9 @@ class ZmtpListener:
         self.by_ident[ident] = c
 
     def _handshake_failed(self, c: Connection, why: str) -> None:
-        self.handshakes_failed += 1
-        self._warn("handshake_failed", (why[:40],), socket=self.name, mechanism=c.mech.name.decode(), reason=why[:200])
+        self.counters[self.handshake_counter] = self.counters.get(self.handshake_counter, 0) + 1
+        self.warnings.warning("handshake_failed", (why[:40],), socket=self.name, mechanism=c.mech.name.decode(),
+                              reason=why[:200])
         self._drop(c)
 
     # ----- writing -----------------------------------------------------------------------------
@@ -472,10 +475,3 @@ class ZmtpListener:
         c.frames, c.body, c.rbuf = [], None, bytearray()
         if self.by_ident.get(c.ident) is c:
             del self.by_ident[c.ident]
-
-    def _warn(self, event: str, key: tuple, **fields: Any) -> None:
-        now = time.monotonic()
-        if now - self._log_times.get((event, key), -1e18) >= 30.0:
-            self._log_times[(event, key)] = now
-            self.log.warning(event, **fields)
-

@@ -39,7 +39,8 @@ class ServerSocket:
             if host.startswith("["):
                 raise ValueError(f"{addr}: IPv6 server addresses are not supported (bind an IPv4 address)")
             self.listener = ZmtpListener(host, int(port), security.mechanism, net.max_message_bytes, net.max_frames,
-                                         net.hwm, counters, log, name, LISTEN_BACKLOG)
+                                         net.hwm, counters, log, name,
+                                         "rejected_auth" if security.enabled else "rejected_handshake", LISTEN_BACKLOG)
             self.pollable: Any = self.listener.fileno()  # a zmq.Poller reports a plain descriptor by its number
             self.addr = self.listener.addr
         else:
@@ -54,7 +55,6 @@ class ServerSocket:
         self.rejections = RateLimitedLog(log)
         self.bytes_in = 0
         self.bytes_out = 0
-        self._handshakes_counted = 0
         self._heartbeat: tuple[tuple[str, str], float, list[Any]] | None = None  # (server id, epoch), made at, frames
 
     def recv_nowait(self) -> tuple[bytes, P.Message | None, list[Any]]:
@@ -116,19 +116,12 @@ class ServerSocket:
             self._heartbeat = (key, now, P.encode(P.Heartbeat(peer_id=server_id, epoch=epoch, sent_at=time.time())))
         return self._heartbeat[2]
 
-    def drain_refused(self) -> int:
-        """Call once a turn: the endpoint does its I/O and timers, and handshakes refused since the last call (a
-        wrong or missing CURVE key, a peer that is not ZMTP) are counted, as ``rejected_auth`` with CURVE on and
-        ``rejected_handshake`` without. Returns how many."""
-        if self.listener is None:
-            return 0
-        self.listener.pump()
-        n = self.listener.handshakes_failed - self._handshakes_counted
-        if n:
-            self._handshakes_counted += n
-            key = "rejected_auth" if self.security.enabled else "rejected_handshake"
-            self.counters[key] = self.counters.get(key, 0) + n
-        return n
+    def tick(self) -> None:
+        """Call once a loop turn: the endpoint does its I/O and its timers (handshake deadlines, refused peers
+        closed, accepts resumed). A refused handshake (a wrong or missing CURVE key, a peer that is not ZMTP) is
+        counted as it happens: ``rejected_auth`` with CURVE on, ``rejected_handshake`` without."""
+        if self.listener is not None:
+            self.listener.pump()
 
     def close(self) -> None:
         if self.listener is not None:
