@@ -25,7 +25,8 @@ class EpisodeWriter:
     """Appends records to one JSONL file from a thread of its own: ``offer`` never blocks the caller.
 
     A batch offered together (a group's episodes) is written whole or not at all: a group past the disk budget is
-    counted (``episodes_over_budget``), one that finds the queue full too (``episodes_dropped_busy``)."""
+    counted (``episodes_over_budget``), one that finds the queue full too (``episodes_dropped_busy``), one that
+    cannot be written (a value JSON cannot hold, a full disk) too (``episodes_not_written``); the thread goes on."""
 
     def __init__(self, path: Path, max_bytes: int, queue_size: int = 256):
         self.path, self.max_bytes = Path(path), max_bytes
@@ -50,13 +51,18 @@ class EpisodeWriter:
                 records = self._queue.get()
                 if records is None:
                     return
-                lines = [json.dumps(r, separators=(",", ":"), ensure_ascii=False).encode() + b"\n" for r in records]
-                size = sum(len(line) for line in lines)
-                if self.bytes + size > self.max_bytes:
-                    self.counts["episodes_over_budget"] += len(records)
+                try:
+                    lines = [json.dumps(r, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+                             for r in records]
+                    size = sum(len(line) for line in lines)
+                    if self.bytes + size > self.max_bytes:
+                        self.counts["episodes_over_budget"] += len(records)
+                        continue
+                    f.write(b"".join(lines))
+                    f.flush()
+                except (TypeError, ValueError, OSError):  # a value JSON cannot hold, a full disk: this group only
+                    self.counts["episodes_not_written"] += len(records)
                     continue
-                f.write(b"".join(lines))
-                f.flush()
                 self.bytes += size
                 self.counts["episodes_recorded"] += len(records)
 

@@ -9,6 +9,8 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from PIL import Image as PILImage
@@ -98,7 +100,7 @@ def test_a_directory_without_episodes_says_why(tmp_path):
     assert out.returncode == 1 and "no recorded episodes" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_the_writer_keeps_a_group_whole_within_its_budget_and_never_blocks(tmp_path):
+def test_the_writer_keeps_a_group_whole_within_its_budget_and_never_blocks(tmp_path, monkeypatch):
     group = [_episode(i, "files_move", True, 1) for i in range(3)]
     size = sum(len(json.dumps(r, separators=(",", ":"))) + 1 for r in group)
     w = EpisodeWriter(tmp_path / "e.jsonl", max_bytes=int(size * 1.5))
@@ -106,11 +108,37 @@ def test_the_writer_keeps_a_group_whole_within_its_budget_and_never_blocks(tmp_p
     w.close()
     assert w.counts == {"episodes_recorded": 3, "episodes_over_budget": 3}
     assert [r["id"] for r in read_records(tmp_path / "e.jsonl")] == ["ep000", "ep001", "ep002"]
-    full = EpisodeWriter(tmp_path / "f.jsonl", max_bytes=10 ** 9, queue_size=1)
-    full._queue.put([])  # the thread is behind: the queue holds its one batch
-    results = [full.offer([_episode(0, "x", True, 0)]) for _ in range(50)]
-    full.close()
-    assert not all(results) and full.counts["episodes_dropped_busy"] >= 1
+    # A writer whose disk stalls: its thread holds one group, its queue the next; the third is not waited for.
+    import common.episode_log as log_module
+    started, release = threading.Event(), threading.Event()
+    real_dumps = log_module.json.dumps
+
+    def stalled_dumps(*a, **kw):
+        started.set()
+        release.wait(30)
+        return real_dumps(*a, **kw)
+    monkeypatch.setattr(log_module.json, "dumps", stalled_dumps)
+    stalled = EpisodeWriter(tmp_path / "f.jsonl", max_bytes=10 ** 9, queue_size=1)
+    assert stalled.offer([_episode(0, "x", True, 0)]) and started.wait(10)
+    assert stalled.offer([_episode(1, "x", True, 0)])
+    t0 = time.monotonic()
+    assert not stalled.offer([_episode(2, "x", True, 0)]) and time.monotonic() - t0 < 1.0
+    assert stalled.counts["episodes_dropped_busy"] == 1
+    release.set()
+    monkeypatch.undo()
+
+    def settled(n: int) -> None:  # the thread has dealt with n groups
+        deadline = time.monotonic() + 10
+        while sum(stalled.counts[k] for k in ("episodes_recorded", "episodes_not_written")) < n:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    settled(2)
+    assert stalled.offer([{"id": "unwritable", "turns": {1, 2}}])  # a set: no JSON for it
+    settled(3)
+    assert stalled.offer([_episode(3, "x", True, 0)]), "the thread goes on"
+    stalled.close()
+    assert stalled.counts == {"episodes_recorded": 3, "episodes_dropped_busy": 1, "episodes_not_written": 1}
+    assert [r["id"] for r in read_records(tmp_path / "f.jsonl")] == ["ep000", "ep001", "ep003"]
 
 
 def _chromium() -> str:
