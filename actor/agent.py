@@ -26,7 +26,7 @@ from actor.config import ActorConfig
 from actor.engine import Engine, Generation
 from actor.episode import EnginePolicy, Episode, play_episode
 from actor.recorder import episode_record
-from common.episode_log import EpisodeWriter
+from common.episode_log import EpisodeWriter, actor_file
 from broker.client import ActorBrokerClient
 from common import protocol as P
 from common.metrics.writer import MetricsWriter, percentile
@@ -161,7 +161,7 @@ class Actor:
         self.env_ms: list[float] = []
         self.metrics = MetricsWriter(run_dir.metrics / f"actor-{rank}.jsonl" if run_dir is not None else None,
                                      cfg.prometheus, "actor", rank)
-        self.recorder = (EpisodeWriter(run_dir.episodes / f"actor-{rank}.jsonl", int(cfg.record.max_mb * 1e6))
+        self.recorder = (EpisodeWriter(run_dir.episodes / actor_file(rank), int(cfg.record.max_mb * 1e6))
                          if run_dir is not None and cfg.record.enabled else None)
         self.groups_started = 0
         self.in_flight: set[asyncio.Task] = set()

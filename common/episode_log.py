@@ -19,6 +19,14 @@ from typing import Iterator
 from common.jsonl import read_jsonl
 
 RECORD_VERSION = 1
+EVAL_FILE = "eval.jsonl"
+"""the evaluations' episodes"""
+LEARNER_FILE = "learner.jsonl"
+"""the learner's advantages of the recorded groups; every other file holds episodes"""
+
+
+def actor_file(rank: int) -> str:
+    return f"actor-{rank}.jsonl"
 
 
 class EpisodeWriter:

@@ -14,7 +14,7 @@ from typing import Any
 
 from common import protocol as P
 from common.audit import AuditLog
-from common.episode_log import RECORD_VERSION, EpisodeWriter
+from common.episode_log import LEARNER_FILE, RECORD_VERSION, EpisodeWriter
 from common.exitcodes import EXIT_RESUMABLE
 from common.metrics.writer import MetricsWriter, TimeSplit
 from policy.model import ModelConfig
@@ -308,7 +308,7 @@ class Learner:
     def _record_advantages(self, recorded: dict[str, dict[str, list]]) -> None:
         """Beside the episodes an actor recorded (``actor/recorder.py``): what each of their turns weighed here."""
         if self.episode_log is None:
-            self.episode_log = EpisodeWriter(self.run_dir.episodes / "learner.jsonl", EPISODE_LOG_BYTES)
+            self.episode_log = EpisodeWriter(self.run_dir.episodes / LEARNER_FILE, EPISODE_LOG_BYTES)
         v = self.trainer.version
         self.episode_log.offer([{"v": RECORD_VERSION, "group": g, "trained_version": v, "advantages": per_traj}
                                 for g, per_traj in recorded.items()])

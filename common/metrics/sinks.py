@@ -29,12 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from common.episode_log import EVAL_FILE
 from common.metrics.records import numeric_fields
 
 SINKS = ("jsonl", "tensorboard", "wandb")
 OFFSETS_FILE = ".forwarded.json"
-EVAL_EPISODES = "eval.jsonl"
-"""the evaluations' file in ``<run>/episodes``, whose episodes the sinks get a sample of"""
 EPISODE_COLUMNS = ("episode", "family", "success", "reward", "turns", "ended by", "instruction", "last action")
 EPISODE_ROWS = 50
 """episodes per evaluation in a sink's table (the rest are in the episode viewer)"""
@@ -187,7 +186,7 @@ class MetricsForwarder:
             self.sinks.append(_TensorBoard(Path(run_root) / "tensorboard"))
         if "wandb" in cfg.sinks:
             self.sinks.append(_WandB(Path(run_root) / "wandb", cfg, run_id, config))
-        self.eval_episodes = Path(run_root) / "episodes" / EVAL_EPISODES
+        self.eval_episodes = Path(run_root) / "episodes" / EVAL_FILE
 
     def _appended(self, path: Path, key: str) -> list[dict]:
         """The whole JSON lines appended to ``path`` since the last poll (its offset kept under ``key``)."""
@@ -219,7 +218,7 @@ class MetricsForwarder:
     def _new_eval_episodes(self) -> dict[int, list[dict]]:
         """New evaluation episodes by the policy version they evaluated."""
         by_version: dict[int, list[dict]] = {}
-        for rec in self._appended(self.eval_episodes, f"../episodes/{EVAL_EPISODES}"):
+        for rec in self._appended(self.eval_episodes, f"../episodes/{EVAL_FILE}"):
             v = rec.get("eval_version")
             if rec.get("source") == "eval" and isinstance(v, int):
                 by_version.setdefault(v, []).append(rec)

@@ -32,7 +32,7 @@ def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, con
     """Success rate of a checkpoint on a task suite, overall and per family."""
     import dataclasses
 
-    from common.episode_log import EpisodeWriter
+    from common.episode_log import EVAL_FILE, EpisodeWriter
     from launch.evaluate import checkpoint_version, evaluate, load_policy, suite_tasks
 
     from launch.config import config_for_checkpoint
@@ -43,7 +43,7 @@ def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, con
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     engine, prompt_cfg, sampling, max_steps = load_policy(checkpoint, run_cfg)
-    record = (EpisodeWriter(Path(record_dir) / "eval.jsonl", int(run_cfg.actor.record.max_mb * 1e6))
+    record = (EpisodeWriter(Path(record_dir) / EVAL_FILE, int(run_cfg.actor.record.max_mb * 1e6))
               if record_dir else None)
     try:
         result = evaluate(engine, tasks, prompt_cfg, dataclasses.replace(sampling, temperature=temperature),

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.audit import group_fates, read_events
-from common.episode_log import read_records
+from common.episode_log import LEARNER_FILE, read_records
 from common.images import ImageStore
 from common.rundir import RunDir
 
@@ -61,9 +61,9 @@ def load(run_dir: str | Path) -> EpisodeSet:
     episodes: list[dict] = []
     for f in files:
         for rec in read_records(f, skipped):
-            if "advantages" in rec and "group" in rec and "turns" not in rec:
+            if f.name == LEARNER_FILE and isinstance(rec.get("group"), str) and isinstance(rec.get("advantages"), dict):
                 advantages[rec["group"]] = rec
-            elif isinstance(rec.get("id"), str) and isinstance(rec.get("turns"), list):
+            elif f.name != LEARNER_FILE and isinstance(rec.get("id"), str) and isinstance(rec.get("turns"), list):
                 episodes.append(rec)
             else:
                 skipped["malformed"] += 1

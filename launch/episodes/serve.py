@@ -22,7 +22,9 @@ def _log_state(run: Path) -> tuple:
 
 
 class _Handler(http.server.SimpleHTTPRequestHandler):
-    refresh: Callable[[], None]
+    def __init__(self, *args, refresh: Callable[[], None], **kwargs):
+        self.refresh = refresh  # before the base class handles the request in its __init__
+        super().__init__(*args, **kwargs)
 
     def do_GET(self) -> None:  # noqa: N802 (the http.server API)
         path = self.path.split("?", 1)[0].split("#", 1)[0].lstrip("/")
@@ -56,7 +58,7 @@ def serve(run_dir: str | Path, host: str, port: int, ready: Callable[[str, objec
                 made[0] = state
 
     refresh()
-    handler = functools.partial(type("Handler", (_Handler,), {"refresh": staticmethod(refresh)}), directory=str(run))
+    handler = functools.partial(_Handler, refresh=refresh, directory=str(run))
     with http.server.ThreadingHTTPServer((host, port), handler) as server:
         ready(f"http://{host}:{server.server_address[1]}/episodes/html/index.html", server)
         try:
