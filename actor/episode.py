@@ -95,7 +95,7 @@ async def play_episode(env: EpisodeEnv, policy: Policy, task_id: str, tokenizer:
         prompt.record(gen.token_ids, results[-1])
         obs = step.obs
         if step.done:
-            finish = str(step.info.get("outcome") or "step_limit")
+            finish = str(step.info.get("outcome") or ("ended" if step.info.get("ended") else "step_limit"))
             break
     return Episode(task_id, turns, await env.evaluate(), finish, seconds, results, str(first.get("instruction", "")))
 

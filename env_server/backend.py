@@ -3,12 +3,13 @@
 A backend owns one desktop. The server calls ``reset(task_id)`` at the start of an episode, ``step(text)``
 with the model's raw output each turn, ``evaluate()`` at the end, ``healthy()`` between episodes, and
 ``close()`` when the desktop is retired; ``scripted_actions()`` plays the current task's solver (demonstrations).
-The simulated desktop (``env_server/sim/backend.py``), the real ones (xvfb, apptainer: ``env_server/desktop/``)
-and MiniWoB (``env_server/miniwob/``) implement them; ``blocking`` tells the server to run their calls on worker
-threads with a step timeout. ``env_server/backend_registry.py`` names them.
+``blocking`` tells the server to run a backend's calls on worker threads with a step timeout.
+``env_server/backend_registry.py`` names the backends.
 
-``TaskBackend`` is the base for a desktop whose tasks come from a ``TaskRegistry`` (an environment of one's own,
-``docs/add-an-environment.md``): it owns what every such desktop does alike, and leaves four methods to write.
+``TaskBackend`` is the base for a desktop whose tasks come from a ``TaskRegistry``: it owns what every such desktop
+does alike, and leaves four methods to write. Every shipped desktop is one — the simulated desktop
+(``env_server/sim/backend.py``), the real ones (xvfb, apptainer: ``env_server/desktop/``) and MiniWoB
+(``env_server/miniwob/``) — and so is an environment of one's own (``docs/add-an-environment.md``).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ class StepResult:
     action_error: bool = False
     """a well-formed action the desktop refused (no such target, ...): said in the next observation's last_result"""
     info: dict = field(default_factory=dict)
-    """``outcome``: "done" or "fail" when the agent declared one, else None; ``truncated``: ended by the step limit
-    (the actor records an episode's finish as its outcome, else "step_limit")"""
+    """``outcome``: "done" or "fail" when the agent declared one, else None; ``ended``: the desktop itself ended the
+    episode (a MiniWoB page that took its answer); ``truncated``: ended by the step limit. The actor records an
+    episode's finish as its outcome, else "ended" or "step_limit"."""
 
 
 class BackendError(RuntimeError):
@@ -46,10 +48,6 @@ class Backend:
 
     name = ""
     blocking = False
-    # The per-episode counters ``_apply_text`` keeps (a backend resets them in ``reset``).
-    steps = 0
-    format_errors = 0
-    last_result = ""
 
     def reset(self, task_id: str) -> dict:
         raise NotImplementedError
@@ -72,41 +70,29 @@ class Backend:
         settings) mean something only to desktops whose solvers have such choices."""
         raise ActionError(f"the {self.name or type(self).__name__} backend has no scripted solvers")
 
-    def _apply_text(self, text: str, act) -> tuple[bool, bool]:
-        """Parse the model's output and run it with ``act(action) -> result text``: counts the step, keeps the
-        result (or the error, for the next observation) in ``last_result``; returns (format_error, action_error)."""
-        self.steps += 1
-        try:
-            action = parse_action(text)
-        except ActionError as exc:
-            self.format_errors += 1
-            self.last_result = f"ERROR (format): {exc}"
-            return True, False
-        try:
-            self.last_result = act(action)
-        except ActionError as exc:
-            self.last_result = f"ERROR: {exc}"
-            return False, True
-        return False, False
-
 
 class TaskBackend(Backend):
     """A desktop whose tasks come from a ``TaskRegistry``. It owns what every such desktop does alike: a task id
     made into its instance (``tasks.make_task``), the per-episode counters, the step limit (``max_steps``, else the
     family's), the agent's ``done()`` and ``fail()``, the ``StepResult.info`` fields, and playing and judging an
-    episode with the family's own ``solve`` and ``verify``, both called as ``(params, state())``. An infeasible
-    task (``feasible=False``) is solved by ``fail()`` alone; ``fail()`` on a feasible one is a failure.
+    episode with the family's own ``solve`` and ``verify``, both called as ``(params, state())`` (the verdict:
+    ``TaskFamily.judge``: an infeasible task is solved only by ``fail()``, ``fail()`` on a feasible one fails it).
 
     What a subclass writes: ``start(task)`` (set the desktop up for the instance, e.g. from
     ``family.setup(task.params)``), ``state()`` (what ``verify`` and ``solve`` read), ``act(action)`` (one parsed
     action other than done/fail: its result text, or ``ActionError``), ``observation()`` (the dict the prompt
-    shows: at least ``instruction``, ``text`` and ``last_result``)."""
+    shows: at least ``instruction``, ``text`` and ``last_result``). A desktop that can end an episode itself (a
+    MiniWoB page that took its answer) says so in ``ended()``."""
 
     def __init__(self, tasks: TaskRegistry, max_steps: int = 0):
         self.tasks, self.max_steps = tasks, max_steps
         self.task: Task | None = None
         self.outcome: str | None = None
         """"done" or "fail" once the agent has said so this episode"""
+        self.steps = self.format_errors = 0
+        """this episode's steps, and those whose text was not one well-formed action"""
+        self.last_result = ""
+        """the last action's result, or its error: the next observation shows it"""
 
     @property
     def family(self) -> TaskFamily:
@@ -134,6 +120,10 @@ class TaskBackend(Backend):
     def observation(self) -> dict:
         raise NotImplementedError
 
+    def ended(self) -> bool:
+        """The desktop itself ended the episode (checked after each step, once ``observation()`` has run)."""
+        return False
+
     # ----- the interface, done once ----------------------------------------------------------------
 
     def reset(self, task_id: str) -> dict:
@@ -146,9 +136,29 @@ class TaskBackend(Backend):
     def step(self, text: str) -> StepResult:
         self._current()
         format_error, action_error = self._apply_text(text, self._declare_or_act)
-        done = self.outcome is not None or self.steps >= self.step_limit()
-        return StepResult(self.observation(), done, format_error, action_error,
-                          {"outcome": self.outcome, "truncated": done and self.outcome is None})
+        obs = self.observation()
+        ended = self.outcome is None and self.ended()
+        done = self.outcome is not None or ended or self.steps >= self.step_limit()
+        return StepResult(obs, done, format_error, action_error,
+                          {"outcome": self.outcome, "ended": ended, "truncated": done and self.outcome is None
+                           and not ended})
+
+    def _apply_text(self, text: str, act) -> tuple[bool, bool]:
+        """Parse the model's output and run it with ``act(action) -> result text``: counts the step, keeps the
+        result (or the error, for the next observation) in ``last_result``; returns (format_error, action_error)."""
+        self.steps += 1
+        try:
+            action = parse_action(text)
+        except ActionError as exc:
+            self.format_errors += 1
+            self.last_result = f"ERROR (format): {exc}"
+            return True, False
+        try:
+            self.last_result = act(action)
+        except ActionError as exc:
+            self.last_result = f"ERROR: {exc}"
+            return False, True
+        return False, False
 
     def _declare_or_act(self, action: Action) -> str:
         if action.name in ("done", "fail"):
@@ -162,9 +172,6 @@ class TaskBackend(Backend):
 
     def evaluate(self) -> dict:
         task = self._current()
-        if not task.feasible:
-            success = self.outcome == "fail"
-        else:
-            success = self.outcome != "fail" and bool(self.family.verify(task.params, self.state()))
+        success = self.family.judge(task.params, self.state(), self.outcome)
         return {"reward": float(success), "success": success, "family": task.family, "steps": self.steps,
                 "format_errors": self.format_errors, "outcome": self.outcome}

@@ -1,9 +1,19 @@
 """The task-family protocol every desktop kind registers into, and the one suite grammar.
 
 A family makes task instances: ``generate(rng) -> params``, ``phrasings(params)`` (every wording of the
-instruction; the last is held out), ``setup`` (the initial state), ``verify`` (success from the final state, never
-from the agent's claim) and ``solve`` (a scripted solver in the action space a model uses). What ``setup``,
-``verify`` and ``solve`` receive depends on the desktop kind (the sim's Desktop; a real desktop's home folder).
+instruction; the last is held out), ``setup(params, ...)`` (the initial state), ``verify(params, state)`` (success
+from the final state, never from the agent's claim) and ``solve(params, state, ...)`` (a scripted solver in the
+action space a model uses). The params come first everywhere; what the state is depends on the desktop kind (the
+sim's ``Desktop``, a real desktop's home folder, a MiniWoB page, a plug-in's own), and a kind may pass more after it
+(the sim's solvers take the route, gui or api).
+
+Every kind declares its families one way, a call per family, its functions written above it::
+
+    TASKS = TaskRegistry("lamps")
+    TASKS.register(TaskFamily(name="lamp_on", generate=..., phrasings=worded("Turn on lamp {n}.", ...),
+                              setup=..., verify=..., solve=..., max_steps=4))
+
+(a kind whose families are data, as MiniWoB's pages, makes the same call in a loop over them).
 
 Task ids are ``<kind>:<split>[:family[*weight],...]/<seed>``, e.g. ``sim:train/17`` or
 ``desk:heldout:calc_sum,files_move/3``. The seed picks the family (round robin over the suite's, a family weighted
@@ -51,6 +61,15 @@ def split_suite(suite: str, what: str = "suite") -> tuple[str, str, list[tuple[s
     return kind, split, items
 
 
+def worded(*templates: str, words: Callable[[dict], dict] | None = None) -> Callable[[dict], tuple[str, ...]]:
+    """``phrasings`` from format templates over an instance's params (``{name}``), and over ``words(params)`` where
+    a wording needs more than the params hold; the last template is the held-out one."""
+    def phrasings(params: dict) -> tuple[str, ...]:
+        names = {**params, **words(params)} if words is not None else params
+        return tuple(t.format_map(names) for t in templates)
+    return phrasings
+
+
 @dataclass(frozen=True)
 class TaskFamily:
     """One kind of task; see the module docstring for what each function does."""
@@ -64,7 +83,7 @@ class TaskFamily:
     max_steps: int = 16
     """the episode's step limit"""
     feasible: bool = True
-    """False: the right answer is fail()"""
+    """False: the right answer is fail() (and ``verify`` says what must hold besides it, e.g. nothing changed)"""
     apps: tuple[str, ...] = ()
     """apps the task involves (two or more: a multi-app task)"""
     tags: tuple[str, ...] = ()
@@ -75,6 +94,14 @@ class TaskFamily:
     pixels: bool = False
     """solvable only from the screenshot (nothing in the tree names what it asks for): a suite that names no
     family leaves it out, so a text policy's default suite never holds a task it cannot see"""
+
+    def judge(self, params: dict, state: Any, outcome: str | None) -> bool:
+        """Success of a finished episode: a feasible task by ``verify`` on the final state, never after the agent
+        said ``fail()``; an infeasible one only by ``fail()``, and ``verify`` still holding (what must be true
+        besides, such as nothing having changed)."""
+        if (outcome == "fail") == self.feasible:
+            return False
+        return bool(self.verify(params, state))
 
     def solver(self, demo: Any = None, rng: random.Random | None = None) -> Callable[..., Iterator[str]]:
         """The solver a demonstration plays: ``wrong`` with probability ``demo.wrong_choice_prob`` where the

@@ -56,8 +56,9 @@ def test_the_verifiers_copy_leaves_out_links_devices_fifos_and_oversized_files(t
     assert report.skipped == {"link": 3, "special_file": 1, "too_large": 1}
     task = desk_tasks.Task("desk:train:editor_new_file/0", "editor_new_file", "train", 0, "",
                   {"name": "notes1.txt", "text": "the cat sat on the mat"}, True, 5)
-    assert desk_tasks.verify(home, task), "the raw home would have fooled the verifier"
-    assert not desk_tasks.verify(copy, task)
+    verify = desk_tasks.FAMILIES[task.family].verify
+    assert verify(task.params, home), "the raw home would have fooled the verifier"
+    assert not verify(task.params, copy)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops to nobody only when started as root")
@@ -186,7 +187,7 @@ def test_real_desktop_tasks_have_held_out_instances_and_a_held_out_phrasing():
 
 def test_a_missing_file_fails_the_verifier_instead_of_raising(tmp_path):
     task = desk_tasks.make_task("desk:train:calc_sum/0")
-    assert desk_tasks.verify(tmp_path, task) is False
+    assert desk_tasks.FAMILIES[task.family].verify(task.params, tmp_path) is False
 
 
 def test_missing_packages_are_named_in_one_clear_error(tmp_path):
@@ -272,7 +273,7 @@ def test_every_task_is_solved_by_its_solver_and_failed_by_doing_nothing(desktop)
         obs = backend.reset(task_id)
         assert obs["instruction"] and obs["windows"], fam
         errors = []
-        for action in desk_tasks.solver(backend.task):
+        for action in backend.scripted_actions():
             r = backend.step(action)
             if r.action_error or r.format_error:
                 errors.append((action, r.obs["last_result"]))

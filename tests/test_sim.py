@@ -201,7 +201,7 @@ def test_every_wrong_solver_fails_where_the_right_one_succeeds(route):
             results = []
             for solver in (fam.solve, fam.wrong):
                 desk = sim_tasks.setup_desktop(task)
-                for a in solver(desk, task.params, route):
+                for a in solver(task.params, desk, route):
                     desk.apply(parse_action(a))
                 desk.apply(parse_action("done()"))
                 results.append(sim_tasks.verify(task, desk))

@@ -15,8 +15,8 @@ TASKS.register(TaskFamily("reach", generate=lambda rng: {"goal": rng.randint(1, 
                           setup=lambda p: 0, verify=lambda p, n: n == p["goal"],
                           solve=lambda p, n: iter([*["click(1)"] * (p["goal"] - n), "done()"]), max_steps=5))
 TASKS.register(TaskFamily("impossible", generate=lambda rng: {}, phrasings=lambda p: ("Count to -1.", "Reach -1."),
-                          setup=lambda p: 0, verify=lambda p, n: False, solve=lambda p, n: iter(["fail()"]),
-                          feasible=False))
+                          setup=lambda p: 0, verify=lambda p, n: n == 0, solve=lambda p, n: iter(["fail()"]),
+                          feasible=False))  # verify: what must hold besides fail() (nothing counted)
 
 
 class Counter(TaskBackend):
@@ -51,7 +51,7 @@ def test_the_solver_played_through_the_backend_succeeds_and_a_fresh_episode_star
     obs = b.reset("counter:train:reach/4")
     assert obs["text"] == "count 0" and b.steps == 0
     results = [b.step(a) for a in b.scripted_actions()]
-    assert results[-1].done and results[-1].info == {"outcome": "done", "truncated": False}
+    assert results[-1].done and results[-1].info == {"outcome": "done", "ended": False, "truncated": False}
     assert not any(r.done for r in results[:-1])
     ev = b.evaluate()
     assert ev["success"] and ev["reward"] == 1.0 and ev["steps"] == len(results) and ev["outcome"] == "done"
@@ -66,7 +66,7 @@ def test_errors_are_counted_the_step_limit_truncates_and_fail_is_right_only_wher
     r1, r2 = b.step("wait()"), b.step("click((")
     assert r1.action_error and "does nothing" in r1.obs["last_result"] and r2.format_error
     r3 = b.step("click(1)")
-    assert r3.done and r3.info == {"outcome": None, "truncated": True} and b.format_errors == 1
+    assert r3.done and r3.info == {"outcome": None, "ended": False, "truncated": True} and b.format_errors == 1
     b.reset("counter:train:reach/0")
     assert b.step("fail()").done and not b.evaluate()["success"]  # giving up on a feasible task fails it
     b.reset("counter:train:impossible/0")
@@ -74,3 +74,22 @@ def test_errors_are_counted_the_step_limit_truncates_and_fail_is_right_only_wher
     b.reset("counter:train:impossible/0")
     b.step("done()")
     assert not b.evaluate()["success"]
+    b.reset("counter:train:impossible/0")
+    b.step("click(1)")
+    assert b.step("fail()").done and not b.evaluate()["success"], "fail() after changing something is not right"
+
+
+class Buzzer(Counter):
+    """A counter that ends the episode itself at 2 (as a MiniWoB page that took its answer)."""
+
+    def ended(self):
+        return self.n >= 2
+
+
+def test_a_desktop_that_ends_the_episode_itself_is_neither_truncated_nor_an_outcome_of_the_agent():
+    b = Buzzer()
+    b.reset("counter:train:reach/0")
+    first, second = b.step("click(1)"), b.step("click(1)")
+    assert not first.done and second.done
+    assert second.info == {"outcome": None, "ended": True, "truncated": False}
+    assert b.evaluate()["success"] == (b.task.params["goal"] == 2)

@@ -20,7 +20,7 @@ from common.config import build
 from env_server.actions import Action, ActionError
 from env_server.backend import TaskBackend
 from env_server.backend_registry import Plugin
-from env_server.families import Task, TaskFamily, TaskRegistry
+from env_server.families import Task, TaskFamily, TaskRegistry, worded
 
 TASKS = TaskRegistry("lamps")  # the prefix of this environment's task ids and suites
 
@@ -42,8 +42,8 @@ def _toggle_to(on: list[bool], want: list[bool]) -> Iterator[str]:
 TASKS.register(TaskFamily(
     name="lamp_on",
     generate=_panel,
-    phrasings=lambda p: (f"Turn on lamp {p['target'] + 1}.", f"Switch lamp {p['target'] + 1} on.",
-                         f"Make sure lamp {p['target'] + 1} is lit."),
+    phrasings=worded("Turn on lamp {lamp}.", "Switch lamp {lamp} on.", "Make sure lamp {lamp} is lit.",
+                     words=lambda p: {"lamp": p["target"] + 1}),  # the last wording is held out
     setup=lambda p: list(p["on"]),
     verify=lambda p, on: on[p["target"]],
     solve=lambda p, on: _toggle_to(on, [x or i == p["target"] for i, x in enumerate(on)]),
@@ -52,7 +52,7 @@ TASKS.register(TaskFamily(
 TASKS.register(TaskFamily(
     name="all_off",
     generate=_panel,
-    phrasings=lambda p: ("Turn every lamp off.", "Switch all the lamps off.", "Leave no lamp lit."),
+    phrasings=worded("Turn every lamp off.", "Switch all the lamps off.", "Leave no lamp lit."),
     setup=lambda p: list(p["on"]),
     verify=lambda p, on: not any(on),
     solve=lambda p, on: _toggle_to(on, [False] * len(on)),

@@ -20,7 +20,8 @@ from typing import Any, Iterator
 
 from env_server.actions import (Action, ActionError, element_text, no_element_error, pixels, point_text, result_text,
                                 short_result, unknown_app_error)
-from env_server.backend import Backend, BackendError, StepResult
+from env_server.backend import BackendError, StepResult, TaskBackend
+from env_server.families import Task
 from env_server.desktop import apis, homefs
 from env_server.desktop import families as desk_tasks
 from env_server.desktop.sandbox import (AgentActionError, AgentClient, ApptainerSandbox, BwrapSandbox, SandboxSpec,
@@ -97,14 +98,16 @@ _packages_lock = threading.Lock()
 _packages_ok: set[str] = set()
 
 
-class RealDesktopBackend(Backend):
-    """One real desktop; subclasses say which sandbox runs it."""
+class RealDesktopBackend(TaskBackend):
+    """One real desktop; subclasses say which sandbox runs it. The state its families read is a home folder: the
+    live one while a solver plays, a copy of its plain files when the episode is judged."""
 
     blocking = True
 
     def __init__(self, cfg: DesktopConfig | None = None, seed: int = 0):
         self.cfg = cfg or DesktopConfig()
         self.cfg.validate()
+        super().__init__(desk_tasks.TASKS, self.cfg.default_max_steps)
         self._check_packages()
         base = self.cfg.work_dir or None
         if base:
@@ -116,14 +119,12 @@ class RealDesktopBackend(Backend):
         self.spec.run_dir.mkdir()
         self.sandbox = self._make_sandbox()
         self.agent = AgentClient(self.spec.socket, self.cfg.call_timeout_s)
-        self.task: desk_tasks.Task | None = None
-        self.steps = self.max_steps = self.format_errors = 0
-        self.outcome: str | None = None
-        self.last_result = ""
+        self.judged_home: Path | None = None  # the copy ``evaluate`` judges, while it does
         self.rows: list[list] = []
         self.windows: list[dict] = []
         self.app_info = ""
         self._window_changed = False
+        self._first_observation = False
         self.restarts = 0  # sandboxes rebuilt by a reset because the desktop had failed
 
     # -- subclass hooks
@@ -161,8 +162,7 @@ class RealDesktopBackend(Backend):
         except AgentActionError as exc:
             raise ActionError(str(exc)) from None
 
-    def reset(self, task_id: str) -> dict:
-        task = desk_tasks.make_task(task_id)  # a bad id is the caller's error: raise before touching the desktop
+    def start(self, task: Task) -> None:
         self._ensure_started()
         try:
             self.agent.call("close_apps")
@@ -189,29 +189,22 @@ class RealDesktopBackend(Backend):
                                 timeout=self.cfg.start_timeout_s)
             except AgentActionError as exc:
                 raise BackendError(f"task setup could not open {app} on {path}: {exc}") from None
-        self.task = task
-        self.steps = self.format_errors = 0
-        self.outcome, self.last_result = None, ""
-        self.max_steps = self.cfg.default_max_steps or task.max_steps
-        return self.observation(settle=False, stable=True)
+        self._first_observation = True
+
+    def state(self) -> Path:
+        return self.judged_home or self.spec.home
 
     def step(self, text: str) -> StepResult:
-        if self.task is None:
-            raise ActionError("reset the session with a task first")
         self._window_changed = False
-        format_error, action_error = self._apply_text(text, self._act)
-        done = self.outcome is not None or self.steps >= self.max_steps
-        return StepResult(self.observation(stable=self._window_changed), done, format_error, action_error,
-                          {"outcome": self.outcome, "truncated": self.outcome is None and done})
+        return super().step(text)
 
     def scripted_actions(self, route: str = "gui", rng: Any = None, demo: Any = None) -> Iterator[str]:
-        if self.task is None:
-            raise ActionError("reset the session with a task first")
-        return desk_tasks.solver(self.task)
+        """The family's solver, then ``done()``."""
+        yield from super().scripted_actions(route, rng, demo)
+        yield "done()"
 
     def evaluate(self) -> dict:
-        if self.task is None:
-            raise ActionError("no episode to evaluate")
+        self._current()
         time.sleep(self.cfg.verify_settle_s)
         # The verifier reads a copy of the home's plain files: nothing it opens is the desktop's to swap.
         copy = Path(tempfile.mkdtemp(prefix="verify-", dir=self.root))
@@ -220,13 +213,13 @@ class RealDesktopBackend(Backend):
                 report = homefs.snapshot(self.spec.home, copy)
             except OSError as exc:
                 raise BackendError(f"the desktop's home could not be read safely: {exc}") from None
-            success = desk_tasks.verify(copy, self.task)
+            self.judged_home = copy
+            result = super().evaluate()
         finally:
+            self.judged_home = None
             shutil.rmtree(copy, ignore_errors=True)
         # What the copy left out (links, devices, oversized files) rides to the actor with the result.
-        return {"reward": 1.0 if success else 0.0, "success": success, "family": self.task.family,
-                "steps": self.steps, "format_errors": self.format_errors, "outcome": self.outcome,
-                "home_skipped": report.skipped}
+        return {**result, "home_skipped": report.skipped}
 
     def healthy(self) -> bool:
         if not self.sandbox.alive() or self.agent.sock is None:
@@ -249,7 +242,13 @@ class RealDesktopBackend(Backend):
         shutil.rmtree(self.root, ignore_errors=True)
 
     # -- observation
-    def observation(self, settle: bool = True, stable: bool = False) -> dict:
+    def observation(self) -> dict:
+        """The desktop as the model sees it: right after a reset, once its windows have stopped changing; after a
+        step, once the step's effects have settled (and a window it opened has been drawn)."""
+        first, self._first_observation = self._first_observation, False
+        return self._observe(settle=not first, stable=first or self._window_changed)
+
+    def _observe(self, settle: bool, stable: bool) -> dict:
         shot = self.cfg.screenshot
         reply = self.agent.call("observe", screenshot=shot, quality=self.cfg.jpeg_quality, cap=self.cfg.tree_cap,
                                 child_cap=self.cfg.child_cap, settle=self.cfg.settle_s if settle else 0.0,
@@ -295,7 +294,7 @@ class RealDesktopBackend(Backend):
         return "\n".join(lines)
 
     # -- actions
-    def _act(self, a: Action) -> str:
+    def act(self, a: Action) -> str:
         if a.is_api:
             try:
                 bound = apis.bind(a.app, a.name, a.args, a.kwargs)
@@ -340,8 +339,6 @@ class RealDesktopBackend(Backend):
             return result_text(a, app=app)
         if n == "wait":
             time.sleep(float(p["seconds"]))
-        elif n in ("done", "fail"):
-            self.outcome = n
         return result_text(a)
 
     def _point(self, a: Action) -> tuple[tuple[int, int], str]:

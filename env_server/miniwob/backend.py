@@ -11,11 +11,12 @@ asked, a PNG of the 160x210 task area. Actions: ``click`` on an element id, a na
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from env_server.actions import Action, ActionError, element_text, no_element_error, pixels, point_text, result_text
-from env_server.backend import Backend, StepResult
+from env_server.backend import TaskBackend
 from env_server.miniwob.page import MiniWoBPage
+from env_server.families import Task
 from env_server.miniwob.families import TASKS
 from env_server.tree import TREE_FIELDS, rows_text
 
@@ -90,55 +91,41 @@ def dom_rows(node: dict, rows: list[list], top: bool = True) -> list[list]:
     return rows
 
 
-class MiniWoBBackend(Backend):
-    """One browser; each reset opens the task's page (or starts a new episode on it)."""
+class MiniWoBBackend(TaskBackend):
+    """One browser; each reset opens the task's page (or starts a new episode on it). The page is the state its
+    families read (``LivePage``): ``observe()`` and ``status()``."""
 
     name = "miniwob"
     blocking = True  # a browser round trip per call: the env_server runs calls on worker threads
 
     def __init__(self, options: MiniWoBOptions, seed: int = 0):
+        super().__init__(TASKS)
         self.opts, self.seed = options, seed
         # The browser starts with the first reset, which the env_server runs on a worker thread: a SessionOpen that
         # started it here would hold the server's loop for the second Chromium takes to come up.
         self.page: MiniWoBPage | None = None
-        self.task = None
         self.rows: list[list] = []
         self.snap: dict = {}  # the page as last observed: instruction, element tree, episode status
-        self.steps = self.format_errors = 0
-        self.last_result = ""
-        self.declared = ""  # done() or fail() from the agent before the page ended the episode
 
-    def reset(self, task_id: str) -> dict:
-        task = TASKS.make_task(task_id)
+    def start(self, task: Task) -> None:
         if self.page is None:
             self.page = MiniWoBPage(self.opts.chrome, self.opts.chromedriver, self.opts.time_limit_s)
         self.page.start(task.family, task.params["seed"], "train" if task.split == "train" else "test")
-        self.task, self.steps, self.format_errors, self.last_result, self.declared = task, 0, 0, "", ""
+
+    def state(self) -> "MiniWoBBackend":
+        return self
+
+    def ended(self) -> bool:
+        return bool(self.snap["done"])
+
+    def status(self) -> dict:
+        return self.page.status()
+
+    def observe(self) -> dict:
         return self.observation()
 
-    def step(self, text: str) -> StepResult:
-        if self.task is None:
-            raise ActionError("reset the session with a task first")
-        format_error, action_error = self._apply_text(text, self._act)
-        obs = self.observation()
-        page_done = bool(self.snap["done"])
-        done = page_done or bool(self.declared) or self.steps >= self.task.max_steps
-        return StepResult(obs, done, format_error, action_error, {"page_done": page_done,
-                                                                  "reason": self.snap.get("reason")})
-
-    def scripted_actions(self, route: str = "gui", rng: Any = None, demo: Any = None) -> Iterator[str]:
-        if self.task is None:
-            raise ActionError("reset the session with a task first")
-        return TASKS.families[self.task.family].solver(demo, rng)(self.task.params, self.observation)
-
     def evaluate(self) -> dict:
-        if self.task is None:
-            raise ActionError("no episode to evaluate")
-        status = self.page.status()
-        success = TASKS.families[self.task.family].verify(self.task.params, status)
-        return {"reward": 1.0 if success else 0.0, "success": success, "family": self.task.family,
-                "steps": self.steps, "format_errors": self.format_errors, "reason": status.get("reason"),
-                "declared": self.declared}
+        return {**super().evaluate(), "reason": self.page.status().get("reason")}
 
     def healthy(self) -> bool:
         return self.page is None or self.page.alive()
@@ -183,7 +170,7 @@ class MiniWoBBackend(Backend):
             x, y, w, h = row[3]
             self.page.click_xy(x + w / 2, y + h / 2, double=double)
 
-    def _act(self, a: Action) -> str:
+    def act(self, a: Action) -> str:
         p = a.params
         if a.is_api:
             raise ActionError("a MiniWoB page has no app APIs: use click, type, hotkey")
@@ -212,9 +199,6 @@ class MiniWoBBackend(Backend):
             return result_text(a, named)
         if a.name == "hotkey":
             self.page.press(key_notation(p["keys"]))
-            return result_text(a)
-        if a.name in ("done", "fail"):
-            self.declared = a.name
             return result_text(a)
         if a.name == "wait":
             return result_text(a)

@@ -4,7 +4,7 @@ An instance is MiniWoB's own problem generator seeded from the task id: ``train`
 stream in MiniWoB's ``train`` data mode, ``heldout`` ids from a disjoint stream in its ``test`` mode (the tasks that
 distinguish them use different data there). The instruction is the page's utterance; ``paraphrase`` is the same
 as ``heldout`` (MiniWoB words its own instructions). Scripted solvers (``SOLVERS``) cover a documented subset:
-each reads the live observation (``observe()``) and yields actions in the same API-GUI language a model writes;
+each reads the live observation (``page.observe()``) and yields actions in the same API-GUI language a model writes;
 ``WRONG_SOLVERS`` are the slips imperfect demonstrations make on three of them.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import re
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 from env_server.actions import ActionError
 from env_server.families import TaskFamily, TaskRegistry
@@ -31,7 +31,17 @@ def _pages() -> list[str]:
     return sorted(p.stem for p in (Path(miniwob.__file__).resolve().parent / "html" / "miniwob").glob("*.html"))
 
 
-Observe = Callable[[], dict]
+class LivePage(Protocol):
+    """The state a MiniWoB family's ``verify`` and ``solve`` read: the live page (``MiniWoBBackend`` is one)."""
+
+    def observe(self) -> dict:
+        """A fresh observation (rows, instruction): solvers read the page between their actions."""
+
+    def status(self) -> dict:
+        """The episode's status on the page: ``done``, ``raw_reward``, ``reason``."""
+
+
+Solver = Callable[[dict, LivePage], Iterator[str]]
 
 
 def _quoted(text: str) -> list[str]:
@@ -42,20 +52,20 @@ def _rows(obs: dict, role: str | None = None) -> list[list]:
     return [r for r in obs["tree"] if role is None or r[1] == role]
 
 
-def _solve_click_named(role: str) -> Callable[[dict, Observe], Iterator[str]]:
+def _solve_click_named(role: str) -> Solver:
     """Click the element of ``role`` whose text the instruction quotes (click-button, click-link)."""
-    def solve(params: dict, observe: Observe) -> Iterator[str]:
-        obs = observe()
+    def solve(params: dict, page: LivePage) -> Iterator[str]:
+        obs = page.observe()
         want = _quoted(obs["instruction"])[0]
         row = next(r for r in _rows(obs, role) if r[2] == want)
         yield f"click({row[0]})"
     return solve
 
 
-def _wrong_click_named(role: str) -> Callable[[dict, Observe], Iterator[str]]:
+def _wrong_click_named(role: str) -> Solver:
     """A demonstrator's slip on the same pages: clicks another element of ``role`` (the episode fails)."""
-    def solve(params: dict, observe: Observe) -> Iterator[str]:
-        obs = observe()
+    def solve(params: dict, page: LivePage) -> Iterator[str]:
+        obs = page.observe()
         want = _quoted(obs["instruction"])[0]
         rng = random.Random(params["seed"])
         others = [r for r in _rows(obs, role) if r[2] != want]
@@ -67,21 +77,21 @@ def _wrong_click_named(role: str) -> Callable[[dict, Observe], Iterator[str]]:
     return solve
 
 
-def _solve_click_test(params: dict, observe: Observe) -> Iterator[str]:
-    obs = observe()
+def _solve_click_test(params: dict, page: LivePage) -> Iterator[str]:
+    obs = page.observe()
     yield f"click({_rows(obs, 'button')[0][0]})"
 
 
-def _solve_click_test_2(params: dict, observe: Observe) -> Iterator[str]:
-    obs = observe()
+def _solve_click_test_2(params: dict, page: LivePage) -> Iterator[str]:
+    obs = page.observe()
     want = "ONE" if "button ONE" in obs["instruction"] else "TWO"
     row = next(r for r in _rows(obs, "button") if r[2] == want)
     yield f"click({row[0]})"
 
 
-def _solve_enter(params: dict, observe: Observe) -> Iterator[str]:
+def _solve_enter(params: dict, page: LivePage) -> Iterator[str]:
     """Type the quoted text into the (first) text field, then submit (enter-text, enter-password's first half)."""
-    obs = observe()
+    obs = page.observe()
     text = _quoted(obs["instruction"])[0]
     fields = [r for r in obs["tree"] if r[1] in ("input_text", "input_password")]
     for field in fields:
@@ -90,8 +100,8 @@ def _solve_enter(params: dict, observe: Observe) -> Iterator[str]:
     yield f"click({submit[0]})"
 
 
-def _solve_focus_text(params: dict, observe: Observe) -> Iterator[str]:
-    obs = observe()
+def _solve_focus_text(params: dict, page: LivePage) -> Iterator[str]:
+    obs = page.observe()
     fields = _rows(obs, "input_text")
     m = re.search(r"(\d+)(?:st|nd|rd|th)", obs["instruction"])
     idx = int(m.group(1)) - 1 if m else 0
@@ -122,21 +132,21 @@ def _wanted_boxes(obs: dict) -> set[str]:
     return set() if not m or m.group(1) == "nothing" else set(m.group(1).split(", "))
 
 
-def _solve_click_checkboxes(params: dict, observe: Observe) -> Iterator[str]:
-    obs = observe()
+def _solve_click_checkboxes(params: dict, page: LivePage) -> Iterator[str]:
+    obs = page.observe()
     yield from _tick_and_submit(obs, _wanted_boxes(obs))
 
 
-def _wrong_click_checkboxes(params: dict, observe: Observe) -> Iterator[str]:
+def _wrong_click_checkboxes(params: dict, page: LivePage) -> Iterator[str]:
     """A demonstrator's slip: one box's choice flipped (a wanted one left out, or an unwanted one ticked)."""
-    obs = observe()
+    obs = page.observe()
     wanted = _wanted_boxes(obs)
     _, label = random.Random(params["seed"]).choice(_checkboxes(obs))
     yield from _tick_and_submit(obs, wanted ^ {label})
 
 
-def _solve_login(params: dict, observe: Observe) -> Iterator[str]:
-    obs = observe()
+def _solve_login(params: dict, page: LivePage) -> Iterator[str]:
+    obs = page.observe()
     user, password = _quoted(obs["instruction"])[:2]
     yield f"type({user!r}, target={_rows(obs, 'input_text')[0][0]})"
     yield f"type({password!r}, target={_rows(obs, 'input_password')[0][0]})"
@@ -144,7 +154,7 @@ def _solve_login(params: dict, observe: Observe) -> Iterator[str]:
     yield f"click({login[0]})"
 
 
-SOLVERS: dict[str, Callable[[dict, Observe], Iterator[str]]] = {
+SOLVERS: dict[str, Solver] = {
     "click-test": _solve_click_test,
     "click-test-2": _solve_click_test_2,
     "click-button": _solve_click_named("button"),
@@ -158,7 +168,7 @@ SOLVERS: dict[str, Callable[[dict, Observe], Iterator[str]]] = {
 }
 
 
-WRONG_SOLVERS: dict[str, Callable[[dict, Observe], Iterator[str]]] = {
+WRONG_SOLVERS: dict[str, Solver] = {
     "click-button": _wrong_click_named("button"),
     "click-link": _wrong_click_named("span"),
     "click-checkboxes": _wrong_click_checkboxes,
@@ -166,15 +176,16 @@ WRONG_SOLVERS: dict[str, Callable[[dict, Observe], Iterator[str]]] = {
 """the tasks whose demonstrations can be imperfect (``pretrain.wrong_choice_prob``): each slip fails the page"""
 
 
-def _no_solver(name: str) -> Callable[[dict, Observe], Iterator[str]]:
-    def solve(params: dict, observe: Observe) -> Iterator[str]:
+def _no_solver(name: str) -> Solver:
+    def solve(params: dict, page: LivePage) -> Iterator[str]:
         raise ActionError(f"no scripted solver for MiniWoB's {name} (env_server.miniwob.families.SOLVERS)")
     return solve
 
 
-def page_success(params: dict, status: dict) -> bool:
+def page_success(params: dict, page: LivePage) -> bool:
     """MiniWoB's own verdict, binary: the page ended the episode with raw reward 1 (the ``miniwob`` package's
     ``get_binary_reward``). Partial credit is a failure: click-checkboxes pays 1/3 for two boxes of three right."""
+    status = page.status()
     return bool(status["done"]) and float(status["raw_reward"] or 0) >= 1.0 - 1e-9
 
 

@@ -11,12 +11,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from env_server.actions import ActionError, gui_action_help
-from env_server.backend import Backend, BackendError, StepResult
+from env_server.actions import Action, ActionError, gui_action_help
+from env_server.backend import BackendError, StepResult, TaskBackend
 from env_server.sim import families as sim_tasks
 from env_server.sim.app import SCREEN_H, SCREEN_W
 from env_server.tree import TREE_FIELDS
 from env_server.sim.desktop import Desktop
+from env_server.families import Task
 from env_server.sim.markers import draw_markers
 
 
@@ -74,7 +75,7 @@ class LatencyModel:
         return self.rng.lognormvariate(math.log(m) - c.latency_sigma ** 2 / 2, c.latency_sigma)
 
 
-class SimBackend(Backend):
+class SimBackend(TaskBackend):
     """The built-in simulated office desktop."""
 
     name = "sim"
@@ -82,50 +83,34 @@ class SimBackend(Backend):
     def __init__(self, cfg: SimConfig | None = None, seed: int = 0):
         self.cfg = cfg or SimConfig()
         self.cfg.validate()
+        super().__init__(sim_tasks.TASKS, self.cfg.default_max_steps)
         self.latency = LatencyModel(self.cfg, seed)
         # Injected delays sleep, and a screenshot takes ~10-40 ms to draw and encode: either would hold the server's
         # loop (and the heartbeats it answers), so such a desktop runs on the server's worker threads.
         self.blocking = (self.cfg.latency != "none" and self.cfg.latency_mean_s > 0) or self.cfg.screenshot != "none"
-        self.task: sim_tasks.Task | None = None
         self.desk: Desktop | None = None
-        self.steps = 0
-        self.max_steps = 0
-        self.format_errors = 0
-        self.last_result = ""
 
-    def reset(self, task_id: str) -> dict:
-        task = sim_tasks.make_task(task_id)
-        if sim_tasks.FAMILIES[task.family].pixels and self.cfg.screenshot == "none":
-            raise ActionError(f"task {task_id!r} ({task.family}) can only be solved from a screenshot: "
+    def start(self, task: Task) -> None:
+        if self.tasks.families[task.family].pixels and self.cfg.screenshot == "none":
+            raise ActionError(f"task {task.task_id!r} ({task.family}) can only be solved from a screenshot: "
                               "set env_server.sim.screenshot to png or jpeg")
-        self.task = task
-        self.desk = sim_tasks.setup_desktop(self.task)
-        self.steps, self.format_errors, self.last_result = 0, 0, ""
-        self.max_steps = self.cfg.default_max_steps or self.task.max_steps
-        return self.observation()
+        self.desk = sim_tasks.setup_desktop(task)
+
+    def state(self) -> Desktop:
+        return self.desk
+
+    def act(self, action: Action) -> str:
+        return self.desk.apply(action)
 
     def step(self, text: str) -> StepResult:
-        if self.desk is None:
-            raise ActionError("reset the session with a task first")
-        delay = self.latency.sample()
+        delay = self.latency.sample() if self.task is not None else 0.0
         if delay:
             time.sleep(delay)
-        format_error, action_error = self._apply_text(text, self.desk.apply)
-        done = self.desk.outcome is not None or self.steps >= self.max_steps
-        return StepResult(self.observation(), done, format_error, action_error,
-                          {"outcome": self.desk.outcome, "truncated": self.desk.outcome is None and done})
+        return super().step(text)
 
     def scripted_actions(self, route: str = "gui", rng: Any = None, demo: Any = None) -> Iterator[str]:
-        if self.task is None or self.desk is None:
-            raise ActionError("reset the session with a task first")
-        return sim_tasks.oracle(self.task, self.desk, route, demo, rng)
-
-    def evaluate(self) -> dict:
-        if self.task is None or self.desk is None:
-            raise ActionError("no episode to evaluate")
-        success = sim_tasks.verify(self.task, self.desk)
-        return {"reward": 1.0 if success else 0.0, "success": success, "family": self.task.family,
-                "steps": self.steps, "format_errors": self.format_errors, "outcome": self.desk.outcome}
+        """The oracle, which may take a detour first and says ``done()`` at the end of a feasible task."""
+        return sim_tasks.oracle(self._current(), self.desk, route, demo, rng)
 
     def observation(self) -> dict:
         d, cap = self.desk, self.cfg.tree_cap

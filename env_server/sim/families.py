@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import posixpath
 import random
-import string
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -24,7 +23,7 @@ from env_server.sim.filesystem import HOME
 from env_server.sim.markers import COLORS, GRID_COLS, GRID_ROWS, SHAPES, Marker
 from env_server.sim.settings_app import CHOICES
 from env_server.sim.sheet_app import COLS, ROWS, format_sheet
-from env_server.families import Task, TaskFamily, TaskRegistry
+from env_server.families import Task, TaskFamily, TaskRegistry, worded
 
 TASKS = TaskRegistry("sim")
 
@@ -168,16 +167,16 @@ def _gen_rename(rng):
     return {"old": old, "new": new, "text": rng.choice(TEXT_LINES) + "\n"}
 
 
-def _setup_rename(desk, p):
+def _setup_rename(p, desk):
     desk.fs.write(f"{HOME}/Documents/{p['old']}", p["text"])
 
 
-def _verify_rename(desk, p):
+def _verify_rename(p, desk):
     fs = desk.fs
     return fs.files.get(f"{HOME}/Documents/{p['new']}") == p["text"] and f"{HOME}/Documents/{p['old']}" not in fs.files
 
 
-def _solve_rename(desk, p, route):
+def _solve_rename(p, desk, route):
     yield from _rename(desk, p["old"], p["new"], route)
 
 
@@ -187,19 +186,19 @@ def _gen_latest(rng):
             "text_old": "old figures\n", "text_new": "new figures\n"}
 
 
-def _setup_latest(desk, p):
+def _setup_latest(p, desk):
     desk.fs.write(f"{HOME}/Documents/{p['older']}", p["text_old"])
     desk.fs.write(f"{HOME}/Documents/{p['newer']}", p["text_new"])
 
 
-def _verify_latest(desk, p):
+def _verify_latest(p, desk):
     fs = desk.fs
     return (fs.files.get(f"{HOME}/Documents/{p['new']}") == p["text_new"]
             and fs.files.get(f"{HOME}/Documents/{p['older']}") == p["text_old"])
 
 
 def _solve_latest_pick(pick: str):
-    def solve(desk, p, route):
+    def solve(p, desk, route):
         if route == "api":
             yield 'Files.list_dir("Documents")'  # the dates are only visible in the listing
         yield from _rename(desk, p[pick], p["new"], route)
@@ -210,11 +209,11 @@ def _gen_mkdir(rng):
     return {"parent": rng.choice(FOLDERS), "name": rng.choice(NEW_FOLDERS)}
 
 
-def _verify_mkdir(desk, p):
+def _verify_mkdir(p, desk):
     return f"{HOME}/{p['parent']}/{p['name']}" in desk.fs.dirs
 
 
-def _solve_mkdir(desk, p, route):
+def _solve_mkdir(p, desk, route):
     if route == "api":
         yield f"Files.create_folder({p['parent'] + '/' + p['name']!r})"
         return
@@ -229,17 +228,17 @@ def _gen_move(rng):
             "text": rng.choice(TEXT_LINES) + "\n"}
 
 
-def _setup_move(desk, p):
+def _setup_move(p, desk):
     desk.fs.dirs.add(f"{HOME}/Documents/{p['dest']}")
     desk.fs.write(f"{HOME}/Documents/{p['file']}", p["text"])
 
 
-def _verify_move(desk, p):
+def _verify_move(p, desk):
     return (desk.fs.files.get(f"{HOME}/Documents/{p['dest']}/{p['file']}") == p["text"]
             and f"{HOME}/Documents/{p['file']}" not in desk.fs.files)
 
 
-def _solve_move(desk, p, route):
+def _solve_move(p, desk, route):
     if route == "api":
         yield f"Files.move({'Documents/' + p['file']!r}, {'Documents/' + p['dest']!r})"
         return
@@ -251,16 +250,16 @@ def _gen_delete(rng):
     return {"file": f"old_{rng.choice(WORDS)}_{rng.randint(10, 99)}.log"}
 
 
-def _setup_delete(desk, p):
+def _setup_delete(p, desk):
     desk.fs.write(f"{HOME}/Downloads/{p['file']}", "log\n")
 
 
-def _verify_delete(desk, p):
+def _verify_delete(p, desk):
     target = f"{HOME}/Downloads/{p['file']}"
     return target not in desk.fs.files and all(f in desk.fs.files for f in desk.initial_files if f != target)
 
 
-def _solve_delete(desk, p, route):
+def _solve_delete(p, desk, route):
     if route == "api":
         yield f"Files.delete({'Downloads/' + p['file']!r})"
         return
@@ -277,15 +276,15 @@ def _gen_replace(rng):
     return {"file": f"{rng.choice(WORDS)}.txt", "find": find, "replace": repl, "text": "\n".join(body) + "\n"}
 
 
-def _setup_text_file(desk, p):
+def _setup_text_file(p, desk):
     desk.fs.write(f"{HOME}/Documents/{p['file']}", p["text"])
 
 
-def _verify_replace(desk, p):
+def _verify_replace(p, desk):
     return desk.fs.files.get(f"{HOME}/Documents/{p['file']}") == p["text"].replace(p["find"], p["replace"])
 
 
-def _solve_replace(desk, p, route):
+def _solve_replace(p, desk, route):
     if route == "api":
         yield f"Editor.open({'Documents/' + p['file']!r})"
         yield f"Editor.replace_all({p['find']!r}, {p['replace']!r})"
@@ -305,7 +304,7 @@ def _gen_append(rng):
             f"{rng.choice(NAMES)} {rng.randint(2, 99)}", "text": rng.choice(TEXT_LINES) + "\n"}
 
 
-def _verify_append(desk, p):
+def _verify_append(p, desk):
     got = desk.fs.files.get(f"{HOME}/Documents/{p['file']}")
     return got is not None and got.rstrip("\n") == p["text"].rstrip("\n") + "\n" + p["line"]
 
@@ -313,7 +312,7 @@ def _verify_append(desk, p):
 def _solve_append_saving(save: bool):
     """Appends the line and saves; the imperfect demonstrator sometimes forgets to save (the file keeps its old
     text, so the task fails)."""
-    def solve(desk, p, route):
+    def solve(p, desk, route):
         yield from _append_line(desk, p["file"], p["line"], route, save)
     return solve
 
@@ -326,7 +325,7 @@ def _sheet_file(rng, col: str = "A", n: int = 5) -> tuple[str, dict]:
     return f"{rng.choice(WORDS)}.sheet", cells
 
 
-def _setup_sheet(desk, p):
+def _setup_sheet(p, desk):
     desk.fs.write(f"{HOME}/Documents/{p['sheet']}", format_sheet(p["cells"]))
 
 
@@ -336,12 +335,12 @@ def _gen_set_cell(rng):
             "value": rng.randint(100, 999)}
 
 
-def _verify_set_cell(desk, p):
+def _verify_set_cell(p, desk):
     got = _sheet_cells(desk, f"{HOME}/Documents/{p['sheet']}")
     return got is not None and _num_eq(got.get(p["cell"]), p["value"])
 
 
-def _solve_set_cell(desk, p, route):
+def _solve_set_cell(p, desk, route):
     yield from _set_cell(desk, p["sheet"], p["cell"], str(p["value"]), route, numeric=True)
 
 
@@ -352,7 +351,7 @@ def _gen_sum(rng):
             "total": sum(int(cells[f"A{r}"]) for r in range(1, n + 1))}
 
 
-def _verify_sum(desk, p):
+def _verify_sum(p, desk):
     got = _sheet_cells(desk, f"{HOME}/Documents/{p['sheet']}")
     return got is not None and _num_eq(got.get(p["target"]), p["total"]) and all(
         _num_eq(got.get(f"A{r}"), float(p["cells"][f"A{r}"])) for r in range(1, p["n"] + 1))
@@ -361,7 +360,7 @@ def _verify_sum(desk, p):
 def _solve_sum_from(first: int):
     """Writes =SUM(A<first>:A<n>) into the target: row 1 is right; the imperfect demonstrator sometimes starts at
     row 2, as if A1 held a header (the total is then wrong)."""
-    def solve(desk, p, route):
+    def solve(p, desk, route):
         yield from _set_cell(desk, p["sheet"], p["target"], f"=SUM(A{first}:A{p['n']})", route, numeric=False)
     return solve
 
@@ -371,7 +370,7 @@ def _gen_sort(rng):
     return {"sheet": sheet, "cells": cells, "ascending": rng.random() < 0.5}
 
 
-def _verify_sort(desk, p):
+def _verify_sort(p, desk):
     got = _sheet_cells(desk, f"{HOME}/Documents/{p['sheet']}")
     if got is None:
         return False
@@ -382,7 +381,7 @@ def _verify_sort(desk, p):
 
 def _solve_sort(column: str):
     """Sorts ``column`` in the asked order: "B" is right; the imperfect demonstrator sometimes takes "A"."""
-    def solve(desk, p, route):
+    def solve(p, desk, route):
         asc = p["ascending"]
         if route == "api":
             yield f"Sheet.open({'Documents/' + p['sheet']!r})"
@@ -398,12 +397,12 @@ def _gen_dark_font(rng):
     return {"dark": rng.random() < 0.7, "size": rng.choice([s for s in CHOICES["Font size"] if s != "12"])}
 
 
-def _verify_dark_font(desk, p):
+def _verify_dark_font(p, desk):
     s = desk.apps["Settings"].applied
     return s["Dark mode"] == p["dark"] and s["Font size"] == p["size"]
 
 
-def _solve_dark_font(desk, p, route):
+def _solve_dark_font(p, desk, route):
     yield from _settings(desk, [("Dark mode", p["dark"]), ("Font size", p["size"])], route)
 
 
@@ -412,12 +411,12 @@ def _gen_profile(rng):
             "lang": rng.choice([x for x in CHOICES["Language"] if x != "English"])}
 
 
-def _verify_profile(desk, p):
+def _verify_profile(p, desk):
     s = desk.apps["Settings"].applied
     return s["User name"] == p["user"] and s["Language"] == p["lang"]
 
 
-def _solve_profile(desk, p, route):
+def _solve_profile(p, desk, route):
     yield from _settings(desk, [("User name", p["user"]), ("Language", p["lang"])], route)
 
 
@@ -428,17 +427,17 @@ def _gen_sheet_to_doc(rng):
             "text": rng.choice(TEXT_LINES) + "\n"}
 
 
-def _setup_sheet_and_doc(desk, p):
-    _setup_sheet(desk, p)
-    _setup_text_file(desk, p)
+def _setup_sheet_and_doc(p, desk):
+    _setup_sheet(p, desk)
+    _setup_text_file(p, desk)
 
 
-def _verify_sheet_to_doc(desk, p):
+def _verify_sheet_to_doc(p, desk):
     got = desk.fs.files.get(f"{HOME}/Documents/{p['file']}")
     return got is not None and got.rstrip("\n") == p["text"].rstrip("\n") + "\n" + p["cells"][p["cell"]]
 
 
-def _solve_sheet_to_doc(desk, p, route):
+def _solve_sheet_to_doc(p, desk, route):
     if route == "api":
         yield f"Sheet.open({'Documents/' + p['sheet']!r})"
         yield f"Sheet.get_cell_value({p['cell']!r})"
@@ -455,12 +454,12 @@ def _gen_doc_to_sheet(rng):
             "file": f"{rng.choice(WORDS)}_total.txt", "text": f"{number}\n"}
 
 
-def _verify_doc_to_sheet(desk, p):
+def _verify_doc_to_sheet(p, desk):
     got = _sheet_cells(desk, f"{HOME}/Documents/{p['sheet']}")
     return got is not None and _num_eq(got.get(p["cell"]), p["number"])
 
 
-def _solve_doc_to_sheet(desk, p, route):
+def _solve_doc_to_sheet(p, desk, route):
     if route == "api":
         yield f"Editor.open({'Documents/' + p['file']!r})"
         yield "Editor.get_text()"
@@ -482,13 +481,13 @@ def _gen_infeasible(rng):
     return p
 
 
-def _verify_infeasible(desk, p):
+def _verify_infeasible(p, desk):
     unchanged = desk.fs.files == desk.initial_files and desk.fs.dirs == desk.initial_dirs and \
         desk.apps["Settings"].applied["Font size"] == "12" and desk.apps["Settings"].applied["Language"] == "English"
-    return desk.outcome == "fail" and unchanged
+    return unchanged  # and the agent said fail(): TaskFamily.judge
 
 
-def _solve_infeasible(desk, p, route):
+def _solve_infeasible(p, desk, route):
     kind = p["kind"]
     if route == "api":
         yield 'Files.list_dir("Documents")' if kind in ("rename_missing", "delete_missing") else \
@@ -516,11 +515,11 @@ def _markers(p) -> list[Marker]:
     return [Marker(*m) for m in p["markers"]]
 
 
-def _setup_marker(desk, p):
+def _setup_marker(p, desk):
     desk.markers = _markers(p)
 
 
-def _verify_marker(desk, p):
+def _verify_marker(p, desk):
     """Success: the named marker was clicked, and no other one."""
     return set(desk.marker_clicks) == {_markers(p)[p["target"]]}
 
@@ -528,7 +527,7 @@ def _verify_marker(desk, p):
 def _solve_marker_pick(pick: str):
     """Clicks the named marker ("target") on the 0-1000 grid, a model family's convention; the imperfect
     demonstrator sometimes clicks another one ("other"). There is no API route: the marker is only pixels."""
-    def solve(desk, p, route):
+    def solve(p, desk, route):
         while desk.focused is not None:  # a window covers the markers
             yield 'hotkey("alt+f4")'
         markers = _markers(p)
@@ -538,141 +537,191 @@ def _solve_marker_pick(pick: str):
     return solve
 
 
-def _family(name: str, templates: tuple[str, ...], generate, setup, verify, solve, **kw) -> TaskFamily:
-    """A sim family whose phrasings are format templates over its params (the last one held out)."""
-    return TaskFamily(name, generate, lambda p: tuple(_instruction(name, t, p) for t in templates), setup, verify,
-                      solve, **kw)
+# ----- the families ---------------------------------------------------------------------------------------------
+
+def _no_setup(p, desk):
+    """The family's task starts from the plain desktop."""
 
 
-for _f in [
-    _family("files_rename", ("Rename {old} in Documents to {new}.",
-                            "In the Documents folder, change the name of {old} to {new}.",
-                            "Give the file Documents/{old} the new name {new}."),
-           _gen_rename, _setup_rename, _verify_rename, _solve_rename, tags=("files",)),
-    _family("files_rename_latest", ("Rename the most recently modified report in Documents to {new}.",
-                                   "There are two reports in Documents; rename the newer one to {new}.",
-                                   "Find the latest report file in Documents and call it {new}."),
-           _gen_latest, _setup_latest, _verify_latest, _solve_latest_pick("newer"), ambiguous=True,
-           wrong=_solve_latest_pick("older"), tags=("files",)),
-    _family("files_create_folder", ("Create a folder named {name} inside {parent}.",
-                                   "Make a new folder {name} in the {parent} folder.",
-                                   "Inside {parent}, create the folder {name}.",
-                                   "I need a folder called {name} in {parent}.",
-                                   "New folder {name} under {parent}, please.",
-                                   "Add a {name} folder to {parent}.",
-                                   "In {parent}, add a folder called {name}."),
-           _gen_mkdir, lambda d, p: None, _verify_mkdir, _solve_mkdir, tags=("files",)),
-    _family("files_move", ("Move {file} from Documents into the folder Documents/{dest}.",
-                          "Put the file {file} (in Documents) into the {dest} folder inside Documents.",
-                          "Relocate Documents/{file} to Documents/{dest}."),
-           _gen_move, _setup_move, _verify_move, _solve_move, tags=("files",)),
-    _family("files_delete", ("Delete {file} from Downloads.", "Remove the file {file} in the Downloads folder.",
-                            "Get rid of Downloads/{file}."),
-           _gen_delete, _setup_delete, _verify_delete, _solve_delete, tags=("files",)),
-    _family("editor_replace", ("In Documents/{file}, replace every '{find}' with '{replace}' and save the file.",
-                              "Open {file} in Documents, change all '{find}' to '{replace}', then save.",
-                              "Replace '{find}' by '{replace}' everywhere in Documents/{file}, then save it.",
-                              "Documents/{file}: every '{find}' should become '{replace}'. Save afterwards.",
-                              "Use '{replace}' instead of '{find}' throughout {file} in Documents and save.",
-                              "Edit {file} (in Documents) so that each '{find}' reads '{replace}', and save.",
-                              "Substitute '{replace}' for each '{find}' in Documents/{file} and save it."),
-           _gen_replace, _setup_text_file, _verify_replace, _solve_replace, tags=("editor",)),
-    _family("editor_append", ("Add the line '{line}' at the end of Documents/{file} and save it.",
-                             "Append '{line}' as a new last line of {file} in Documents, then save.",
-                             "Write '{line}' on a new line at the bottom of Documents/{file} and save."),
-           _gen_append, _setup_text_file, _verify_append, _solve_append_saving(True), ambiguous=True,
-           wrong=_solve_append_saving(False), tags=("editor",)),
-    _family("sheet_set_cell", ("In Documents/{sheet}, set cell {cell} to {value}.",
-                              "Open the spreadsheet {sheet} in Documents and enter {value} in {cell}.",
-                              "Put the number {value} into cell {cell} of Documents/{sheet}."),
-           _gen_set_cell, _setup_sheet, _verify_set_cell, _solve_set_cell, tags=("sheet",)),
-    _family("sheet_sum", ("In Documents/{sheet}, put the sum of A1:A{n} into {target}.",
-                         "Open {sheet} in Documents and write the total of cells A1 to A{n} in {target}.",
-                         "Cell {target} of Documents/{sheet} should hold the sum of A1:A{n}."),
-           _gen_sum, _setup_sheet, _verify_sum, _solve_sum_from(1), ambiguous=True, wrong=_solve_sum_from(2),
-           tags=("sheet",)),
-    _family("sheet_sort", ("Sort column B of Documents/{sheet} in {order} order.",
-                          "Open {sheet} in Documents and sort column B {order}.",
-                          "In the spreadsheet {sheet} (Documents), sort column B in {order} order.",
-                          "Column B of {sheet} in the Documents folder needs sorting, {order}.",
-                          "Please sort the B column of Documents/{sheet}, {order}.",
-                          "Documents/{sheet}: sort column B {order}.",
-                          "Order the values of column B in Documents/{sheet} {order}."),
-           _gen_sort, _setup_sheet, _verify_sort, _solve_sort("B"), ambiguous=True, wrong=_solve_sort("A"),
-           tags=("sheet",)),
-    _family("settings_display", ("{dark_word} dark mode and set the font size to {size}.",
-                                "In Settings, {dark_verb} dark mode and choose font size {size}.",
-                                "Font size {size}, and {dark_verb} dark mode, please.",
-                                "Open Settings: {dark_verb} dark mode, then make the font size {size}.",
-                                "Change the font size to {size}; also {dark_verb} dark mode.",
-                                "{dark_word} dark mode. The font size should be {size}.",
-                                "Set the font size to {size} and {dark_verb} dark mode."),
-           _gen_dark_font, lambda d, p: None, _verify_dark_font, _solve_dark_font, max_steps=12, tags=("settings",)),
-    _family("settings_profile", ("Set the user name to {user} and the language to {lang}.",
-                                "In Settings, change the language to {lang} and the user name to {user}.",
-                                "Make {user} the user name and {lang} the language."),
-           _gen_profile, lambda d, p: None, _verify_profile, _solve_profile, max_steps=12, tags=("settings",)),
-    _family("sheet_to_editor", ("Append the value of cell {cell} in Documents/{sheet} as a new last line of "
-                               "Documents/{file}, and save {file}.",
-                               "Copy what cell {cell} of {sheet} shows to the end of {file} (both in Documents), "
-                               "on its own line, then save.",
-                               "Add the value of {sheet}!{cell} as the last line of Documents/{file} and save."),
-           _gen_sheet_to_doc, _setup_sheet_and_doc, _verify_sheet_to_doc, _solve_sheet_to_doc, max_steps=20,
-           tags=("sheet", "editor")),
-    _family("editor_to_sheet", ("Documents/{file} holds a number: put it into cell {cell} of Documents/{sheet}.",
-                               "Read the number in {file} and enter it in {cell} of {sheet} (both in Documents).",
-                               "Copy the number from Documents/{file} into {sheet}, cell {cell}."),
-           _gen_doc_to_sheet, _setup_sheet_and_doc, _verify_doc_to_sheet, _solve_doc_to_sheet, max_steps=20,
-           tags=("sheet", "editor")),
-    _family("screen_click_marker", ("Click the {color} {shape}.",
-                                   "On the desktop, click the {color} {shape}.",
-                                   "Find the {color} {shape} on the screen and click it.",
-                                   "There is a {color} {shape} on the screen: click it.",
-                                   "Press the {color} {shape} with the mouse."),
-           _gen_marker, _setup_marker, _verify_marker, _solve_marker_pick("target"), max_steps=4, ambiguous=True,
-           wrong=_solve_marker_pick("other"), pixels=True, tags=("pixels",)),
-    _family("infeasible", ("{request}", "Please do this: {request}", "{request} Thanks."),
-           _gen_infeasible, lambda d, p: None, _verify_infeasible, _solve_infeasible, feasible=False, max_steps=10,
-           tags=("files", "settings")),
-]:
-    TASKS.register(_f)
+def _words_sheet_sort(p):
+    return {"order": "ascending" if p["ascending"] else "descending"}
+
+
+def _words_settings_display(p):
+    return {"dark_word": "Enable" if p["dark"] else "Disable", "dark_verb": "turn on" if p["dark"] else "turn off"}
+
+
+def _words_marker(p):
+    color, shape = p["markers"][p["target"]][:2]
+    return {"color": color, "shape": shape}
+
+
+def _words_infeasible(p):
+    return {"request": {
+        "rename_missing": f"Rename {p['file']} in Documents to {p['new']}.",
+        "delete_missing": f"Delete {p['file']} from Documents.",
+        "font_size": f"Set the font size to {p['size']}.",
+        "language": f"Switch the language to {p['lang']}.",
+    }[p["kind"]]}
+
+
+TASKS.register(TaskFamily(
+    name="files_rename",
+    phrasings=worded("Rename {old} in Documents to {new}.",
+                     "In the Documents folder, change the name of {old} to {new}.",
+                     "Give the file Documents/{old} the new name {new}."),
+    generate=_gen_rename, setup=_setup_rename, verify=_verify_rename, solve=_solve_rename, tags=("files",)))
+
+TASKS.register(TaskFamily(
+    name="files_rename_latest",
+    phrasings=worded("Rename the most recently modified report in Documents to {new}.",
+                     "There are two reports in Documents; rename the newer one to {new}.",
+                     "Find the latest report file in Documents and call it {new}."),
+    generate=_gen_latest, setup=_setup_latest, verify=_verify_latest, solve=_solve_latest_pick("newer"),
+    ambiguous=True, wrong=_solve_latest_pick("older"), tags=("files",)))
+
+TASKS.register(TaskFamily(
+    name="files_create_folder",
+    phrasings=worded("Create a folder named {name} inside {parent}.",
+                     "Make a new folder {name} in the {parent} folder.",
+                     "Inside {parent}, create the folder {name}.",
+                     "I need a folder called {name} in {parent}.",
+                     "New folder {name} under {parent}, please.",
+                     "Add a {name} folder to {parent}.",
+                     "In {parent}, add a folder called {name}."),
+    generate=_gen_mkdir, setup=_no_setup, verify=_verify_mkdir, solve=_solve_mkdir, tags=("files",)))
+
+TASKS.register(TaskFamily(
+    name="files_move",
+    phrasings=worded("Move {file} from Documents into the folder Documents/{dest}.",
+                     "Put the file {file} (in Documents) into the {dest} folder inside Documents.",
+                     "Relocate Documents/{file} to Documents/{dest}."),
+    generate=_gen_move, setup=_setup_move, verify=_verify_move, solve=_solve_move, tags=("files",)))
+
+TASKS.register(TaskFamily(
+    name="files_delete",
+    phrasings=worded("Delete {file} from Downloads.", "Remove the file {file} in the Downloads folder.",
+                     "Get rid of Downloads/{file}."),
+    generate=_gen_delete, setup=_setup_delete, verify=_verify_delete, solve=_solve_delete, tags=("files",)))
+
+TASKS.register(TaskFamily(
+    name="editor_replace",
+    phrasings=worded("In Documents/{file}, replace every '{find}' with '{replace}' and save the file.",
+                     "Open {file} in Documents, change all '{find}' to '{replace}', then save.",
+                     "Replace '{find}' by '{replace}' everywhere in Documents/{file}, then save it.",
+                     "Documents/{file}: every '{find}' should become '{replace}'. Save afterwards.",
+                     "Use '{replace}' instead of '{find}' throughout {file} in Documents and save.",
+                     "Edit {file} (in Documents) so that each '{find}' reads '{replace}', and save.",
+                     "Substitute '{replace}' for each '{find}' in Documents/{file} and save it."),
+    generate=_gen_replace, setup=_setup_text_file, verify=_verify_replace, solve=_solve_replace, tags=("editor",)))
+
+TASKS.register(TaskFamily(
+    name="editor_append",
+    phrasings=worded("Add the line '{line}' at the end of Documents/{file} and save it.",
+                     "Append '{line}' as a new last line of {file} in Documents, then save.",
+                     "Write '{line}' on a new line at the bottom of Documents/{file} and save."),
+    generate=_gen_append, setup=_setup_text_file, verify=_verify_append, solve=_solve_append_saving(True),
+    ambiguous=True, wrong=_solve_append_saving(False), tags=("editor",)))
+
+TASKS.register(TaskFamily(
+    name="sheet_set_cell",
+    phrasings=worded("In Documents/{sheet}, set cell {cell} to {value}.",
+                     "Open the spreadsheet {sheet} in Documents and enter {value} in {cell}.",
+                     "Put the number {value} into cell {cell} of Documents/{sheet}."),
+    generate=_gen_set_cell, setup=_setup_sheet, verify=_verify_set_cell, solve=_solve_set_cell, tags=("sheet",)))
+
+TASKS.register(TaskFamily(
+    name="sheet_sum",
+    phrasings=worded("In Documents/{sheet}, put the sum of A1:A{n} into {target}.",
+                     "Open {sheet} in Documents and write the total of cells A1 to A{n} in {target}.",
+                     "Cell {target} of Documents/{sheet} should hold the sum of A1:A{n}."),
+    generate=_gen_sum, setup=_setup_sheet, verify=_verify_sum, solve=_solve_sum_from(1), ambiguous=True,
+    wrong=_solve_sum_from(2), tags=("sheet",)))
+
+TASKS.register(TaskFamily(
+    name="sheet_sort",
+    phrasings=worded("Sort column B of Documents/{sheet} in {order} order.",
+                     "Open {sheet} in Documents and sort column B {order}.",
+                     "In the spreadsheet {sheet} (Documents), sort column B in {order} order.",
+                     "Column B of {sheet} in the Documents folder needs sorting, {order}.",
+                     "Please sort the B column of Documents/{sheet}, {order}.",
+                     "Documents/{sheet}: sort column B {order}.",
+                     "Order the values of column B in Documents/{sheet} {order}.", words=_words_sheet_sort),
+    generate=_gen_sort, setup=_setup_sheet, verify=_verify_sort, solve=_solve_sort("B"), ambiguous=True,
+    wrong=_solve_sort("A"), tags=("sheet",)))
+
+TASKS.register(TaskFamily(
+    name="settings_display",
+    phrasings=worded("{dark_word} dark mode and set the font size to {size}.",
+                     "In Settings, {dark_verb} dark mode and choose font size {size}.",
+                     "Font size {size}, and {dark_verb} dark mode, please.",
+                     "Open Settings: {dark_verb} dark mode, then make the font size {size}.",
+                     "Change the font size to {size}; also {dark_verb} dark mode.",
+                     "{dark_word} dark mode. The font size should be {size}.",
+                     "Set the font size to {size} and {dark_verb} dark mode.", words=_words_settings_display),
+    generate=_gen_dark_font, setup=_no_setup, verify=_verify_dark_font, solve=_solve_dark_font, max_steps=12,
+    tags=("settings",)))
+
+TASKS.register(TaskFamily(
+    name="settings_profile",
+    phrasings=worded("Set the user name to {user} and the language to {lang}.",
+                     "In Settings, change the language to {lang} and the user name to {user}.",
+                     "Make {user} the user name and {lang} the language."),
+    generate=_gen_profile, setup=_no_setup, verify=_verify_profile, solve=_solve_profile, max_steps=12,
+    tags=("settings",)))
+
+TASKS.register(TaskFamily(
+    name="sheet_to_editor",
+    phrasings=worded("Append the value of cell {cell} in Documents/{sheet} as a new last line of "
+                     "Documents/{file}, and save {file}.",
+                     "Copy what cell {cell} of {sheet} shows to the end of {file} (both in Documents), "
+                     "on its own line, then save.",
+                     "Add the value of {sheet}!{cell} as the last line of Documents/{file} and save."),
+    generate=_gen_sheet_to_doc, setup=_setup_sheet_and_doc, verify=_verify_sheet_to_doc, solve=_solve_sheet_to_doc,
+    max_steps=20, tags=("sheet", "editor")))
+
+TASKS.register(TaskFamily(
+    name="editor_to_sheet",
+    phrasings=worded("Documents/{file} holds a number: put it into cell {cell} of Documents/{sheet}.",
+                     "Read the number in {file} and enter it in {cell} of {sheet} (both in Documents).",
+                     "Copy the number from Documents/{file} into {sheet}, cell {cell}."),
+    generate=_gen_doc_to_sheet, setup=_setup_sheet_and_doc, verify=_verify_doc_to_sheet, solve=_solve_doc_to_sheet,
+    max_steps=20, tags=("sheet", "editor")))
+
+TASKS.register(TaskFamily(
+    name="screen_click_marker",
+    phrasings=worded("Click the {color} {shape}.",
+                     "On the desktop, click the {color} {shape}.",
+                     "Find the {color} {shape} on the screen and click it.",
+                     "There is a {color} {shape} on the screen: click it.",
+                     "Press the {color} {shape} with the mouse.", words=_words_marker),
+    generate=_gen_marker, setup=_setup_marker, verify=_verify_marker, solve=_solve_marker_pick("target"), max_steps=4,
+    ambiguous=True, wrong=_solve_marker_pick("other"), pixels=True, tags=("pixels",)))
+
+TASKS.register(TaskFamily(
+    name="infeasible",
+    phrasings=worded("{request}", "Please do this: {request}", "{request} Thanks.", words=_words_infeasible),
+    generate=_gen_infeasible, setup=_no_setup, verify=_verify_infeasible, solve=_solve_infeasible, feasible=False,
+    max_steps=10, tags=("files", "settings")))
 FAMILIES = TASKS.families
 FAMILY_NAMES = TASKS.names
 parse_suite = TASKS.parse_suite
 make_task = TASKS.make_task
 
 
-def _instruction(family: str, template: str, p: dict) -> str:
-    extra: dict[str, Any] = {}
-    if family == "sheet_sort":
-        extra["order"] = "ascending" if p["ascending"] else "descending"
-    if family == "settings_display":
-        extra["dark_word"] = "Enable" if p["dark"] else "Disable"
-        extra["dark_verb"] = "turn on" if p["dark"] else "turn off"
-    if family == "screen_click_marker":
-        extra["color"], extra["shape"] = p["markers"][p["target"]][:2]
-    if family == "infeasible":
-        extra["request"] = {
-            "rename_missing": f"Rename {p['file']} in Documents to {p['new']}.",
-            "delete_missing": f"Delete {p['file']} from Documents.",
-            "font_size": f"Set the font size to {p['size']}.",
-            "language": f"Switch the language to {p['lang']}.",
-        }[p["kind"]]
-    return string.Formatter().vformat(template, (), {**p, **extra})
-
-
 def setup_desktop(task: Task) -> Desktop:
     """A fresh desktop in the task's initial state (deterministic for the task id)."""
     desk = Desktop()
     base_files(desk, random.Random(f"files/{task.task_id}"))
-    FAMILIES[task.family].setup(desk, task.params)
+    FAMILIES[task.family].setup(task.params, desk)
     desk.initial_files, desk.initial_dirs = dict(desk.fs.files), set(desk.fs.dirs)  # for "nothing else changed"
     desk.changed()
     return desk
 
 
 def verify(task: Task, desk: Desktop) -> bool:
-    return bool(FAMILIES[task.family].verify(desk, task.params))
+    """The verdict on a desktop played directly (``Desktop.apply``, which keeps the agent's done/fail)."""
+    return FAMILIES[task.family].judge(task.params, desk, desk.outcome)
 
 
 def oracle(task: Task, desk: Desktop, route: str = "gui", demo: DemoConfig | None = None,
@@ -685,6 +734,6 @@ def oracle(task: Task, desk: Desktop, route: str = "gui", demo: DemoConfig | Non
     rng = rng or random.Random(f"demo/{task.task_id}/{route}")
     if demo.detour_prob and rng.random() < demo.detour_prob:
         yield f"open_app({rng.choice(('Files', 'Editor', 'Sheet', 'Settings'))!r})"
-    yield from fam.solver(demo, rng)(desk, task.params, route)
+    yield from fam.solver(demo, rng)(task.params, desk, route)
     if fam.feasible:
         yield "done()"
