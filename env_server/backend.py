@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from env_server.actions import Action, ActionError, parse_action
+from env_server.actions import Action, ActionError, parse_action, result_text
 from env_server.families import Task, TaskFamily, TaskRegistry
 
 
@@ -163,7 +163,7 @@ class TaskBackend(Backend):
     def _declare_or_act(self, action: Action) -> str:
         if action.name in ("done", "fail"):
             self.outcome = action.name
-            return "finished" if action.name == "done" else "gave up"
+            return result_text(action)  # the action contract's words: "episode ended: done"
         return self.act(action)
 
     def scripted_actions(self, route: str = "gui", rng: Any = None, demo: Any = None) -> Iterator[str]:
