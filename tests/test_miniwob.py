@@ -75,6 +75,7 @@ def test_scripted_solvers_solve_their_tasks_on_train_and_heldout_instances(page)
                 assert result["success"] and result["family"] == task, (task, split, seed, result)
 
 
+@pytest.mark.slow  # a real browser
 def test_imperfect_demonstrators_slip_on_the_tasks_that_have_a_wrong_solver(page):
     for task in WRONG_SOLVERS:
         for seed in range(3):
@@ -83,6 +84,7 @@ def test_imperfect_demonstrators_slip_on_the_tasks_that_have_a_wrong_solver(page
     assert _solve(page, "miniwob:train:enter-text/0", DemoConfig(wrong_choice_prob=1.0))["success"]
 
 
+@pytest.mark.slow  # a real browser
 def test_instances_are_deterministic_and_splits_disjoint(page):
     first = page.reset("miniwob:train:click-button/7")["instruction"]
     assert page.reset("miniwob:train:click-button/7")["instruction"] == first
@@ -96,6 +98,7 @@ def test_instances_are_deterministic_and_splits_disjoint(page):
     assert len(set(texts["train"])) >= 5
 
 
+@pytest.mark.slow  # a real browser
 def test_observations_and_actions(page):
     obs = page.reset("miniwob:train:login-user/2")
     assert obs["text"].startswith(f"Page: {obs['instruction']}\n") and obs["screenshot"][:4] == b"\x89PNG"
@@ -118,6 +121,7 @@ def test_observations_and_actions(page):
         page.reset("miniwob:train:no-such-task/1")
 
 
+@pytest.mark.slow  # a real browser
 def test_a_crashed_browser_retires_the_desktop_and_the_next_episode_gets_a_fresh_one(tmp_path, quiet_log):
     cfg = EnvServerConfig(port=free_port(), backend=PLUGIN, pool_size=1, step_timeout_s=30)
     net = make_net()
@@ -148,6 +152,7 @@ def test_a_crashed_browser_retires_the_desktop_and_the_next_episode_gets_a_fresh
         thread.join(10)
 
 
+@pytest.mark.slow  # a real browser
 def test_demonstrations_are_recorded_from_the_solvers_through_the_backend():
     from actor.demos import record_demos
     from actor.prompt import PromptConfig
@@ -168,6 +173,7 @@ def test_a_missing_browser_is_a_clear_backend_error():
         backend.reset("miniwob:train:click-test/0")
 
 
+@pytest.mark.slow  # a real browser
 def test_behaviour_cloning_on_miniwob_demos_makes_a_policy_eval_judges_on_held_out_pages(tmp_path):
     """`computerrl pretrain` with pretrain.kind=miniwob: demos from the solvers through the backend, SFT, and the
     held-out evaluation on MiniWoB pages (a smoke run: a few steps, no success asked of it)."""
