@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures as cf
+import functools
 import itertools
 import time
 import uuid
@@ -135,7 +136,8 @@ class RemoteEnv:
 
 class Actor:
     def __init__(self, cfg: ActorConfig, engine: Engine, net: NetConfig, weights: WeightSyncConfig | None,
-                 run_dir: RunDir | None, log: Any, rank: int = 0, max_groups_total: int = 0):
+                 run_dir: RunDir | None, log: Any, rank: int = 0, max_groups_total: int = 0,
+                 cross_engine: Engine | None = None):
         cfg.validate()
         self.cfg, self.engine, self.net, self.log, self.rank = cfg, engine, net, log, rank
         self.tok = engine.tokenizer
@@ -148,6 +150,10 @@ class Actor:
         self.env = EnvLinks(clients, cfg.env_timeout_s)
         self.receiver = WeightReceiver(weights, log) if weights is not None else None
         self.engine_policy = EnginePolicy(engine, cfg.sampling)
+        # The policy that plays a ticket's cross-policy rollouts (actor.cross_policy): never sent weights.
+        self.cross_engine = cross_engine
+        self.cross_policy = EnginePolicy(cross_engine, cfg.sampling) if cross_engine is not None else None
+        self.cross_policy_warned = False
         self.max_groups_total = max_groups_total  # stop after this many groups (0 = until told to stop)
         self.images = ImageStore(run_dir.images) if run_dir is not None else None  # a VLM's screenshots
         # one writer thread: the store is not locked
@@ -178,10 +184,11 @@ class Actor:
 
     # ----- generation ----------------------------------------------------------------------------
 
-    async def generate(self, prompt: list[int], images: list[Image]) -> Generation:
-        """One turn through the engine; an engine failure fails this episode (counted), not the actor."""
+    async def generate(self, prompt: list[int], images: list[Image], cross: bool = False) -> Generation:
+        """One turn through the engine (the cross-policy one for a cross-policy rollout); an engine failure fails
+        this episode (counted), not the actor."""
         try:
-            return await self.engine_policy(prompt, {}, images)
+            return await (self.cross_policy if cross else self.engine_policy)(prompt, {}, images)
         except Exception:
             self.stats["generation_errors"] += 1
             self.log.exception("generation_failed")
@@ -189,12 +196,13 @@ class Actor:
 
     # ----- episodes and groups -------------------------------------------------------------------
 
-    async def episode(self, ticket: P.Ticket) -> Episode:
+    async def episode(self, ticket: P.Ticket, cross: bool = False) -> Episode:
         i = self.env.pick()
         sid = await self.env.session(i)
         healthy = False
+        policy = functools.partial(self.policy, cross=cross)
         try:
-            ep = await play_episode(RemoteEnv(self.env, i, sid), self.policy, ticket.task_id, self.tok,
+            ep = await play_episode(RemoteEnv(self.env, i, sid), policy, ticket.task_id, self.tok,
                                     self.cfg.prompt, self.cfg.max_steps)
             healthy = True
         finally:
@@ -203,11 +211,13 @@ class Actor:
         self.stats["format_errors"] += ep.format_errors
         self.stats["turns"] += len(ep.turns)
         self.episode_lens.append(len(ep.turns))
-        self.stats["episodes"] += 1
-        self.stats["successes"] += int(ep.evaluation["success"])
+        # The success rate is the current policy's: a cross-policy rollout is counted apart.
+        prefix = "cross_policy_" if cross else ""
+        self.stats[f"{prefix}episodes"] += 1
+        self.stats[f"{prefix}successes"] += int(ep.evaluation["success"])
         return ep
 
-    async def policy(self, prompt_ids: list[int], obs: dict, images: list[Image]) -> Generation:
+    async def policy(self, prompt_ids: list[int], obs: dict, images: list[Image], cross: bool = False) -> Generation:
         if images:
             if self.images is None:
                 raise RuntimeError("a VLM actor needs a run directory: its images go to the run's image store")
@@ -215,36 +225,57 @@ class Actor:
             # thread, not on the loop every episode and link shares.
             for img in images:
                 await asyncio.get_running_loop().run_in_executor(self.images_thread, self.images.put, img)
-        return await self.generate(prompt_ids, images)
+        return await self.generate(prompt_ids, images, cross)
 
-    async def episode_with_rerolls(self, ticket: P.Ticket) -> Episode | None:
+    async def episode_with_rerolls(self, ticket: P.Ticket, cross: bool = False) -> Episode | None:
         attempts = 1 + (self.cfg.max_rerolls if self.cfg.env_error == "reroll" else 0)
         for attempt in range(attempts):
             try:
-                return await self.episode(ticket)
+                return await self.episode(ticket, cross)
             except (EnvError, TimeoutError) as exc:
                 self.stats["env_failures"] += 1
                 self.log.warning("episode_aborted", task=ticket.task_id, attempt=attempt + 1, error=str(exc)[:300])
         return None
 
+    def _cross_slots(self, ticket: P.Ticket) -> int:
+        """How many of the ticket's rollouts this actor plays with its cross policy."""
+        if ticket.cross_policy and self.cross_policy is None:
+            # The broker grants a share this actor cannot play (no actor.cross_policy): the current policy plays
+            # them, unmarked, and the run's books say so.
+            self.stats["cross_policy_slots_played_on_policy"] += ticket.cross_policy
+            if not self.cross_policy_warned:
+                self.cross_policy_warned = True
+                self.log.warning("cross_policy_unavailable", granted=ticket.cross_policy,
+                                 hint="set actor.cross_policy (initial, or a checkpoint directory)")
+            return 0
+        return max(0, min(ticket.cross_policy, ticket.group_size - 1))
+
     async def rollout(self, ticket: P.Ticket) -> None:
         t0 = time.time()
-        results = await asyncio.gather(*(self.episode_with_rerolls(ticket) for _ in range(ticket.group_size)),
+        n_cross = self._cross_slots(ticket)
+        crossed = [k >= ticket.group_size - n_cross for k in range(ticket.group_size)]  # the group's last slots
+        results = await asyncio.gather(*(self.episode_with_rerolls(ticket, c) for c in crossed),
                                        return_exceptions=True)
         episodes: list[tuple[str, Episode]] = []
-        for r in results:
+        cross_slots: list[int] = []
+        for r, cross in zip(results, crossed):
             if isinstance(r, BaseException):  # a bug or an engine failure: counted, the group goes incomplete
                 self.stats["episode_errors"] += 1
                 self.log.error("episode_failed", task=ticket.task_id, error=repr(r)[:300])
             elif r is not None:
+                if cross:
+                    cross_slots.append(len(episodes))
                 episodes.append((uuid.uuid4().hex[:12], r))
         trajs = [ep.trajectory(traj_id) for traj_id, ep in episodes]
-        if not trajs:
-            # Nothing to publish; the broker re-issues the task once the ticket's lease runs out.
+        own = [t for k, t in enumerate(trajs) if k not in cross_slots]
+        if not own:
+            # Nothing to publish (a group holds a rollout of the current policy); the broker re-issues the task
+            # once the ticket's lease runs out.
             self.stats["groups_lost"] += 1
             self.log.error("group_failed", task=ticket.task_id, ticket=ticket.ticket_id)
             return
-        versions = [int(v) for t in trajs for v in (t.versions.min(), t.versions.max()) if len(t.versions)]
+        # The staleness bound is the current policy's: the declared span is its rollouts' tokens'.
+        versions = [int(v) for t in own for v in (t.versions.min(), t.versions.max()) if len(t.versions)]
         group_id = uuid.uuid4().hex
         family = str(episodes[0][1].evaluation.get("family", ""))
         record = self.recorder is not None and self.cfg.record.wants(
@@ -254,6 +285,7 @@ class Actor:
                                   behavior_version_min=min(versions), behavior_version_max=max(versions),
                                   created_at=time.time(), complete=len(trajs) == ticket.group_size,
                                   info={"seconds": round(time.time() - t0, 3),
+                                        **({"cross_policy": cross_slots} if cross_slots else {}),
                                         **({"recorded": True} if record else {})})
         self.broker.submit(group)
         self.stats["groups_submitted"] += 1
@@ -265,9 +297,11 @@ class Actor:
         """Offer a submitted group's episodes to the episode log; a failure here is counted, never the rollout's."""
         try:
             rewards = [float(t.reward) for t in group.trajectories]
+            cross = set(group.cross_policy_slots)
             self.recorder.offer([episode_record(ep, traj_id, "train", group=group.group_id, index=i,
                                                 group_rewards=rewards, actor=self.broker.actor_id,
-                                                version=[group.behavior_version_min, group.behavior_version_max])
+                                                version=[group.behavior_version_min, group.behavior_version_max],
+                                                **({"cross_policy": True} if i in cross else {}))
                                  for i, (traj_id, ep) in enumerate(episodes)])
         except Exception:
             self.stats["episodes_not_recorded"] += 1

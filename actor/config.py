@@ -41,6 +41,8 @@ class ActorConfig:
     """on exit, how long to wait for the env_servers to confirm this actor's sessions are closed"""
     record: RecordConfig = field(default_factory=RecordConfig)
     """which training groups' episodes are written to the run directory (``computerrl episodes``)"""
+    cross_policy: str = ""
+    """who plays a ticket's cross-policy rollouts (broker.cross_policy_share): initial (model.path) | a checkpoint"""
 
     def validate(self) -> None:
         from common.metrics.prometheus import check_address

@@ -9,6 +9,10 @@ from typing import Any
 from actor.engine import Engine, EngineConfig
 from actor.hf_engine import HFEngine
 from policy.model import ModelConfig
+from policy.saved import checkpoint_version, saved_model_config
+
+CROSS_POLICY_SEED = 500_000
+"""added to the sampling seed of an actor's cross-policy engine, so it does not draw what its main engine draws"""
 
 
 def make_engine(model_cfg: ModelConfig, cfg: EngineConfig) -> Engine:
@@ -26,3 +30,22 @@ def actor_engine(cfg: Any, rank: int) -> Engine:
     engine_cfg = dataclasses.replace(cfg.actor.engine, seed=cfg.actor.engine.seed + 1000 * rank + cfg.run.seed)
     engine_cfg = engine_cfg.fitted(cfg.actor.prompt.max_prompt_tokens, cfg.actor.sampling.max_new_tokens)
     return make_engine(cfg.model, engine_cfg)
+
+
+def cross_policy_engine(cfg: Any, rank: int) -> Engine | None:
+    """The engine that plays the rollouts a ticket gives to cross-policy sampling (``actor.cross_policy``), or None.
+    It never takes weight rounds: its tokens carry the version its weights were saved at (0 for the run's initial
+    policy), and the group names their slots, so the staleness bound keeps to the current policy's rollouts."""
+    source = cfg.actor.cross_policy
+    if not source:
+        return None
+    if source == "initial":
+        model_cfg, version = cfg.model, 0
+    else:
+        model_cfg, version = saved_model_config(source, cfg.model), checkpoint_version(source) or 0
+    engine_cfg = dataclasses.replace(cfg.actor.engine,
+                                     seed=cfg.actor.engine.seed + 1000 * rank + cfg.run.seed + CROSS_POLICY_SEED)
+    engine = make_engine(model_cfg, engine_cfg.fitted(cfg.actor.prompt.max_prompt_tokens,
+                                                      cfg.actor.sampling.max_new_tokens))
+    engine.relabel(version)
+    return engine

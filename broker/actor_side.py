@@ -65,7 +65,7 @@ class ActorSide:
     def _ticket_msg(self, t, parked_s: float = 0.0) -> P.Ticket:
         return P.Ticket(ticket_id=t.ticket_id, request_id=t.request_id, task_id=t.task_id,
                         group_size=self.cfg.group_size, policy_version=t.version, lease_s=self.cfg.lease_s,
-                        phase=self.control.phase, parked_s=parked_s)
+                        phase=self.control.phase, parked_s=parked_s, cross_policy=self.cfg.cross_policy_slots())
 
     def _grant_tickets(self, now: float) -> None:
         if self.control.paused or self.control.stop or self._stop_at is not None:

@@ -71,6 +71,8 @@ class BrokerConfig:
     """into a group whose rollouts all fail, a stored success no older than replay_max_age (ARPO): off|task|family"""
     replay_max_age: int = 0
     """versions a replayed success may lag the next train version (0: η, the bound every rollout meets)"""
+    cross_policy_share: float = 0.0
+    """share of each group's rollouts played by the actors' cross policy (actor.cross_policy); 0 = off"""
     dedupe_window: int = 200_000
     """recent group ids remembered to ignore actor retries"""
     metrics_interval_s: float = 5.0
@@ -82,9 +84,20 @@ class BrokerConfig:
     tasks: TaskSourceConfig = field(default_factory=TaskSourceConfig)
     """task source for tickets"""
 
+    def cross_policy_slots(self) -> int:
+        """How many of a group's rollouts a ticket gives to the cross policy."""
+        return min(self.group_size - 1, int(self.cross_policy_share * self.group_size + 0.5))  # halves up
+
     def validate(self) -> None:
         from common.metrics.prometheus import check_address
         check_address(self.prometheus, "broker.prometheus")
+        if not 0.0 <= self.cross_policy_share < 1.0:
+            raise ValueError("broker.cross_policy_share must be in [0, 1): a group keeps a rollout of the current "
+                             "policy")
+        if self.cross_policy_share > 0 and self.cross_policy_slots() < 1:
+            raise ValueError(f"broker.cross_policy_share={self.cross_policy_share:g} gives no rollout of a group of "
+                             f"{self.group_size} to the cross policy (share × group_size rounds to 0, or the group "
+                             "has one rollout)")
         if self.groups_per_batch < 1 or self.group_size < 1:
             raise ValueError("groups_per_batch and group_size must be >= 1")
         if self.eta < 0:

@@ -31,13 +31,16 @@ class GroupIntake:
                 replies.append((ident, P.Ack(group_id=g.group_id, accepted=True, duplicate=True)))
                 continue
             seen_now.add(g.group_id)
-            if "replayed" in g.info:
-                # Only the broker replays: a replayed slot is exempt from η, so an actor may not claim one.
-                self.counters["rejected_replayed_by_actor"] += 1
-                self.log.warning("group_rejected", group=g.group_id, actor=g.actor_id, reason="replayed_by_actor")
-                self.audit.write("dropped", g=g.group_id, task=g.task_id, r="replayed_by_actor",
+            # Slots exempt from η are the broker's to grant: only it replays, and it gives each ticket its share
+            # of cross-policy rollouts (the same share to every ticket, so a group's count is checked without it).
+            refused = "replayed_by_actor" if "replayed" in g.info else \
+                "cross_policy_not_granted" if len(g.cross_policy_slots) > self.cfg.cross_policy_slots() else ""
+            if refused:
+                self.counters[f"rejected_{refused}"] += 1
+                self.log.warning("group_rejected", group=g.group_id, actor=g.actor_id, reason=refused)
+                self.audit.write("dropped", g=g.group_id, task=g.task_id, r=refused,
                                  bv=g.behavior_version_min)  # the audit's table accounts for it like any drop
-                replies.append((ident, P.Ack(group_id=g.group_id, accepted=False, reason="replayed_by_actor")))
+                replies.append((ident, P.Ack(group_id=g.group_id, accepted=False, reason=refused)))
                 self._remember(g.group_id)
                 continue
             t = self.ledger.settle(g.ticket_id)
@@ -47,8 +50,8 @@ class GroupIntake:
             for traj in g.trajectories:
                 if traj.success:
                     self.store.add(g.task_id, traj)
-            if g.complete:  # an environment error says nothing about the policy
-                self.sampler.observe(g.task_id, [traj.success for traj in g.trajectories])
+            if g.complete:  # an environment error says nothing about the policy, nor does another policy's rollout
+                self.sampler.observe(g.task_id, [traj.success for traj in g.played()])
             if self.cfg.replay != "off":
                 g, frames = self._replay(g, frames)
             reason = self._drop_reason(g)
@@ -135,17 +138,21 @@ class GroupIntake:
         log-probs and per-token versions) correct for its age. The group's behaviour versions stay those of the
         rollouts it played, which alone the staleness bound η governs. Curation saw the group's own outcomes
         before this, and ``info["replayed"]`` names the slot so the learner leaves it out of its success rate."""
-        if (len(g.trajectories) < 2 or not g.complete or any(t.success for t in g.trajectories)
+        cross = set(g.cross_policy_slots)
+        own = [k for k in range(len(g.trajectories)) if k not in cross]
+        if (len(own) < 2 or not g.complete or any(t.success for t in g.trajectories)
                 or not no_reward_variance(g.rewards)):
-            return g, frames  # a group keeps at least one rollout it played
+            return g, frames  # a group keeps at least one rollout the current policy played
         max_age = self.cfg.replay_max_age or self.cfg.eta
         found = self.store.newest_fresh(g.task_id, self.cfg.replay, self.ledger.next_train_version() - max_age)
         if found is None:
             self.counters["replay_none_fresh"] += 1
             return g, frames
-        played = g.trajectories[:-1]
-        spans = [(int(t.versions.min()), int(t.versions.max())) for t in played if len(t.versions)]
-        g = dataclasses.replace(g, trajectories=[*played, found], info={**g.info, "replayed": [len(played)]},
+        slot = own[-1]  # the last rollout the current policy played; cross-policy ones keep their places
+        trajectories = [found if k == slot else t for k, t in enumerate(g.trajectories)]
+        spans = [(int(g.trajectories[k].versions.min()), int(g.trajectories[k].versions.max())) for k in own[:-1]
+                 if len(g.trajectories[k].versions)]
+        g = dataclasses.replace(g, trajectories=trajectories, info={**g.info, "replayed": [slot]},
                                 behavior_version_min=min((lo for lo, _ in spans), default=g.behavior_version_min),
                                 behavior_version_max=max((hi for _, hi in spans), default=g.behavior_version_max))
         self.counters["groups_replayed"] += 1

@@ -67,16 +67,16 @@ class RunConfig:
 
 def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:
     cfg = configlib.load(RunConfig, path, overrides)
-    # A relative model directory means: from here, or else next to the config file (configs/local.yaml
-    # names configs/base-policy as "base-policy"). Made absolute, so every role and a run's saved
-    # config.yaml find the same files from any working directory.
-    for attr in ("path", "tokenizer_path"):
-        value = getattr(cfg.model, attr)
-        if value and not Path(value).is_absolute():
+    # A relative model directory (the policy's, its tokenizer's, the cross policy's) means: from here, or else next
+    # to the config file (configs/local.yaml names configs/base-policy as "base-policy"). Made absolute, so every
+    # role and a run's saved config.yaml find the same files from any working directory.
+    for section, attr in ((cfg.model, "path"), (cfg.model, "tokenizer_path"), (cfg.actor, "cross_policy")):
+        value = getattr(section, attr)
+        if value and value != "initial" and not Path(value).is_absolute():
             here, beside = Path(value), (Path(path).parent / value if path else None)
             found = here if here.exists() else beside if beside is not None and beside.exists() else None
             if found is not None:  # not there at all: left as written (pretrain may be about to make it)
-                setattr(cfg.model, attr, str(found.resolve()))
+                setattr(section, attr, str(found.resolve()))
     from env_server.backend_registry import task_kind
     from env_server.families import kind_of
 
@@ -94,7 +94,25 @@ def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> R
     if shows != "tree" and cfg.env_server.backend == "sim" and cfg.env_server.sim.screenshot == "none":
         raise configlib.ConfigError(f"actor.prompt.observation {shows} shows screenshots, and "
                                     "env_server.sim.screenshot is none: set it to png (or jpeg)")
+    check_cross_policy(cfg)
     return cfg
+
+
+def check_cross_policy(cfg: RunConfig) -> None:
+    """The broker's share and the actors' cross policy come together: a share nobody can play, or an engine that
+    would never play, is a mistake."""
+    share, source = cfg.broker.cross_policy_share, cfg.actor.cross_policy
+    if share > 0 and not source:
+        raise configlib.ConfigError(f"broker.cross_policy_share={share:g} gives rollouts to a cross policy, and "
+                                    "actor.cross_policy names none: set it to initial or a checkpoint directory")
+    if source and share <= 0:
+        raise configlib.ConfigError(f"actor.cross_policy={source!r} would never play: broker.cross_policy_share is 0")
+    if source and source != "initial":
+        from policy.saved import resolve_checkpoint
+
+        if not (resolve_checkpoint(source) / "config.json").exists():
+            raise configlib.ConfigError(f"actor.cross_policy={source!r}: no saved policy there (a checkpoint "
+                                        "directory, a run's checkpoints/, or a pretrain export)")
 
 
 def check_suites(cfg: RunConfig) -> None:
@@ -167,7 +185,7 @@ def config_for_checkpoint(checkpoint: str | Path) -> RunConfig:
     import json
 
     from actor.prompt import PromptConfig
-    from launch.evaluate import resolve_checkpoint
+    from policy.saved import resolve_checkpoint
 
     ck = resolve_checkpoint(checkpoint)
     run_cfg_path = ck.parent.parent / "config.yaml"

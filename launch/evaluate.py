@@ -11,7 +11,6 @@ a policy is judged on the prompts it saw.
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from actor.prompt import PromptConfig
 from common.metrics.stats import wilson_interval
 from env_server.sim.backend import SimBackend, SimConfig
 from env_server.families import kind_of
+from policy.saved import saved_model_config
 
 
 def suite_tasks(suite: str, episodes: int, backend: str = "") -> list[str]:
@@ -90,35 +90,12 @@ def evaluate(engine: HFEngine, task_ids: list[str], prompt_cfg: PromptConfig, sa
             "format_error_rate": round(format_errors / max(steps, 1), 4), "mean_steps": round(steps / max(n, 1), 2)}
 
 
-def checkpoint_version(checkpoint: str | Path) -> int | None:
-    """The policy version a checkpoint holds: its ``state.json``'s, else the N of a ``step-N`` directory."""
-    ck = resolve_checkpoint(checkpoint)
-    try:
-        return int(json.loads((ck / "state.json").read_text())["version"])
-    except (OSError, ValueError, KeyError, TypeError):
-        tail = ck.name.rpartition("-")[2]
-        return int(tail) if tail.isdigit() else None
-
-
-def resolve_checkpoint(checkpoint: str | Path) -> Path:
-    """A checkpoint directory; a run's checkpoints/ directory means its newest."""
-    ck = Path(checkpoint)
-    if (ck / "latest").exists():
-        ck = ck / (ck / "latest").read_text().strip()
-    return ck
-
-
 def load_policy(checkpoint: str | Path, config: Any) -> tuple[HFEngine, PromptConfig, SamplingParams, int]:
     """The checkpoint's engine, and the prompt/sampling/step settings of ``config`` (the checkpoint's run config:
     ``launch.config.config_for_checkpoint``)."""
     from actor.engine import EngineConfig
-    from policy.model import ModelConfig
 
-    ck = resolve_checkpoint(checkpoint)
-    # Checkpoints and pretrain exports record their model; a plain HF directory does not.
-    state = json.loads((ck / "state.json").read_text()) if (ck / "state.json").exists() else {}
-    saved = state.get("model_config") or {k: getattr(config.model, k) for k in config.model.__dataclass_fields__}
-    model_cfg = ModelConfig(**{**saved, "path": str(ck)})
+    model_cfg = saved_model_config(checkpoint, config.model)
     prompt, sampling = config.actor.prompt, config.actor.sampling
     engine = HFEngine(model_cfg, EngineConfig(seed=0, max_batch=64).fitted(prompt.max_prompt_tokens,
                                                                            sampling.max_new_tokens))

@@ -60,7 +60,7 @@ class InProcessRun:
         """Run to the learner's end; returns whether it finished its steps. A role that raised stops the run
         and is re-raised with its name; so is the deadline."""
         from actor.agent import Actor
-        from actor.engine_factory import actor_engine
+        from actor.engine_factory import actor_engine, cross_policy_engine
         from broker.server import Broker
         from env_server.server import EnvServer
         from launch.local import fit_to_local_run
@@ -72,6 +72,7 @@ class InProcessRun:
         log = L.setup("inprocess", cfg.run.run_id, 0, self.run_dir.logs, cfg.run.log_level, quiet=True)
         deadline = time.monotonic() + self.timeout_s
         engines: list = []
+        others: list = []  # cross-policy engines
         try:
             broker = Broker(cfg.broker, cfg.net, self.run_dir, log.bind(role="broker"), seed=cfg.run.seed)
             self._start("broker", broker.run, broker.request_stop)
@@ -81,18 +82,20 @@ class InProcessRun:
             # Models are loaded one at a time, here, before the learner's thread loads its own: transformers'
             # loading switches process-wide state (the default device) and two loads at once break each other.
             engines += [actor_engine(cfg, rank) for rank in range(cfg.local.actors)]
+            crosses = [cross_policy_engine(cfg, rank) for rank in range(cfg.local.actors)]
+            others += [e for e in crosses if e is not None]
             learner = self._start("learner", lambda: learner_main(cfg, self.run_dir, log.bind(role="learner"),
                                                                   False, anchor_demos))
             actors = []
             for rank, engine in enumerate(engines):
                 a = Actor(cfg.actor, engine, cfg.net, cfg.weights, self.run_dir, log.bind(role="actor", rank=rank),
-                          rank=rank)
+                          rank=rank, cross_engine=crosses[rank])
                 actors.append(self._start(f"actor-{rank}", lambda a=a: _connect_and_run(a)))
             self._wait([learner], deadline)
             self._wait(actors, min(deadline, time.monotonic() + cfg.local.stop_timeout_s))
         finally:
             stuck = self._stop_all()
-            for engine in engines:  # their actors have stopped (or are reported stuck)
+            for engine in engines + others:  # their actors have stopped (or are reported stuck)
                 engine.close()
         if stuck:
             raise TimeoutError(f"in-process roles did not stop: {stuck}")

@@ -247,13 +247,15 @@ class Trainer:
                     per_traj.setdefault(s.traj_id, []).append([s.turn, round(float(s.advantage), 5)])
             out["recorded_advantages"] = {g.group_id: {t.traj_id: per_traj.get(t.traj_id, []) for t in g.trajectories}
                                           for g in recorded}
-        # A success the broker replayed into a group (broker.replay) was not sampled for it: the policy's rates
-        # count the rollouts it played, not the replayed one.
+        # A success the broker replayed into a group (broker.replay) and a cross-policy rollout were not sampled by
+        # this policy: its rates count the rollouts it played. Lags are those of the rollouts of this run's
+        # lineage (a replayed one's age included); a cross-policy rollout is another policy's by design.
         played = [t for g in kept for t in g.played()]
+        cross = {g.trajectories[k].traj_id for g in kept for k in g.cross_policy_slots}
         rewards = [float(t.reward) for t in played]
-        lags = [version_before - int(v) for s in samples for v in s.versions]
+        lags = [version_before - int(v) for s in samples if s.traj_id not in cross for v in s.versions]
         out.update(success_rate=sum(float(t.success) for t in played) / max(len(rewards), 1),
-                   replayed=sum(len(g.trajectories) for g in kept) - len(played),
+                   replayed=sum(len(g.replayed_slots) for g in kept), cross_policy=len(cross),
                    reward_mean=sum(rewards) / max(len(rewards), 1), max_lag=max(lags, default=0),
                    mean_lag=sum(lags) / max(len(lags), 1), groups=len(kept), samples=len(samples),
                    zero_variance_dropped=stats["zero_variance_dropped"], outcomes=outcomes,

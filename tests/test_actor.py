@@ -138,12 +138,15 @@ def test_weights_swap_at_a_token_boundary_and_match_the_learner(quiet_log):
     assert not torch.allclose(lp_old, lp_new), "the update changed the policy"
 
 
-@pytest.mark.parametrize("pool_size", [8, 1])
-def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, pool_size):
-    """With a pool smaller than the episodes in flight, episodes wait for a desktop instead of failing."""
+@pytest.mark.parametrize("pool_size,cross", [(8, True), (1, False)])
+def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, pool_size, cross):
+    """With a pool smaller than the episodes in flight, episodes wait for a desktop instead of failing. The broker
+    gives one rollout of each group to a cross policy: an actor with one (other weights, saved at version 7) plays
+    the group's last rollout with it and names the slot; an actor without one plays it with its own, and counts it."""
     # Liveness of seconds, not the fixtures' 0.6 s: the checks below hold the actor's loop for a while, and on a
     # loaded machine the env_server must not take that silence for a death (it would reclaim the sessions).
-    tb = start_broker(BrokerConfig(groups_per_batch=2, group_size=2, eta=4, persist=True), net=make_net(liveness=25))
+    tb = start_broker(BrokerConfig(groups_per_batch=2, group_size=2, eta=4, persist=True, cross_policy_share=0.5),
+                      net=make_net(liveness=25))
     env_cfg = EnvServerConfig(port=free_port(), pool_size=pool_size)
     server = EnvServer(env_cfg, tb.net, RunDir.create(tmp_path / "env"), quiet_log)
     st = threading.Thread(target=server.run, daemon=True)
@@ -151,13 +154,19 @@ def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, p
     cfg = ActorConfig(env_servers=[f"127.0.0.1:{env_cfg.port}"], max_groups=2, max_steps=3,
                       sampling=SamplingParams(max_new_tokens=24), prompt=PromptConfig(max_prompt_tokens=2048))
     engine = HFEngine(TINY, EngineConfig(seed=1))
-    actor = Actor(cfg, engine, tb.net, None, tb.run_dir, quiet_log, max_groups_total=2)
+    other = None
+    if cross:
+        other = HFEngine(TINY, EngineConfig(seed=2))
+        other.load_weights({k: v + 0.05 for k, v in other.model.state_dict().items()}, 7)
+    actor = Actor(cfg, engine, tb.net, None, tb.run_dir, quiet_log, max_groups_total=2, cross_engine=other)
     learner = LearnerBrokerClient(tb.net, None, quiet_log)
     learner.connect(10)
     try:
         actor.connect(10)
         actor.run()
         assert actor.stats["groups_submitted"] == 2 and actor.broker.unacked == 0, dict(actor.stats)
+        assert actor.stats["cross_policy_episodes"] == (2 if cross else 0)
+        assert actor.stats["cross_policy_slots_played_on_policy"] == (0 if cross else 2)
         assert actor.stats["env_failures"] == 0 and (actor.env.pool_waits > 0) == (pool_size == 1)
         # Closed at once, before the checks below hold this thread: an actor whose loop has ended no longer
         # heartbeats, and on a loaded machine those checks outlasted the env_server's liveness (it then reclaimed
@@ -173,13 +182,16 @@ def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, p
         for g in batch.groups:
             assert g.complete and g.actor_id == actor.broker.actor_id and len(g.trajectories) == 2
             assert g.task_id.startswith("sim:train/")
-            for tr in g.trajectories:
-                assert 1 <= tr.num_turns <= 3 and set(tr.versions.tolist()) == {0}
+            assert g.cross_policy_slots == ([1] if cross else [])
+            assert (g.behavior_version_min, g.behavior_version_max) == (0, 0), "the current policy's span"
+            for k, tr in enumerate(g.trajectories):
+                played_by = other if k in g.cross_policy_slots else engine
+                assert 1 <= tr.num_turns <= 3 and set(tr.versions.tolist()) == {played_by.version}
                 assert tr.loss_mask.sum() == len(tr.output_ids) and len(tr.actions) == tr.num_turns
                 turn = tr.turn(0)
                 seq = torch.tensor([np.concatenate([turn.prompt_ids, turn.output_ids]).tolist()])
                 with torch.no_grad():
-                    ref = sequence_logprobs(engine.model, seq)[0, len(turn.prompt_ids) - 1:]
+                    ref = sequence_logprobs(played_by.model, seq)[0, len(turn.prompt_ids) - 1:]
                 np.testing.assert_allclose(turn.logprobs, ref.numpy(), atol=2e-5)
                 assert engine.tokenizer.decode(turn.output_ids.tolist()).startswith(tr.actions[0][:5])
         metrics = (tb.run_dir.metrics / "actor-0.jsonl").read_text()
@@ -189,6 +201,8 @@ def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, p
         learner.close()
         server.request_stop()
         st.join(10)
+        if other is not None:
+            other.close()
 
 
 def test_a_stopped_actor_leaves_once_the_broker_has_left_and_counts_what_it_abandoned(start_broker, quiet_log,

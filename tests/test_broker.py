@@ -440,6 +440,41 @@ def test_replay_reaches_back_replay_max_age_versions_and_the_group_stays_within_
     learner.close()
 
 
+def test_tickets_name_the_cross_policy_share_and_a_group_claiming_more_is_refused(start_broker, quiet_log):
+    """``cross_policy_share`` gives each ticket its cross-policy slots; the slots are exempt from η, so a group naming
+    more than its share is refused, counted and audited. Replay of an all-failed group takes the place of the last
+    rollout the current policy played, and the cross-policy rollout keeps its own."""
+    cfg = BrokerConfig(groups_per_batch=1, group_size=3, eta=2, dynamic_sampling=True, replay="task",
+                       cross_policy_share=0.34)
+    cfg.tasks.seed_count = 1
+    tb = start_broker(cfg)
+    actor, learner = clients(tb, quiet_log)
+    t1, t2, t3 = take_tickets(actor, 3, expect=3)
+    assert cfg.cross_policy_slots() == 1 and {t.cross_policy for t in (t1, t2, t3)} == {1}
+    solved = make_group(t1, rewards=(1.0, 0.0, 0.0))
+    greedy = make_group(t2, rewards=(1.0, 0.0, 0.0))
+    greedy.info["cross_policy"] = [1, 2]  # two slots claimed, one granted
+    actor.submit(solved)
+    actor.submit(greedy)
+    pump([actor], WAIT_S, until=lambda: len(actor.acks) == 2)
+    assert [a.reason for a in actor.acks] == ["", "cross_policy_not_granted"]
+    assert stat(tb, "rejected_cross_policy_not_granted") == 1
+    assert f'"g":"{greedy.group_id}"' in (tb.run_dir.audit / "broker.jsonl").read_text().replace(" ", "")
+    failed = make_group(t3, rewards=(0.0, 0.0, 0.0))
+    failed.info["cross_policy"] = [2]
+    actor.submit(failed)
+    pump([actor], WAIT_S, until=lambda: len(actor.acks) == 3)
+    assert actor.acks[2].accepted and stat(tb, "groups_replayed") == 1
+    learner.grant(2)
+    learner.next_batch(WAIT_S)
+    got = learner.next_batch(WAIT_S).groups[0]
+    assert got.group_id == failed.group_id and got.info["replayed"] == [1] and got.cross_policy_slots == [2]
+    assert [t.traj_id for t in got.trajectories] == [failed.trajectories[0].traj_id, solved.trajectories[0].traj_id,
+                                                      failed.trajectories[2].traj_id]
+    actor.close()
+    learner.close()
+
+
 def test_groups_dropped_in_a_row_are_counted_so_a_run_that_cannot_form_a_batch_says_so(start_broker, quiet_log):
     tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=3, dynamic_sampling=True))
     actor, learner = clients(tb, quiet_log)

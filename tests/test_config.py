@@ -63,6 +63,21 @@ def test_dynamic_sampling_is_refused_where_turn_rewards_could_still_teach():
         load_run_config(None, ["broker.dynamic_sampling=true", "learner.advantage.level=step"])
 
 
+def test_cross_policy_share_and_source_come_together_and_a_relative_source_is_made_absolute(tmp_path, monkeypatch):
+    base = REPO / "configs" / "local.yaml"
+    for overrides, needle in ((["broker.cross_policy_share=0.25"], "actor.cross_policy names none"),
+                              (["actor.cross_policy=initial"], "would never play"),
+                              (["broker.cross_policy_share=0.25", f"actor.cross_policy={tmp_path}"], "no saved policy"),
+                              (["broker.cross_policy_share=0.9", "broker.group_size=1", "actor.cross_policy=initial"],
+                               "rounds to 0, or the group has one rollout"),
+                              (["broker.cross_policy_share=1", "actor.cross_policy=initial"], "must be in")):
+        with pytest.raises(ConfigError, match=needle):
+            load_run_config(base, overrides)
+    monkeypatch.chdir(REPO)
+    cfg = load_run_config(base, ["broker.cross_policy_share=0.25", "actor.cross_policy=configs/base-policy"])
+    assert cfg.actor.cross_policy == str(REPO / "configs" / "base-policy") and cfg.broker.cross_policy_slots() == 2
+
+
 def test_unknown_key_in_yaml_named_with_path(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump({"broker": {"tasks": {"sute": "x"}}}))

@@ -83,6 +83,18 @@ def test_a_replayed_success_is_trained_but_not_counted_in_the_policys_success_ra
     assert m["success_rate"] == pytest.approx(3 / 7), "the rollouts played: 1 of 3, and 2 of 4"
 
 
+def test_a_cross_policy_rollout_is_trained_but_kept_out_of_the_policys_rates_and_lags():
+    t = Trainer(LearnerConfig(), TINY)
+    groups = groups_from(t)  # two groups of four, successes at 0 and 2, sampled at version 0
+    t.version = 3  # three versions on: the current policy's rollouts are 3 behind, as η may allow
+    groups[0].trajectories[2].versions[:] = -5  # another policy's tokens, of another lineage
+    groups[0].info["cross_policy"] = [2]
+    m = t.train_step(groups)
+    assert m["groups"] == 2 and m["cross_policy"] == 1 and m["replayed"] == 0
+    assert m["success_rate"] == pytest.approx(3 / 7), "the current policy's rollouts: 1 of 3, and 2 of 4"
+    assert m["max_lag"] == 3, "the cross-policy rollout's age is not the policy's lag"
+
+
 def test_bad_groups_dropped_one_by_one_and_nonfinite_steps_skipped():
     t = Trainer(LearnerConfig(), TINY)
     groups = groups_from(t)

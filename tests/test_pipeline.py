@@ -82,11 +82,26 @@ def _settled(rd: RunDir):
 
 
 def test_the_async_pipeline_trains_in_process_and_loses_nothing(tmp_path):
-    rd, seconds = run_pipeline(tmp_path, "actor.record.every=1")
+    """With cross-policy sampling on (one rollout of each group of two played by the run's initial policy): its
+    rollouts train beside the current policy's, and the staleness bound keeps to the current policy's (by step 3 the
+    initial policy is two versions behind, η is 1, and every group still trains)."""
+    rd, seconds = run_pipeline(tmp_path, "actor.record.every=1", "broker.cross_policy_share=0.5",
+                               "actor.cross_policy=initial")
     counts = check_pipeline(rd)
     assert seconds < 60, f"the in-process tier took {seconds:.0f} s"
     assert counts["lost"] == 0 and counts["trained_twice"] == 0
     check_recorded_episodes(rd)
+    learner = _records(rd.metrics / "learner.jsonl")
+    assert [r["cross_policy"] for r in learner] == [GROUPS_PER_BATCH] * STEPS, "one cross-policy rollout a group"
+    for rank in (0, 1):
+        counters = _records(rd.metrics / f"actor-{rank}.jsonl")[-1]["counters"]
+        assert counters["cross_policy_episodes"] >= 1 and counters["episodes"] >= 1, counters
+    from launch.episodes.collect import load
+
+    crossed = [e for e in load(rd.root).episodes if e.get("cross_policy")]
+    assert crossed and all(t["version"] == 0 for e in crossed for t in e["turns"]), "the initial policy's tokens"
+    late = [e for e in crossed if e["fate"] == f"trained at version {STEPS - 1}"]
+    assert late, "a rollout of version 0 trained at version 2 under eta = 1: outside the bound, by design"
 
 
 def check_recorded_episodes(rd: RunDir) -> None:

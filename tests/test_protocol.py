@@ -182,6 +182,26 @@ def test_a_replayed_slot_is_left_out_of_the_version_span_and_must_name_a_slot():
         assert err.value.reason == "bad_group", bad
 
 
+def test_cross_policy_slots_are_left_out_of_the_version_span_and_never_overlap_a_replayed_one():
+    g = make_group(version=5, rewards=(0.0, 1.0, 0.0))
+    g.trajectories[1].versions[:] = 0  # played by the run's initial policy
+    g.info["cross_policy"] = [1]
+    back = P.decode(P.encode(g))  # the span [5, 5] is that of the current policy's rollouts
+    assert back.cross_policy_slots == [1] and [t.traj_id for t in back.played()] == \
+        [g.trajectories[0].traj_id, g.trajectories[2].traj_id]
+    g.info["replayed"] = [2]
+    assert [t.traj_id for t in P.decode(P.encode(g)).played()] == [g.trajectories[0].traj_id]
+    for cross, replayed in (([1], [1]), ([0, 1], [2]), ([3], []), ([True], []), ("1", [])):
+        g.info["cross_policy"], g.info["replayed"] = cross, replayed
+        with pytest.raises(P.ProtocolError) as err:
+            P.decode(P.encode(g))
+        assert err.value.reason == "bad_group", (cross, replayed)
+    g.info = {"cross_policy": []}
+    g.trajectories[1].versions[:] = 0  # unnamed, another policy's tokens widen the declared span: caught
+    with pytest.raises(P.ProtocolError, match="played tokens span"):
+        P.decode(P.encode(g))
+
+
 def test_wrong_dtype_in_trajectory_rejected():
     g = make_group()
     g.trajectories[0].logprobs = g.trajectories[0].logprobs.astype(np.float64)

@@ -165,6 +165,9 @@ class Ticket(Message):
     phase: str = "rl"
     parked_s: float = 0.0
     """how long the broker held the request before admission allowed it (the rest of the wait is the network's)"""
+    cross_policy: int = 0
+    """how many of the group's rollouts (its last ones) the actor plays with its cross policy
+    (``broker.cross_policy_share``, ``actor.cross_policy``) rather than the current one"""
 
 
 @dataclass
@@ -317,32 +320,46 @@ class TrajectoryGroup(Message):
     def rewards(self) -> list[float]:
         return [t.reward for t in self.trajectories]
 
+    def _slots(self, key: str) -> list[int]:
+        slots = self.info.get(key, []) if isinstance(self.info, dict) else []
+        return [k for k in slots if type(k) is int] if isinstance(slots, list) else []
+
     @property
     def replayed_slots(self) -> list[int]:
         """Slots the broker replayed a stored success into (``broker.replay``): ``info["replayed"]``, or none."""
-        slots = self.info.get("replayed", []) if isinstance(self.info, dict) else []
-        return [k for k in slots if type(k) is int] if isinstance(slots, list) else []
+        return self._slots("replayed")
+
+    @property
+    def cross_policy_slots(self) -> list[int]:
+        """Slots the actor played with its cross policy (``Ticket.cross_policy``): ``info["cross_policy"]``, or
+        none."""
+        return self._slots("cross_policy")
 
     def played(self) -> list[Trajectory]:
-        """The rollouts the policy played for this group: all but the replayed ones."""
-        replayed = set(self.replayed_slots)
-        return [t for k, t in enumerate(self.trajectories) if k not in replayed]
+        """The rollouts the current policy played for this group: all but the replayed and cross-policy ones."""
+        other = set(self.replayed_slots) | set(self.cross_policy_slots)
+        return [t for k, t in enumerate(self.trajectories) if k not in other]
 
     def validate(self) -> None:
         if not self.trajectories:
             raise ProtocolError("bad_group", "a group has no trajectories")
         n = len(self.trajectories)
-        named = self.info.get("replayed", []) if isinstance(self.info, dict) else []
-        if not (isinstance(named, list) and all(type(k) is int and 0 <= k < n for k in named)
-                and len(set(named)) == len(named) < n):
-            raise ProtocolError("bad_group", f"info.replayed must name distinct slots of the group's {n} and leave "
-                                             f"one played: {named!r:.80}")
+        named: list = []
+        for key in ("replayed", "cross_policy"):
+            slots = self.info.get(key, []) if isinstance(self.info, dict) else []
+            if not (isinstance(slots, list) and all(type(k) is int and 0 <= k < n for k in slots)):
+                raise ProtocolError("bad_group", f"info.{key} must name slots of the group's {n}: {slots!r:.80}")
+            named += slots
+        if not len(set(named)) == len(named) < n:
+            raise ProtocolError("bad_group", f"info.replayed and info.cross_policy must name distinct slots of the "
+                                             f"group's {n} and leave one played: {named!r:.80}")
         versions = [t.versions for t in self.played() if len(t.versions)]
         if versions:
             lo = min(int(v.min()) for v in versions)
             hi = max(int(v.max()) for v in versions)
             # The broker bounds staleness with these two numbers, so they must be the played tokens' own (a
-            # replayed success is older by design; its age was bounded when the broker replayed it).
+            # replayed success is older by design, its age bounded when the broker replayed it; a cross-policy
+            # rollout is another policy's by design, its share granted in the ticket).
             if (lo, hi) != (self.behavior_version_min, self.behavior_version_max):
                 raise ProtocolError(
                     "bad_group", f"declared versions [{self.behavior_version_min}, {self.behavior_version_max}] "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from env_server.desktop import docfiles
 from env_server.families import Task, TaskFamily, TaskRegistry

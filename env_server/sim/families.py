@@ -16,7 +16,7 @@ from __future__ import annotations
 import posixpath
 import random
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
 
 from env_server.sim.desktop import Desktop
 from env_server.sim.filesystem import HOME

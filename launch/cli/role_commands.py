@@ -41,11 +41,12 @@ def env_server(config: str | None, run_dir: str | None, rank: int, overrides: tu
 def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[str, ...]) -> None:
     """Run an actor: tickets from the broker, episodes on env_servers, groups back to the broker."""
     from actor.agent import Actor
-    from actor.engine_factory import actor_engine
+    from actor.engine_factory import actor_engine, cross_policy_engine
 
     cfg, rd, log = start_role("actor", config, run_dir, overrides, rank)
     engine = actor_engine(cfg, rank)
-    a = Actor(cfg.actor, engine, cfg.net, cfg.weights, rd, log, rank=rank)
+    cross = cross_policy_engine(cfg, rank)
+    a = Actor(cfg.actor, engine, cfg.net, cfg.weights, rd, log, rank=rank, cross_engine=cross)
     try:
         a.connect()
         a.run()
@@ -53,7 +54,9 @@ def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[s
         a.close()
         # A rollout abandoned at stop may still be decoding: an engine thread inside torch while the interpreter
         # exits aborted the process ("terminate called without an active exception", exit -6, and a restart).
-        engine.close()
+        for e in (engine, cross):
+            if e is not None:
+                e.close()
 
 
 @main.command()

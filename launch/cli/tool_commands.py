@@ -33,7 +33,8 @@ def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, con
     import dataclasses
 
     from common.episode_log import EVAL_FILE, EpisodeWriter
-    from launch.evaluate import checkpoint_version, evaluate, load_policy, suite_tasks
+    from launch.evaluate import evaluate, load_policy, suite_tasks
+    from policy.saved import checkpoint_version
 
     from launch.config import config_for_checkpoint
 
