@@ -151,7 +151,6 @@ class Actor:
         self.receiver = WeightReceiver(weights, log) if weights is not None else None
         self.engine_policy = EnginePolicy(engine, cfg.sampling)
         # The policy that plays a ticket's cross-policy rollouts (actor.cross_policy): never sent weights.
-        self.cross_engine = cross_engine
         self.cross_policy = EnginePolicy(cross_engine, cfg.sampling) if cross_engine is not None else None
         self.cross_policy_warned = False
         self.max_groups_total = max_groups_total  # stop after this many groups (0 = until told to stop)

@@ -24,12 +24,17 @@ def make_engine(model_cfg: ModelConfig, cfg: EngineConfig) -> Engine:
     return VLLMEngine(model_cfg, cfg)
 
 
-def actor_engine(cfg: Any, rank: int) -> Engine:
-    """The engine of a run's actor ``rank``: its sampling seed offset by the rank and the run's seed (no two actors
+def _engine_config(cfg: Any, rank: int, seed_offset: int = 0) -> EngineConfig:
+    """Actor ``rank``'s engine settings: its sampling seed offset by the rank and the run's seed (no two actors
     sample alike), its cache fitted to the prompt and sampling limits."""
-    engine_cfg = dataclasses.replace(cfg.actor.engine, seed=cfg.actor.engine.seed + 1000 * rank + cfg.run.seed)
-    engine_cfg = engine_cfg.fitted(cfg.actor.prompt.max_prompt_tokens, cfg.actor.sampling.max_new_tokens)
-    return make_engine(cfg.model, engine_cfg)
+    seed = cfg.actor.engine.seed + 1000 * rank + cfg.run.seed + seed_offset
+    return dataclasses.replace(cfg.actor.engine, seed=seed).fitted(cfg.actor.prompt.max_prompt_tokens,
+                                                                   cfg.actor.sampling.max_new_tokens)
+
+
+def actor_engine(cfg: Any, rank: int) -> Engine:
+    """The engine of a run's actor ``rank``."""
+    return make_engine(cfg.model, _engine_config(cfg, rank))
 
 
 def cross_policy_engine(cfg: Any, rank: int) -> Engine | None:
@@ -43,9 +48,6 @@ def cross_policy_engine(cfg: Any, rank: int) -> Engine | None:
         model_cfg, version = cfg.model, 0
     else:
         model_cfg, version = saved_model_config(source, cfg.model), checkpoint_version(source) or 0
-    engine_cfg = dataclasses.replace(cfg.actor.engine,
-                                     seed=cfg.actor.engine.seed + 1000 * rank + cfg.run.seed + CROSS_POLICY_SEED)
-    engine = make_engine(model_cfg, engine_cfg.fitted(cfg.actor.prompt.max_prompt_tokens,
-                                                      cfg.actor.sampling.max_new_tokens))
+    engine = make_engine(model_cfg, _engine_config(cfg, rank, CROSS_POLICY_SEED))
     engine.relabel(version)
     return engine

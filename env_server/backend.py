@@ -135,7 +135,7 @@ class TaskBackend(Backend):
 
     def step(self, text: str) -> StepResult:
         self._current()
-        format_error, action_error = self._apply_text(text, self._declare_or_act)
+        format_error, action_error = self._apply_text(text)
         obs = self.observation()
         ended = self.outcome is None and self.ended()
         done = self.outcome is not None or ended or self.steps >= self.step_limit()
@@ -143,9 +143,10 @@ class TaskBackend(Backend):
                           {"outcome": self.outcome, "ended": ended, "truncated": done and self.outcome is None
                            and not ended})
 
-    def _apply_text(self, text: str, act) -> tuple[bool, bool]:
-        """Parse the model's output and run it with ``act(action) -> result text``: counts the step, keeps the
-        result (or the error, for the next observation) in ``last_result``; returns (format_error, action_error)."""
+    def _apply_text(self, text: str) -> tuple[bool, bool]:
+        """Parse the model's output and run it (done/fail declared here, any other action by ``act``): counts the
+        step, keeps the result (or the error, for the next observation) in ``last_result``; returns (format_error,
+        action_error)."""
         self.steps += 1
         try:
             action = parse_action(text)
@@ -154,7 +155,7 @@ class TaskBackend(Backend):
             self.last_result = f"ERROR (format): {exc}"
             return True, False
         try:
-            self.last_result = act(action)
+            self.last_result = self._declare_or_act(action)
         except ActionError as exc:
             self.last_result = f"ERROR: {exc}"
             return False, True

@@ -108,9 +108,9 @@ def check_cross_policy(cfg: RunConfig) -> None:
     if source and share <= 0:
         raise configlib.ConfigError(f"actor.cross_policy={source!r} would never play: broker.cross_policy_share is 0")
     if source and source != "initial":
-        from policy.saved import resolve_checkpoint
+        from policy.saved import is_saved_policy
 
-        if not (resolve_checkpoint(source) / "config.json").exists():
+        if not is_saved_policy(source):
             raise configlib.ConfigError(f"actor.cross_policy={source!r}: no saved policy there (a checkpoint "
                                         "directory, a run's checkpoints/, or a pretrain export)")
 

@@ -27,6 +27,11 @@ def _state(ck: Path) -> dict[str, Any]:
         return {}
 
 
+def is_saved_policy(checkpoint: str | Path) -> bool:
+    """A directory a model loads from: its Hugging Face config is there."""
+    return (resolve_checkpoint(checkpoint) / "config.json").is_file()
+
+
 def checkpoint_version(checkpoint: str | Path) -> int | None:
     """The policy version a checkpoint holds: its ``state.json``'s, else the N of a ``step-N`` directory."""
     ck = resolve_checkpoint(checkpoint)

@@ -124,7 +124,6 @@ class RealDesktopBackend(TaskBackend):
         self.windows: list[dict] = []
         self.app_info = ""
         self._window_changed = False
-        self._first_observation = False
         self.restarts = 0  # sandboxes rebuilt by a reset because the desktop had failed
 
     # -- subclass hooks
@@ -189,7 +188,6 @@ class RealDesktopBackend(TaskBackend):
                                 timeout=self.cfg.start_timeout_s)
             except AgentActionError as exc:
                 raise BackendError(f"task setup could not open {app} on {path}: {exc}") from None
-        self._first_observation = True
 
     def state(self) -> Path:
         return self.judged_home or self.spec.home
@@ -245,7 +243,7 @@ class RealDesktopBackend(TaskBackend):
     def observation(self) -> dict:
         """The desktop as the model sees it: right after a reset, once its windows have stopped changing; after a
         step, once the step's effects have settled (and a window it opened has been drawn)."""
-        first, self._first_observation = self._first_observation, False
+        first = self.steps == 0
         return self._observe(settle=not first, stable=first or self._window_changed)
 
     def _observe(self, settle: bool, stable: bool) -> dict:

@@ -2,7 +2,8 @@
 
 Families register into the task-family protocol (``env_server/families.py``: task ids
 ``desk:<split>[:family,...]/<seed>``, train / held-out / paraphrase splits). Each family has a setup (files
-written into the desktop's fresh home, apps opened on them), a training instruction and a held-out paraphrase, a
+written into the desktop's fresh home, apps opened on them), two phrasings (the training instruction, then the
+held-out paraphrase only the paraphrase split uses), a
 verifier that reads the files the desktop saved (ods/xlsx/odt/docx/txt contents, never the agent's claim), and a
 scripted solver — a policy of action strings through the same action space a model uses, which proves the task
 solvable through the backend.
@@ -57,12 +58,9 @@ def _gen_calc_set_cell(rng):
             "value": rng.randint(100, 999), "rows": _table(rng, 5)}
 
 
-def _instruction_calc_set_cell(p):
-    return f"In {p['file']} (open in Calc), set cell {p['cell']} to {p['value']} and save the file."
-
-
-def _paraphrase_calc_set_cell(p):  # held out: only the paraphrase split uses this wording
-    return f"Open {p['file']} in the spreadsheet, enter {p['value']} in {p['cell']}, then save."
+def _phrasings_calc_set_cell(p):
+    return (f"In {p['file']} (open in Calc), set cell {p['cell']} to {p['value']} and save the file.",
+            f"Open {p['file']} in the spreadsheet, enter {p['value']} in {p['cell']}, then save.")
 
 
 def _setup_calc_set_cell(p, home):
@@ -82,7 +80,7 @@ def _solve_calc_set_cell(p, home):
 
 TASKS.register(TaskFamily(
     name="calc_set_cell", apps=("Calc",), max_steps=12, generate=_gen_calc_set_cell,
-    phrasings=lambda p: (_instruction_calc_set_cell(p), _paraphrase_calc_set_cell(p)),
+    phrasings=_phrasings_calc_set_cell,
     setup=_setup_calc_set_cell, verify=_safe(_verify_calc_set_cell), solve=_solve_calc_set_cell))
 
 
@@ -91,13 +89,10 @@ def _gen_calc_sum(rng):
     return {"file": "sales.ods", "rows": _table(rng, n), "n": n}
 
 
-def _instruction_calc_sum(p):
+def _phrasings_calc_sum(p):
     last = p["n"] + 1
-    return f"In sales.ods, put the total of B2:B{last} into cell B{last + 1} and save."
-
-
-def _paraphrase_calc_sum(p):  # held out: only the paraphrase split uses this wording
-    return f"Cell B{p['n'] + 3} of sales.ods should hold the sum of B2:B{p['n'] + 1}. Save the file."
+    return (f"In sales.ods, put the total of B2:B{last} into cell B{last + 1} and save.",
+            f"Cell B{p['n'] + 3} of sales.ods should hold the sum of B2:B{p['n'] + 1}. Save the file.")
 
 
 def _setup_calc_sum(p, home):
@@ -118,7 +113,7 @@ def _solve_calc_sum(p, home):
 
 TASKS.register(TaskFamily(
     name="calc_sum", apps=("Calc",), max_steps=12, generate=_gen_calc_sum,
-    phrasings=lambda p: (_instruction_calc_sum(p), _paraphrase_calc_sum(p)),
+    phrasings=_phrasings_calc_sum,
     setup=_setup_calc_sum, verify=_safe(_verify_calc_sum), solve=_solve_calc_sum))
 
 
@@ -127,14 +122,12 @@ def _gen_calc_sort(rng):
             "ascending": rng.random() < 0.5}
 
 
-def _instruction_calc_sort(p):
+def _phrasings_calc_sort(p):
     order = "ascending" if p["ascending"] else "descending"
-    return f"Sort the rows of people.ods by the {p['by']} column in {order} order, keep the header row " \
-           "on top, and save."
-
-
-def _paraphrase_calc_sort(p):  # held out: only the paraphrase split uses this wording
-    return f"Order the data rows of people.ods by {p['by']}, {'ascending' if p['ascending'] else 'descending'}, with the header staying first; save."
+    return (f"Sort the rows of people.ods by the {p['by']} column in {order} order, keep the header row " \
+       "on top, and save.",
+            f"Order the data rows of people.ods by {p['by']}, "
+            f"{'ascending' if p['ascending'] else 'descending'}, with the header staying first; save.")
 
 
 def _setup_calc_sort(p, home):
@@ -160,7 +153,7 @@ def _solve_calc_sort(p, home):
 
 TASKS.register(TaskFamily(
     name="calc_sort", apps=("Calc",), max_steps=12, generate=_gen_calc_sort,
-    phrasings=lambda p: (_instruction_calc_sort(p), _paraphrase_calc_sort(p)),
+    phrasings=_phrasings_calc_sort,
     setup=_setup_calc_sort, verify=_safe(_verify_calc_sort), solve=_solve_calc_sort))
 
 
@@ -168,12 +161,9 @@ def _gen_calc_bold_header(rng):
     return {"file": f"{rng.choice(WORDS)}-table.ods", "rows": _table(rng, 4)}
 
 
-def _instruction_calc_bold_header(p):
-    return f"Make the header row (A1:B1) of {p['file']} bold and save the file."
-
-
-def _paraphrase_calc_bold_header(p):  # held out: only the paraphrase split uses this wording
-    return f"Put the first row (A1:B1) of {p['file']} in bold, then save it."
+def _phrasings_calc_bold_header(p):
+    return (f"Make the header row (A1:B1) of {p['file']} bold and save the file.",
+            f"Put the first row (A1:B1) of {p['file']} in bold, then save it.")
 
 
 def _setup_calc_bold_header(p, home):
@@ -193,7 +183,7 @@ def _solve_calc_bold_header(p, home):
 
 TASKS.register(TaskFamily(
     name="calc_bold_header", apps=("Calc",), max_steps=12, generate=_gen_calc_bold_header,
-    phrasings=lambda p: (_instruction_calc_bold_header(p), _paraphrase_calc_bold_header(p)),
+    phrasings=_phrasings_calc_bold_header,
     setup=_setup_calc_bold_header, verify=_safe(_verify_calc_bold_header), solve=_solve_calc_bold_header))
 
 
@@ -201,12 +191,9 @@ def _gen_calc_export_xlsx(rng):
     return {"name": rng.choice(WORDS), "rows": _table(rng, 5), "folder": rng.choice(FOLDERS)}
 
 
-def _instruction_calc_export_xlsx(p):
-    return f"Save {p['name']}.ods as an Excel file {p['name']}.xlsx in the {p['folder']} folder."
-
-
-def _paraphrase_calc_export_xlsx(p):  # held out: only the paraphrase split uses this wording
-    return f"Export {p['name']}.ods to the xlsx format as {p['folder']}/{p['name']}.xlsx."
+def _phrasings_calc_export_xlsx(p):
+    return (f"Save {p['name']}.ods as an Excel file {p['name']}.xlsx in the {p['folder']} folder.",
+            f"Export {p['name']}.ods to the xlsx format as {p['folder']}/{p['name']}.xlsx.")
 
 
 def _setup_calc_export_xlsx(p, home):
@@ -228,7 +215,7 @@ def _solve_calc_export_xlsx(p, home):
 
 TASKS.register(TaskFamily(
     name="calc_export_xlsx", apps=("Calc",), max_steps=12, generate=_gen_calc_export_xlsx,
-    phrasings=lambda p: (_instruction_calc_export_xlsx(p), _paraphrase_calc_export_xlsx(p)),
+    phrasings=_phrasings_calc_export_xlsx,
     setup=_setup_calc_export_xlsx, verify=_safe(_verify_calc_export_xlsx), solve=_solve_calc_export_xlsx))
 
 
@@ -236,12 +223,9 @@ def _gen_calc_max(rng):
     return {"file": "scores.ods", "rows": _table(rng, rng.randint(4, 8)), "cell": rng.choice(("D1", "D2", "E1"))}
 
 
-def _instruction_calc_max(p):
-    return f"In scores.ods, write the largest amount into cell {p['cell']} and save."
-
-
-def _paraphrase_calc_max(p):  # held out: only the paraphrase split uses this wording
-    return f"Find the highest amount in scores.ods, put it in {p['cell']} and save the spreadsheet."
+def _phrasings_calc_max(p):
+    return (f"In scores.ods, write the largest amount into cell {p['cell']} and save.",
+            f"Find the highest amount in scores.ods, put it in {p['cell']} and save the spreadsheet.")
 
 
 def _setup_calc_max(p, home):
@@ -260,7 +244,7 @@ def _solve_calc_max(p, home):
 
 TASKS.register(TaskFamily(
     name="calc_max", apps=("Calc",), max_steps=12, generate=_gen_calc_max,
-    phrasings=lambda p: (_instruction_calc_max(p), _paraphrase_calc_max(p)),
+    phrasings=_phrasings_calc_max,
     setup=_setup_calc_max, verify=_safe(_verify_calc_max), solve=_solve_calc_max))
 
 
@@ -278,12 +262,9 @@ def _gen_writer_replace(rng):
     return {"file": "letter.odt", "paras": paras, "a": a, "b": b}
 
 
-def _instruction_writer_replace(p):
-    return f"In letter.odt, replace every \"{p['a']}\" with \"{p['b']}\" and save."
-
-
-def _paraphrase_writer_replace(p):  # held out: only the paraphrase split uses this wording
-    return f"Change each \"{p['a']}\" in letter.odt to \"{p['b']}\", then save the document."
+def _phrasings_writer_replace(p):
+    return (f"In letter.odt, replace every \"{p['a']}\" with \"{p['b']}\" and save.",
+            f"Change each \"{p['a']}\" in letter.odt to \"{p['b']}\", then save the document.")
 
 
 def _setup_writer_replace(p, home):
@@ -303,7 +284,7 @@ def _solve_writer_replace(p, home):
 
 TASKS.register(TaskFamily(
     name="writer_replace", apps=("Writer",), max_steps=12, generate=_gen_writer_replace,
-    phrasings=lambda p: (_instruction_writer_replace(p), _paraphrase_writer_replace(p)),
+    phrasings=_phrasings_writer_replace,
     setup=_setup_writer_replace, verify=_safe(_verify_writer_replace), solve=_solve_writer_replace))
 
 
@@ -312,12 +293,9 @@ def _gen_writer_append(rng):
             "line": f"Signed, {rng.choice(NAMES).capitalize()} {rng.randint(10, 99)}."}
 
 
-def _instruction_writer_append(p):
-    return f"Add the line \"{p['line']}\" as a new last paragraph of memo.odt and save."
-
-
-def _paraphrase_writer_append(p):  # held out: only the paraphrase split uses this wording
-    return f"memo.odt should end with a new paragraph \"{p['line']}\"; add it and save."
+def _phrasings_writer_append(p):
+    return (f"Add the line \"{p['line']}\" as a new last paragraph of memo.odt and save.",
+            f"memo.odt should end with a new paragraph \"{p['line']}\"; add it and save.")
 
 
 def _setup_writer_append(p, home):
@@ -337,20 +315,18 @@ def _solve_writer_append(p, home):
 
 TASKS.register(TaskFamily(
     name="writer_append", apps=("Writer",), max_steps=12, generate=_gen_writer_append,
-    phrasings=lambda p: (_instruction_writer_append(p), _paraphrase_writer_append(p)),
+    phrasings=_phrasings_writer_append,
     setup=_setup_writer_append, verify=_safe(_verify_writer_append), solve=_solve_writer_append))
 
 
 def _gen_writer_font(rng):
-    return {"file": "essay.odt", "paras": _paras(rng, 3), "font": rng.choice(FONTS), "size": rng.choice((12, 14, 16, 18))}
+    return {"file": "essay.odt", "paras": _paras(rng, 3), "font": rng.choice(FONTS),
+            "size": rng.choice((12, 14, 16, 18))}
 
 
-def _instruction_writer_font(p):
-    return f"Set all text of essay.odt to the font {p['font']} at {p['size']} pt and save."
-
-
-def _paraphrase_writer_font(p):  # held out: only the paraphrase split uses this wording
-    return f"Format the whole of essay.odt in {p['font']}, {p['size']} pt, and save."
+def _phrasings_writer_font(p):
+    return (f"Set all text of essay.odt to the font {p['font']} at {p['size']} pt and save.",
+            f"Format the whole of essay.odt in {p['font']}, {p['size']} pt, and save.")
 
 
 def _setup_writer_font(p, home):
@@ -372,7 +348,7 @@ def _solve_writer_font(p, home):
 
 TASKS.register(TaskFamily(
     name="writer_font", apps=("Writer",), max_steps=12, generate=_gen_writer_font,
-    phrasings=lambda p: (_instruction_writer_font(p), _paraphrase_writer_font(p)),
+    phrasings=_phrasings_writer_font,
     setup=_setup_writer_font, verify=_safe(_verify_writer_font), solve=_solve_writer_font))
 
 
@@ -380,12 +356,9 @@ def _gen_writer_export_docx(rng):
     return {"name": rng.choice(WORDS), "paras": _paras(rng, 3)}
 
 
-def _instruction_writer_export_docx(p):
-    return f"Save {p['name']}.odt as a Word document {p['name']}.docx in the same folder."
-
-
-def _paraphrase_writer_export_docx(p):  # held out: only the paraphrase split uses this wording
-    return f"Export {p['name']}.odt to Word format, as {p['name']}.docx next to it."
+def _phrasings_writer_export_docx(p):
+    return (f"Save {p['name']}.odt as a Word document {p['name']}.docx in the same folder.",
+            f"Export {p['name']}.odt to Word format, as {p['name']}.docx next to it.")
 
 
 def _setup_writer_export_docx(p, home):
@@ -403,7 +376,7 @@ def _solve_writer_export_docx(p, home):
 
 TASKS.register(TaskFamily(
     name="writer_export_docx", apps=("Writer",), max_steps=12, generate=_gen_writer_export_docx,
-    phrasings=lambda p: (_instruction_writer_export_docx(p), _paraphrase_writer_export_docx(p)),
+    phrasings=_phrasings_writer_export_docx,
     setup=_setup_writer_export_docx, verify=_safe(_verify_writer_export_docx), solve=_solve_writer_export_docx))
 
 
@@ -411,13 +384,10 @@ def _gen_writer_new_doc(rng):
     return {"name": f"{rng.choice(WORDS)}-{rng.randint(1, 99)}", "text": rng.choice(SENTENCES).capitalize() + "."}
 
 
-def _instruction_writer_new_doc(p):
-    return f"Create a new Writer document whose only paragraph is \"{p['text']}\" and save it as " \
-           f"Documents/{p['name']}.odt."
-
-
-def _paraphrase_writer_new_doc(p):  # held out: only the paraphrase split uses this wording
-    return f"Write a new text document holding just \"{p['text']}\" and store it as Documents/{p['name']}.odt."
+def _phrasings_writer_new_doc(p):
+    return (f"Create a new Writer document whose only paragraph is \"{p['text']}\" and save it as " \
+       f"Documents/{p['name']}.odt.",
+            f"Write a new text document holding just \"{p['text']}\" and store it as Documents/{p['name']}.odt.")
 
 
 def _setup_writer_new_doc(p, home):
@@ -435,7 +405,7 @@ def _solve_writer_new_doc(p, home):
 
 TASKS.register(TaskFamily(
     name="writer_new_doc", apps=("Writer",), max_steps=12, generate=_gen_writer_new_doc,
-    phrasings=lambda p: (_instruction_writer_new_doc(p), _paraphrase_writer_new_doc(p)),
+    phrasings=_phrasings_writer_new_doc,
     setup=_setup_writer_new_doc, verify=_safe(_verify_writer_new_doc), solve=_solve_writer_new_doc))
 
 
@@ -451,12 +421,9 @@ def _gen_editor_append(rng):
             "line": f"buy {rng.choice(ITEMS)} x{rng.randint(2, 9)}"}
 
 
-def _instruction_editor_append(p):
-    return f"In the text editor, add the line \"{p['line']}\" at the end of todo.txt and save it."
-
-
-def _paraphrase_editor_append(p):  # held out: only the paraphrase split uses this wording
-    return f"todo.txt needs one more line at the bottom: \"{p['line']}\". Add it in the editor and save."
+def _phrasings_editor_append(p):
+    return (f"In the text editor, add the line \"{p['line']}\" at the end of todo.txt and save it.",
+            f"todo.txt needs one more line at the bottom: \"{p['line']}\". Add it in the editor and save.")
 
 
 def _setup_editor_append(p, home):
@@ -476,7 +443,7 @@ def _solve_editor_append(p, home):
 
 TASKS.register(TaskFamily(
     name="editor_append", apps=("Editor",), max_steps=12, generate=_gen_editor_append,
-    phrasings=lambda p: (_instruction_editor_append(p), _paraphrase_editor_append(p)),
+    phrasings=_phrasings_editor_append,
     setup=_setup_editor_append, verify=_safe(_verify_editor_append), solve=_solve_editor_append))
 
 
@@ -487,12 +454,9 @@ def _gen_editor_replace(rng):
     return {"file": "notes.txt", "lines": lines, "a": a, "b": b}
 
 
-def _instruction_editor_replace(p):
-    return f"In the text editor, change every \"{p['a']}\" in notes.txt to \"{p['b']}\" and save it."
-
-
-def _paraphrase_editor_replace(p):  # held out: only the paraphrase split uses this wording
-    return f"Use the text editor to turn each \"{p['a']}\" of notes.txt into \"{p['b']}\", then save."
+def _phrasings_editor_replace(p):
+    return (f"In the text editor, change every \"{p['a']}\" in notes.txt to \"{p['b']}\" and save it.",
+            f"Use the text editor to turn each \"{p['a']}\" of notes.txt into \"{p['b']}\", then save.")
 
 
 def _setup_editor_replace(p, home):
@@ -513,7 +477,7 @@ def _solve_editor_replace(p, home):
 
 TASKS.register(TaskFamily(
     name="editor_replace", apps=("Editor",), max_steps=12, generate=_gen_editor_replace,
-    phrasings=lambda p: (_instruction_editor_replace(p), _paraphrase_editor_replace(p)),
+    phrasings=_phrasings_editor_replace,
     setup=_setup_editor_replace, verify=_safe(_verify_editor_replace), solve=_solve_editor_replace))
 
 
@@ -521,12 +485,9 @@ def _gen_editor_new_file(rng):
     return {"name": f"{rng.choice(WORDS)}{rng.randint(1, 99)}.txt", "text": rng.choice(SENTENCES)}
 
 
-def _instruction_editor_new_file(p):
-    return f"With the text editor, create Documents/{p['name']} containing the line \"{p['text']}\"."
-
-
-def _paraphrase_editor_new_file(p):  # held out: only the paraphrase split uses this wording
-    return f"Make a text file Documents/{p['name']} with the single line \"{p['text']}\" in the text editor."
+def _phrasings_editor_new_file(p):
+    return (f"With the text editor, create Documents/{p['name']} containing the line \"{p['text']}\".",
+            f"Make a text file Documents/{p['name']} with the single line \"{p['text']}\" in the text editor.")
 
 
 def _setup_editor_new_file(p, home):
@@ -548,7 +509,7 @@ def _solve_editor_new_file(p, home):
 
 TASKS.register(TaskFamily(
     name="editor_new_file", apps=("Editor",), max_steps=12, generate=_gen_editor_new_file,
-    phrasings=lambda p: (_instruction_editor_new_file(p), _paraphrase_editor_new_file(p)),
+    phrasings=_phrasings_editor_new_file,
     setup=_setup_editor_new_file, verify=_safe(_verify_editor_new_file), solve=_solve_editor_new_file))
 
 
@@ -559,12 +520,9 @@ def _gen_files_create_folder(rng):
     return {"parent": rng.choice(FOLDERS), "name": f"{rng.choice(WORDS).capitalize()}{rng.randint(2020, 2030)}"}
 
 
-def _instruction_files_create_folder(p):
-    return f"Create a folder named {p['name']} inside {p['parent']}."
-
-
-def _paraphrase_files_create_folder(p):  # held out: only the paraphrase split uses this wording
-    return f"In {p['parent']}, make a new folder called {p['name']}."
+def _phrasings_files_create_folder(p):
+    return (f"Create a folder named {p['name']} inside {p['parent']}.",
+            f"In {p['parent']}, make a new folder called {p['name']}.")
 
 
 def _setup_files_create_folder(p, home):
@@ -581,7 +539,7 @@ def _solve_files_create_folder(p, home):
 
 TASKS.register(TaskFamily(
     name="files_create_folder", apps=("Files",), max_steps=12, generate=_gen_files_create_folder,
-    phrasings=lambda p: (_instruction_files_create_folder(p), _paraphrase_files_create_folder(p)),
+    phrasings=_phrasings_files_create_folder,
     setup=_setup_files_create_folder, verify=_safe(_verify_files_create_folder), solve=_solve_files_create_folder))
 
 
@@ -593,12 +551,9 @@ def _names_files_move(p):
     return [f"{w}-{i}.txt" for i, w in enumerate(random.Random(p["seed"]).sample(WORDS, 3))]
 
 
-def _instruction_files_move(p):
-    return f"Move {_names_files_move(p)[p['pick']]} from Downloads into {p['dest']}."
-
-
-def _paraphrase_files_move(p):  # held out: only the paraphrase split uses this wording
-    return f"Put Downloads/{_names_files_move(p)[p['pick']]} into the {p['dest']} folder."
+def _phrasings_files_move(p):
+    return (f"Move {_names_files_move(p)[p['pick']]} from Downloads into {p['dest']}.",
+            f"Put Downloads/{_names_files_move(p)[p['pick']]} into the {p['dest']} folder.")
 
 
 def _setup_files_move(p, home):
@@ -620,7 +575,7 @@ def _solve_files_move(p, home):
 
 TASKS.register(TaskFamily(
     name="files_move", apps=("Files",), max_steps=12, generate=_gen_files_move,
-    phrasings=lambda p: (_instruction_files_move(p), _paraphrase_files_move(p)),
+    phrasings=_phrasings_files_move,
     setup=_setup_files_move, verify=_safe(_verify_files_move), solve=_solve_files_move))
 
 
@@ -629,12 +584,9 @@ def _gen_files_rename(rng):
             "folder": rng.choice(FOLDERS)}
 
 
-def _instruction_files_rename(p):
-    return f"Rename {p['folder']}/{p['old']} to {p['new']}."
-
-
-def _paraphrase_files_rename(p):  # held out: only the paraphrase split uses this wording
-    return f"Give {p['folder']}/{p['old']} the new name {p['new']}."
+def _phrasings_files_rename(p):
+    return (f"Rename {p['folder']}/{p['old']} to {p['new']}.",
+            f"Give {p['folder']}/{p['old']} the new name {p['new']}.")
 
 
 def _setup_files_rename(p, home):
@@ -653,7 +605,7 @@ def _solve_files_rename(p, home):
 
 TASKS.register(TaskFamily(
     name="files_rename", apps=("Files",), max_steps=12, generate=_gen_files_rename,
-    phrasings=lambda p: (_instruction_files_rename(p), _paraphrase_files_rename(p)),
+    phrasings=_phrasings_files_rename,
     setup=_setup_files_rename, verify=_safe(_verify_files_rename), solve=_solve_files_rename))
 
 
@@ -665,12 +617,9 @@ def _names_files_delete(p):
     return [f"old-{w}.txt" for w in random.Random(p["seed"]).sample(WORDS, 3)]
 
 
-def _instruction_files_delete(p):
-    return f"Delete {_names_files_delete(p)[p['pick']]} from Downloads, and nothing else."
-
-
-def _paraphrase_files_delete(p):  # held out: only the paraphrase split uses this wording
-    return f"Remove Downloads/{_names_files_delete(p)[p['pick']]}; leave every other file alone."
+def _phrasings_files_delete(p):
+    return (f"Delete {_names_files_delete(p)[p['pick']]} from Downloads, and nothing else.",
+            f"Remove Downloads/{_names_files_delete(p)[p['pick']]}; leave every other file alone.")
 
 
 def _setup_files_delete(p, home):
@@ -691,7 +640,7 @@ def _solve_files_delete(p, home):
 
 TASKS.register(TaskFamily(
     name="files_delete", apps=("Files",), max_steps=12, generate=_gen_files_delete,
-    phrasings=lambda p: (_instruction_files_delete(p), _paraphrase_files_delete(p)),
+    phrasings=_phrasings_files_delete,
     setup=_setup_files_delete, verify=_safe(_verify_files_delete), solve=_solve_files_delete))
 
 
@@ -702,13 +651,11 @@ def _gen_sheet_to_doc(rng):
     return {"rows": _table(rng, 5), "row": rng.randint(2, 6)}
 
 
-def _instruction_sheet_to_doc(p):
-    return f"Look up the amount of {p['rows'][p['row'] - 1][0]} in data.ods and add the line " \
-           f"\"{p['rows'][p['row'] - 1][0]}: <amount>\" as the last paragraph of summary.odt, then save it."
-
-
-def _paraphrase_sheet_to_doc(p):  # held out: only the paraphrase split uses this wording
-    return f"Find {p['rows'][p['row'] - 1][0]}'s amount in data.ods and append the paragraph \"{p['rows'][p['row'] - 1][0]}: <amount>\" to summary.odt; save it."
+def _phrasings_sheet_to_doc(p):
+    return (f"Look up the amount of {p['rows'][p['row'] - 1][0]} in data.ods and add the line " \
+       f"\"{p['rows'][p['row'] - 1][0]}: <amount>\" as the last paragraph of summary.odt, then save it.",
+            f"Find {p['rows'][p['row'] - 1][0]}'s amount in data.ods and append the paragraph "
+            f"\"{p['rows'][p['row'] - 1][0]}: <amount>\" to summary.odt; save it.")
 
 
 def _setup_sheet_to_doc(p, home):
@@ -733,7 +680,7 @@ def _solve_sheet_to_doc(p, home):
 
 TASKS.register(TaskFamily(
     name="sheet_to_doc", apps=("Calc", "Writer"), max_steps=14, generate=_gen_sheet_to_doc,
-    phrasings=lambda p: (_instruction_sheet_to_doc(p), _paraphrase_sheet_to_doc(p)),
+    phrasings=_phrasings_sheet_to_doc,
     setup=_setup_sheet_to_doc, verify=_safe(_verify_sheet_to_doc), solve=_solve_sheet_to_doc))
 
 
@@ -741,13 +688,11 @@ def _gen_text_to_sheet(rng):
     return {"values": [rng.randint(1, 500) for _ in range(rng.randint(3, 6))]}
 
 
-def _instruction_text_to_sheet(p):
-    return "Copy the numbers in numbers.txt (one per line) into column A of a new spreadsheet, starting at " \
-           "A1, and save it as Documents/numbers.ods."
-
-
-def _paraphrase_text_to_sheet(p):  # held out: only the paraphrase split uses this wording
-    return "Put the numbers of numbers.txt, one per cell, into column A of a new spreadsheet from A1 down, saved as Documents/numbers.ods."
+def _phrasings_text_to_sheet(p):
+    return ("Copy the numbers in numbers.txt (one per line) into column A of a new spreadsheet, starting at " \
+       "A1, and save it as Documents/numbers.ods.",
+            "Put the numbers of numbers.txt, one per cell, into column A of a new spreadsheet from A1 down, saved as "
+            "Documents/numbers.ods.")
 
 
 def _setup_text_to_sheet(p, home):
@@ -769,7 +714,7 @@ def _solve_text_to_sheet(p, home):
 
 TASKS.register(TaskFamily(
     name="text_to_sheet", apps=("Editor", "Calc"), max_steps=14, generate=_gen_text_to_sheet,
-    phrasings=lambda p: (_instruction_text_to_sheet(p), _paraphrase_text_to_sheet(p)),
+    phrasings=_phrasings_text_to_sheet,
     setup=_setup_text_to_sheet, verify=_safe(_verify_text_to_sheet), solve=_solve_text_to_sheet))
 
 
@@ -777,12 +722,9 @@ def _gen_doc_to_text(rng):
     return {"paras": _paras(rng, 3)}
 
 
-def _instruction_doc_to_text(p):
-    return "Write the first paragraph of story.odt into a new text file first.txt in Documents."
-
-
-def _paraphrase_doc_to_text(p):  # held out: only the paraphrase split uses this wording
-    return "Copy the opening paragraph of story.odt into a new text file, Documents/first.txt."
+def _phrasings_doc_to_text(p):
+    return ("Write the first paragraph of story.odt into a new text file first.txt in Documents.",
+            "Copy the opening paragraph of story.odt into a new text file, Documents/first.txt.")
 
 
 def _setup_doc_to_text(p, home):
@@ -801,7 +743,7 @@ def _solve_doc_to_text(p, home):
 
 TASKS.register(TaskFamily(
     name="doc_to_text", apps=("Writer", "Files"), max_steps=14, generate=_gen_doc_to_text,
-    phrasings=lambda p: (_instruction_doc_to_text(p), _paraphrase_doc_to_text(p)),
+    phrasings=_phrasings_doc_to_text,
     setup=_setup_doc_to_text, verify=_safe(_verify_doc_to_text), solve=_solve_doc_to_text))
 
 
@@ -809,13 +751,10 @@ def _gen_sheet_total_to_text(rng):
     return {"rows": _table(rng, rng.randint(3, 6))}
 
 
-def _instruction_sheet_total_to_text(p):
-    return "Compute the total of the amount column in expenses.ods and write just that number into " \
-           "Documents/total.txt."
-
-
-def _paraphrase_sheet_total_to_text(p):  # held out: only the paraphrase split uses this wording
-    return "Add up the amount column of expenses.ods and save only the result in Documents/total.txt."
+def _phrasings_sheet_total_to_text(p):
+    return ("Compute the total of the amount column in expenses.ods and write just that number into " \
+       "Documents/total.txt.",
+            "Add up the amount column of expenses.ods and save only the result in Documents/total.txt.")
 
 
 def _setup_sheet_total_to_text(p, home):
@@ -824,7 +763,8 @@ def _setup_sheet_total_to_text(p, home):
 
 
 def _verify_sheet_total_to_text(p, home):
-    return docfiles.same_number((home / "Documents" / "total.txt").read_text().strip(), sum(r[1] for r in p["rows"][1:]))
+    return docfiles.same_number((home / "Documents" / "total.txt").read_text().strip(),
+                                sum(r[1] for r in p["rows"][1:]))
 
 
 def _solve_sheet_total_to_text(p, home):
@@ -835,7 +775,7 @@ def _solve_sheet_total_to_text(p, home):
 
 TASKS.register(TaskFamily(
     name="sheet_total_to_text", apps=("Calc", "Files"), max_steps=14, generate=_gen_sheet_total_to_text,
-    phrasings=lambda p: (_instruction_sheet_total_to_text(p), _paraphrase_sheet_total_to_text(p)),
+    phrasings=_phrasings_sheet_total_to_text,
     setup=_setup_sheet_total_to_text, verify=_safe(_verify_sheet_total_to_text), solve=_solve_sheet_total_to_text))
 
 
