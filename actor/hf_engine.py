@@ -60,6 +60,7 @@ class Request:
     gen: Generation = field(default_factory=lambda: Generation([], [], [], "length"))
     slot: int = -1
     prefilled: int = 0  # prompt tokens already in the cache (a long prompt is prefilled in chunks)
+    swaps_at_placement: int = 0  # the engine's weight swaps when its slot's columns began to be written
 
     @property
     def remaining(self) -> int:
@@ -315,8 +316,9 @@ class HFEngine:
         r.slot = -1
 
     def _finish(self, r: Request, finish: str) -> None:
-        if self.reuse:
-            # what the slot's columns now hold: the prompt and every kept token but the last (never fed back)
+        if self.reuse and r.swaps_at_placement == self.stats.weight_swaps:
+            # what the slot's columns now hold: the prompt and every kept token but the last (never fed back);
+            # after a swap mid-request its first columns are the old weights' and cannot be reused
             self.slot_tokens[r.slot] = np.asarray(r.prompt + r.gen.token_ids[:-1])
         r.gen.finish = finish
         stops = self.tokenizer.stop_ids
@@ -384,6 +386,7 @@ class HFEngine:
         else:
             r.slot = heapq.heappop(self.free_slots)
         self.slot_tokens[r.slot] = None  # overwritten from here on
+        r.swaps_at_placement = self.stats.weight_swaps
 
     def _prefill(self, reqs: list[Request], chunk: int) -> None:
         """Prompt tokens ``prefilled .. prefilled + chunk`` of each request into its slot (right-padded rows; the

@@ -157,9 +157,12 @@ def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu", dtype: A
         if model.get_input_embeddings().num_embeddings < vocab_size:
             model.resize_token_embeddings(vocab_size)  # role tokens added to the tokenizer
     else:
+        # drawn in float32 whatever the dtype, then rounded: the learner's float32 masters and an engine's bf16
+        # copy are the same version-0 weights (an init drawn in bf16 need not be their rounding)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.init_seed)
-            model = AutoModelForCausalLM.from_config(_arch_config(cfg, vocab_size), dtype=dtype, **extra)
+            model = AutoModelForCausalLM.from_config(_arch_config(cfg, vocab_size), dtype=torch.float32, **extra)
+        model = model.to(dtype)
     return model if keep_on_cpu else model.to(device)
 
 

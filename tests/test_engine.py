@@ -16,6 +16,7 @@ from actor.engine import EngineConfig, SamplingParams  # noqa: E402
 from actor.hf_engine import HFEngine  # noqa: E402
 from actor.slot_attention import slot_decode_attention  # noqa: E402
 from policy.model import ModelConfig, build_model, sequence_logprobs  # noqa: E402
+from tests.conftest import stage_weights_before_window  # noqa: E402
 
 TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 
@@ -89,6 +90,25 @@ def test_a_later_turn_reuses_the_slot_holding_its_prefix():
     assert eng.stats.prefix_reused_tokens == before, "nothing computed by the old weights is reused"
     assert set(g3.versions) == {3}
     _agree(eng, [second + g2.token_ids], [g3])
+    eng.close()
+
+
+def test_a_request_that_straddled_a_swap_leaves_no_prefix_to_reuse():
+    """Its prompt's columns were written by the old weights and its last ones by the new: the next turn sharing
+    that prompt prefills afresh (a lent H100 caught this: log-probs off the new weights' teacher-forced pass)."""
+    eng = HFEngine(TINY, EngineConfig(seed=3, max_batch=2, sync_every=2))
+    tok = eng.tokenizer
+    prompt = tok.encode("an episode's history, long enough to be worth reusing " * 2)
+    newer = build_model(ModelConfig(**{**TINY.__dict__, "init_seed": 11}), tok.vocab_size)
+    stage_weights_before_window(eng, 2, dict(newer.named_parameters()), 4)
+    mid = eng.generate([prompt], SamplingParams(max_new_tokens=12, min_new_tokens=12))[0]
+    eng.step_hook = None
+    assert mid.versions[0] == 0 and mid.versions[-1] == 4, "the swap landed mid-request"
+    reused = eng.stats.prefix_reused_tokens
+    again = eng.generate([prompt + mid.token_ids], SamplingParams(max_new_tokens=6))[0]
+    assert eng.stats.prefix_reused_tokens == reused
+    assert set(again.versions) == {4}
+    _agree(eng, [prompt + mid.token_ids], [again])
     eng.close()
 
 

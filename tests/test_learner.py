@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from broker.client import ActorBrokerClient  # noqa: E402
 from broker.config import BrokerConfig  # noqa: E402
 from common import protocol as P  # noqa: E402
-from policy.model import ModelConfig, sequence_logprobs  # noqa: E402
+from policy.model import ModelConfig, build_model, sequence_logprobs  # noqa: E402
 from common.net import free_port  # noqa: E402
 from policy.weightsync import WeightSyncConfig  # noqa: E402
 from learner.advantages import AdvantageConfig  # noqa: E402
@@ -419,6 +419,10 @@ def test_bf16_compute_keeps_float32_master_weights_so_small_updates_are_not_roun
     assert t.compute_dtype == torch.bfloat16 and t.net.module is not t.model
     assert all(p.dtype == torch.float32 for p in t.model.parameters())
     assert all(p.dtype == torch.bfloat16 for _, p in t.net.named_parameters())
+    # an engine building the same seeded model in bf16 holds version 0 exactly as the learner's compute copy
+    engine_side = build_model(ModelConfig(**{**TINY.__dict__, "dtype": "bfloat16"}), t.model.config.vocab_size)
+    for (n, mine), (_, theirs) in zip(t.net.named_parameters(), engine_side.named_parameters()):
+        assert torch.equal(mine.detach(), theirs.detach()), n
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
     pure = {n: p.detach().to(torch.bfloat16) for n, p in t.model.named_parameters()}
     m = t.train_step(groups_from(t))
