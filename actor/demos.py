@@ -9,6 +9,7 @@ pretrain``) trains on them, and the learner's anti-forgetting anchor replays the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from typing import Any
@@ -60,6 +61,19 @@ def demonstrate(backend: Any, task_id: str, route: str = "gui", demo: Any = None
     return episode, policy.seen
 
 
+def local_backend(kind: str, prompt_cfg: Any, env: Any = None, seed: int = 0) -> Any:
+    """An in-process desktop for tasks of ``kind``: a sim desktop, or one of ``env``'s backend (an EnvServerConfig
+    whose backend runs that kind: real desktops, MiniWoB, a plugin). The caller closes it."""
+    from env_server.backend_registry import make_backend
+    from env_server.sim.backend import SimBackend, SimConfig
+
+    if kind == "sim":
+        return SimBackend(SimConfig(screenshot="png" if prompt_cfg.observation != "tree" else "none"))
+    if env is None:
+        raise ValueError(f"episodes of {kind!r} tasks need the env_server config of the desktops that run them")
+    return make_backend(env, seed)
+
+
 def record_demos(suite: str, count: int, prompt_cfg: Any, tokenizer: Any, route: str = "api",
                  detour_prob: float = 0.0, wrong_choice_prob: float = 0.0, seed: int = 0,
                  images: Any = None, env: Any = None) -> list[P.Trajectory]:
@@ -71,10 +85,9 @@ def record_demos(suite: str, count: int, prompt_cfg: Any, tokenizer: Any, route:
     an ambiguous screen, for any desktop whose families have ``wrong`` solvers: the sim's, MiniWoB's) make demos
     imperfect. Deterministic for its arguments. A prompt that shows screenshots
     (``prompt_cfg.observation``) gets them rendered, and put in ``images``."""
-    from env_server.backend_registry import make_backend, task_registry
-    from env_server.sim import families as sim_tasks
+    from env_server.backend_registry import task_registry
     from env_server.families import kind_of
-    from env_server.sim.backend import SimBackend, SimConfig
+    from env_server.sim import families as sim_tasks
 
     kind = kind_of(suite)
     task_registry(kind, env.backend if env is not None else "").parse_suite(suite)  # a bad suite fails here
@@ -82,20 +95,17 @@ def record_demos(suite: str, count: int, prompt_cfg: Any, tokenizer: Any, route:
         raise ValueError(f"demo route must be api, gui or mixed, not {route!r}")
     demo = sim_tasks.DemoConfig(detour_prob, wrong_choice_prob)
     rng = random.Random(seed)
-    if kind == "sim":
-        backend = SimBackend(SimConfig(screenshot="png" if prompt_cfg.observation != "tree" else "none"))
-    elif env is None:
-        raise ValueError(f"demonstrations of {kind!r} tasks need the env_server config of the desktops that run them")
-    else:
-        backend = make_backend(env, seed)
+    backend = local_backend(kind, prompt_cfg, env, seed)
     out = []
     try:
         for task_seed in range(count):
             task_route = route if route != "mixed" else rng.choice(("api", "gui"))
-            episode, _ = demonstrate(backend, f"{suite}/{task_seed}", task_route, demo, seed, tokenizer, prompt_cfg,
-                                     images)
-            if episode.turns:
-                out.append(episode.trajectory(f"demo-{task_seed}"))
+            episode, seen = demonstrate(backend, f"{suite}/{task_seed}", task_route, demo, seed, tokenizer,
+                                        prompt_cfg, images)
+            if episode.turns:  # with the rows each action was chosen on: what workflow induction reads
+                trees = [[[list(c) if isinstance(c, tuple) else c for c in row] for row in obs.get("tree") or []]
+                         for obs, _ in seen]  # as the wire gives them back: lists
+                out.append(dataclasses.replace(episode.trajectory(f"demo/{suite}/{task_seed}"), trees=trees))
     finally:
         backend.close()
     return out

@@ -62,7 +62,7 @@ class Episode:
         reward = float(self.evaluation["reward"])
         turns = [dataclasses.replace(t, reward=0.0 if t.format_error else reward) for t in self.turns]
         return P.Trajectory.from_turns(traj_id, reward, bool(self.evaluation["success"]), turns,
-                                       finish_reason=self.finish_reason)
+                                       finish_reason=self.finish_reason, instruction=self.instruction)
 
 
 async def play_episode(env: EpisodeEnv, policy: Policy, task_id: str, tokenizer: Any, prompt_cfg: PromptConfig,

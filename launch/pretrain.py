@@ -62,6 +62,9 @@ class PretrainConfig:
     """turns per episode in that evaluation"""
     device: str = "cpu"
     """where the clone trains and is evaluated: cpu | cuda | cuda:N (demos are recorded on the CPU either way)"""
+    workflow_episodes: int = 0
+    """workflow-guided exploration (docs/workflows.md): 0 clones the demonstrations alone; N > 0 induces workflows
+    from them, explores N episodes per family with those workflows, and clones the demos and every success found"""
 
     def validate(self) -> None:
         if self.route not in ("api", "gui", "mixed"):
@@ -72,6 +75,10 @@ class PretrainConfig:
             raise ValueError("seeds, steps and batch_samples must be >= 1")
         if re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is None:
             raise ValueError(f"pretrain.device must be cpu, cuda or cuda:N, not {self.device!r}")
+        if self.workflow_episodes < 0:
+            raise ValueError("pretrain.workflow_episodes must be >= 0")
+        if self.workflow_episodes and self.route == "api":
+            raise ValueError("pretrain.workflow_episodes explores with GUI actions on tree rows: set pretrain.route=gui")
         if self.kind != "sim" and not self.families:
             raise ValueError(f"pretrain.kind {self.kind}: name the families to clone (pretrain.families)")
 
@@ -92,6 +99,32 @@ def demo_trajectories(cfg: PretrainConfig, prompt_cfg: Any, tokenizer: Any, log:
     if log is not None:
         log.info("demos_recorded", trajectories=len(out), steps=sum(t.num_turns for t in out))
     return out
+
+
+def workflow_trajectories(cfg: PretrainConfig, demos: list[P.Trajectory], prompt_cfg: Any, tokenizer: Any,
+                          env: Any = None) -> tuple[list[P.Trajectory], dict]:
+    """Workflow-guided exploration from ``demos``: ``cfg.workflow_episodes`` episodes per family on training seeds
+    after the demos' own, each following a workflow induced from a demo; the successful episodes, and what the
+    explorer learned (per family: episodes, successes, dead ends, its most probable workflow)."""
+    from actor.demos import local_backend
+    from actor.workflow_explorer import ExplorerConfig, WorkflowExplorer, explore, workflows_of
+    from env_server.backend_registry import task_registry
+
+    registry = task_registry(cfg.kind, env.backend if env is not None else "")
+    suite = cfg.suite("train")
+    families = set(registry.parse_suite(suite)[1])
+    explorer = WorkflowExplorer(workflows_of(demos, registry), ExplorerConfig(seed=cfg.seed))
+    missing = sorted(families - set(explorer.workflows))
+    if missing:
+        raise ValueError(f"no successful demonstration of {', '.join(missing)} to induce a workflow from: "
+                         "raise pretrain.seeds")
+    tasks = [f"{suite}/{cfg.seeds + i}" for i in range(cfg.workflow_episodes * len(families))]
+    backend = local_backend(cfg.kind, prompt_cfg, env, cfg.seed)
+    try:
+        found = explore(explorer, backend, tasks, registry, tokenizer, prompt_cfg)
+    finally:
+        backend.close()
+    return found, explorer.summary()
 
 
 def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path, log: Any,
@@ -120,6 +153,14 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
     trainer = Trainer(schedule, model_cfg, seed=cfg.seed, images=images)
     t0 = time.monotonic()
     trajs = demo_trajectories(cfg, prompt_cfg, trainer.tokenizer, log, images, env)
+    explored: dict[str, Any] = {"demos": len(trajs)}
+    if cfg.workflow_episodes:
+        found, per_family = workflow_trajectories(cfg, trajs, prompt_cfg, trainer.tokenizer, env)
+        explored.update(workflow_episodes=cfg.workflow_episodes * len(per_family), workflow_successes=len(found),
+                        workflows=per_family)
+        if log is not None:
+            log.info("workflows_explored", episodes=explored["workflow_episodes"], successes=len(found))
+        trajs = trajs + found
     # One sample per demo step: split trajectories into single-turn pieces so batches mix tasks and steps.
     pieces = []
     for tr in trajs:
@@ -136,9 +177,9 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
         if progress is not None and (step + 1) % max(1, cfg.steps // 20) == 0:
             progress(step + 1, cfg.steps, sum(losses[-10:]) / max(1, len(losses[-10:])))
     trainer.version = 0  # a base policy: RL starts counting from here
-    result: dict[str, Any] = {"demos": len(trajs), "samples": len(pieces), "steps": cfg.steps,
+    result: dict[str, Any] = {"samples": len(pieces), "steps": cfg.steps,
                               "final_loss": round(sum(losses[-10:]) / max(1, len(losses[-10:])), 4),
-                              "seconds": round(time.monotonic() - t0, 1)}
+                              "seconds": round(time.monotonic() - t0, 1), **explored}
     path = trainer.export(out_dir, {"pretrain": {**dataclasses.asdict(cfg), **result, "started_from": started_from},
                                     "prompt": dataclasses.asdict(prompt_cfg)})  # eval rebuilds the same prompts
     result["checkpoint"] = str(path)

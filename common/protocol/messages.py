@@ -233,6 +233,11 @@ class Trajectory(Record):
     timings: dict = field(default_factory=dict)
     images: list = field(default_factory=list)
     """per turn, the content hashes of the images in its prompt, in order (a VLM's; empty for text policies)"""
+    instruction: str = ""
+    """the task's instruction as the desktop worded it"""
+    trees: list = field(default_factory=list)
+    """per turn, the tree rows the action was chosen on (``env_server/tree.py``), where a recorder keeps them:
+    demonstrations do, for workflow induction (``actor/workflows.py``); empty otherwise"""
 
     @property
     def num_turns(self) -> int:
@@ -293,6 +298,8 @@ class Trajectory(Record):
             raise ProtocolError("bad_trajectory", "turn lengths do not sum to the token arrays")
         if not (len(self.logprobs) == len(self.versions) == len(self.loss_mask) == n_out):
             raise ProtocolError("bad_trajectory", "per-token arrays differ in length")
+        if self.trees and (len(self.trees) != t or not all(isinstance(rows, list) for rows in self.trees)):
+            raise ProtocolError("bad_trajectory", "trees: one list of rows per turn expected")
         if self.images:
             if len(self.images) != t:
                 raise ProtocolError("bad_trajectory", "images: one list per turn expected")

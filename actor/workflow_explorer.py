@@ -1,0 +1,177 @@
+"""Workflow-guided exploration's exploration policy: which induced workflows (``actor/workflows.py``) to follow,
+learned from the episodes they earn.
+
+Per episode of a family the explorer draws one of the family's demonstrations, then one step per turn from that
+demo's lattice with probability softmax(score) over the lattice's steps at that turn, and at each turn takes an
+action drawn uniformly from those the step allows on the live observation. Scores are kept per (family, turn,
+step key), so demonstrations of a family that share a constraint share what is learned about it (the paper keeps
+them per demonstration; a family's instances differ in their strings, which the keys abstract away). After the
+episode each drawn step's score moves by REINFORCE on the episode's reward, against a running baseline of the
+family's rewards: a workflow that succeeds is drawn more often, one whose constraint is too loose or wrong fades.
+
+The explorer is a ``Policy`` of the one episode loop (``actor/episode.py``): its episodes are played, recorded and
+judged exactly as the neural policy's, and its successes are trajectories like any other (token ids of the
+actions it wrote, log-probs 0: no model sampled them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from actor.engine import Generation
+from actor.workflows import Instruction, Step, Workflow, induce
+from common import protocol as P
+
+
+@dataclass
+class ExplorerConfig:
+    """Workflow-guided exploration's settings."""
+
+    lr: float = 1.0
+    """step size of the REINFORCE update of a drawn step's score"""
+    baseline_decay: float = 0.9
+    """weight of the past in each family's running reward baseline"""
+    seed: int = 0
+    """the explorer's draws (demo, steps, actions) are deterministic for it"""
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ValueError("workflow explorer lr must be > 0")
+        if not 0 <= self.baseline_decay < 1:
+            raise ValueError("workflow explorer baseline_decay must be in [0, 1)")
+
+
+@dataclass
+class Plan:
+    """One episode's draw: the demo's workflow and a step per turn."""
+
+    workflow: Workflow
+    chosen: list[Step]
+    dead_end: int = -1
+    """the turn whose step allowed no action on the live page (-1: none)"""
+
+
+@dataclass
+class WorkflowExplorer:
+    workflows: dict[str, list[Workflow]]
+    """the induced workflows of each family (one per demonstration)"""
+    cfg: ExplorerConfig = field(default_factory=ExplorerConfig)
+
+    def __post_init__(self) -> None:
+        self.cfg.validate()
+        self.scores: dict[tuple[str, int, str], float] = defaultdict(float)
+        self.baseline: dict[str, float] = {}
+        self.rng = random.Random(self.cfg.seed)
+        self.episodes: dict[str, int] = defaultdict(int)
+        self.successes: dict[str, int] = defaultdict(int)
+        self.dead_ends: dict[str, int] = defaultdict(int)
+
+    def probabilities(self, family: str, turn: int, steps: Sequence[Step]) -> list[float]:
+        z = [self.scores[(family, turn, s.key)] for s in steps]
+        top = max(z)
+        e = [math.exp(v - top) for v in z]
+        total = sum(e)
+        return [v / total for v in e]
+
+    def plan(self, family: str) -> Plan:
+        """Draw a demonstration of ``family`` and a step per turn of its lattice."""
+        if not self.workflows.get(family):
+            raise KeyError(f"no demonstrations of family {family!r} to explore from")
+        wf = self.rng.choice(self.workflows[family])
+        chosen = [self.rng.choices(steps, self.probabilities(family, t, steps))[0] for t, steps in enumerate(wf.steps)]
+        return Plan(wf, chosen)
+
+    def update(self, family: str, plan: Plan, reward: float) -> None:
+        """REINFORCE on the steps drawn: each moves by lr x (reward - baseline) x d log p / d score."""
+        self.episodes[family] += 1
+        self.successes[family] += int(reward > 0)
+        self.dead_ends[family] += int(plan.dead_end >= 0)
+        b = self.baseline.get(family, reward)
+        advantage = reward - b
+        self.baseline[family] = self.cfg.baseline_decay * b + (1 - self.cfg.baseline_decay) * reward
+        if advantage == 0:
+            return
+        for t, (steps, pick) in enumerate(zip(plan.workflow.steps, plan.chosen)):
+            probs = self.probabilities(family, t, steps)
+            for s, p in zip(steps, probs):
+                grad = (1.0 if s.key == pick.key else 0.0) - p
+                self.scores[(family, t, s.key)] += self.cfg.lr * advantage * grad
+
+    def player(self, family: str, tokenizer: Any) -> "WorkflowPlayer":
+        return WorkflowPlayer(self, family, self.plan(family), tokenizer)
+
+    def summary(self) -> dict[str, dict]:
+        """Per family: episodes, successes, dead ends, and the most probable step at each turn of its demos."""
+        out = {}
+        for fam, wfs in self.workflows.items():
+            best = []
+            for t, steps in enumerate(max(wfs, key=lambda w: len(w.steps)).steps):
+                probs = self.probabilities(fam, t, steps)
+                i = max(range(len(steps)), key=probs.__getitem__)
+                best.append(f"{steps[i].key} ({probs[i]:.2f})")
+            out[fam] = {"episodes": self.episodes[fam], "successes": self.successes[fam],
+                        "dead_ends": self.dead_ends[fam], "best_workflow": best}
+        return out
+
+
+class WorkflowPlayer:
+    """One episode's policy: at each turn, an action its plan's step allows on the live observation, drawn
+    uniformly; None (the episode ends) past the plan's last step or where the step allows nothing."""
+
+    def __init__(self, explorer: WorkflowExplorer, family: str, plan: Plan, tokenizer: Any):
+        self.explorer, self.family, self.plan, self.tok = explorer, family, plan, tokenizer
+        self.turn = 0
+        self.instruction: Instruction | None = None  # the first observation's (later ones need not repeat it)
+
+    async def __call__(self, prompt_ids: list[int], obs: dict, images: list) -> Generation | None:
+        if self.turn >= len(self.plan.chosen):
+            return None
+        if self.instruction is None or obs.get("instruction"):
+            self.instruction = Instruction.of(str(obs.get("instruction", "")))
+        step = self.plan.chosen[self.turn]
+        options = step.actions(obs.get("tree") or [], self.instruction)
+        if not options:
+            self.plan.dead_end = self.turn
+            return None
+        self.turn += 1
+        action = self.explorer.rng.choice(options)
+        ids = [*self.tok.encode(action), self.tok.eos_id]
+        return Generation(ids, [0.0] * len(ids), [0] * len(ids), "stop", action)
+
+
+def workflows_of(demos: Sequence[P.Trajectory], registry: Any) -> dict[str, list[Workflow]]:
+    """Each family's workflow lattices, one per successful demonstration that kept its trees (``record_demos``
+    names a demo ``demo/<task id>``; ``registry`` says the task id's family)."""
+    out: dict[str, list[Workflow]] = defaultdict(list)
+    for d in demos:
+        if not d.success:
+            continue  # a demonstrator's slip teaches no workflow
+        if not d.trees:
+            raise ValueError(f"demonstration {d.traj_id} kept no trees: record it with actor.demos.record_demos")
+        family = registry.make_task(d.traj_id.removeprefix("demo/")).family
+        out[family].append(induce(family, d.traj_id, d.instruction, d.trees, d.actions))
+    return dict(out)
+
+
+def explore(explorer: WorkflowExplorer, backend: Any, task_ids: Sequence[str], registry: Any, tokenizer: Any,
+            prompt_cfg: Any) -> list[P.Trajectory]:
+    """Play ``task_ids`` on ``backend`` (in process), each with a workflow the explorer draws for its family, and
+    learn from each verdict; the episodes that succeeded, as trajectories (the replay buffer a neural policy is
+    trained from)."""
+    from actor.episode import LocalEnv, play_episode
+
+    found = []
+    for task_id in task_ids:
+        family = registry.make_task(task_id).family
+        player = explorer.player(family, tokenizer)
+        episode = asyncio.run(play_episode(LocalEnv(backend), player, task_id, tokenizer, prompt_cfg))
+        success = bool(episode.evaluation["success"])
+        explorer.update(family, player.plan, float(success))
+        if success and episode.turns:
+            found.append(episode.trajectory(f"workflow/{task_id}"))
+    return found
