@@ -16,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures as cf
+import dataclasses
 import functools
 import itertools
 import time
 import uuid
 from typing import Any
 
+import numpy as np
 
 from actor.config import ActorConfig
 from actor.engine import Engine, Generation
@@ -36,6 +38,10 @@ from common.rundir import RunDir
 from common.images import Image, ImageStore
 from policy.weightsync import RoundFailed, WeightReceiver, WeightSyncConfig
 from env_server.client import EnvClient, EnvError
+
+OWN, CROSS, EXPLORED = "own", "cross", "explored"
+"""who plays a slot of a group: the current policy, the cross policy (actor.cross_policy), the workflow explorer"""
+
 
 class EnvLinks:
     """Awaitable requests over the env_server clients."""
@@ -137,7 +143,7 @@ class RemoteEnv:
 class Actor:
     def __init__(self, cfg: ActorConfig, engine: Engine, net: NetConfig, weights: WeightSyncConfig | None,
                  run_dir: RunDir | None, log: Any, rank: int = 0, max_groups_total: int = 0,
-                 cross_engine: Engine | None = None):
+                 cross_engine: Engine | None = None, explorer: Any = None):
         cfg.validate()
         self.cfg, self.engine, self.net, self.log, self.rank = cfg, engine, net, log, rank
         self.tok = engine.tokenizer
@@ -153,6 +159,8 @@ class Actor:
         # The policy that plays a ticket's cross-policy rollouts (actor.cross_policy): never sent weights.
         self.cross_policy = EnginePolicy(cross_engine, cfg.sampling) if cross_engine is not None else None
         self.cross_policy_warned = False
+        # Workflow-guided exploration (actor.workflows): plays a share of the groups of tasks it has workflows for.
+        self.explorer = explorer
         self.max_groups_total = max_groups_total  # stop after this many groups (0 = until told to stop)
         self.images = ImageStore(run_dir.images) if run_dir is not None else None  # a VLM's screenshots
         # one writer thread: the store is not locked
@@ -195,11 +203,15 @@ class Actor:
 
     # ----- episodes and groups -------------------------------------------------------------------
 
-    async def episode(self, ticket: P.Ticket, cross: bool = False) -> Episode:
+    async def episode(self, ticket: P.Ticket, slot: str = OWN) -> Episode:
+        """One episode of the ticket's task, played by the current policy (``own``), the cross policy (``cross``)
+        or the workflow explorer (``explored``)."""
         i = self.env.pick()
         sid = await self.env.session(i)
         healthy = False
-        policy = functools.partial(self.policy, cross=cross)
+        family = self.explorer.family(ticket.task_id) if slot == EXPLORED else None
+        player = self.explorer.player(family, self.tok) if slot == EXPLORED else None
+        policy = player or functools.partial(self.policy, cross=slot == CROSS)
         try:
             ep = await play_episode(RemoteEnv(self.env, i, sid), policy, ticket.task_id, self.tok,
                                     self.cfg.prompt, self.cfg.max_steps)
@@ -210,10 +222,13 @@ class Actor:
         self.stats["format_errors"] += ep.format_errors
         self.stats["turns"] += len(ep.turns)
         self.episode_lens.append(len(ep.turns))
-        # The success rate is the current policy's: a cross-policy rollout is counted apart.
-        prefix = "cross_policy_" if cross else ""
+        # The success rate is the current policy's: cross-policy and explored rollouts are counted apart.
+        prefix = {OWN: "", CROSS: "cross_policy_", EXPLORED: "explored_"}[slot]
         self.stats[f"{prefix}episodes"] += 1
         self.stats[f"{prefix}successes"] += int(ep.evaluation["success"])
+        if player is not None:  # the explorer learns from every verdict, its own dead ends included
+            self.explorer.update(family, player.plan, float(ep.evaluation["success"]))
+            self.stats["explored_dead_ends"] += int(player.plan.dead_end >= 0)
         return ep
 
     async def policy(self, prompt_ids: list[int], obs: dict, images: list[Image], cross: bool = False) -> Generation:
@@ -226,11 +241,11 @@ class Actor:
                 await asyncio.get_running_loop().run_in_executor(self.images_thread, self.images.put, img)
         return await self.generate(prompt_ids, images, cross)
 
-    async def episode_with_rerolls(self, ticket: P.Ticket, cross: bool = False) -> Episode | None:
+    async def episode_with_rerolls(self, ticket: P.Ticket, slot: str = OWN) -> Episode | None:
         attempts = 1 + (self.cfg.max_rerolls if self.cfg.env_error == "reroll" else 0)
         for attempt in range(attempts):
             try:
-                return await self.episode(ticket, cross)
+                return await self.episode(ticket, slot)
             except (EnvError, TimeoutError) as exc:
                 self.stats["env_failures"] += 1
                 self.log.warning("episode_aborted", task=ticket.task_id, attempt=attempt + 1, error=str(exc)[:300])
@@ -249,24 +264,37 @@ class Actor:
             return 0
         return max(0, min(ticket.cross_policy, ticket.group_size - 1))
 
+    def _explored_slots(self, ticket: P.Ticket, n_cross: int) -> int:
+        """How many of the ticket's rollouts the workflow explorer plays: actor.workflows.slots where it has
+        workflows for the task's family, leaving the current policy one rollout at least."""
+        if self.explorer is None or self.explorer.family(ticket.task_id) is None:
+            return 0
+        return max(0, min(self.cfg.workflows.slots, ticket.group_size - 1 - n_cross))
+
     async def rollout(self, ticket: P.Ticket) -> None:
         t0 = time.time()
         n_cross = self._cross_slots(ticket)
-        crossed = [k >= ticket.group_size - n_cross for k in range(ticket.group_size)]  # the group's last slots
-        results = await asyncio.gather(*(self.episode_with_rerolls(ticket, c) for c in crossed),
+        n_explored = self._explored_slots(ticket, n_cross)
+        g = ticket.group_size  # the current policy's rollouts first, then the explorer's, the cross policy's last
+        slots = [OWN if k < g - n_cross - n_explored else EXPLORED if k < g - n_cross else CROSS for k in range(g)]
+        results = await asyncio.gather(*(self.episode_with_rerolls(ticket, slot) for slot in slots),
                                        return_exceptions=True)
         episodes: list[tuple[str, Episode]] = []
-        cross_slots: list[int] = []
-        for r, cross in zip(results, crossed):
+        kinds: list[str] = []
+        for r, slot in zip(results, slots):
             if isinstance(r, BaseException):  # a bug or an engine failure: counted, the group goes incomplete
                 self.stats["episode_errors"] += 1
                 self.log.error("episode_failed", task=ticket.task_id, error=repr(r)[:300])
             elif r is not None:
-                if cross:
-                    cross_slots.append(len(episodes))
+                kinds.append(slot)
                 episodes.append((uuid.uuid4().hex[:12], r))
+        cross_slots = [k for k, kind in enumerate(kinds) if kind == CROSS]
         trajs = [ep.trajectory(traj_id) for traj_id, ep in episodes]
-        own = [t for k, t in enumerate(trajs) if k not in cross_slots]
+        # No model sampled an explored rollout: marked so, its tokens labelled with the policy version it served
+        trajs = [t if kind != EXPLORED else
+                 dataclasses.replace(t, sampled=False, versions=np.full_like(t.versions, self.engine.version))
+                 for t, kind in zip(trajs, kinds)]
+        own = [t for t, kind in zip(trajs, kinds) if kind == OWN]
         if not own:
             # Nothing to publish (a group holds a rollout of the current policy); the broker re-issues the task
             # once the ticket's lease runs out.
@@ -300,8 +328,9 @@ class Actor:
             self.recorder.offer([episode_record(ep, traj_id, "train", group=group.group_id, index=i,
                                                 group_rewards=rewards, actor=self.broker.actor_id,
                                                 version=[group.behavior_version_min, group.behavior_version_max],
-                                                **({"cross_policy": True} if i in cross else {}))
-                                 for i, (traj_id, ep) in enumerate(episodes)])
+                                                **({"cross_policy": True} if i in cross else {}),
+                                                **({"explored": True} if not t.sampled else {}))
+                                 for i, ((traj_id, ep), t) in enumerate(zip(episodes, group.trajectories))])
         except Exception:
             self.stats["episodes_not_recorded"] += 1
             self.log.exception("episode_record_failed", group=group.group_id)
@@ -427,6 +456,8 @@ class Actor:
             "episode_len_mean": round(sum(lens) / len(lens), 2) if lens else None,
             "success_rate": round(self.stats["successes"] / eps, 4) if eps else None,
             "format_error_rate": round(self.stats["format_errors"] / max(self.stats["turns"], 1), 4),
+            **({"explored_success_rate": round(self.stats["explored_successes"] / self.stats["explored_episodes"], 4)}
+               if self.stats["explored_episodes"] else {}),
             "counters": {**self.stats, "env_pool_waits": self.env.pool_waits,
                          **(self.images.stats if self.images is not None else {}),
                          **(self.recorder.counts if self.recorder is not None else {})},

@@ -7,6 +7,32 @@ from dataclasses import dataclass, field
 from actor.engine import EngineConfig, SamplingParams
 from actor.prompt import PromptConfig
 from actor.recorder import RecordConfig
+from actor.workflow_explorer import ExplorerConfig
+
+
+@dataclass
+class WorkflowsConfig:
+    """Workflow-guided exploration beside the policy (docs/workflows.md): in each group of a task whose family has
+    demonstrations, some rollouts follow workflows induced from them; their successes train the policy by a
+    supervised term (learner.explored_coef)."""
+
+    suite: str = ""
+    """the demonstrations' suite (<kind>:train:<families>), recorded once into the run directory; empty = off"""
+    demos: int = 10
+    """demonstrations recorded: the suite's first seeds, its families in turn"""
+    slots: int = 1
+    """rollouts of each such group the explorer plays (the current policy keeps one at least)"""
+    explorer: ExplorerConfig = field(default_factory=ExplorerConfig)
+    """how the explorer learns which workflows succeed"""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.suite)
+
+    def validate(self) -> None:
+        self.explorer.validate()
+        if self.enabled and (self.demos < 1 or self.slots < 1):
+            raise ValueError("actor.workflows needs demos >= 1 and slots >= 1")
 
 
 @dataclass
@@ -43,11 +69,14 @@ class ActorConfig:
     """which training groups' episodes are written to the run directory (``computerrl episodes``)"""
     cross_policy: str = ""
     """who plays a ticket's cross-policy rollouts (broker.cross_policy_share): initial (model.path) | a checkpoint"""
+    workflows: WorkflowsConfig = field(default_factory=WorkflowsConfig)
+    """workflow-guided exploration in each group (off by default)"""
 
     def validate(self) -> None:
         from common.metrics.prometheus import check_address
         check_address(self.prometheus, "actor.prometheus")
         self.record.validate()
+        self.workflows.validate()
         if self.env_error not in ("reroll", "incomplete"):
             raise ValueError("env_error must be reroll or incomplete")
         if self.max_groups < 1 or not self.env_servers:

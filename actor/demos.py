@@ -2,8 +2,8 @@
 as the policy (``Backend.scripted_actions``: the sim's oracle, a real desktop's solver, MiniWoB's or a plugin's),
 so a demo is recorded exactly as the actor records its own episodes: the prompt ids the actor would have built,
 then the oracle's action ids and the end token. Behaviour cloning (``computerrl
-pretrain``) trains on them, and the learner's anti-forgetting anchor replays them (recorded once per run by
-``record_anchor_demos`` into the run directory).
+pretrain``) trains on them, the learner's anti-forgetting anchor replays them, and the actors' workflow explorer
+induces workflows from them (both sets recorded once per run into its directory by ``record_run_demos``).
 """
 
 from __future__ import annotations
@@ -111,25 +111,40 @@ def record_demos(suite: str, count: int, prompt_cfg: Any, tokenizer: Any, route:
     return out
 
 
-def record_anchor_demos(cfg: Any, run_dir: Any, log: Any = None) -> int:
-    """Record the oracle demos ``learner.anchor`` replays into the run directory, once: a file already recorded
-    with this run's settings is kept. Returns how many demos the file holds."""
+def record_run_demos(cfg: Any, run_dir: Any, log: Any = None) -> dict[str, int]:
+    """Record each of the run's demonstration sets (``demofile.run_demo_sets``: the anchor's, the workflows')
+    into the run directory, once: a file already recorded with its settings is kept. Returns how many demos each
+    holds."""
     from common import demofile
+    from common.images import ImageStore
+    from env_server.families import kind_of
     from policy.model import build_tokenizer
 
-    anchor, path = cfg.learner.anchor, run_dir.anchor_demos
-    settings = demofile.anchor_settings(cfg)
-    try:
-        return len(demofile.load(path, settings))
-    except demofile.DemoFileError:
-        pass  # absent, or recorded for other settings: record anew
-    t0 = time.monotonic()
-    from common.images import ImageStore
+    counts = {}
+    for name, settings in demofile.run_demo_sets(cfg).items():
+        path = run_dir.demos(name)
+        try:
+            counts[name] = len(demofile.load(path, settings))
+            continue
+        except demofile.DemoFileError:
+            pass  # absent, or recorded for other settings: record anew
+        t0 = time.monotonic()
+        suite = settings["suite"]
+        demos = record_demos(suite, settings["demos"], cfg.actor.prompt, build_tokenizer(cfg.model), settings["route"],
+                             seed=settings["seed"], images=ImageStore(run_dir.images),
+                             env=cfg.env_server if kind_of(suite) != "sim" else None)
+        demofile.save(path, demos, settings)
+        counts[name] = len(demos)
+        if log is not None:
+            log.info("demos_recorded", set=name, path=str(path), suite=suite, demos=len(demos),
+                     turns=sum(d.num_turns for d in demos), seconds=round(time.monotonic() - t0, 2))
+    return counts
 
-    demos = record_demos(anchor.suite, anchor.demos, cfg.actor.prompt, build_tokenizer(cfg.model), anchor.route,
-                         seed=anchor.seed, images=ImageStore(run_dir.images))
-    demofile.save(path, demos, settings)
-    if log is not None:
-        log.info("anchor_demos_recorded", path=str(path), suite=anchor.suite, demos=len(demos),
-                 turns=sum(d.num_turns for d in demos), seconds=round(time.monotonic() - t0, 2))
-    return len(demos)
+
+def load_run_demos(cfg: Any, run_dir: Any, name: str) -> list[P.Trajectory] | None:
+    """The run's demonstration set ``name`` as recorded (``record_run_demos``), or None when that set is off;
+    ``DemoFileError`` when it is on but not recorded with this run's settings."""
+    from common import demofile
+
+    settings = demofile.run_demo_sets(cfg).get(name)
+    return None if settings is None else demofile.load(run_dir.demos(name), settings)

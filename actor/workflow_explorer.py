@@ -17,11 +17,12 @@ actions it wrote, log-probs 0: no model sampled them).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from actor.engine import Generation
 from actor.workflows import Instruction, Step, Workflow, induce
@@ -61,6 +62,8 @@ class WorkflowExplorer:
     workflows: dict[str, list[Workflow]]
     """the induced workflows of each family (one per demonstration)"""
     cfg: ExplorerConfig = field(default_factory=ExplorerConfig)
+    registry: Any = None
+    """the task registry that names a task id's family (``family``)"""
 
     def __post_init__(self) -> None:
         self.cfg.validate()
@@ -70,6 +73,11 @@ class WorkflowExplorer:
         self.episodes: dict[str, int] = defaultdict(int)
         self.successes: dict[str, int] = defaultdict(int)
         self.dead_ends: dict[str, int] = defaultdict(int)
+
+    def family(self, task_id: str) -> str | None:
+        """The family of ``task_id`` when the explorer has workflows for it, else None."""
+        family = self.registry.make_task(task_id).family
+        return family if self.workflows.get(family) else None
 
     def probabilities(self, family: str, turn: int, steps: Sequence[Step]) -> list[float]:
         z = [self.scores[(family, turn, s.key)] for s in steps]
@@ -158,7 +166,25 @@ def workflows_of(demos: Sequence[P.Trajectory], registry: Any) -> dict[str, list
     return dict(out)
 
 
-def explore(explorer: WorkflowExplorer, backend: Any, task_ids: Sequence[str], registry: Any, tokenizer: Any,
+def workflow_explorer(cfg: Any, demos: list[P.Trajectory] | None) -> Callable[[int], WorkflowExplorer] | None:
+    """Each actor rank's explorer (its own draws and scores) from the run's workflow demonstrations
+    (``actor.workflows``), or None when they are off. ``cfg`` is the run config."""
+    if demos is None:
+        return None
+    from env_server.backend_registry import task_registry
+    from env_server.families import kind_of
+
+    w = cfg.actor.workflows
+    registry = task_registry(kind_of(w.suite), cfg.env_server.backend)
+    workflows = workflows_of(demos, registry)
+    if not workflows:
+        raise ValueError(f"actor.workflows: none of the {len(demos)} demonstrations of {w.suite} succeeded; there is "
+                         "no workflow to explore with")
+    return lambda rank: WorkflowExplorer(workflows, dataclasses.replace(w.explorer, seed=w.explorer.seed + rank),
+                                         registry)
+
+
+def explore(explorer: WorkflowExplorer, backend: Any, task_ids: Sequence[str], tokenizer: Any,
             prompt_cfg: Any) -> list[P.Trajectory]:
     """Play ``task_ids`` on ``backend`` (in process), each with a workflow the explorer draws for its family, and
     learn from each verdict; the episodes that succeeded, as trajectories (the replay buffer a neural policy is
@@ -167,11 +193,11 @@ def explore(explorer: WorkflowExplorer, backend: Any, task_ids: Sequence[str], r
 
     found = []
     for task_id in task_ids:
-        family = registry.make_task(task_id).family
+        family = explorer.registry.make_task(task_id).family
         player = explorer.player(family, tokenizer)
         episode = asyncio.run(play_episode(LocalEnv(backend), player, task_id, tokenizer, prompt_cfg))
         success = bool(episode.evaluation["success"])
         explorer.update(family, player.plan, float(success))
         if success and episode.turns:
-            found.append(episode.trajectory(f"workflow/{task_id}"))
+            found.append(dataclasses.replace(episode.trajectory(f"workflow/{task_id}"), sampled=False))
     return found

@@ -139,9 +139,10 @@ class GroupIntake:
         rollouts it played, which alone the staleness bound η governs. Curation saw the group's own outcomes
         before this, and ``info["replayed"]`` names the slot so the learner leaves it out of its success rate."""
         cross = set(g.cross_policy_slots)
-        own = [k for k in range(len(g.trajectories)) if k not in cross]
-        if (len(own) < 2 or not g.complete or any(t.success for t in g.trajectories)
-                or not no_reward_variance(g.rewards)):
+        own = [k for k, t in enumerate(g.trajectories) if k not in cross and t.sampled]
+        sampled = g.sampled()
+        if (len(own) < 2 or not g.complete or any(t.success for t in sampled)
+                or not no_reward_variance([t.reward for t in sampled])):
             return g, frames  # a group keeps at least one rollout the current policy played
         max_age = self.cfg.replay_max_age or self.cfg.eta
         found = self.store.newest_fresh(g.task_id, self.cfg.replay, self.ledger.next_train_version() - max_age)
@@ -161,7 +162,9 @@ class GroupIntake:
     def _drop_reason(self, g: P.TrajectoryGroup) -> str:
         if not g.complete:  # the learner could not train it either (an episode of it is missing)
             return "incomplete"
-        if self.cfg.dynamic_sampling and no_reward_variance(g.rewards):
+        # The GRPO comparison is between the sampled rollouts; an explored success still teaches the supervised term.
+        if (self.cfg.dynamic_sampling and no_reward_variance([t.reward for t in g.sampled()])
+                and not any(t.success for t in g.explored())):
             return "zero_variance"
         if self.ledger.too_stale(g.behavior_version_min):
             return "stale"

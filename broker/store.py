@@ -84,7 +84,7 @@ class SuccessStore:
         return out
 
     def newest_fresh(self, task_id: str, scope: str, min_version: int) -> P.Trajectory | None:
-        """The newest stored success whose every token was sampled at ``min_version`` or later: of ``task_id``
+        """The newest stored success a model sampled, every token at ``min_version`` or later: of ``task_id``
         itself (``scope`` "task"), or of any task sharing its suite prefix, the id before its last '/' (``scope``
         "family": under curation that prefix names one family)."""
         if scope == "task":
@@ -104,7 +104,9 @@ class SuccessStore:
 
     @staticmethod
     def _fresh(sols: dict, min_version: int):
-        return (t for t in reversed(sols.values()) if len(t.versions) and int(t.versions.min()) >= min_version)
+        # an explored success (workflow exploration) has no behaviour log-probs to correct a replay with
+        return (t for t in reversed(sols.values())
+                if t.sampled and len(t.versions) and int(t.versions.min()) >= min_version)
 
     # ----- persistence -----------------------------------------------------------------------
 

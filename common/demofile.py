@@ -14,13 +14,20 @@ import msgpack
 from common import protocol as P
 
 
-def anchor_settings(cfg: Any) -> dict:
-    """What the learner's anchor demos depend on: the suite, count, route and seed, the prompt layout and the
-    tokenizer (``cfg`` is the run config)."""
-    a, m = cfg.learner.anchor, cfg.model
-    settings = {"suite": a.suite, "demos": a.demos, "route": a.route, "seed": a.seed,
-                "prompt": dataclasses.asdict(cfg.actor.prompt), "tokenizer": [m.tokenizer, m.tokenizer_path or m.path]}
-    return json.loads(json.dumps(settings))  # the types a msgpack round trip gives back
+def run_demo_sets(cfg: Any) -> dict[str, dict]:
+    """The demonstration sets a run records once into its directory, by name, each with what it depends on (the
+    suite, count, route and seed, the prompt layout and the tokenizer): ``anchor`` (``learner.anchor``: the learner
+    replays them) and ``workflows`` (``actor.workflows``: the actors induce workflows from them), where enabled.
+    ``cfg`` is the run config."""
+    m = cfg.model
+    common = {"prompt": dataclasses.asdict(cfg.actor.prompt), "tokenizer": [m.tokenizer, m.tokenizer_path or m.path]}
+    sets = {}
+    a, w = cfg.learner.anchor, cfg.actor.workflows
+    if a.enabled:
+        sets["anchor"] = {"suite": a.suite, "demos": a.demos, "route": a.route, "seed": a.seed, **common}
+    if w.enabled:
+        sets["workflows"] = {"suite": w.suite, "demos": w.demos, "route": "gui", "seed": 0, **common}
+    return json.loads(json.dumps(sets))  # the types a msgpack round trip gives back
 
 
 class DemoFileError(RuntimeError):

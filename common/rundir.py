@@ -57,10 +57,9 @@ class RunDir:
         """recorded episodes for people to read (``actor/recorder.py``, ``computerrl episodes``)"""
         return self.root / "episodes"
 
-    @property
-    def anchor_demos(self) -> Path:
-        """the oracle demonstrations the learner's anchor replays (``computerrl demos``)"""
-        return self.root / "demos" / "anchor.msgpack"
+    def demos(self, name: str) -> Path:
+        """one of the run's demonstration sets (``common/demofile.py: run_demo_sets``; ``computerrl demos``)"""
+        return self.root / "demos" / f"{name}.msgpack"
 
     @property
     def keys(self) -> Path:

@@ -95,7 +95,28 @@ def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> R
         raise configlib.ConfigError(f"actor.prompt.observation {shows} shows screenshots, and "
                                     "env_server.sim.screenshot is none: set it to png (or jpeg)")
     check_cross_policy(cfg)
+    check_workflows(cfg)
     return cfg
+
+
+def check_workflows(cfg: RunConfig) -> None:
+    """Workflow-guided exploration explores the tasks it trains on, leaves the policy a rollout of every group,
+    and has its successes trained on."""
+    from env_server.families import kind_of
+
+    w = cfg.actor.workflows
+    if not w.enabled:
+        return
+    if kind_of(w.suite) != kind_of(cfg.broker.tasks.suite):
+        raise configlib.ConfigError(f"actor.workflows.suite {w.suite!r} and broker.tasks.suite "
+                                    f"{cfg.broker.tasks.suite!r} name different kinds of task")
+    keep = cfg.broker.group_size - cfg.broker.cross_policy_slots()
+    if w.slots >= keep:
+        raise configlib.ConfigError(f"actor.workflows.slots={w.slots} leaves the current policy no rollout of a "
+                                    f"group of {cfg.broker.group_size} ({cfg.broker.group_size - keep} cross-policy)")
+    if cfg.learner.explored_coef <= 0:
+        raise configlib.ConfigError("actor.workflows explores, and learner.explored_coef is 0: its successes would "
+                                    "train nothing")
 
 
 def check_cross_policy(cfg: RunConfig) -> None:
@@ -121,7 +142,8 @@ def check_suites(cfg: RunConfig) -> None:
     from env_server.backend_registry import registry_for
 
     for key, suite in (("broker.tasks.suite", cfg.broker.tasks.suite), ("local.eval_suite", cfg.local.eval_suite),
-                       ("learner.anchor.suite", cfg.learner.anchor.suite)):
+                       ("learner.anchor.suite", cfg.learner.anchor.suite),
+                       ("actor.workflows.suite", cfg.actor.workflows.suite)):
         if not suite:
             continue
         try:

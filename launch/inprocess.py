@@ -60,7 +60,9 @@ class InProcessRun:
         """Run to the learner's end; returns whether it finished its steps. A role that raised stops the run
         and is re-raised with its name; so is the deadline."""
         from actor.agent import Actor
+        from actor.demos import load_run_demos, record_run_demos
         from actor.engine_factory import actor_engine, cross_policy_engine
+        from actor.workflow_explorer import workflow_explorer
         from broker.server import Broker
         from env_server.server import EnvServer
         from launch.local import fit_to_local_run
@@ -78,7 +80,9 @@ class InProcessRun:
             self._start("broker", broker.run, broker.request_stop)
             server = EnvServer(cfg.env_server, cfg.net, self.run_dir, log.bind(role="env_server"), seed=cfg.run.seed)
             self._start("env_server", server.run, server.request_stop)
-            anchor_demos = self._anchor_demos(log)
+            record_run_demos(cfg, self.run_dir, log)
+            anchor_demos = load_run_demos(cfg, self.run_dir, "anchor")
+            explorer = workflow_explorer(cfg, load_run_demos(cfg, self.run_dir, "workflows"))
             # Models are loaded one at a time, here, before the learner's thread loads its own: transformers'
             # loading switches process-wide state (the default device) and two loads at once break each other.
             engines += [actor_engine(cfg, rank) for rank in range(cfg.local.actors)]
@@ -89,7 +93,7 @@ class InProcessRun:
             actors = []
             for rank, engine in enumerate(engines):
                 a = Actor(cfg.actor, engine, cfg.net, cfg.weights, self.run_dir, log.bind(role="actor", rank=rank),
-                          rank=rank, cross_engine=crosses[rank])
+                          rank=rank, cross_engine=crosses[rank], explorer=explorer(rank) if explorer else None)
                 actors.append(self._start(f"actor-{rank}", lambda a=a: _connect_and_run(a)))
             self._wait([learner], deadline)
             self._wait(actors, min(deadline, time.monotonic() + cfg.local.stop_timeout_s))
@@ -100,14 +104,6 @@ class InProcessRun:
         if stuck:
             raise TimeoutError(f"in-process roles did not stop: {stuck}")
         return learner.result == 0
-
-    def _anchor_demos(self, log: Any) -> list | None:
-        if not self.cfg.learner.anchor.enabled:
-            return None
-        from actor.demos import record_anchor_demos
-        from common import demofile
-        record_anchor_demos(self.cfg, self.run_dir, log)
-        return demofile.load(self.run_dir.anchor_demos, demofile.anchor_settings(self.cfg))
 
     def _wait(self, roles: list[RoleThread], deadline: float) -> None:
         """Wait for ``roles`` to end; any role's error, or the deadline, raises."""

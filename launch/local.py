@@ -220,11 +220,13 @@ class Supervisor:
 
     def start(self) -> None:
         net = self.cfg.net
-        if self.cfg.learner.anchor.enabled:  # the learner loads them; recorded here once, before it starts
-            from actor.demos import record_anchor_demos
+        from common.demofile import run_demo_sets
+        if run_demo_sets(self.cfg):  # the learner and actors load them; recorded here once, before they start
+            from actor.demos import record_run_demos
             t0 = time.monotonic()
-            n = record_anchor_demos(self.cfg, self.run_dir)
-            self._event(f"anchor demonstrations: {n} in {self.run_dir.anchor_demos} ({time.monotonic() - t0:.1f} s)")
+            for name, n in record_run_demos(self.cfg, self.run_dir).items():
+                self._event(f"{name} demonstrations: {n} in {self.run_dir.demos(name)} "
+                            f"({time.monotonic() - t0:.1f} s)")
         # Servers first, each answering Hello before the next starts; the learner and actors then find them.
         for server in [r for r in self.roles if r.ready is not None]:
             self._spawn(server)

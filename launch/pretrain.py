@@ -63,8 +63,7 @@ class PretrainConfig:
     device: str = "cpu"
     """where the clone trains and is evaluated: cpu | cuda | cuda:N (demos are recorded on the CPU either way)"""
     workflow_episodes: int = 0
-    """workflow-guided exploration (docs/workflows.md): 0 clones the demonstrations alone; N > 0 induces workflows
-    from them, explores N episodes per family with those workflows, and clones the demos and every success found"""
+    """episodes per family explored with workflows induced from the demos, whose successes are cloned too; 0 = off"""
 
     def validate(self) -> None:
         if self.route not in ("api", "gui", "mixed"):
@@ -113,7 +112,7 @@ def workflow_trajectories(cfg: PretrainConfig, demos: list[P.Trajectory], prompt
     registry = task_registry(cfg.kind, env.backend if env is not None else "")
     suite = cfg.suite("train")
     families = set(registry.parse_suite(suite)[1])
-    explorer = WorkflowExplorer(workflows_of(demos, registry), ExplorerConfig(seed=cfg.seed))
+    explorer = WorkflowExplorer(workflows_of(demos, registry), ExplorerConfig(seed=cfg.seed), registry)
     missing = sorted(families - set(explorer.workflows))
     if missing:
         raise ValueError(f"no successful demonstration of {', '.join(missing)} to induce a workflow from: "
@@ -121,7 +120,7 @@ def workflow_trajectories(cfg: PretrainConfig, demos: list[P.Trajectory], prompt
     tasks = [f"{suite}/{cfg.seeds + i}" for i in range(cfg.workflow_episodes * len(families))]
     backend = local_backend(cfg.kind, prompt_cfg, env, cfg.seed)
     try:
-        found = explore(explorer, backend, tasks, registry, tokenizer, prompt_cfg)
+        found = explore(explorer, backend, tasks, tokenizer, prompt_cfg)
     finally:
         backend.close()
     return found, explorer.summary()

@@ -54,7 +54,9 @@ def group_defect(g: P.TrajectoryGroup, vocab_size: int, image_available: Callabl
 def build_samples(groups: list[P.TrajectoryGroup], adv_cfg: AdvantageConfig, vocab_size: int,
                   version: int, image_available: Callable[[str], bool] | None = None) -> tuple[list[Sample], dict]:
     """Samples with advantages, and what became of each group: ``stats["dropped"]`` maps a group id to the
-    reason it was left out (a defect, zero variance), ``stats["kept"]`` lists the others.
+    reason it was left out (a defect, zero variance), ``stats["kept"]`` lists the others: those whose sampled
+    rollouts are compared (``compared``) and those kept for their explored successes alone. ``stats["explored"]``:
+    the supervised samples of every explored success (workflow exploration), advantage 0.
 
     A group sampled by a policy newer than ``version`` (the learner rolled back to an older checkpoint and
     the policy that sampled it is gone) is trained like any off-policy group: its recorded behaviour
@@ -68,19 +70,26 @@ def build_samples(groups: list[P.TrajectoryGroup], adv_cfg: AdvantageConfig, voc
             dropped[g.group_id] = defect
         else:
             usable.append(g)
-    rewards = [GroupRewards(g.task_id, [float(t.reward) for t in g.trajectories],
-                            [[float(r) for r in t.turn_rewards] for t in g.trajectories]) for g in usable]
-    keep = [i for i, r in enumerate(rewards) if not (adv_cfg.drop_zero_variance and zero_variance(r, adv_cfg))]
+    # The GRPO comparison is between the rollouts a model sampled; an explored success (workflow exploration) is
+    # a supervised sample of its own, trained even when the sampled rollouts all ended alike.
+    rewards = [GroupRewards(g.task_id, [float(t.reward) for t in g.sampled()],
+                            [[float(r) for r in t.turn_rewards] for t in g.sampled()]) for g in usable]
+    compared = [i for i, r in enumerate(rewards) if not (adv_cfg.drop_zero_variance and zero_variance(r, adv_cfg))]
+    explored = [i for i, g in enumerate(usable) if any(t.success for t in g.explored())]
+    keep = sorted(set(compared) | set(explored))
     for i in sorted(set(range(len(usable))) - set(keep)):
         dropped[usable[i].group_id] = "zero_variance"
     stats = {"groups": len(groups), "zero_variance_dropped": len(usable) - len(keep), "dropped": dropped,
-             "kept": [usable[i].group_id for i in keep],
-             "from_newer_policy": sum(1 for i in keep if usable[i].behavior_version_max > version)}
-    if not keep:
+             "kept": [usable[i].group_id for i in keep], "compared": [usable[i].group_id for i in compared],
+             "from_newer_policy": sum(1 for i in keep if usable[i].behavior_version_max > version),
+             "explored": [s for i in explored for t in usable[i].explored() if t.success
+                          for s in turn_samples(t, usable[i].task_id)],
+             "explored_episodes": sum(len(g.explored()) for g in usable)}
+    if not compared:
         return [], stats
-    adv = compute([rewards[i] for i in keep], adv_cfg)
+    adv = compute([rewards[i] for i in compared], adv_cfg)
     per_traj = [turn_samples(traj, usable[gi].task_id, a_traj)
-                for gi, a in zip(keep, adv) for traj, a_traj in zip(usable[gi].trajectories, a)]
+                for gi, a in zip(compared, adv) for traj, a_traj in zip(usable[gi].sampled(), a)]
     if adv_cfg.weighting == "trajectory":
         weigh_trajectories_equally(per_traj)
     samples = [s for traj in per_traj for s in traj]

@@ -117,6 +117,8 @@ class LearnerConfig:
     """RL/SFT phase switching"""
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
     """demonstration replay during RL against forgetting (off by default)"""
+    explored_coef: float = 1.0
+    """weight of the NLL term on the batch's successful explored episodes (actor.workflows); 0 = untrained"""
     checkpoint_every: int = 50
     """write a checkpoint every this many steps (and on SIGTERM/SIGUSR2 and at the end); 0 = only then"""
     prometheus: str = ""
@@ -141,6 +143,8 @@ class LearnerConfig:
             raise ValueError("learner.min_lr_ratio must be in [0, 1]")
         if self.dist_timeout_s <= 0:
             raise ValueError("learner.dist_timeout_s must be > 0")
+        if self.explored_coef < 0:
+            raise ValueError("learner.explored_coef must be >= 0")
         self.loss.validate()
         self.advantage.validate()
         self.entropulse.validate()

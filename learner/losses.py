@@ -177,6 +177,14 @@ def anchor_sft_term(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     return LossOutputs(out.loss, {"anchor_loss": out.metrics["nll"]})
 
 
+def explored_sft_term(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
+    """The negative log-likelihood of the actions in successful explored episodes (workflow exploration: no model
+    sampled them, so there is no behaviour log-prob to correct with, only a likelihood to raise): ``sft_loss``,
+    reported as ``explored_nll``."""
+    out = sft_loss(inp, cfg)
+    return LossOutputs(out.loss, {"explored_nll": out.metrics["nll"]})
+
+
 LOSSES: dict[str, LossFn] = {"grpo": grpo_loss, "ppo": ppo_loss, "reinforce": reinforce_loss, "sft": sft_loss}
 
 

@@ -7,6 +7,7 @@ terms there are follows from the config alone:
 - ``policy``: ``loss.name`` on the RL batch (GRPO by default, or any function by import path);
 - ``kl``: ``loss.kl_beta`` x KL_k3(pi_theta || pi_ref) on the RL batch, when kl_beta > 0;
 - ``anchor``: ``anchor.coef`` x the anchor's replay loss on demo turns, when an anchor suite is set;
+- ``explored``: ``explored_coef`` x the NLL of the batch's successful explored episodes (workflow exploration);
 - an SFT phase (Entropulse) minimises ``sft`` alone.
 """
 
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from learner.losses import LossFn, anchor_kl_term, anchor_sft_term, get_loss, kl_term, needs_of
+from learner.losses import LossFn, anchor_kl_term, anchor_sft_term, explored_sft_term, get_loss, kl_term, needs_of
 
-BATCH, ANCHOR = "batch", "anchor"
+BATCH, ANCHOR, EXPLORED = "batch", "anchor", "explored"
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,8 @@ class Term:
     fn: LossFn
     coef: float = 1.0
     samples: str = BATCH
-    """batch (the RL batch's turns) | anchor (the anchor's demo turns)"""
+    """batch (the RL batch's turns) | anchor (the anchor's demo turns) | explored (the batch's successful explored
+    episodes' turns)"""
 
     @property
     def needs(self) -> frozenset[str]:
@@ -42,6 +44,8 @@ def rl_objective(cfg) -> list[Term]:
     if cfg.anchor.enabled:
         terms.append(Term("anchor", anchor_kl_term if cfg.anchor.kind == "kl" else anchor_sft_term, cfg.anchor.coef,
                           ANCHOR))
+    if cfg.explored_coef > 0:
+        terms.append(Term("explored", explored_sft_term, cfg.explored_coef, EXPLORED))
     return terms
 
 

@@ -34,7 +34,7 @@ from learner.distributed import DistContext, full_state, load_full_state, paddin
 from learner.entropulse import Entropulse
 from learner.advantages import get_estimator
 from learner.losses import LossInputs
-from learner.objective import ANCHOR, BATCH, Term, needs_reference, rl_objective, sft_objective
+from learner.objective import ANCHOR, BATCH, EXPLORED, Term, needs_reference, rl_objective, sft_objective
 from learner.precision import compute_model
 
 
@@ -219,11 +219,17 @@ class Trainer:
                 fresh.append(g)
         samples, stats = build_samples(fresh, self.cfg.advantage, self.tokenizer.vocab_size, self.version,
                                        self._image_available if self.vision is not None else None)
+        explored = stats["explored"] if any(t.samples == EXPLORED for t in self.objective) else []
+        if not explored:  # no explored term (learner.explored_coef 0): a group kept for its explored success alone
+            for gid in set(stats["kept"]) - set(stats["compared"]):  # teaches nothing here
+                stats["dropped"][gid] = "zero_variance"
+                stats["zero_variance_dropped"] += 1
+            stats["kept"] = stats["compared"]
         outcomes.update(stats["dropped"])
         for reason in outcomes.values():
             self._count(f"groups_dropped_{reason}")
         self._count("groups_from_newer_policy", stats["from_newer_policy"])
-        if not samples:
+        if not samples and not explored:
             outcomes.update(dict.fromkeys(stats["kept"], "no_tokens"))
             self._count("batches_empty")
             return {"empty": "no samples", "outcomes": outcomes}
@@ -233,7 +239,7 @@ class Trainer:
         # The draw is a function of the version: the same on every rank, and the same again after a resume.
         draw = random.Random(f"{self.cfg.anchor.seed}/{self.version}")
         anchor = draw.sample(self.anchor_samples, min(self.cfg.anchor.samples, len(self.anchor_samples)))
-        out = self._update(samples, self.objective, self.cfg.updates_per_batch, anchor)
+        out = self._update(samples, self.objective, self.cfg.updates_per_batch, anchor, explored)
         if out is None:
             outcomes.update(dict.fromkeys(stats["kept"], "nonfinite_step"))
             return {"empty": "non-finite step skipped", "outcomes": outcomes}
@@ -256,6 +262,7 @@ class Trainer:
         lags = [version_before - int(v) for s in samples if s.traj_id not in cross for v in s.versions]
         out.update(success_rate=sum(float(t.success) for t in played) / max(len(rewards), 1),
                    replayed=sum(len(g.replayed_slots) for g in kept), cross_policy=len(cross),
+                   explored=stats["explored_episodes"], explored_successes=len({s.traj_id for s in explored}),
                    reward_mean=sum(rewards) / max(len(rewards), 1), max_lag=max(lags, default=0),
                    mean_lag=sum(lags) / max(len(lags), 1), groups=len(kept), samples=len(samples),
                    zero_variance_dropped=stats["zero_variance_dropped"], outcomes=outcomes,
@@ -273,15 +280,18 @@ class Trainer:
         groups += [padding_micro_batch(pad) for _ in range(n - len(groups))]
         return [self._with_vision(collate(mb, pad, self.device)) for mb in groups]
 
-    def _update(self, samples: list[Sample], terms: list[Term], updates: int, anchor: list[Sample] = ()) -> dict | None:
-        """``updates`` optimizer steps on ``samples`` (and the anchor's demo turns) minimising ``terms``; None
-        when a non-finite loss or gradient made every rank skip the step."""
+    def _update(self, samples: list[Sample], terms: list[Term], updates: int, anchor: list[Sample] = (),
+                explored: list[Sample] = ()) -> dict | None:
+        """``updates`` optimizer steps on ``samples`` (and the anchor's demo turns, and the explored successes'
+        turns) minimising ``terms``; None when a non-finite loss or gradient made every rank skip the step."""
         cfg, dist = self.cfg, self.dist
         mbs = self._rank_micro_batches(samples)
-        k = min(updates, len(mbs))
+        explored_mbs = self._rank_micro_batches(list(explored)) if explored else []
+        k = min(updates, max(len(mbs), len(explored_mbs)))
         # Each kind of samples is split over the same k updates and token-averaged over all ranks' tokens.
         split = {BATCH: self._chunks(mbs, k),
-                 ANCHOR: self._chunks(self._rank_micro_batches(list(anchor)) if anchor else [], k)}
+                 ANCHOR: self._chunks(self._rank_micro_batches(list(anchor)) if anchor else [], k),
+                 EXPLORED: self._chunks(explored_mbs, k)}
         prox = self._recomputed_prox(mbs) if k > 1 and cfg.prox == "recompute" else {}
         # FSDP2 averages gradients over ranks; scaling the loss by the world size makes that average a sum.
         loss_scale = float(dist.world_size)
@@ -289,7 +299,7 @@ class Trainer:
         mismatch = Mismatch()
         entropy_sum = grad_norm = 0.0
         for j in range(k):
-            if split[BATCH][1][j] == 0:
+            if split[BATCH][1][j] == 0 and split[EXPLORED][1][j] == 0:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
             bad = False
@@ -329,6 +339,9 @@ class Trainer:
         anchor_tokens = sum(split[ANCHOR][1])
         if anchor_tokens:
             metrics.update(acc[ANCHOR].reduce(dist, None), anchor_tokens=anchor_tokens)
+        explored_tokens = sum(split[EXPLORED][1])
+        if explored_tokens:
+            metrics.update(acc[EXPLORED].reduce(dist, None), explored_tokens=explored_tokens)
         tokens = int(dist.sum([acc[BATCH].tokens])[0])
         metrics.update(mismatch.reduce(dist))
         metrics.update(entropy=dist.sum([entropy_sum])[0] / max(tokens, 1), grad_norm=grad_norm, tokens=tokens,

@@ -205,6 +205,57 @@ def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, p
             other.close()
 
 
+def test_the_workflow_explorer_plays_a_slot_of_each_group_and_marks_it_unsampled(start_broker, quiet_log, tmp_path):
+    """actor.workflows: the explorer plays the last rollout of every group of a family it has demonstrations of;
+    the trajectory says no model sampled it and carries the version it served; the policy's rollouts are as ever."""
+    from actor.config import WorkflowsConfig
+    from actor.demos import record_demos
+    from actor.workflow_explorer import WorkflowExplorer, workflows_of
+    from env_server.backend_registry import task_registry
+
+    cfg_b = BrokerConfig(groups_per_batch=2, group_size=3, eta=4)
+    cfg_b.tasks.suite = "sim:train:infeasible"
+    tb = start_broker(cfg_b, net=make_net(liveness=25))
+    env_cfg = EnvServerConfig(port=free_port(), pool_size=6)
+    server = EnvServer(env_cfg, tb.net, RunDir.create(tmp_path / "env"), quiet_log)
+    st = threading.Thread(target=server.run, daemon=True)
+    st.start()
+    prompt = PromptConfig(max_prompt_tokens=2048)
+    registry = task_registry("sim", "")
+    demos = record_demos("sim:train:infeasible", 2, prompt, ByteTokenizer(), route="gui")
+    explorer = WorkflowExplorer(workflows_of(demos, registry), registry=registry)
+    cfg = ActorConfig(env_servers=[f"127.0.0.1:{env_cfg.port}"], max_groups=2, max_steps=3,
+                      sampling=SamplingParams(max_new_tokens=24), prompt=prompt,
+                      workflows=WorkflowsConfig(suite="sim:train:infeasible", demos=2, slots=1))
+    engine = HFEngine(TINY, EngineConfig(seed=1))
+    actor = Actor(cfg, engine, tb.net, None, tb.run_dir, quiet_log, max_groups_total=2, explorer=explorer)
+    learner = LearnerBrokerClient(tb.net, None, quiet_log)
+    learner.connect(10)
+    try:
+        actor.connect(10)
+        actor.run()
+        assert actor.stats["groups_submitted"] == 2 and actor.broker.unacked == 0, dict(actor.stats)
+        assert actor.stats["explored_episodes"] == 2 and actor.stats["episodes"] == 4
+        assert explorer.episodes["infeasible"] == 2
+        assert actor.stats["explored_successes"] == explorer.successes["infeasible"]
+        actor.close()
+        learner.grant(1)
+        batch = learner.next_batch(10)
+        assert batch is not None and len(batch.groups) == 2
+        for g in batch.groups:
+            assert [t.sampled for t in g.trajectories] == [True, True, False]
+            explored = g.trajectories[2]
+            assert set(explored.versions.tolist()) == {engine.version}
+            assert explored.num_turns >= 1 and not explored.logprobs.any(), "actions written, not sampled"
+            assert explored.actions[0].startswith("open_app("), "the demos' first step: a literal app start"
+            assert g.played() == g.trajectories[:2]
+    finally:
+        actor.close()
+        learner.close()
+        server.request_stop()
+        st.join(10)
+
+
 def test_a_stopped_actor_leaves_once_the_broker_has_left_and_counts_what_it_abandoned(start_broker, quiet_log,
                                                                                          tmp_path):
     """A learner that finished says stop; the broker leaves broker.stop_grace_s later. An actor with rollouts still

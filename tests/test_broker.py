@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import socket
 import struct
 import time
@@ -395,6 +397,40 @@ def test_replay_puts_a_stored_success_of_the_task_into_a_group_that_all_failed(s
     assert [t.success for t in replayed.trajectories] == [False, True]
     assert replayed.trajectories[0].traj_id == failed.trajectories[0].traj_id, "the group's own rollout stays"
     assert replayed.trajectories[1].traj_id == solved.trajectories[0].traj_id, "the stored success replaces the last"
+    actor.close()
+    learner.close()
+
+
+def test_explored_rollouts_stand_apart_from_the_comparison_and_are_never_replayed(start_broker, quiet_log):
+    cfg = BrokerConfig(groups_per_batch=1, group_size=3, eta=3, dynamic_sampling=True, replay="task")
+    cfg.tasks.seed_count = 1  # every ticket is the same task
+    tb = start_broker(cfg)
+    actor, learner = clients(tb, quiet_log)
+    t1, t2, t3 = take_tickets(actor, 3, expect=3)
+    # the sampled rollouts tie (both failed), the explorer's succeeded: kept for its supervised term
+    tied = make_group(t1, rewards=(0.0, 0.0, 1.0))
+    tied.trajectories[2] = dataclasses.replace(tied.trajectories[2], sampled=False)
+    actor.submit(tied)
+    pump([actor], WAIT_S, until=lambda: len(actor.acks) == 1)
+    # all failed since: the store's only success is the explored one, which has no log-probs to replay with
+    failed = make_group(t2, rewards=(0.0, 0.0, 0.0))
+    actor.submit(failed)
+    pump([actor], WAIT_S, until=lambda: len(actor.acks) == 2)
+    assert [a.reason for a in actor.acks] == ["", "zero_variance"]
+    # both groups' sampled rollouts tied, so both looked for a success to replay, and found none a model sampled
+    assert stat(tb, "groups_replayed") == 0 and stat(tb, "replay_none_fresh") == 2
+    learner.grant(1)
+    got = learner.next_batch(WAIT_S).groups[0]
+    assert got.group_id == tied.group_id and [t.sampled for t in got.trajectories] == [True, True, False]
+    assert [t.traj_id for t in got.explored()] == [tied.trajectories[2].traj_id]
+    learner.request_successes(k_per_task=5)  # Entropulse's SFT phases may still train on it
+    pump([learner], WAIT_S, until=lambda: len(learner.successes) == 1)
+    assert [s.trajectory.sampled for s in learner.successes[0].samples] == [False]
+    # a group the explorer played alone has no rollout of the policy: refused on decode, counted, acked
+    alone = make_group(t3, rewards=(1.0, 0.0, 1.0))
+    alone.trajectories[:] = [dataclasses.replace(t, sampled=False) for t in alone.trajectories]
+    with pytest.raises(P.ProtocolError, match="keep a rollout the current policy played"):
+        alone.validate()
     actor.close()
     learner.close()
 

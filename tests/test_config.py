@@ -78,6 +78,22 @@ def test_cross_policy_share_and_source_come_together_and_a_relative_source_is_ma
     assert cfg.actor.cross_policy == str(REPO / "configs" / "base-policy") and cfg.broker.cross_policy_slots() == 2
 
 
+def test_workflow_exploration_is_checked_against_the_tasks_the_groups_and_the_learner():
+    base = REPO / "configs" / "local.yaml"
+    on = "actor.workflows.suite=sim:train:files_delete"
+    for overrides, needle in (([on, "broker.group_size=2", "actor.workflows.slots=2"], "leaves the current policy"),
+                              ([on, "broker.group_size=4", "broker.cross_policy_share=0.5", "actor.cross_policy=initial",
+                                "actor.workflows.slots=2"], "2 cross-policy"),
+                              ([on, "learner.explored_coef=0"], "would train nothing"),
+                              (["actor.workflows.suite=sim:train:no_such"], "actor.workflows.suite"),
+                              (["actor.workflows.suite=desk:train"], "different kinds of task"),
+                              ([on, "actor.workflows.demos=0"], "demos >= 1")):
+        with pytest.raises(ConfigError, match=needle):
+            load_run_config(base, overrides)
+    cfg = load_run_config(base, [on, "broker.group_size=4", "actor.workflows.slots=3"])
+    assert cfg.actor.workflows.enabled and cfg.actor.workflows.explorer.lr == 1.0
+
+
 def test_unknown_key_in_yaml_named_with_path(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump({"broker": {"tasks": {"sute": "x"}}}))

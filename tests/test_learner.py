@@ -20,6 +20,7 @@ from policy.model import ModelConfig, build_model, sequence_logprobs  # noqa: E4
 from common.net import free_port  # noqa: E402
 from policy.weightsync import WeightSyncConfig  # noqa: E402
 from learner.advantages import AdvantageConfig  # noqa: E402
+from learner.batch import build_samples  # noqa: E402
 from learner.config import AnchorConfig, LearnerConfig  # noqa: E402
 from learner.entropulse import Entropulse, EntropulseConfig  # noqa: E402
 from learner.losses import LossConfig  # noqa: E402
@@ -93,6 +94,45 @@ def test_a_cross_policy_rollout_is_trained_but_kept_out_of_the_policys_rates_and
     assert m["groups"] == 2 and m["cross_policy"] == 1 and m["replayed"] == 0
     assert m["success_rate"] == pytest.approx(3 / 7), "the current policy's rollouts: 1 of 3, and 2 of 4"
     assert m["max_lag"] == 3, "the cross-policy rollout's age is not the policy's lag"
+
+
+def _explored(traj: P.Trajectory, success: bool) -> P.Trajectory:
+    """``traj`` as the workflow explorer's: no model sampled it (behaviour log-probs 0)."""
+    return dataclasses.replace(traj, sampled=False, success=success, reward=float(success),
+                               turn_rewards=np.full_like(traj.turn_rewards, float(success)),
+                               logprobs=np.zeros_like(traj.logprobs))
+
+
+def test_explored_successes_train_the_nll_term_apart_from_the_grpo_comparison():
+    t = Trainer(LearnerConfig(lr=3e-3), TINY)
+    groups = groups_from(t, g=4)
+    # group 0: slot 3 explored and succeeded (it answers "fail()", which the GRPO term pushes down elsewhere)
+    groups[0].trajectories[3] = _explored(groups[0].trajectories[3], True)
+    # group 1: every sampled rollout failed (no GRPO signal), an explored success: trained for that alone
+    g1 = groups[1]
+    g1.trajectories[:3] = [dataclasses.replace(tr, success=False, reward=0.0,
+                                               turn_rewards=np.zeros_like(tr.turn_rewards)) for tr in g1.trajectories[:3]]
+    g1.trajectories[3] = _explored(g1.trajectories[3], True)
+    # group 2: only an explored failure beside a tie: nothing to learn
+    g2 = groups_from(t, n_groups=1, seed=9)[0]
+    g2.trajectories[:] = [dataclasses.replace(tr, success=False, reward=0.0, turn_rewards=np.zeros_like(tr.turn_rewards))
+                          for tr in g2.trajectories]
+    g2.trajectories[3] = _explored(g2.trajectories[3], False)
+    before = answer_logprob(t, b"fail()")
+    m = t.train_step(groups + [g2])
+    assert m["outcomes"][groups[0].group_id] == m["outcomes"][g1.group_id] == "trained"
+    assert m["outcomes"][g2.group_id] == "zero_variance"
+    assert m["explored"] == 3 and m["explored_successes"] == 2 and m["explored_tokens"] == 2 * len(b"fail()")
+    assert m["explored_nll"] > 0
+    assert m["success_rate"] == pytest.approx(2 / 6), "the policy's own rollouts: 2 of 3, and 0 of 3"
+    assert answer_logprob(t, b"fail()") > before, "the explored answer's likelihood rose"
+    # the GRPO group of group 0 is its three sampled rollouts: the explored one has no advantage to take
+    samples, stats = build_samples(groups[:1], AdvantageConfig(), 256, t.version)
+    assert len(samples) == 3 and {s.traj_id for s in stats["explored"]} == {groups[0].trajectories[3].traj_id}
+    # without the term, a group kept for its explored success alone teaches nothing
+    off = Trainer(LearnerConfig(explored_coef=0), TINY)
+    m = off.train_step([g1])
+    assert m.get("empty") and m["outcomes"][g1.group_id] == "zero_variance"
 
 
 def test_bad_groups_dropped_one_by_one_and_nonfinite_steps_skipped():

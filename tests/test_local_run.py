@@ -249,8 +249,8 @@ def test_a_pretrained_chat_checkpoint_trains_through_its_own_template(tmp_path):
     from policy.tokenizer import load_tokenizer
     from launch.config import load_run_config
 
-    settings = demofile.anchor_settings(load_run_config(run_dir / "config.yaml"))
-    demos = demofile.load(RunDir(run_dir).anchor_demos, settings)
+    settings = demofile.run_demo_sets(load_run_config(run_dir / "config.yaml"))["anchor"]
+    demos = demofile.load(RunDir(run_dir).demos("anchor"), settings)
     tok = load_tokenizer("auto", str(chat), str(chat))
     assert demos
     for d in demos[:3]:

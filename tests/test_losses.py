@@ -10,8 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from learner import advantages as ADV  # noqa: E402
-from learner.losses import (LossConfig, LossInputs, anchor_kl_term, anchor_sft_term, get_loss, grpo_loss,  # noqa: E402
-                            k3_kl, kl_term)
+from learner.losses import (LossConfig, LossInputs, anchor_kl_term, anchor_sft_term, explored_sft_term,  # noqa: E402
+                            get_loss, grpo_loss, k3_kl, kl_term)
 
 
 def make_inputs(seed=0, n=4, t=6, spread=0.6, ref=True):
@@ -229,6 +229,12 @@ def test_anchor_terms_match_an_independent_computation():
     assert anchor_kl_term.needs == {"logits", "ref_logits"}
     nll = -sum(lp[i, j] for i in range(n) for j in range(t) if mask[i, j])
     assert anchor_sft_term(inp, LossConfig()).loss.item() == pytest.approx(nll / 10.0, rel=1e-12)
+    # the explored episodes' term: the same likelihood by hand, whatever the (meaningless) behaviour log-probs say
+    explored = explored_sft_term(LossInputs(T(lp), zeros, T(np.full((n, t), -50.0)), T(np.ones((n, t))), T(mask),
+                                            10.0), LossConfig())
+    assert explored.loss.item() == pytest.approx(nll / 10.0, rel=1e-12)
+    assert explored.metrics["explored_nll"] == pytest.approx(nll / mask.sum(), rel=1e-12)
+    assert not explored_sft_term.__dict__.get("needs"), "it needs log-probs alone: no reference, no logits"
     with pytest.raises(ValueError, match="logits"):
         anchor_kl_term(LossInputs(T(lp), zeros, zeros, zeros, T(mask), 10.0), LossConfig())
 
@@ -237,15 +243,19 @@ def test_the_objective_holds_the_terms_the_config_asks_for_and_a_reference_only_
     from learner.config import AnchorConfig, LearnerConfig
     from learner.objective import needs_reference, rl_objective
 
-    plain = rl_objective(LearnerConfig())
+    default = rl_objective(LearnerConfig())
+    assert [(t.name, t.coef, t.samples) for t in default] == [("policy", 1.0, "batch"), ("explored", 1.0, "explored")]
+    plain = rl_objective(LearnerConfig(explored_coef=0))
     assert [t.name for t in plain] == ["policy"] and not needs_reference(plain)
-    kl = rl_objective(LearnerConfig(loss=LossConfig(kl_beta=0.05)))
+    kl = rl_objective(LearnerConfig(loss=LossConfig(kl_beta=0.05), explored_coef=0))
     assert [(t.name, t.coef) for t in kl] == [("policy", 1.0), ("kl", 0.05)] and needs_reference(kl)
-    sft_anchor = rl_objective(LearnerConfig(anchor=AnchorConfig(suite="sim:train", kind="sft", coef=0.3)))
+    sft_anchor = rl_objective(LearnerConfig(anchor=AnchorConfig(suite="sim:train", kind="sft", coef=0.3),
+                                            explored_coef=0))
     assert [(t.name, t.coef, t.samples) for t in sft_anchor] == [("policy", 1.0, "batch"), ("anchor", 0.3, "anchor")]
     assert not needs_reference(sft_anchor)
     assert needs_reference(rl_objective(LearnerConfig(anchor=AnchorConfig(suite="sim:train", kind="kl"))))
-    custom = rl_objective(LearnerConfig(loss=LossConfig(name="learner.example_loss:gspo_loss", kl_beta=0.1)))
+    custom = rl_objective(LearnerConfig(loss=LossConfig(name="learner.example_loss:gspo_loss", kl_beta=0.1),
+                                        explored_coef=0))
     assert [t.name for t in custom] == ["policy", "kl"], "a custom loss gets the KL term too"
 
 

@@ -104,6 +104,23 @@ def test_the_async_pipeline_trains_in_process_and_loses_nothing(tmp_path):
     assert late, "a rollout of version 0 trained at version 2 under eta = 1: outside the bound, by design"
 
 
+def test_workflow_exploration_plays_beside_the_policy_and_its_groups_are_audited_like_any(tmp_path):
+    """actor.workflows: the run records its demonstrations, each actor explores with the workflows they induce in
+    one rollout of every group; the learner trains the explored successes by their own term, and the audit counts
+    those groups like any other."""
+    rd, _ = run_pipeline(tmp_path, "broker.group_size=3", "broker.tasks.suite=sim:train:infeasible",
+                         "actor.workflows.suite=sim:train:infeasible", "actor.workflows.demos=2", steps=2)
+    counts = check_pipeline(rd, steps=2)
+    assert counts["lost"] == 0 and counts["trained_twice"] == 0
+    assert rd.demos("workflows").exists()
+    learner = _records(rd.metrics / "learner.jsonl")
+    assert [r["explored"] for r in learner] == [GROUPS_PER_BATCH] * 2, "one explored rollout a group"
+    assert sum(r["explored_successes"] for r in learner) >= 1 and any(r.get("explored_tokens") for r in learner)
+    for rank in (0, 1):
+        counters = _records(rd.metrics / f"actor-{rank}.jsonl")[-1]["counters"]
+        assert counters["explored_episodes"] >= 1 and counters["episodes"] >= 2 * counters["explored_episodes"]
+
+
 def check_recorded_episodes(rd: RunDir) -> None:
     """Every group an actor recorded is in the episode log, joined with what the learner did with it."""
     from launch.episodes.collect import load

@@ -48,37 +48,44 @@ def test_recorded_demos_follow_the_suite_and_reject_bad_arguments():
         record_demos("sim:train", 1, pc, tok, route="teleport")
 
 
-def test_anchor_demos_are_recorded_once_into_the_run_directory_and_refused_for_other_settings(tmp_path):
+def test_run_demos_are_recorded_once_into_the_run_directory_and_refused_for_other_settings(tmp_path):
     import os
 
     import click
 
-    from actor.demos import record_anchor_demos
+    from actor.demos import record_run_demos
     from common import demofile
     from common.rundir import RunDir
-    from launch.cli.role_commands import _anchor_demos
+    from launch.cli.role_commands import _run_demos
     from launch.config import load_run_config
 
     cfg = load_run_config(None)
     cfg.actor.prompt = PromptConfig(style="minimal")
-    cfg.learner.anchor.suite, cfg.learner.anchor.demos = "sim:train:settings_display,editor_replace", 3
     rd = RunDir.create(tmp_path / "run")
+    assert record_run_demos(cfg, rd) == {} and _run_demos(cfg, rd, "anchor") is None, "no set enabled: none"
+    cfg.learner.anchor.suite, cfg.learner.anchor.demos = "sim:train:settings_display,editor_replace", 3
+    cfg.actor.workflows.suite, cfg.actor.workflows.demos = "sim:train:files_delete", 2
     with pytest.raises(click.ClickException, match="computerrl demos"):
-        _anchor_demos(cfg, rd)  # the learner does not play desktops: no file, a clear error
-    assert record_anchor_demos(cfg, rd) == 3
-    first = os.stat(rd.anchor_demos)
-    assert record_anchor_demos(cfg, rd) == 3 and os.stat(rd.anchor_demos).st_ino == first.st_ino, "kept, not redone"
-    loaded = _anchor_demos(cfg, rd)
+        _run_demos(cfg, rd, "anchor")  # the learner does not play desktops: no file, a clear error
+    assert record_run_demos(cfg, rd) == {"anchor": 3, "workflows": 2}
+    first = os.stat(rd.demos("anchor"))
+    assert record_run_demos(cfg, rd) == {"anchor": 3, "workflows": 2}
+    assert os.stat(rd.demos("anchor")).st_ino == first.st_ino, "kept, not redone"
+    loaded = _run_demos(cfg, rd, "anchor")
     expected = record_demos(cfg.learner.anchor.suite, 3, cfg.actor.prompt, ByteTokenizer(), seed=0)
     assert [(t.prompt_ids.tolist(), t.output_ids.tolist()) for t in loaded] == \
         [(t.prompt_ids.tolist(), t.output_ids.tolist()) for t in expected]
-    cfg.actor.prompt.history_turns = 1  # the learner's prompts changed: those demos are not its own
+    workflows = _run_demos(cfg, rd, "workflows")
+    assert [d.traj_id for d in workflows] == ["demo/sim:train:files_delete/0", "demo/sim:train:files_delete/1"]
+    assert all(d.trees and d.turn(0).action.startswith(("click(", "open_app(", "double_click(")) for d in workflows), \
+        "workflow demos take the gui route, with their trees"
+    cfg.actor.prompt.history_turns = 1  # the prompts changed: those demos are not this run's
     with pytest.raises(click.ClickException, match="other settings"):
-        _anchor_demos(cfg, rd)
-    assert record_anchor_demos(cfg, rd) == 3 and os.stat(rd.anchor_demos).st_ino != first.st_ino
-    rd.anchor_demos.write_bytes(b"\x93garbage")
+        _run_demos(cfg, rd, "anchor")
+    assert record_run_demos(cfg, rd)["anchor"] == 3 and os.stat(rd.demos("anchor")).st_ino != first.st_ino
+    rd.demos("anchor").write_bytes(b"\x93garbage")
     with pytest.raises(demofile.DemoFileError, match="not a demonstrations file"):
-        demofile.load(rd.anchor_demos, demofile.anchor_settings(cfg))
+        demofile.load(rd.demos("anchor"), demofile.run_demo_sets(cfg)["anchor"])
 
 
 def test_eval_plays_each_family_of_a_weighted_suite_once():

@@ -235,6 +235,10 @@ class Trajectory(Record):
     """per turn, the content hashes of the images in its prompt, in order (a VLM's; empty for text policies)"""
     instruction: str = ""
     """the task's instruction as the desktop worded it"""
+    sampled: bool = True
+    """whether a model sampled the output tokens (their log-probs are behaviour log-probs). False: the workflow
+    explorer wrote them (``actor.workflows``): only a supervised term trains on them, they are not part of the
+    group's GRPO comparison, and the broker never replays them"""
     trees: list = field(default_factory=list)
     """per turn, the tree rows the action was chosen on (``env_server/tree.py``), where a recorder keeps them:
     demonstrations do, for workflow induction (``actor/workflows.py``); empty otherwise"""
@@ -343,9 +347,18 @@ class TrajectoryGroup(Message):
         return self._slots("cross_policy")
 
     def played(self) -> list[Trajectory]:
-        """The rollouts the current policy played for this group: all but the replayed and cross-policy ones."""
+        """The rollouts the current policy played for this group: all but the replayed, cross-policy and explored
+        ones."""
         other = set(self.replayed_slots) | set(self.cross_policy_slots)
-        return [t for k, t in enumerate(self.trajectories) if k not in other]
+        return [t for k, t in enumerate(self.trajectories) if k not in other and t.sampled]
+
+    def sampled(self) -> list[Trajectory]:
+        """The rollouts a model sampled (the current policy's, replayed and cross-policy ones): the GRPO group."""
+        return [t for t in self.trajectories if t.sampled]
+
+    def explored(self) -> list[Trajectory]:
+        """The rollouts no model sampled: workflow exploration's (``actor.workflows``)."""
+        return [t for t in self.trajectories if not t.sampled]
 
     def validate(self) -> None:
         if not self.trajectories:
@@ -360,6 +373,9 @@ class TrajectoryGroup(Message):
         if not len(set(named)) == len(named) < n:
             raise ProtocolError("bad_group", f"info.replayed and info.cross_policy must name distinct slots of the "
                                              f"group's {n} and leave one played: {named!r:.80}")
+        if not self.played():
+            raise ProtocolError("bad_group", "a group must keep a rollout the current policy played (every one of "
+                                             "its rollouts is replayed, another policy's or explored)")
         versions = [t.versions for t in self.played() if len(t.versions)]
         if versions:
             lo = min(int(v.min()) for v in versions)

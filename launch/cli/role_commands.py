@@ -42,11 +42,14 @@ def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[s
     """Run an actor: tickets from the broker, episodes on env_servers, groups back to the broker."""
     from actor.agent import Actor
     from actor.engine_factory import actor_engine, cross_policy_engine
+    from actor.workflow_explorer import workflow_explorer
 
     cfg, rd, log = start_role("actor", config, run_dir, overrides, rank)
+    explorer = workflow_explorer(cfg, _run_demos(cfg, rd, "workflows"))
     engine = actor_engine(cfg, rank)
     cross = cross_policy_engine(cfg, rank)
-    a = Actor(cfg.actor, engine, cfg.net, cfg.weights, rd, log, rank=rank, cross_engine=cross)
+    a = Actor(cfg.actor, engine, cfg.net, cfg.weights, rd, log, rank=rank, cross_engine=cross,
+              explorer=explorer(rank) if explorer else None)
     try:
         a.connect()
         a.run()
@@ -79,17 +82,16 @@ def learner(config: str | None, run_dir: str | None, resume: bool, ranks_from_sl
         except RuntimeError as exc:
             raise click.UsageError(str(exc)) from None
     cfg, rd, log = start_role("learner", config, run_dir, overrides, int(os.environ.get("RANK", "0")))
-    sys.exit(learner_main(cfg, rd, log, resume, _anchor_demos(cfg, rd)))
+    sys.exit(learner_main(cfg, rd, log, resume, _run_demos(cfg, rd, "anchor")))
 
 
-def _anchor_demos(cfg: Any, rd: Any) -> list | None:
-    """The oracle demonstrations ``learner.anchor`` replays, recorded into the run directory by ``computerrl
-    demos`` (``computerrl run`` records them itself), or None when the anchor is off."""
-    if not cfg.learner.anchor.enabled:
-        return None
+def _run_demos(cfg: Any, rd: Any, name: str) -> list | None:
+    """The run's demonstration set ``name`` (``anchor``: the learner's; ``workflows``: the actors'), recorded into
+    the run directory by ``computerrl demos`` (``computerrl run`` records them itself), or None when it is off."""
+    from actor.demos import load_run_demos
     from common import demofile
     try:
-        return demofile.load(rd.anchor_demos, demofile.anchor_settings(cfg))
+        return load_run_demos(cfg, rd, name)
     except demofile.DemoFileError as exc:
         raise click.ClickException(f"{exc}; record them first: computerrl demos -c CONFIG --run-dir {rd.root}")
 
@@ -97,11 +99,14 @@ def _anchor_demos(cfg: Any, rd: Any) -> list | None:
 @main.command()
 @role_options
 def demos(config: str | None, run_dir: str | None, overrides: tuple[str, ...]) -> None:
-    """Record the oracle demonstrations the learner's anchor replays into the run directory (once; kept while the
-    anchor, prompt and tokenizer settings stay the same)."""
-    from actor.demos import record_anchor_demos
+    """Record the run's demonstrations into its directory: those the learner's anchor replays, those the actors'
+    workflow explorer starts from (once; kept while their suite, prompt and tokenizer settings stay the same)."""
+    from actor.demos import record_run_demos
 
     cfg, rd, log = start_role("demos", config, run_dir, overrides, 0)
-    if not cfg.learner.anchor.enabled:
-        raise click.ClickException("learner.anchor.suite is empty: this run replays no demonstrations")
-    click.echo(f"{record_anchor_demos(cfg, rd, log)} demonstrations in {rd.anchor_demos}")
+    counts = record_run_demos(cfg, rd, log)
+    if not counts:
+        raise click.ClickException("learner.anchor.suite and actor.workflows.suite are empty: this run records no "
+                                   "demonstrations")
+    for name, n in counts.items():
+        click.echo(f"{n} {name} demonstrations in {rd.demos(name)}")
