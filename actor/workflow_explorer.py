@@ -55,6 +55,9 @@ class Plan:
     chosen: list[Step]
     dead_end: int = -1
     """the turn whose step allowed no action on the live page (-1: none)"""
+    consulted: int = 0
+    """turns whose step was looked at on the page (the episode may end before the plan does): only those are
+    credited with its outcome"""
 
 
 @dataclass
@@ -75,8 +78,12 @@ class WorkflowExplorer:
         self.dead_ends: dict[str, int] = defaultdict(int)
 
     def family(self, task_id: str) -> str | None:
-        """The family of ``task_id`` when the explorer has workflows for it, else None."""
-        family = self.registry.make_task(task_id).family
+        """The family of ``task_id`` when the explorer has workflows for it, else None (a task id this registry
+        does not know included: the policy plays it)."""
+        try:
+            family = self.registry.make_task(task_id).family
+        except ValueError:
+            return None
         return family if self.workflows.get(family) else None
 
     def probabilities(self, family: str, turn: int, steps: Sequence[Step]) -> list[float]:
@@ -104,7 +111,7 @@ class WorkflowExplorer:
         self.baseline[family] = self.cfg.baseline_decay * b + (1 - self.cfg.baseline_decay) * reward
         if advantage == 0:
             return
-        for t, (steps, pick) in enumerate(zip(plan.workflow.steps, plan.chosen)):
+        for t, (steps, pick) in enumerate(zip(plan.workflow.steps[:plan.consulted], plan.chosen)):
             probs = self.probabilities(family, t, steps)
             for s, p in zip(steps, probs):
                 grad = (1.0 if s.key == pick.key else 0.0) - p
@@ -142,6 +149,7 @@ class WorkflowPlayer:
         if self.instruction is None or obs.get("instruction"):
             self.instruction = Instruction.of(str(obs.get("instruction", "")))
         step = self.plan.chosen[self.turn]
+        self.plan.consulted = self.turn + 1
         options = step.actions(obs.get("tree") or [], self.instruction)
         if not options:
             self.plan.dead_end = self.turn

@@ -154,3 +154,19 @@ def test_pretrain_explores_with_workflows_and_clones_what_it_found(tmp_path):
     assert set(out["workflows"]) == {"infeasible", "files_delete"}
     with pytest.raises(ValueError, match="route=gui"):
         PretrainConfig(families=["files_delete"], route="api", workflow_episodes=3).validate()
+
+
+def test_only_the_steps_an_episode_reached_are_credited_and_unknown_tasks_are_the_policys():
+    from env_server.backend_registry import task_registry
+
+    wf = induce("f", "d", 'Enter "x" and press Login.', [LOGIN, LOGIN],
+                ["type('x', target=7)", "click(11)"])
+    explorer = WorkflowExplorer({"f": [wf]}, ExplorerConfig(seed=1), task_registry("sim", ""))
+    plan = explorer.plan("f")
+    plan.consulted = 1  # the page ended the episode after the first turn: the second step was never tried
+    explorer.update("f", plan, 0.0)  # sets the baseline
+    explorer.update("f", plan, 1.0)
+    touched = {t for (_, t, _), v in explorer.scores.items() if v != 0}
+    assert touched == {0}, touched
+    assert explorer.family("sim:train:files_delete/3") is None, "no workflows for that family"
+    assert explorer.family("nonsense") is None, "a task id the registry cannot read: the policy plays it"
