@@ -137,6 +137,7 @@ def test_demonstrations_keep_their_instruction_and_trees_through_the_wire_and_th
         bad.validate()
 
 
+@pytest.mark.slow  # trains a model: the whole suite's, beside pretrain's other training tests
 def test_pretrain_explores_with_workflows_and_clones_what_it_found(tmp_path):
     pytest.importorskip("torch")
     from common import log as L
