@@ -133,6 +133,11 @@ def test_explored_successes_train_the_nll_term_apart_from_the_grpo_comparison():
     off = Trainer(LearnerConfig(explored_coef=0), TINY)
     m = off.train_step([g1])
     assert m.get("empty") and m["outcomes"][g1.group_id] == "zero_variance"
+    # with it, a batch whose only trainable turns are an explored success is a step of that term alone
+    alone = Trainer(LearnerConfig(), TINY)
+    m = alone.train_step([g1])
+    assert m["outcomes"][g1.group_id] == "trained" and m["version"] == 1
+    assert m["tokens"] == 0 and m["explored_tokens"] == len(b"fail()")
 
 
 def test_bad_groups_dropped_one_by_one_and_nonfinite_steps_skipped():
