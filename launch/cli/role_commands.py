@@ -109,4 +109,4 @@ def demos(config: str | None, run_dir: str | None, overrides: tuple[str, ...]) -
         raise click.ClickException("learner.anchor.suite and actor.workflows.suite are empty: this run records no "
                                    "demonstrations")
     for name, n in counts.items():
-        click.echo(f"{n} {name} demonstrations in {rd.demos(name)}")
+        click.echo(f"{n} demonstrations ({name}) in {rd.demos(name)}")
