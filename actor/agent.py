@@ -16,19 +16,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures as cf
-import dataclasses
 import functools
 import itertools
 import time
 import uuid
 from typing import Any
 
-import numpy as np
-
 from actor.config import ActorConfig
 from actor.engine import Engine, Generation
 from actor.episode import EnginePolicy, Episode, play_episode
 from actor.recorder import episode_record
+from actor.workflow_explorer import explored_trajectory
 from common.episode_log import EpisodeWriter, actor_file
 from broker.client import ActorBrokerClient
 from common import protocol as P
@@ -209,8 +207,10 @@ class Actor:
         i = self.env.pick()
         sid = await self.env.session(i)
         healthy = False
-        family = self.explorer.family(ticket.task_id) if slot == EXPLORED else None
-        player = self.explorer.player(family, self.tok) if slot == EXPLORED else None
+        family = player = None
+        if slot == EXPLORED:
+            family = self.explorer.family(ticket.task_id)
+            player = self.explorer.player(family, self.tok)
         policy = player or functools.partial(self.policy, cross=slot == CROSS)
         try:
             ep = await play_episode(RemoteEnv(self.env, i, sid), policy, ticket.task_id, self.tok,
@@ -289,11 +289,8 @@ class Actor:
                 kinds.append(slot)
                 episodes.append((uuid.uuid4().hex[:12], r))
         cross_slots = [k for k, kind in enumerate(kinds) if kind == CROSS]
-        trajs = [ep.trajectory(traj_id) for traj_id, ep in episodes]
-        # No model sampled an explored rollout: marked so, its tokens labelled with the policy version it served
-        trajs = [t if kind != EXPLORED else
-                 dataclasses.replace(t, sampled=False, versions=np.full_like(t.versions, self.engine.version))
-                 for t, kind in zip(trajs, kinds)]
+        trajs = [explored_trajectory(ep, traj_id, self.engine.version) if kind == EXPLORED else ep.trajectory(traj_id)
+                 for (traj_id, ep), kind in zip(episodes, kinds)]
         own = [t for t, kind in zip(trajs, kinds) if kind == OWN]
         if not own:
             # Nothing to publish (a group holds a rollout of the current policy); the broker re-issues the task

@@ -22,7 +22,9 @@ import math
 import random
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
+
+import numpy as np
 
 from actor.engine import Generation
 from actor.workflows import Instruction, Step, Workflow, induce
@@ -70,7 +72,7 @@ class WorkflowExplorer:
 
     def __post_init__(self) -> None:
         self.cfg.validate()
-        self.scores: dict[tuple[str, int, str], float] = defaultdict(float)
+        self.scores: dict[tuple[str, int, str], float] = {}  # (family, turn, step key): absent = 0
         self.baseline: dict[str, float] = {}
         self.rng = random.Random(self.cfg.seed)
         self.episodes: dict[str, int] = defaultdict(int)
@@ -87,7 +89,7 @@ class WorkflowExplorer:
         return family if self.workflows.get(family) else None
 
     def probabilities(self, family: str, turn: int, steps: Sequence[Step]) -> list[float]:
-        z = [self.scores[(family, turn, s.key)] for s in steps]
+        z = [self.scores.get((family, turn, s.key), 0.0) for s in steps]
         top = max(z)
         e = [math.exp(v - top) for v in z]
         total = sum(e)
@@ -115,7 +117,8 @@ class WorkflowExplorer:
             probs = self.probabilities(family, t, steps)
             for s, p in zip(steps, probs):
                 grad = (1.0 if s.key == pick.key else 0.0) - p
-                self.scores[(family, t, s.key)] += self.cfg.lr * advantage * grad
+                key = (family, t, s.key)
+                self.scores[key] = self.scores.get(key, 0.0) + self.cfg.lr * advantage * grad
 
     def player(self, family: str, tokenizer: Any) -> "WorkflowPlayer":
         return WorkflowPlayer(self, family, self.plan(family), tokenizer)
@@ -174,8 +177,8 @@ def workflows_of(demos: Sequence[P.Trajectory], registry: Any) -> dict[str, list
     return dict(out)
 
 
-def workflow_explorer(cfg: Any, demos: list[P.Trajectory] | None) -> Callable[[int], WorkflowExplorer] | None:
-    """Each actor rank's explorer (its own draws and scores) from the run's workflow demonstrations
+def workflow_explorer(cfg: Any, demos: list[P.Trajectory] | None, rank: int) -> WorkflowExplorer | None:
+    """Actor ``rank``'s explorer (its own draws and scores) from the run's workflow demonstrations
     (``actor.workflows``), or None when they are off. ``cfg`` is the run config."""
     if demos is None:
         return None
@@ -188,8 +191,14 @@ def workflow_explorer(cfg: Any, demos: list[P.Trajectory] | None) -> Callable[[i
     if not workflows:
         raise ValueError(f"actor.workflows: none of the {len(demos)} demonstrations of {w.suite} succeeded; there is "
                          "no workflow to explore with")
-    return lambda rank: WorkflowExplorer(workflows, dataclasses.replace(w.explorer, seed=w.explorer.seed + rank),
-                                         registry)
+    return WorkflowExplorer(workflows, dataclasses.replace(w.explorer, seed=w.explorer.seed + rank), registry)
+
+
+def explored_trajectory(episode: Any, traj_id: str, version: int) -> P.Trajectory:
+    """An episode the explorer played, as a trajectory: marked unsampled (its log-probs are not a model's), its
+    tokens labelled with ``version``, the policy version whose group it served."""
+    traj = episode.trajectory(traj_id)
+    return dataclasses.replace(traj, sampled=False, versions=np.full_like(traj.versions, version))
 
 
 def explore(explorer: WorkflowExplorer, backend: Any, task_ids: Sequence[str], tokenizer: Any,
@@ -207,5 +216,5 @@ def explore(explorer: WorkflowExplorer, backend: Any, task_ids: Sequence[str], t
         success = bool(episode.evaluation["success"])
         explorer.update(family, player.plan, float(success))
         if success and episode.turns:
-            found.append(dataclasses.replace(episode.trajectory(f"workflow/{task_id}"), sampled=False))
+            found.append(explored_trajectory(episode, f"workflow/{task_id}", 0))
     return found

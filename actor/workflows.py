@@ -81,6 +81,11 @@ class NameRule:
 ANY = NameRule("any")
 
 
+def near(rows: Sequence[Sequence], i: int, way: str) -> Sequence[Sequence]:
+    """The rows a label of row ``i`` may be: up to ``NEIGHBOUR_SPAN`` rows ``after`` it or ``before`` it."""
+    return rows[i + 1:i + 1 + NEIGHBOUR_SPAN] if way == "after" else rows[max(0, i - NEIGHBOUR_SPAN):i]
+
+
 def name_rules(name: str, ins: Instruction) -> list[NameRule]:
     """The rules other than ``any`` that ``name`` satisfies."""
     if not name.strip():
@@ -116,8 +121,7 @@ class ElementSet:
         if self.neighbour is None:
             return True
         way, rule = self.neighbour
-        near = rows[i + 1:i + 1 + NEIGHBOUR_SPAN] if way == "after" else rows[max(0, i - NEIGHBOUR_SPAN):i]
-        return any(str(r[2]).strip() and rule.holds(str(r[2]), ins) for r in near)
+        return any(rule.holds(str(r[2]), ins) for r in near(rows, i, way))
 
     def select(self, rows: Sequence[Sequence], ins: Instruction) -> list[Sequence]:
         """The rows of ``rows`` this set names, in page order."""
@@ -195,9 +199,8 @@ def _element_sets(rows: Sequence[Sequence], at: int, ins: Instruction) -> list[E
     """Every element set of the grammar that holds the row at index ``at``."""
     row = rows[at]
     neighbours: list[tuple[str, NameRule] | None] = [None]
-    after, before = rows[at + 1:at + 1 + NEIGHBOUR_SPAN], rows[max(0, at - NEIGHBOUR_SPAN):at]
-    for way, near in (("after", after), ("before", before)):
-        for r in near:
+    for way in ("after", "before"):
+        for r in near(rows, at, way):
             neighbours += [(way, rule) for rule in name_rules(str(r[2]), ins)]
     states = ["", *(s for s in (row[4] or ()) if s not in TRANSIENT_STATES)]
     out: dict[str, ElementSet] = {}

@@ -82,7 +82,7 @@ class InProcessRun:
             self._start("env_server", server.run, server.request_stop)
             record_run_demos(cfg, self.run_dir, log)
             anchor_demos = load_run_demos(cfg, self.run_dir, "anchor")
-            explorer = workflow_explorer(cfg, load_run_demos(cfg, self.run_dir, "workflows"))
+            workflow_demos = load_run_demos(cfg, self.run_dir, "workflows")
             # Models are loaded one at a time, here, before the learner's thread loads its own: transformers'
             # loading switches process-wide state (the default device) and two loads at once break each other.
             engines += [actor_engine(cfg, rank) for rank in range(cfg.local.actors)]
@@ -93,7 +93,7 @@ class InProcessRun:
             actors = []
             for rank, engine in enumerate(engines):
                 a = Actor(cfg.actor, engine, cfg.net, cfg.weights, self.run_dir, log.bind(role="actor", rank=rank),
-                          rank=rank, cross_engine=crosses[rank], explorer=explorer(rank) if explorer else None)
+                          rank=rank, cross_engine=crosses[rank], explorer=workflow_explorer(cfg, workflow_demos, rank))
                 actors.append(self._start(f"actor-{rank}", lambda a=a: _connect_and_run(a)))
             self._wait([learner], deadline)
             self._wait(actors, min(deadline, time.monotonic() + cfg.local.stop_timeout_s))

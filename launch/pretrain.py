@@ -152,13 +152,13 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
     trainer = Trainer(schedule, model_cfg, seed=cfg.seed, images=images)
     t0 = time.monotonic()
     trajs = demo_trajectories(cfg, prompt_cfg, trainer.tokenizer, log, images, env)
-    explored: dict[str, Any] = {"demos": len(trajs)}
+    cloned: dict[str, Any] = {"demos": len(trajs)}  # what the clone is made of
     if cfg.workflow_episodes:
         found, per_family = workflow_trajectories(cfg, trajs, prompt_cfg, trainer.tokenizer, env)
-        explored.update(workflow_episodes=cfg.workflow_episodes * len(per_family), workflow_successes=len(found),
-                        workflows=per_family)
+        cloned.update(workflow_episodes=cfg.workflow_episodes * len(per_family), workflow_successes=len(found),
+                      workflows=per_family)
         if log is not None:
-            log.info("workflows_explored", episodes=explored["workflow_episodes"], successes=len(found))
+            log.info("workflows_explored", episodes=cloned["workflow_episodes"], successes=len(found))
         trajs = trajs + found
     # One sample per demo step: split trajectories into single-turn pieces so batches mix tasks and steps.
     pieces = []
@@ -178,7 +178,7 @@ def pretrain(cfg: PretrainConfig, model_cfg: Any, prompt_cfg: Any, out_dir: Path
     trainer.version = 0  # a base policy: RL starts counting from here
     result: dict[str, Any] = {"samples": len(pieces), "steps": cfg.steps,
                               "final_loss": round(sum(losses[-10:]) / max(1, len(losses[-10:])), 4),
-                              "seconds": round(time.monotonic() - t0, 1), **explored}
+                              "seconds": round(time.monotonic() - t0, 1), **cloned}
     path = trainer.export(out_dir, {"pretrain": {**dataclasses.asdict(cfg), **result, "started_from": started_from},
                                     "prompt": dataclasses.asdict(prompt_cfg)})  # eval rebuilds the same prompts
     result["checkpoint"] = str(path)

@@ -52,11 +52,13 @@ def group_defect(g: P.TrajectoryGroup, vocab_size: int, image_available: Callabl
 
 
 def build_samples(groups: list[P.TrajectoryGroup], adv_cfg: AdvantageConfig, vocab_size: int,
-                  version: int, image_available: Callable[[str], bool] | None = None) -> tuple[list[Sample], dict]:
+                  version: int, image_available: Callable[[str], bool] | None = None,
+                  explored_trained: bool = True) -> tuple[list[Sample], dict]:
     """Samples with advantages, and what became of each group: ``stats["dropped"]`` maps a group id to the
     reason it was left out (a defect, zero variance), ``stats["kept"]`` lists the others: those whose sampled
-    rollouts are compared (``compared``) and those kept for their explored successes alone. ``stats["explored"]``:
-    the supervised samples of every explored success (workflow exploration), advantage 0.
+    rollouts are compared, and those kept for their explored successes alone. ``stats["explored"]``: the supervised
+    samples of every explored success (workflow exploration), advantage 0; none when ``explored_trained`` is False
+    (the objective has no term for them), and then a group keeps nothing for its explored successes.
 
     A group sampled by a policy newer than ``version`` (the learner rolled back to an older checkpoint and
     the policy that sampled it is gone) is trained like any off-policy group: its recorded behaviour
@@ -75,12 +77,12 @@ def build_samples(groups: list[P.TrajectoryGroup], adv_cfg: AdvantageConfig, voc
     rewards = [GroupRewards(g.task_id, [float(t.reward) for t in g.sampled()],
                             [[float(r) for r in t.turn_rewards] for t in g.sampled()]) for g in usable]
     compared = [i for i, r in enumerate(rewards) if not (adv_cfg.drop_zero_variance and zero_variance(r, adv_cfg))]
-    explored = [i for i, g in enumerate(usable) if any(t.success for t in g.explored())]
+    explored = [i for i, g in enumerate(usable) if explored_trained and any(t.success for t in g.explored())]
     keep = sorted(set(compared) | set(explored))
     for i in sorted(set(range(len(usable))) - set(keep)):
         dropped[usable[i].group_id] = "zero_variance"
     stats = {"groups": len(groups), "zero_variance_dropped": len(usable) - len(keep), "dropped": dropped,
-             "kept": [usable[i].group_id for i in keep], "compared": [usable[i].group_id for i in compared],
+             "kept": [usable[i].group_id for i in keep],
              "from_newer_policy": sum(1 for i in keep if usable[i].behavior_version_max > version),
              "explored": [s for i in explored for t in usable[i].explored() if t.success
                           for s in turn_samples(t, usable[i].task_id)],

@@ -218,13 +218,9 @@ class Trainer:
             else:
                 fresh.append(g)
         samples, stats = build_samples(fresh, self.cfg.advantage, self.tokenizer.vocab_size, self.version,
-                                       self._image_available if self.vision is not None else None)
-        explored = stats["explored"] if any(t.samples == EXPLORED for t in self.objective) else []
-        if not explored:  # no explored term (learner.explored_coef 0): a group kept for its explored success alone
-            for gid in set(stats["kept"]) - set(stats["compared"]):  # teaches nothing here
-                stats["dropped"][gid] = "zero_variance"
-                stats["zero_variance_dropped"] += 1
-            stats["kept"] = stats["compared"]
+                                       self._image_available if self.vision is not None else None,
+                                       explored_trained=any(t.samples == EXPLORED for t in self.objective))
+        explored = stats["explored"]
         outcomes.update(stats["dropped"])
         for reason in outcomes.values():
             self._count(f"groups_dropped_{reason}")

@@ -138,6 +138,15 @@ def test_weights_swap_at_a_token_boundary_and_match_the_learner(quiet_log):
     assert not torch.allclose(lp_old, lp_new), "the update changed the policy"
 
 
+def _start_env_server(tb, tmp_path, log, **kw) -> tuple[EnvServer, threading.Thread, str]:
+    """An env_server on sim desktops in a thread, for an actor under test to play on: it, its thread, its address."""
+    env_cfg = EnvServerConfig(port=free_port(), **kw)
+    server = EnvServer(env_cfg, tb.net, RunDir.create(tmp_path / "env"), log)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    return server, thread, f"127.0.0.1:{env_cfg.port}"
+
+
 @pytest.mark.parametrize("pool_size,cross", [(8, True), (1, False)])
 def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, pool_size, cross):
     """With a pool smaller than the episodes in flight, episodes wait for a desktop instead of failing. The broker
@@ -147,11 +156,8 @@ def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, p
     # loaded machine the env_server must not take that silence for a death (it would reclaim the sessions).
     tb = start_broker(BrokerConfig(groups_per_batch=2, group_size=2, eta=4, persist=True, cross_policy_share=0.5),
                       net=make_net(liveness=25))
-    env_cfg = EnvServerConfig(port=free_port(), pool_size=pool_size)
-    server = EnvServer(env_cfg, tb.net, RunDir.create(tmp_path / "env"), quiet_log)
-    st = threading.Thread(target=server.run, daemon=True)
-    st.start()
-    cfg = ActorConfig(env_servers=[f"127.0.0.1:{env_cfg.port}"], max_groups=2, max_steps=3,
+    server, st, address = _start_env_server(tb, tmp_path, quiet_log, pool_size=pool_size)
+    cfg = ActorConfig(env_servers=[address], max_groups=2, max_steps=3,
                       sampling=SamplingParams(max_new_tokens=24), prompt=PromptConfig(max_prompt_tokens=2048))
     engine = HFEngine(TINY, EngineConfig(seed=1))
     other = None
@@ -216,15 +222,12 @@ def test_the_workflow_explorer_plays_a_slot_of_each_group_and_marks_it_unsampled
     cfg_b = BrokerConfig(groups_per_batch=2, group_size=3, eta=4)
     cfg_b.tasks.suite = "sim:train:infeasible"
     tb = start_broker(cfg_b, net=make_net(liveness=25))
-    env_cfg = EnvServerConfig(port=free_port(), pool_size=6)
-    server = EnvServer(env_cfg, tb.net, RunDir.create(tmp_path / "env"), quiet_log)
-    st = threading.Thread(target=server.run, daemon=True)
-    st.start()
+    server, st, address = _start_env_server(tb, tmp_path, quiet_log, pool_size=6)
     prompt = PromptConfig(max_prompt_tokens=2048)
     registry = task_registry("sim", "")
     demos = record_demos("sim:train:infeasible", 2, prompt, ByteTokenizer(), route="gui")
     explorer = WorkflowExplorer(workflows_of(demos, registry), registry=registry)
-    cfg = ActorConfig(env_servers=[f"127.0.0.1:{env_cfg.port}"], max_groups=2, max_steps=3,
+    cfg = ActorConfig(env_servers=[address], max_groups=2, max_steps=3,
                       sampling=SamplingParams(max_new_tokens=24), prompt=prompt,
                       workflows=WorkflowsConfig(suite="sim:train:infeasible", demos=2, slots=1))
     engine = HFEngine(TINY, EngineConfig(seed=1))
@@ -265,11 +268,8 @@ def test_a_stopped_actor_leaves_once_the_broker_has_left_and_counts_what_it_aban
 
     tb = start_broker(BrokerConfig(groups_per_batch=2, group_size=2, eta=4, stop_grace_s=0.2))
     slow = SimConfig(latency="fixed", latency_mean_s=1.0)  # every step a second: rollouts are in flight at the stop
-    env_cfg = EnvServerConfig(port=free_port(), pool_size=4, sim=slow)
-    server = EnvServer(env_cfg, tb.net, RunDir.create(tmp_path / "env"), quiet_log)
-    st = threading.Thread(target=server.run, daemon=True)
-    st.start()
-    cfg = ActorConfig(env_servers=[f"127.0.0.1:{env_cfg.port}"], max_groups=2, max_steps=8, stop_grace_s=120.0,
+    server, st, address = _start_env_server(tb, tmp_path, quiet_log, pool_size=4, sim=slow)
+    cfg = ActorConfig(env_servers=[address], max_groups=2, max_steps=8, stop_grace_s=120.0,
                       sampling=SamplingParams(max_new_tokens=8), prompt=PromptConfig(max_prompt_tokens=2048))
     actor = Actor(cfg, HFEngine(TINY, EngineConfig(seed=1)), tb.net, None, tb.run_dir, quiet_log)
     learner = LearnerBrokerClient(tb.net, None, quiet_log)
@@ -476,12 +476,10 @@ def test_a_failed_vllm_swap_is_a_round_failed_and_generation_resumes():
 
 def test_actor_joins_weight_rounds_announced_on_control(start_broker, quiet_log, tmp_path):
     tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=8, persist=False))
-    env_cfg = EnvServerConfig(port=free_port(), pool_size=4)
-    server = EnvServer(env_cfg, tb.net, RunDir.create(tmp_path / "env"), quiet_log)
-    threading.Thread(target=server.run, daemon=True).start()
+    server, _, address = _start_env_server(tb, tmp_path, quiet_log, pool_size=4)
     wcfg = WeightSyncConfig(port=free_port(), join_window_s=10.0, timeout_s=10.0)
     sender = WeightSender(wcfg, quiet_log)
-    cfg = ActorConfig(env_servers=[f"127.0.0.1:{env_cfg.port}"], max_groups=1, max_steps=2,
+    cfg = ActorConfig(env_servers=[address], max_groups=1, max_steps=2,
                       sampling=SamplingParams(max_new_tokens=8), prompt=PromptConfig(max_prompt_tokens=1024))
     engine = HFEngine(TINY, EngineConfig(seed=2))
     actor = Actor(cfg, engine, tb.net, wcfg, tb.run_dir, quiet_log, max_groups_total=4)

@@ -167,7 +167,7 @@ def test_only_the_steps_an_episode_reached_are_credited_and_unknown_tasks_are_th
     plan.consulted = 1  # the page ended the episode after the first turn: the second step was never tried
     explorer.update("f", plan, 0.0)  # sets the baseline
     explorer.update("f", plan, 1.0)
-    touched = {t for (_, t, _), v in explorer.scores.items() if v != 0}
+    touched = {t for (_, t, _) in explorer.scores}
     assert touched == {0}, touched
     assert explorer.family("sim:train:files_delete/3") is None, "no workflows for that family"
     assert explorer.family("nonsense") is None, "a task id the registry cannot read: the policy plays it"

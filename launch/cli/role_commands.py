@@ -45,11 +45,11 @@ def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[s
     from actor.workflow_explorer import workflow_explorer
 
     cfg, rd, log = start_role("actor", config, run_dir, overrides, rank)
-    explorer = workflow_explorer(cfg, _run_demos(cfg, rd, "workflows"))
+    explorer = workflow_explorer(cfg, _run_demos(cfg, rd, "workflows"), rank)
     engine = actor_engine(cfg, rank)
     cross = cross_policy_engine(cfg, rank)
     a = Actor(cfg.actor, engine, cfg.net, cfg.weights, rd, log, rank=rank, cross_engine=cross,
-              explorer=explorer(rank) if explorer else None)
+              explorer=explorer)
     try:
         a.connect()
         a.run()
