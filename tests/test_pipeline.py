@@ -118,7 +118,9 @@ def test_workflow_exploration_plays_beside_the_policy_and_its_groups_are_audited
     assert sum(r["explored_successes"] for r in learner) >= 1 and any(r.get("explored_tokens") for r in learner)
     for rank in (0, 1):
         counters = _records(rd.metrics / f"actor-{rank}.jsonl")[-1]["counters"]
-        assert counters["explored_episodes"] >= 1 and counters["episodes"] >= 2 * counters["explored_episodes"]
+        # The last snapshot may fall mid-group: an explored rollout needs no model, so it finishes before the
+        # policy's rollouts of the same group. The one-per-group shape is checked on what the learner trained.
+        assert counters["explored_episodes"] >= 1 and counters["episodes"] > counters["explored_episodes"], counters
 
 
 def check_recorded_episodes(rd: RunDir) -> None:
