@@ -78,6 +78,7 @@ class WorkflowExplorer:
         self.episodes: dict[str, int] = defaultdict(int)
         self.successes: dict[str, int] = defaultdict(int)
         self.dead_ends: dict[str, int] = defaultdict(int)
+        self.outcomes: dict[str, list[bool]] = defaultdict(list)  # each episode's success, in order: did it learn?
 
     def family(self, task_id: str) -> str | None:
         """The family of ``task_id`` when the explorer has workflows for it, else None (a task id this registry
@@ -108,6 +109,7 @@ class WorkflowExplorer:
         self.episodes[family] += 1
         self.successes[family] += int(reward > 0)
         self.dead_ends[family] += int(plan.dead_end >= 0)
+        self.outcomes[family].append(reward > 0)
         b = self.baseline.get(family, reward)
         advantage = reward - b
         self.baseline[family] = self.cfg.baseline_decay * b + (1 - self.cfg.baseline_decay) * reward
@@ -124,7 +126,9 @@ class WorkflowExplorer:
         return WorkflowPlayer(self, family, self.plan(family), tokenizer)
 
     def summary(self) -> dict[str, dict]:
-        """Per family: episodes, successes, dead ends, and the most probable step at each turn of its demos."""
+        """Per family: episodes, successes, dead ends, the success rate over the first and the last quarter of its
+        episodes (a family the explorer learned on rises from one to the other), and the most probable step at each
+        turn of its demos."""
         out = {}
         for fam, wfs in self.workflows.items():
             best = []
@@ -132,9 +136,23 @@ class WorkflowExplorer:
                 probs = self.probabilities(fam, t, steps)
                 i = max(range(len(steps)), key=probs.__getitem__)
                 best.append(f"{steps[i].key} ({probs[i]:.2f})")
+            seen = self.outcomes[fam]
+            quarter = max(1, len(seen) // 4)
+            rates = {"first_quarter": round(sum(seen[:quarter]) / quarter, 3),
+                     "last_quarter": round(sum(seen[-quarter:]) / quarter, 3)} if seen else {}
             out[fam] = {"episodes": self.episodes[fam], "successes": self.successes[fam],
-                        "dead_ends": self.dead_ends[fam], "best_workflow": best}
+                        "dead_ends": self.dead_ends[fam], **rates, "best_workflow": best}
         return out
+
+
+def summary_table(summary: dict[str, dict]) -> str:
+    """``WorkflowExplorer.summary()`` as a markdown table, a row per family (what ``computerrl pretrain`` prints)."""
+    rows = ["| family | episodes | successes | first quarter | last quarter | dead ends | most probable workflow |",
+            "|---|---|---|---|---|---|---|"]
+    for fam, s in summary.items():
+        rows.append(f"| {fam} | {s['episodes']} | {s['successes']} | {s.get('first_quarter', 0):.0%} "
+                    f"| {s.get('last_quarter', 0):.0%} | {s['dead_ends']} | {', '.join(s['best_workflow'])} |")
+    return "\n".join(rows)
 
 
 class WorkflowPlayer:

@@ -118,7 +118,11 @@ def test_the_explorer_learns_which_workflow_succeeds():
     assert np.mean(wins[:50]) < 0.75 and np.mean(wins[-100:]) > 0.9, (np.mean(wins[:50]), np.mean(wins[-100:]))
     best = explorer.summary()["pick"]["best_workflow"][0]
     assert "field 0" in best or "mentioned" in best, best
-    assert explorer.summary()["pick"]["episodes"] == 300
+    summary = explorer.summary()["pick"]
+    assert summary["episodes"] == 300 and summary["successes"] == sum(wins)
+    assert summary["first_quarter"] == pytest.approx(np.mean(wins[:75]), abs=1e-3)
+    assert summary["last_quarter"] == pytest.approx(np.mean(wins[-75:]), abs=1e-3)
+    assert summary["last_quarter"] > summary["first_quarter"]
 
 
 def test_demonstrations_keep_their_instruction_and_trees_through_the_wire_and_the_file(tmp_path):
@@ -153,6 +157,11 @@ def test_pretrain_explores_with_workflows_and_clones_what_it_found(tmp_path):
     assert out["workflow_successes"] > 0, out["workflows"]
     assert out["samples"] >= out["demos"] + out["workflow_successes"], "the successes' turns are cloned too"
     assert set(out["workflows"]) == {"infeasible", "files_delete"}
+    from actor.workflow_explorer import summary_table
+
+    table = summary_table(out["workflows"]).splitlines()
+    assert len(table) == 4 and {row.split(" | ")[:2] == [f"| {fam}", "12"] for row, fam in
+                                 zip(table[2:], out["workflows"])} == {True}
     with pytest.raises(ValueError, match="route=gui"):
         PretrainConfig(families=["files_delete"], route="api", workflow_episodes=3).validate()
 

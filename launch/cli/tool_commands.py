@@ -74,6 +74,10 @@ def pretrain(config: str | None, out: str, overrides: tuple[str, ...]) -> None:
         click.echo(f"[pretrain] step {step}/{total}  loss {loss:.4f}")
 
     result = run_pretrain(cfg.pretrain, cfg.model, cfg.actor.prompt, Path(out), log, progress, env=cfg.env_server)
+    if result.get("workflows"):
+        from actor.workflow_explorer import summary_table
+
+        click.echo(summary_table(result["workflows"]))
     click.echo(json.dumps(result))
 
 
