@@ -142,6 +142,8 @@ class EngineConfig:
     """decode steps between two looks from the host (stop checks, joins, swaps); 0 = 1 on CPU, 8 on CUDA"""
     cuda_graphs: bool = True
     """replay the decode step as captured CUDA graphs (CUDA only; a capture that fails falls back to eager)"""
+    compile: bool = False
+    """compile the decode step with torch.compile (inductor) before graphs capture it; the first decode compiles"""
     interrupt: bool = True
     """swap in new weights between two decode windows instead of waiting until no request is running"""
     seed: int = 0

@@ -7,8 +7,9 @@ Every prompt submitted is a request. On the engine's own thread, a loop of windo
    prefilled in batches of at most ``prefill_tokens`` padded tokens (a longer text prompt in chunks); each
    samples its first token. A slot keeps what its last request left in it: a turn whose prompt begins with an
    earlier turn's prompt and output (the same episode's history) takes that slot and prefills only the rest;
-3. every running request decodes together for ``sync_every`` tokens: the decode step (replayed as a CUDA
-   graph on a GPU, ``actor/decode_graphs.py``) and the sampling (``actor/sampler.py``) stay on the device,
+3. every running request decodes together for ``sync_every`` tokens: the decode step (with ``compile``, fused
+   by inductor, ``actor/compiled_step.py``; replayed as a CUDA graph on a GPU, ``actor/decode_graphs.py``) and the
+   sampling (``actor/sampler.py``) stay on the device,
    tokens and log-probs go to a device buffer;
 4. one copy to the host; each row's new tokens are checked for stop ids and stop strings; a finished request
    leaves its slot, and the next waiting one takes it at step 2.
@@ -34,6 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from actor.compiled_step import CompiledStep
 from actor.decode_graphs import DecodeGraphs, column_bucket, row_bucket
 from actor.engine import EngineConfig, EngineStats, Generation, SamplingParams, StopWatch, generate_all
 from actor.kv_cache import SlotKVCache
@@ -143,8 +145,11 @@ class HFEngine:
                               torch.zeros(S, dtype=torch.long, device=dev))
         self.sync_every = cfg.sync_every or (8 if self.cuda else 1)
         self.out = torch.zeros(2, S, self.sync_every, device=dev)  # tokens (exact in float32 below 2**24), log-probs
+        self.compiled = CompiledStep(self._decode_step) if cfg.compile else None
+        step = self.compiled or self._decode_step
         use_graphs = self.cuda and cfg.cuda_graphs and self.vision is None
-        self.graphs = DecodeGraphs(self._decode_step) if use_graphs else None
+        self.graphs = DecodeGraphs(step) if use_graphs else None
+        self.step = self.graphs if self.graphs is not None else step  # (rows, key columns) -> logits: what a decode window calls per token
 
     # ----- weights -------------------------------------------------------------------------------
 
@@ -483,7 +488,7 @@ class HFEngine:
         params = self.rows.take(slice(0, rows))
         active, generated, budget = self.active[:rows], self.rows.generated[:rows], self.budget[:rows]
         for i in range(window):
-            logits = self.graphs(rows, columns) if self.graphs is not None else self._decode_step(rows, columns)
+            logits = self.step(rows, columns)
             tokens, logps = sample(logits, params, kinds, self.stop_ids, self.gen)
             self.out[0, :rows, i] = tokens
             self.out[1, :rows, i] = logps

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks (docs/gpu.md records their figures): CUDA tests, learner benches on real model shapes,
 # the actor bench on CUDA, and a whole run with the learner and two actors sharing one GPU.
-#   bash launch/gpu-checks.sh tests|engine-all|bench-engine|bench-learner|bench-actor|bench-weights|run OUT_DIR
+#   bash launch/gpu-checks.sh tests|engine-all|engine-compile|bench-engine|bench-learner|bench-actor|bench-weights|run OUT_DIR
 # Uses the current python (torch + transformers with CUDA); pyzmq/structlog/... must be importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +28,15 @@ case "$what" in
     timeout 150 "$py" -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k engine 2>&1 | tee "$out/tests.txt" | tail -5
     timeout 240 bash "$0" bench-engine "$out"
     RUN_TIMEOUT=170 timeout 200 bash "$0" run "$out"
+    ;;
+  engine-compile)
+    # The decode step compiled by inductor before graphs capture it: its CUDA test, then the engine bench with it
+    # (its ratio is against generate measured in the same run, as the uncompiled figures in docs/gpu.md are; the
+    # compilation is paid in the bench's untimed warm-up). About 8 minutes.
+    nvidia-smi -L | tee "$out/gpu.txt"
+    timeout 150 "$py" -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k "compiled or version_0" 2>&1 | tee "$out/tests.txt" | tail -5
+    timeout 330 "$py" -m launch.cli bench engine --device cuda --shape qwen2.5-0.5b --compile --json 2>>"$out/bench-err.txt" \
+      | tee -a "$out/bench-engine-compiled.jsonl" || tail -20 "$out/bench-err.txt"
     ;;
   bench-engine)
     # the actor's engine vs transformers' generate (static cache, compiled) on Qwen2.5-0.5B's shape

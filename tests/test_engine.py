@@ -130,7 +130,7 @@ def test_requests_that_cannot_fit_are_refused_clearly_and_the_engine_serves_on()
 def test_a_failing_step_fails_its_requests_and_the_next_ones_are_served(monkeypatch):
     eng = HFEngine(TINY, EngineConfig(seed=0, max_batch=4))
     tok = eng.tokenizer
-    real = eng._decode_step
+    real = eng.step
     calls = {"n": 0}
 
     def broken(rows, columns):
@@ -139,7 +139,7 @@ def test_a_failing_step_fails_its_requests_and_the_next_ones_are_served(monkeypa
             raise RuntimeError("device lost")
         return real(rows, columns)
 
-    monkeypatch.setattr(eng, "_decode_step", broken)
+    monkeypatch.setattr(eng, "step", broken)
     futures = [eng.submit(tok.encode(f"p{i}"), SamplingParams(max_new_tokens=20, min_new_tokens=20)) for i in range(3)]
     for f in futures:
         with pytest.raises(RuntimeError, match="device lost"):
@@ -211,3 +211,39 @@ def test_a_dead_engine_thread_fails_its_requests_and_refuses_new_ones(monkeypatc
         f.result(10)
     with pytest.raises(RuntimeError, match="thread died of RuntimeError"):
         eng.submit([1, 2, 3], SamplingParams(max_new_tokens=4))
+
+
+@pytest.mark.slow  # inductor compiles the step (C++ on a CPU): about half a minute
+def test_a_compiled_step_decodes_every_shape_with_one_compilation_and_sees_swaps_in_place():
+    """``compile``: the step inductor compiled gives the eager step's log-probs over batches of every size and
+    length, without recompiling per shape, and reads weights swapped in place (the GPU's captured graphs replay
+    this same compiled step)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    eng = HFEngine(TINY, EngineConfig(seed=2, max_batch=4, sync_every=3, compile=True))
+    tok = eng.tokenizer
+    prompts = [tok.encode("go " * (1 + 5 * (i % 3)) + str(i)) for i in range(7)]
+    gens = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=10))
+    assert not eng.compiled.disabled, eng.compiled.disabled
+    _agree(eng, prompts, gens)
+    assert 1 <= counters["stats"]["unique_graphs"] <= 3, "one compilation (and one for a single row) serves every shape"
+    newer = build_model(ModelConfig(**{**TINY.__dict__, "init_seed": 7}), tok.vocab_size)
+    eng.load_weights(dict(newer.named_parameters()), 1)
+    after = eng.generate(prompts[:3], SamplingParams(temperature=1.0, max_new_tokens=8))
+    assert {v for g in after for v in g.versions} == {1}
+    _agree(eng, prompts[:3], after)
+    eng.close()
+
+
+def test_a_step_that_cannot_be_compiled_decodes_eagerly():
+    from actor.compiled_step import CompiledStep
+
+    step = CompiledStep(lambda rows, columns: rows * columns)
+
+    def refuse(rows, columns):
+        raise RuntimeError("no C++ compiler")
+
+    step.compiled = refuse
+    assert step(3, 4) == 12 and "no C++ compiler" in step.disabled
+    assert step(2, 5) == 10, "the eager step from then on"

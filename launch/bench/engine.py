@@ -135,7 +135,7 @@ def load_workload(name: str) -> list[list[tuple[int, int]]]:
 def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: int = 2, batches: tuple = (32, 128),
               prompt_len: int = 512, new_tokens: int = 128, workload: str = "broad-sim-turns",
               mixed_batch: int = 64, mixed_episodes: int = 256, sync_every: int = 0, cuda_graphs: bool = True,
-              seed: int = 0) -> dict:
+              compile_step: bool = False, seed: int = 0) -> dict:
     from actor.engine import EngineConfig
     from actor.hf_engine import HFEngine
     from launch.bench.learner import model_config
@@ -147,13 +147,14 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         model_cfg = model_config(shape, hidden, layers, tmp if shape else "")
         cfg = EngineConfig(device=device, max_batch=slots, max_seq_len=max(prompt_len + new_tokens, longest_turn) + 8,
-                           sync_every=sync_every, cuda_graphs=cuda_graphs, seed=seed)
+                           sync_every=sync_every, cuda_graphs=cuda_graphs, compile=compile_step, seed=seed)
         engine = HFEngine(model_cfg, cfg)
     tok, model = engine.tokenizer, engine.model
     avoid = set(tok.stop_ids) | {tok.pad_id}
     result: dict[str, Any] = {"device": device, "shape": shape or f"hidden {hidden} x {layers} layers",
                               "params": sum(p.numel() for p in model.parameters()),
-                              "sync_every": engine.sync_every, "cuda_graphs": engine.graphs is not None}
+                              "sync_every": engine.sync_every, "cuda_graphs": engine.graphs is not None,
+                              "compiled": compile_step}
     if device.startswith("cuda"):
         import torch
 
@@ -188,6 +189,8 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
         base = _generate(model, tok, device, episodes, mixed_batch)
         result["mixed"] = {**figures(ours, base), "workload": workload, "episodes": len(episodes),
                            "turns": sum(len(e) for e in episodes), "batch": mixed_batch}
+    if engine.compiled is not None:
+        result["compile_disabled"] = engine.compiled.disabled or None  # why it fell back to eager, if it did
     if engine.graphs is not None:
         result["graphs_captured"] = len(engine.graphs.graphs)
         result["graphs_disabled"] = engine.graphs.disabled or None

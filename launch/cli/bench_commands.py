@@ -101,14 +101,16 @@ def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: i
 @click.option("--mixed-episodes", default=256, show_default=True, help="mixed workload: episodes played")
 @click.option("--sync-every", default=0, show_default=True, help="engine decode steps per host look (0: the default)")
 @click.option("--no-graphs", is_flag=True, help="decode eagerly on CUDA (no captured graphs)")
+@click.option("--compile", "compile_step", is_flag=True,
+              help="our decode step compiled by torch.compile (inductor) before graphs capture it")
 @click.option("--record", default="", help="instead: record a mixed workload to this JSON file and exit")
 @click.option("--record-config", default="configs/broad.yaml", show_default=True,
               help="--record: the recipe whose policy plays (its model, prompt, sampling and task suite)")
 @click.option("--record-episodes", default=240, show_default=True, help="--record: episodes played")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def bench_engine(device: str, shape: str, hidden: int, layers: int, batches: tuple, prompt_len: int, new_tokens: int,
-                 workload: str, mixed_batch: int, mixed_episodes: int, sync_every: int, no_graphs: bool, record: str,
-                 record_config: str, record_episodes: int, as_json: bool) -> None:
+                 workload: str, mixed_batch: int, mixed_episodes: int, sync_every: int, no_graphs: bool,
+                 compile_step: bool, record: str, record_config: str, record_episodes: int, as_json: bool) -> None:
     """Our engine vs transformers' generate (static cache) on the same model, work and batch."""
     from launch.bench.engine import record_workload, run_bench
 
@@ -117,7 +119,7 @@ def bench_engine(device: str, shape: str, hidden: int, layers: int, batches: tup
         return
 
     emit(run_bench(device, shape, hidden, layers, tuple(b for b in batches if b > 0), prompt_len, new_tokens,
-                    workload, mixed_batch, mixed_episodes, sync_every, not no_graphs), as_json)
+                    workload, mixed_batch, mixed_episodes, sync_every, not no_graphs, compile_step), as_json)
 
 
 @bench.command("learner")
