@@ -35,12 +35,13 @@ case "$what" in
     # compilation is paid in the bench's untimed warm-up). About 8 minutes.
     nvidia-smi -L | tee "$out/gpu.txt"
     timeout 150 "$py" -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k "compiled or version_0" 2>&1 | tee "$out/tests.txt" | tail -5
-    timeout 330 "$py" -m launch.cli bench engine --device cuda --shape qwen2.5-0.5b --compile --json 2>>"$out/bench-err.txt" \
+    timeout 330 "$py" -m launch.cli bench engine --device cuda --shape qwen2.5-0.5b --compile \
+      --profile "$out/profile-compiled.txt" --json 2>>"$out/bench-err.txt" \
       | tee -a "$out/bench-engine-compiled.jsonl" || tail -20 "$out/bench-err.txt"
     ;;
   bench-engine)
     # the actor's engine vs transformers' generate (static cache, compiled) on Qwen2.5-0.5B's shape
-    crl bench engine --device cuda --shape qwen2.5-0.5b --json 2>>"$out/bench-err.txt" \
+    crl bench engine --device cuda --shape qwen2.5-0.5b --profile "$out/profile.txt" --json 2>>"$out/bench-err.txt" \
       | tee -a "$out/bench-engine.jsonl" || tail -20 "$out/bench-err.txt"
     ;;
   bench-learner)

@@ -102,8 +102,12 @@ def test_bench_engine_and_actor_print_their_ratios(tmp_path):
                       str(REPO / "configs/broad.yaml"), "--record-episodes", "3")
     assert rec["episodes"] == 3 and rec["turns"] >= 3 and rec["mean_output"] > 0
     e = _bench_json(tmp_path, "engine", "--batch", "4", "--prompt-len", "16", "--new-tokens", "8", "--mixed-batch",
-                    "4", "--mixed-episodes", "6", "--workload", str(tmp_path / "wl.json"))
+                    "4", "--mixed-episodes", "6", "--workload", str(tmp_path / "wl.json"),
+                    "--profile", str(tmp_path / "profile.txt"))
     assert e["mixed"]["turns"] == 2 * rec["turns"], "6 episodes replay the 3 recorded twice"
+    # 8 tokens a row, one a window on a CPU: the profile ends after its 6 windows, on the engine's own thread
+    assert e["profile"]["windows"] == 6 and e["profile"]["cpu_self_s"] > 0
+    assert "aten::mm" in (tmp_path / "profile.txt").read_text(), "the decode step's operators were recorded"
     for workload in ("fixed_4", "mixed"):
         w = e[workload]
         assert w["tokens_per_s"] > 0 and w["generate_tokens_per_s"] > 0 and w["ttft_s"] > 0

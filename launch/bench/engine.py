@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import random
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,57 @@ def _ours(engine: Any, episodes: list[list[tuple[list[int], int]]]) -> dict:
     return {"tokens": tokens, "seconds": seconds,
             "mean_batch": round((st.decode_rows - rows0) / steps, 2) if steps else 0.0,
             "ttft_s": round(sorted(ttft)[len(ttft) // 2], 4) if ttft else None}
+
+
+class _WindowProfiler:
+    """``torch.profiler`` over ``windows`` decode windows of an engine, started and stopped on the engine's own
+    thread from its ``step_hook`` (the profiler records the operators of the thread that started it only; the
+    engine's loop, prefills and host copies included, runs on that thread)."""
+
+    def __init__(self, windows: int, activities: list):
+        self.windows, self.activities = windows, activities
+        self.prof: Any = None
+        self.seen = 0
+        self.stop = threading.Event()  # asked from outside: end at the next window
+        self.done = threading.Event()
+
+    def __call__(self) -> None:
+        from torch.profiler import profile
+
+        if self.done.is_set():
+            return
+        if self.prof is None:
+            self.prof = profile(activities=self.activities)
+            self.prof.__enter__()
+        elif self.seen >= self.windows or self.stop.is_set():
+            self.prof.__exit__(None, None, None)
+            self.done.set()
+        self.seen += 1
+
+
+def _profile(engine: Any, episodes: list[list[tuple[list[int], int]]], device: str, out: str,
+             windows: int = 6) -> dict:
+    """Ours once more on ``episodes``, untimed, with ``windows`` of its decode windows under ``torch.profiler``: the
+    operators and kernels that took the time, as a table in ``out`` (sorted by device time on a GPU, CPU time on
+    a CPU); the totals it saw."""
+    from actor.engine import SamplingParams
+    from torch.profiler import ProfilerActivity
+
+    cuda = device.startswith("cuda")
+    hook = _WindowProfiler(windows, [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    engine.step_hook = hook
+    try:
+        _ours(engine, episodes)
+        if not hook.done.is_set():  # the work had fewer windows: one more window ends the profile
+            hook.stop.set()
+            engine.generate([episodes[0][0][0][:8]], SamplingParams(max_new_tokens=2, min_new_tokens=2))
+    finally:
+        engine.step_hook = None
+    events = hook.prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    Path(out).write_text(events.table(sort_by=key, row_limit=40))
+    return {"file": out, "windows": hook.seen - 1,
+            ("device_self_s" if cuda else "cpu_self_s"): round(sum(getattr(e, key) for e in events) / 1e6, 4)}
 
 
 def _generate(model: Any, tok: Any, device: str, episodes: list[list[tuple[list[int], int]]], batch: int,
@@ -135,7 +187,7 @@ def load_workload(name: str) -> list[list[tuple[int, int]]]:
 def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: int = 2, batches: tuple = (32, 128),
               prompt_len: int = 512, new_tokens: int = 128, workload: str = "broad-sim-turns",
               mixed_batch: int = 64, mixed_episodes: int = 256, sync_every: int = 0, cuda_graphs: bool = True,
-              compile_step: bool = False, seed: int = 0) -> dict:
+              compile_step: bool = False, seed: int = 0, profile: str = "") -> dict:
     from actor.engine import EngineConfig
     from actor.hf_engine import HFEngine
     from launch.bench.learner import model_config
@@ -177,6 +229,8 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
         ours = _ours(engine, episodes)
         base = _generate(model, tok, device, episodes, batch)
         result[f"fixed_{batch}"] = figures(ours, base)
+        if profile and batch == max(batches):  # where the ratio is furthest from its target
+            result["profile"] = _profile(engine, episodes, device, profile)
     if recorded:
         picked = [recorded[i % len(recorded)] for i in range(mixed_episodes)]
         episodes = [[(_random_prompt(rng, p, tok.vocab_size, avoid), o) for p, o in ep] for ep in picked]
