@@ -96,6 +96,15 @@ def test_instances_are_deterministic_and_splits_disjoint(page):
     # can be small (enter-text draws names from a list), so a held-out problem may equal a training one.
     assert not seeds["train"] & seeds["heldout"] and texts["train"] != texts["heldout"]
     assert len(set(texts["train"])) >= 5
+    # An id shows the same page whether the page was loaded fresh or an episode just ended on it: elements a task
+    # keeps across episodes keep neither the focus nor the refs the last episode left them (click-test's button
+    # showed as ref 8, focused, after a solved episode, ref 4 on a fresh page).
+    for family in ("click-test", "focus-text", "click-checkboxes", "login-user"):
+        task_id = f"miniwob:heldout:{family}/3"
+        page.reset("miniwob:train:click-button/0")  # another task's page: the next reset loads this one fresh
+        fresh = page.reset(task_id)["tree"]
+        assert _solve(page, task_id)["success"]
+        assert page.reset(task_id)["tree"] == fresh, family
 
 
 @pytest.mark.slow  # a real browser

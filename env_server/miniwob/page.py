@@ -73,8 +73,17 @@ class MiniWoBPage:
         # MiniWoB ends an episode after EPISODE_MAX_TIME ms (10 s by default); 0 here means no limit, because a
         # policy's turn includes time waiting for a batch on a shared engine, which is not the agent's slowness.
         limit_ms = self.time_limit_s * 1000 if self.time_limit_s > 0 else 1e9
+        # A new episode on the page the last one used must look exactly as on a freshly loaded page: elements a task
+        # keeps across episodes (click-test's button) would otherwise keep the focus the last episode left on them
+        # and the refs the last snapshot gave them (ref 8, focused, where a fresh page shows ref 4), so the same
+        # task id would show the policy another page depending on what the browser did before.
         ready = self._js(f"core.endEpisode(0); Math.seedrandom({int(seed)}); core.setDataMode(arguments[0]); "
-                         f"core.EPISODE_MAX_TIME = {limit_ms}; core.startEpisodeReal(); return WOB_TASK_READY;", mode)
+                         f"core.EPISODE_MAX_TIME = {limit_ms}; core.startEpisodeReal(); "
+                         "document.querySelectorAll('[data-wob_ref]').forEach(function (e) { "
+                         "delete e.dataset.wob_ref; delete e.dataset.wob_eps; }); "
+                         "if (document.activeElement && document.activeElement !== document.body) "
+                         "document.activeElement.blur(); "
+                         "return WOB_TASK_READY;", mode)
         deadline = time.monotonic() + READY_WAIT_S
         while not ready:
             if time.monotonic() > deadline:
