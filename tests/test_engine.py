@@ -221,14 +221,15 @@ def test_a_compiled_step_decodes_every_shape_with_one_compilation_and_sees_swaps
     from torch._dynamo.utils import counters
 
     counters.clear()
-    eng = HFEngine(TINY, EngineConfig(seed=2, max_batch=4, sync_every=3, compile=True))
+    one_layer = ModelConfig(**{**TINY.__dict__, "num_layers": 1})  # what is compiled matters less than how often
+    eng = HFEngine(one_layer, EngineConfig(seed=2, max_batch=4, sync_every=3, compile=True))
     tok = eng.tokenizer
     prompts = [tok.encode("go " * (1 + 5 * (i % 3)) + str(i)) for i in range(7)]
     gens = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=10))
     assert not eng.compiled.disabled, eng.compiled.disabled
     _agree(eng, prompts, gens)
     assert 1 <= counters["stats"]["unique_graphs"] <= 3, "one compilation (and one for a single row) serves every shape"
-    newer = build_model(ModelConfig(**{**TINY.__dict__, "init_seed": 7}), tok.vocab_size)
+    newer = build_model(ModelConfig(**{**one_layer.__dict__, "init_seed": 7}), tok.vocab_size)
     eng.load_weights(dict(newer.named_parameters()), 1)
     after = eng.generate(prompts[:3], SamplingParams(temperature=1.0, max_new_tokens=8))
     assert {v for g in after for v in g.versions} == {1}
