@@ -98,7 +98,7 @@ class HFEngine:
         self.stats = EngineStats()
         self.gen = torch.Generator(device=self.device)
         self.gen.manual_seed(self.cfg.seed)
-        self.step_hook: Callable[[], None] | None = None  # called before every decode window (tests)
+        self.step_hook: Callable[[], None] | None = None  # called on the engine thread before every decode window (tests, bench --profile)
         self._staged: tuple[dict, int] | None = None
         self._lock = threading.Lock()
         self._running = threading.Event()

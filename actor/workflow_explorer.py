@@ -75,10 +75,8 @@ class WorkflowExplorer:
         self.scores: dict[tuple[str, int, str], float] = {}  # (family, turn, step key): absent = 0
         self.baseline: dict[str, float] = {}
         self.rng = random.Random(self.cfg.seed)
-        self.episodes: dict[str, int] = defaultdict(int)
-        self.successes: dict[str, int] = defaultdict(int)
+        self.outcomes: dict[str, list[bool]] = defaultdict(list)  # each episode's success, in order
         self.dead_ends: dict[str, int] = defaultdict(int)
-        self.outcomes: dict[str, list[bool]] = defaultdict(list)  # each episode's success, in order: did it learn?
 
     def family(self, task_id: str) -> str | None:
         """The family of ``task_id`` when the explorer has workflows for it, else None (a task id this registry
@@ -106,10 +104,8 @@ class WorkflowExplorer:
 
     def update(self, family: str, plan: Plan, reward: float) -> None:
         """REINFORCE on the steps drawn: each moves by lr x (reward - baseline) x d log p / d score."""
-        self.episodes[family] += 1
-        self.successes[family] += int(reward > 0)
-        self.dead_ends[family] += int(plan.dead_end >= 0)
         self.outcomes[family].append(reward > 0)
+        self.dead_ends[family] += int(plan.dead_end >= 0)
         b = self.baseline.get(family, reward)
         advantage = reward - b
         self.baseline[family] = self.cfg.baseline_decay * b + (1 - self.cfg.baseline_decay) * reward
@@ -121,6 +117,12 @@ class WorkflowExplorer:
                 grad = (1.0 if s.key == pick.key else 0.0) - p
                 key = (family, t, s.key)
                 self.scores[key] = self.scores.get(key, 0.0) + self.cfg.lr * advantage * grad
+
+    def episodes(self, family: str) -> int:
+        return len(self.outcomes[family])
+
+    def successes(self, family: str) -> int:
+        return sum(self.outcomes[family])
 
     def player(self, family: str, tokenizer: Any) -> "WorkflowPlayer":
         return WorkflowPlayer(self, family, self.plan(family), tokenizer)
@@ -140,7 +142,7 @@ class WorkflowExplorer:
             quarter = max(1, len(seen) // 4)
             rates = {"first_quarter": round(sum(seen[:quarter]) / quarter, 3),
                      "last_quarter": round(sum(seen[-quarter:]) / quarter, 3)} if seen else {}
-            out[fam] = {"episodes": self.episodes[fam], "successes": self.successes[fam],
+            out[fam] = {"episodes": len(seen), "successes": sum(seen),
                         "dead_ends": self.dead_ends[fam], **rates, "best_workflow": best}
         return out
 

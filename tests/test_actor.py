@@ -239,8 +239,8 @@ def test_the_workflow_explorer_plays_a_slot_of_each_group_and_marks_it_unsampled
         actor.run()
         assert actor.stats["groups_submitted"] == 2 and actor.broker.unacked == 0, dict(actor.stats)
         assert actor.stats["explored_episodes"] == 2 and actor.stats["episodes"] == 4
-        assert explorer.episodes["infeasible"] == 2
-        assert actor.stats["explored_successes"] == explorer.successes["infeasible"]
+        assert explorer.episodes("infeasible") == 2
+        assert actor.stats["explored_successes"] == explorer.successes("infeasible")
         actor.close()
         learner.grant(1)
         batch = learner.next_batch(10)
