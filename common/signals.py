@@ -9,6 +9,7 @@ So the handler only writes an attribute, and the role's loop, which polls anyway
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from typing import Iterable
 
@@ -36,3 +37,19 @@ class StopSignals:
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.signum = self.signum or signum
         self.requested = True
+
+
+def unwind_on_term() -> None:
+    """Make SIGTERM unwind this process like Ctrl-C does: ``SystemExit(143)`` raised in the main thread, so every
+    ``finally`` runs (browsers and desktops closed, files flushed) before it exits. Python's default for TERM is
+    to die where it stands, which left a killed ``computerrl pretrain``'s Chromium browsers running, re-parented to
+    init. TERMs that arrive while it unwinds are ignored, so a second one cannot cut the clean-up short (KILL still
+    can). Commands that stop by a loop of their own (the roles, ``run``, ``sweep``) install their handlers over
+    this one. Only the main thread may install handlers; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_term(signum: int, _frame: object) -> None:
+        signal.signal(signum, signal.SIG_IGN)
+        sys.exit(128 + signum)
+    signal.signal(signal.SIGTERM, on_term)

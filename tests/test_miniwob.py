@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -159,6 +162,48 @@ def test_a_crashed_browser_retires_the_desktop_and_the_next_episode_gets_a_fresh
         client.close()
         server.request_stop()
         thread.join(10)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+@pytest.mark.slow  # a real browser
+def test_a_terminated_command_closes_its_browsers(tmp_path):
+    """SIGTERM to a tool command playing MiniWoB in-process (here `computerrl demos`) unwinds it through its
+    ``finally`` blocks: it exits 143 and its browser goes with it. Before, Python's default TERM left the
+    chromedriver and its Chromium running, re-parented to init."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.cli", "demos", "-c", "configs/miniwob-wge.yaml", "--run-dir", str(tmp_path),
+         "actor.workflows.demos=100000", "learner.anchor.suite=", "run.log_level=warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    driver = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (drivers := _children(proc.pid)):  # chromedriver, leading its browser's process group
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+            time.sleep(0.2)
+        (driver,) = drivers
+        time.sleep(2)  # well into an episode
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while _group_alive(driver):
+            assert time.monotonic() < deadline, "the terminated command's browser outlived it"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+        if driver is not None and _group_alive(driver):  # not left behind by a failing run either
+            os.killpg(driver, signal.SIGKILL)
 
 
 @pytest.mark.slow  # a real browser

@@ -10,6 +10,7 @@ import click
 
 from common import config as configlib
 from common import log as L
+from common.signals import unwind_on_term
 from launch.config import RunConfig, load_run_config, resolve_run_dir
 
 CONFIG_HELP = "YAML run config (configs/*.yaml); defaults are used for anything it leaves out"
@@ -27,6 +28,7 @@ def load_config(config: str | None, overrides: tuple[str, ...]) -> RunConfig:
 @click.version_option(package_name="computerrl")
 def main() -> None:
     """computerrl: asynchronous actor-learner RL for computer-use agents."""
+    unwind_on_term()
 
 
 def role_options(fn):

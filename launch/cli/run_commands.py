@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -202,9 +201,7 @@ def chaos(config: str, run_dir: str, steps: int, kills: int, seed: int, sigterm_
         actors = load_config(config, overrides).local.actors
         fabric = Fabric(f"{os.getpid() % 100000}", 1, ["supervisor", "broker-0", "env_server-0", "learner-0",
                                                        *(f"actor-{i}" for i in range(actors))])
-        fabric.create()
-        # A TERM (a job's end, a supervisor's stop) still removes the namespaces: as an exit, finally runs.
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+        fabric.create()  # a TERM (a job's end) still removes it: main() makes TERM unwind through the finally below
     try:
         result = summary(run_chaos(config, Path(run_dir), steps, plan, list(overrides), resume_steps, timeout_s,
                                    fabric=fabric))
