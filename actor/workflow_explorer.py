@@ -1,9 +1,11 @@
 """Workflow-guided exploration's exploration policy: which induced workflows (``actor/workflows.py``) to follow,
 learned from the episodes they earn.
 
-Per episode of a family the explorer draws one of the family's demonstrations, then one step per turn from that
-demo's lattice with probability softmax(score) over the lattice's steps at that turn, and at each turn takes an
-action drawn uniformly from those the step allows on the live observation. Scores are kept per (family, turn,
+Per episode of a family the explorer draws one of the family's demonstrations; then at each turn it draws one step
+of that demo's lattice with probability softmax(score) over the turn's steps that allow an action on the live
+observation, and takes an action drawn uniformly from those the step allows. (The paper draws the whole workflow
+before the episode and ends it at a step that allows nothing; drawing among the steps that apply spends no
+episode on a constraint the page already rules out.) Scores are kept per (family, turn,
 step key), so demonstrations of a family that share a constraint share what is learned about it (the paper keeps
 them per demonstration; a family's instances differ in their strings, which the keys abstract away). After the
 episode each drawn step's score moves by REINFORCE on the episode's reward, against a running baseline of the
@@ -51,16 +53,19 @@ class ExplorerConfig:
 
 @dataclass
 class Plan:
-    """One episode's draw: the demo's workflow and a step per turn."""
+    """One episode's draws: the demonstration whose workflow it follows, and a step for each turn it reached."""
 
     workflow: Workflow
-    chosen: list[Step]
+    drawn: list[tuple[int, tuple[Step, ...], Step]] = field(default_factory=list)
+    """per lattice turn reached, in order: (turn, the steps that allowed an action on the live page, the one drawn
+    among them). Only these draws are credited with the episode's outcome: it may end before the workflow does,
+    and a repeating step passes over the turns it stands for."""
     dead_end: int = -1
-    """the turn whose step allowed no action on the live page (-1: none)"""
-    consulted: int = 0
-    """turns whose step was looked at on the page (the episode may end before the plan does): only those are
-    credited with its outcome"""
+    """the turn none of whose steps allowed an action on the live page (-1: none)"""
 
+    @property
+    def chosen(self) -> list[Step]:
+        return [pick for _, _, pick in self.drawn]
 
 @dataclass
 class WorkflowExplorer:
@@ -95,15 +100,21 @@ class WorkflowExplorer:
         return [v / total for v in e]
 
     def plan(self, family: str) -> Plan:
-        """Draw a demonstration of ``family`` and a step per turn of its lattice."""
+        """An episode's plan: one of ``family``'s demonstrations, drawn uniformly; its steps are drawn turn by turn
+        on the live page (``draw``)."""
         if not self.workflows.get(family):
             raise KeyError(f"no demonstrations of family {family!r} to explore from")
-        wf = self.rng.choice(self.workflows[family])
-        chosen = [self.rng.choices(steps, self.probabilities(family, t, steps))[0] for t, steps in enumerate(wf.steps)]
-        return Plan(wf, chosen)
+        return Plan(self.rng.choice(self.workflows[family]))
+
+    def draw(self, family: str, plan: Plan, turn: int, applicable: Sequence[Step]) -> Step:
+        """A step for ``turn`` among those that allow an action on the live page, by softmax of their scores."""
+        pick = self.rng.choices(applicable, self.probabilities(family, turn, applicable))[0]
+        plan.drawn.append((turn, tuple(applicable), pick))
+        return pick
 
     def update(self, family: str, plan: Plan, reward: float) -> None:
-        """REINFORCE on the steps drawn: each moves by lr x (reward - baseline) x d log p / d score."""
+        """REINFORCE on the steps drawn: each moves by lr x (reward - baseline) x d log p / d score, p the softmax
+        over the steps it was drawn among."""
         self.outcomes[family].append(reward > 0)
         self.dead_ends[family] += int(plan.dead_end >= 0)
         b = self.baseline.get(family, reward)
@@ -111,7 +122,7 @@ class WorkflowExplorer:
         self.baseline[family] = self.cfg.baseline_decay * b + (1 - self.cfg.baseline_decay) * reward
         if advantage == 0:
             return
-        for t, (steps, pick) in enumerate(zip(plan.workflow.steps[:plan.consulted], plan.chosen)):
+        for t, steps, pick in plan.drawn:
             probs = self.probabilities(family, t, steps)
             for s, p in zip(steps, probs):
                 grad = (1.0 if s.key == pick.key else 0.0) - p
@@ -158,27 +169,46 @@ def summary_table(summary: dict[str, dict]) -> str:
 
 
 class WorkflowPlayer:
-    """One episode's policy: at each turn, an action its plan's step allows on the live observation, drawn
-    uniformly; None (the episode ends) past the plan's last step or where the step allows nothing."""
+    """One episode's policy. At each turn of its demonstration's workflow it draws a step among those that allow an
+    action on the live observation, and takes one of that step's actions, drawn uniformly. A repeating step is
+    taken again, each time with an action not taken yet, until it allows none; the workflow then goes on after
+    the demo turns it stands for. None (the episode ends) past the workflow's last turn, or at a turn where no
+    step allows anything (a dead end)."""
 
     def __init__(self, explorer: WorkflowExplorer, family: str, plan: Plan, tokenizer: Any):
         self.explorer, self.family, self.plan, self.tok = explorer, family, plan, tokenizer
         self.turn = 0
+        self.step: Step | None = None  # the repeating step being taken, if any
+        self.taken: set[str] = set()  # its actions so far
         self.instruction: Instruction | None = None  # the first observation's (later ones need not repeat it)
 
     async def __call__(self, prompt_ids: list[int], obs: dict, images: list) -> Generation | None:
-        if self.turn >= len(self.plan.chosen):
-            return None
         if self.instruction is None or obs.get("instruction"):
             self.instruction = Instruction.of(str(obs.get("instruction", "")))
-        step = self.plan.chosen[self.turn]
-        self.plan.consulted = self.turn + 1
-        options = step.actions(obs.get("tree") or [], self.instruction)
+        rows = obs.get("tree") or []
+        options: list[str] = []
+        if self.step is not None:  # a repeating step: again while it allows something new
+            options = [a for a in self.step.actions(rows, self.instruction) if a not in self.taken]
+            if not options:
+                self.turn, self.step, self.taken = self.step.through + 1, None, set()
         if not options:
-            self.plan.dead_end = self.turn
-            return None
-        self.turn += 1
+            steps = self.plan.workflow.steps
+            if self.turn >= len(steps):
+                return None
+            allowed = {s.key: s.actions(rows, self.instruction) for s in steps[self.turn]}
+            applicable = [s for s in steps[self.turn] if allowed[s.key]]
+            if not applicable:
+                self.plan.dead_end = self.turn
+                return None
+            step = self.explorer.draw(self.family, self.plan, self.turn, applicable)
+            options = allowed[step.key]
+            if step.repeats:
+                self.step = step
+            else:
+                self.turn += 1
         action = self.explorer.rng.choice(options)
+        if self.step is not None:
+            self.taken.add(action)
         ids = [*self.tok.encode(action), self.tok.eos_id]
         return Generation(ids, [0.0] * len(ids), [0] * len(ids), "stop", action)
 

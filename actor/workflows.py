@@ -12,16 +12,20 @@ The grammar, over tree rows ``[id, role, name, bounds, states, value]`` in page 
 
 - a **name rule**: ``any``; ``is 'S'`` (the demo's exact name); ``field k`` (the k-th quoted string of the
   instruction); ``mentioned`` (a name the instruction contains as words);
-- an **element set**: a role (or any role) x a name rule x optionally a neighbour (a row within two rows ``after``
-  or ``before`` whose name satisfies a name rule: labels) x optionally a pick among the rows that match
-  (the i-th, the last, or the one the instruction's k-th ordinal names: "the 2nd textbox");
+- an **element set**: a role (or any role) x a name rule x optionally a state (``unchecked``) x optionally a
+  neighbour (a row within two rows ``after`` or ``before``, or the row ``just after`` or ``just before``, whose name
+  satisfies a name rule: labels) x optionally a pick among the rows that match (the i-th, the last, or the one the
+  instruction's k-th ordinal names: "the 2nd textbox");
 - a **step**: a GUI verb on an element set (``click``, ``double_click``, ``right_click``, ``type`` with a text
   source: ``field k`` or a constant), with the demo's other keywords kept (``enter=True``); any other action
-  (``done()``, a hotkey, an app API call, a click at coordinates) is a literal step, replayed as written.
+  (``done()``, a hotkey, an app API call, a click at coordinates) is a literal step, replayed as written;
+- a **repeating step** (``+``): a step that the demo's consecutive turns t..u all satisfied, standing for those
+  turns, taken again while it allows an action not taken yet (``induce``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from dataclasses import dataclass
@@ -32,7 +36,9 @@ from env_server.actions import ActionError, parse_action
 ELEMENT_VERBS = ("click", "double_click", "right_click", "type")
 """GUI verbs whose target a workflow step generalises; any other action is a literal step"""
 NEIGHBOUR_SPAN = 2
-"""rows either way a label may sit from its element"""
+"""rows either way a label may sit from its element (``after``, ``before``); ``just after`` and ``just before``
+ask for the adjacent row (a list's last item sits two rows before the button under it)"""
+NEIGHBOUR_WAYS = ("after", "before", "just after", "just before")
 TRANSIENT_STATES = ("focused",)
 """row states no constraint names: where the focus was says nothing about the task"""
 
@@ -82,8 +88,10 @@ ANY = NameRule("any")
 
 
 def near(rows: Sequence[Sequence], i: int, way: str) -> Sequence[Sequence]:
-    """The rows a label of row ``i`` may be: up to ``NEIGHBOUR_SPAN`` rows ``after`` it or ``before`` it."""
-    return rows[i + 1:i + 1 + NEIGHBOUR_SPAN] if way == "after" else rows[max(0, i - NEIGHBOUR_SPAN):i]
+    """The rows a label of row ``i`` may be: up to ``NEIGHBOUR_SPAN`` rows ``after`` it or ``before`` it, or the row
+    ``just after`` or ``just before`` it."""
+    span = 1 if way.startswith("just ") else NEIGHBOUR_SPAN
+    return rows[i + 1:i + 1 + span] if way.endswith("after") else rows[max(0, i - span):i]
 
 
 def name_rules(name: str, ins: Instruction) -> list[NameRule]:
@@ -103,7 +111,7 @@ class ElementSet:
     """a row role, or ``*``"""
     name: NameRule = ANY
     neighbour: tuple[str, NameRule] | None = None
-    """(``after`` | ``before``, rule): a row that many rows away at most, whose name satisfies the rule"""
+    """(a way of ``NEIGHBOUR_WAYS``, rule): a row that near, whose name satisfies the rule"""
     pick: tuple[str, int] | None = None
     """None (any row that matches), (``nth``, i), (``last``, 0) or (``ordinal``, k): the row the instruction's
     k-th ordinal numbers"""
@@ -172,16 +180,24 @@ class Step:
     extra: tuple[tuple[str, object], ...] = ()
     """the demo action's other keywords, kept as given (enter=True, button='right')"""
     literal: str = ""
+    through: int = -1
+    """-1: one action. Else the step repeats: it stands for the demo's turns from its own to ``through``, all of
+    which satisfied it, and is taken again while it allows an action not taken yet (as many boxes as this
+    instance asks to tick, where the demo ticked another number)"""
+
+    @property
+    def repeats(self) -> bool:
+        return self.through >= 0
 
     @property
     def key(self) -> str:
-        """What the step is, as one string (what an explorer learns a score for)."""
+        """What the step is, as one string (what an explorer learns a score for); ``+`` marks a repeating step."""
         if self.verb == "literal":
             return f"literal {self.literal}"
         s = f"{self.verb}({self.elements.render()}"
         if self.text is not None:
             s += f" <- {self.text.render()}"
-        return s + "".join(f", {k}={v!r}" for k, v in self.extra) + ")"
+        return s + "".join(f", {k}={v!r}" for k, v in self.extra) + ")" + "+" * self.repeats
 
     def actions(self, rows: Sequence[Sequence], ins: Instruction) -> list[str]:
         """Every action that satisfies this step on an observation (``rows`` of its tree)."""
@@ -199,7 +215,7 @@ def _element_sets(rows: Sequence[Sequence], at: int, ins: Instruction) -> list[E
     """Every element set of the grammar that holds the row at index ``at``."""
     row = rows[at]
     neighbours: list[tuple[str, NameRule] | None] = [None]
-    for way in ("after", "before"):
+    for way in NEIGHBOUR_WAYS:
         for r in near(rows, at, way):
             neighbours += [(way, rule) for rule in name_rules(str(r[2]), ins)]
     states = ["", *(s for s in (row[4] or ()) if s not in TRANSIENT_STATES)]
@@ -257,7 +273,23 @@ class Workflow:
 
 
 def induce(family: str, demo_id: str, instruction: str, trees: Sequence[Sequence], actions: Sequence[str]) -> Workflow:
-    """The workflow lattice of one demonstration: its instruction, and per turn the rows and the action taken."""
+    """The workflow lattice of one demonstration: its instruction, and per turn the rows and the action taken.
+
+    A constraint that the demo's turns t..u (u > t) all satisfied also enters turn t's lattice as a repeating
+    step through u: the demo may have done one thing u - t + 1 times where another instance asks for it another
+    number of times."""
     if len(trees) != len(actions):
         raise ValueError(f"demo {demo_id}: {len(trees)} observed trees for {len(actions)} actions")
-    return Workflow(family, demo_id, tuple(tuple(induce_step(instruction, rows, a)) for rows, a in zip(trees, actions)))
+    turns = [induce_step(instruction, rows, a) for rows, a in zip(trees, actions)]
+    keys = [{s.key for s in steps} for steps in turns]
+    lattice = []
+    for t, steps in enumerate(turns):
+        repeating = []
+        for step in steps:
+            u = t
+            while step.verb != "literal" and u + 1 < len(turns) and step.key in keys[u + 1]:
+                u += 1
+            if u > t:
+                repeating.append(dataclasses.replace(step, through=u))
+        lattice.append(tuple(steps + repeating))
+    return Workflow(family, demo_id, tuple(lattice))

@@ -5,6 +5,7 @@ wire and on disk; ``pretrain.workflow_episodes`` clones the successes it explore
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -125,6 +126,93 @@ def test_the_explorer_learns_which_workflow_succeeds():
     assert summary["last_quarter"] > summary["first_quarter"]
 
 
+class _TickTheNamed:
+    """click-checkboxes in miniature: six labelled boxes, tick the one to four the instruction names, Submit."""
+
+    NAMES = ["kiwi", "fig", "plum", "pear", "lime", "date"]
+
+    def __init__(self, want: int | None = None):
+        self.fixed_want, self.rows, self.want, self.submitted = want, [], set(), False
+
+    def _obs(self):
+        return {"instruction": f"Select {', '.join(sorted(self.want))} and click Submit.", "tree": self.rows,
+                "text": ""}
+
+    async def reset(self, task_id):
+        rng = random.Random(task_id)
+        names = rng.sample(self.NAMES, 6)
+        self.want = set(rng.sample(names, self.fixed_want or rng.randint(1, 4)))
+        self.submitted = False
+        self.rows = [r for i, n in enumerate(names)
+                     for r in (_row(10 + 2 * i, "input_checkbox", states=["unchecked"]), _row(11 + 2 * i, "text", n))]
+        self.rows += [_row(28, "div"), _row(30, "button", "Submit")]  # the last label's neighbour is not Submit
+        return self._obs()
+
+    def ticked(self):
+        return {self.rows[i + 1][2] for i, r in enumerate(self.rows) if r[1] == "input_checkbox" and r[4] == ["checked"]}
+
+    async def step(self, action):
+        target = int(action[len("click("):-1])
+        for r in self.rows:
+            if r[0] == target and r[1] == "input_checkbox":
+                r[4] = ["unchecked"] if r[4] == ["checked"] else ["checked"]
+        self.submitted = target == 30
+        return SimpleNamespace(obs=self._obs(), done=self.submitted, format_error=False, info={})
+
+    async def evaluate(self):
+        ok = self.submitted and self.ticked() == self.want
+        return {"reward": float(ok), "success": ok}
+
+
+def _tick_demo(env, task_id):
+    """A scripted demonstration of ``env``'s task: its trees and actions."""
+    obs = asyncio.run(env.reset(task_id))
+    trees, actions = [], []
+    for i, r in enumerate(env.rows):
+        if r[1] == "input_checkbox" and env.rows[i + 1][2] in env.want:
+            trees.append([list(x) for x in env.rows])
+            actions.append(f"click({r[0]})")
+            asyncio.run(env.step(actions[-1]))
+    trees.append([list(x) for x in env.rows])
+    actions.append("click(30)")
+    return obs["instruction"], trees, actions
+
+
+def test_a_step_the_demo_repeated_repeats_as_often_as_another_instance_asks():
+    env = _TickTheNamed(want=3)
+    instruction, trees, actions = _tick_demo(env, "demo/0")
+    wf = induce("tick", "demo/0", instruction, trees, actions)
+    tick = "click(input_checkbox [unchecked] after mentioned)"
+    by_key = [{s.key: s for s in steps} for steps in wf.steps]
+    assert by_key[0][tick + "+"].through == 2 and by_key[1][tick + "+"].through == 2
+    assert tick + "+" not in by_key[2] and tick in by_key[2], "the last tick repeats nothing"
+    assert not any(k.endswith("+") for k in by_key[3]), "Submit was done once"
+    assert "click(input_checkbox #0)+" not in by_key[0], "a constraint the next tick broke does not repeat"
+
+    tok = ByteTokenizer()
+    play = _TickTheNamed()  # one to four boxes an instance
+    explorer = WorkflowExplorer({"tick": [wf]}, ExplorerConfig(seed=5))
+    wins = []
+    for i in range(300):
+        player = explorer.player("tick", tok)
+        ep = asyncio.run(play_episode(play, player, f"t/{i}", tok, PromptConfig(), max_steps=8))
+        explorer.update("tick", player.plan, float(ep.evaluation["success"]))
+        wins.append(ep.evaluation["success"])
+    assert np.mean(wins[-100:]) > 0.9, (np.mean(wins[:50]), np.mean(wins[-100:]))
+    first = explorer.summary()["tick"]["best_workflow"][0]  # a box (or an unchecked row) by its label, repeated
+    assert "after mentioned)+" in first, first
+    # without repeating steps the same demo wins only where the instance asks for three boxes
+    plain = WorkflowExplorer({"tick": [dataclasses.replace(wf, steps=tuple(
+        tuple(s for s in steps if not s.repeats) for steps in wf.steps))]}, ExplorerConfig(seed=5))
+    wins = []
+    for i in range(300):
+        player = plain.player("tick", tok)
+        ep = asyncio.run(play_episode(play, player, f"t/{i}", tok, PromptConfig(), max_steps=8))
+        plain.update("tick", player.plan, float(ep.evaluation["success"]))
+        wins.append(ep.evaluation["success"])
+    assert np.mean(wins[-100:]) < 0.4
+
+
 def test_demonstrations_keep_their_instruction_and_trees_through_the_wire_and_the_file(tmp_path):
     from actor.demos import record_demos
     from common import demofile
@@ -173,7 +261,7 @@ def test_only_the_steps_an_episode_reached_are_credited_and_unknown_tasks_are_th
                 ["type('x', target=7)", "click(11)"])
     explorer = WorkflowExplorer({"f": [wf]}, ExplorerConfig(seed=1), task_registry("sim", ""))
     plan = explorer.plan("f")
-    plan.consulted = 1  # the page ended the episode after the first turn: the second step was never tried
+    explorer.draw("f", plan, 0, wf.steps[0])  # the page ended the episode after the first turn: no second draw
     explorer.update("f", plan, 0.0)  # sets the baseline
     explorer.update("f", plan, 1.0)
     touched = {t for (_, t, _) in explorer.scores}
