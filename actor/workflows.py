@@ -13,9 +13,9 @@ The grammar, over tree rows ``[id, role, name, bounds, states, value]`` in page 
 - a **name rule**: ``any``; ``is 'S'`` (the demo's exact name); ``field k`` (the k-th quoted string of the
   instruction); ``mentioned`` (a name the instruction contains as words);
 - an **element set**: a role (or any role) x a name rule x optionally a state (``unchecked``) x optionally a
-  neighbour (a row within two rows ``after`` or ``before``, or the row ``just after`` or ``just before``, whose name
-  satisfies a name rule: labels) x optionally a pick among the rows that match (the i-th, the last, or the one the
-  instruction's k-th ordinal names: "the 2nd textbox");
+  neighbour (the row right ``after`` or ``before`` it, whose name satisfies a name rule: a label) x optionally a
+  pick among the rows that match (the i-th, the last, or the one the instruction's k-th ordinal names: "the 2nd
+  textbox");
 - a **step**: a GUI verb on an element set (``click``, ``double_click``, ``right_click``, ``type`` with a text
   source: ``field k`` or a constant), with the demo's other keywords kept (``enter=True``); any other action
   (``done()``, a hotkey, an app API call, a click at coordinates) is a literal step, replayed as written;
@@ -35,10 +35,10 @@ from env_server.actions import ActionError, parse_action
 
 ELEMENT_VERBS = ("click", "double_click", "right_click", "type")
 """GUI verbs whose target a workflow step generalises; any other action is a literal step"""
-NEIGHBOUR_SPAN = 2
-"""rows either way a label may sit from its element (``after``, ``before``); ``just after`` and ``just before``
-ask for the adjacent row (a list's last item sits two rows before the button under it)"""
-NEIGHBOUR_WAYS = ("after", "before", "just after", "just before")
+NEIGHBOUR_SPAN = 1
+"""rows either way a label may sit from its element: the adjacent row. (Two let the row two after a list's last
+checkbox, a Submit button the instruction mentions, pass for that box's label: the box was ticked whether asked
+for or not.)"""
 TRANSIENT_STATES = ("focused",)
 """row states no constraint names: where the focus was says nothing about the task"""
 
@@ -88,10 +88,8 @@ ANY = NameRule("any")
 
 
 def near(rows: Sequence[Sequence], i: int, way: str) -> Sequence[Sequence]:
-    """The rows a label of row ``i`` may be: up to ``NEIGHBOUR_SPAN`` rows ``after`` it or ``before`` it, or the row
-    ``just after`` or ``just before`` it."""
-    span = 1 if way.startswith("just ") else NEIGHBOUR_SPAN
-    return rows[i + 1:i + 1 + span] if way.endswith("after") else rows[max(0, i - span):i]
+    """The rows a label of row ``i`` may be: up to ``NEIGHBOUR_SPAN`` rows ``after`` it or ``before`` it."""
+    return rows[i + 1:i + 1 + NEIGHBOUR_SPAN] if way == "after" else rows[max(0, i - NEIGHBOUR_SPAN):i]
 
 
 def name_rules(name: str, ins: Instruction) -> list[NameRule]:
@@ -111,7 +109,7 @@ class ElementSet:
     """a row role, or ``*``"""
     name: NameRule = ANY
     neighbour: tuple[str, NameRule] | None = None
-    """(a way of ``NEIGHBOUR_WAYS``, rule): a row that near, whose name satisfies the rule"""
+    """(``after`` | ``before``, rule): the row that near (``NEIGHBOUR_SPAN``), whose name satisfies the rule"""
     pick: tuple[str, int] | None = None
     """None (any row that matches), (``nth``, i), (``last``, 0) or (``ordinal``, k): the row the instruction's
     k-th ordinal numbers"""
@@ -215,7 +213,7 @@ def _element_sets(rows: Sequence[Sequence], at: int, ins: Instruction) -> list[E
     """Every element set of the grammar that holds the row at index ``at``."""
     row = rows[at]
     neighbours: list[tuple[str, NameRule] | None] = [None]
-    for way in NEIGHBOUR_WAYS:
+    for way in ("after", "before"):
         for r in near(rows, at, way):
             neighbours += [(way, rule) for rule in name_rules(str(r[2]), ins)]
     states = ["", *(s for s in (row[4] or ()) if s not in TRANSIENT_STATES)]
