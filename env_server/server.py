@@ -97,6 +97,11 @@ class EnvServer:
         self.workers = cf.ThreadPoolExecutor(max_workers=cfg.pool_size + 2, thread_name_prefix="desktop")
         self.finished: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
+        # A step that outlives its timeout still finishes on its worker after the server has closed: it must not
+        # write to the closed wake-up pipe, whose descriptor number the process may by then have given to another
+        # file or socket.
+        self._wake_lock = threading.Lock()
+        self._wake_closed = False
         os.set_blocking(self._wake_r, False)
         self.step_ms: collections.deque = collections.deque(maxlen=20_000)
         self.metrics = MetricsWriter(run_dir.metrics / f"env_server-{rank}.jsonl", cfg.prometheus, "env_server", rank)
@@ -313,10 +318,13 @@ class EnvServer:
         # Worker thread: hand the result to the loop and wake it (a pipe write is thread-safe; zmq is not).
         exc = fut.exception()
         self.finished.put((job, exc if exc is not None else fut.result(), time.monotonic()))
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass  # the pipe is full of wake-ups already
+        with self._wake_lock:
+            if self._wake_closed:
+                return  # the server has stopped: nobody will read the result
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass  # the pipe is full of wake-ups already
 
     def _finish_jobs(self) -> None:
         while True:
@@ -469,7 +477,9 @@ class EnvServer:
         self.sock.close()
         self.security.close()
         close_context(self.ctx, self.net)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._wake_lock:
+            self._wake_closed = True
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         self.metrics.close()
         self.log.info("env_server_stopped", counters=dict(self.counters))

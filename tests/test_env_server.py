@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -215,6 +216,39 @@ def test_slow_step_times_out_and_the_desktop_is_replaced(env_server, quiet_log):
     with pytest.raises(EnvError, match="no_episode"):
         c.step(sid, "wait()")
     c.close()
+
+
+def test_a_step_that_ends_after_the_server_stopped_writes_nowhere(tmp_path, quiet_log, caplog):
+    """A timed-out step still runs on its worker; when it ends after the server closed, its wake-up must not go to
+    the closed pipe's descriptor (an error logged from the worker, or a byte in whatever file reuses the number)."""
+    net = make_net()
+    cfg = EnvServerConfig(port=free_port(), pool_size=1, step_timeout_s=0.2,
+                          sim=SimConfig(latency="fixed", latency_mean_s=1.0))
+    server = EnvServer(cfg, net, RunDir.create(tmp_path / "run"), quiet_log)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    c = client_for(server, net, quiet_log)
+    sid = c.open()
+    c.reset(sid, "sim:train/0")
+    with pytest.raises(EnvError, match="step_timeout"):
+        c.step(sid, "wait()")
+    c.close()
+    server.request_stop()
+    thread.join(10)
+    wake_w = server._wake_w
+    reused = os.pipe()  # the lowest free numbers: the closed pipe's, if nothing took them meanwhile
+    try:
+        with caplog.at_level("ERROR", logger="concurrent.futures"):
+            wait(lambda: server.finished.qsize() > 0, 3.0)  # the hung step has ended on its worker
+            time.sleep(0.1)
+        assert not [r for r in caplog.records if r.name == "concurrent.futures"], caplog.text
+        if wake_w in reused:
+            os.set_blocking(reused[0], False)
+            with pytest.raises(BlockingIOError):
+                os.read(reused[0], 1)  # nothing was written into the pipe that took the number
+    finally:
+        for fd in reused:
+            os.close(fd)
 
 
 def test_resent_request_is_answered_once_and_acted_once(env_server, quiet_log):
