@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,8 @@ def test_wandb_offline_run_is_one_per_run_id_across_resumes_with_each_evaluation
             {"v": 1, "id": "ep0", "source": "eval", "eval_version": 1, "family": "files_move", "success": True,
              "reward": 1.0, "steps": 1, "finish": "done", "instruction": "Move it", "turns": [{"text": "done()"}]})
     for step in (1, 2):  # two supervisor lifetimes: the run started, then resumed
+        if step == 2:  # W&B names an offline run's folder by the second it started: real resumes are seconds apart
+            time.sleep(1.05 - time.time() % 1.0)
         _append(m / "learner.jsonl", {"time": float(step), "step": step, "loss": 1.0 / step})
         fwd = MetricsForwarder(m, tmp_path, cfg, "run-b", {"learner": {"lr": 1e-4}})
         assert fwd.poll() == 1
