@@ -63,9 +63,6 @@ class Plan:
     dead_end: int = -1
     """the turn none of whose steps allowed an action on the live page (-1: none)"""
 
-    @property
-    def chosen(self) -> list[Step]:
-        return [pick for _, _, pick in self.drawn]
 
 @dataclass
 class WorkflowExplorer:
