@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 
-def pss_mb(root_pid: int) -> float:
-    """Proportional set size of a process tree (shared pages split among their users), in MB."""
+def children_by_parent() -> dict[int, list[int]]:
+    """Every live process's children, by parent pid (read from /proc; a process gone meanwhile is left out)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -16,6 +16,12 @@ def pss_mb(root_pid: int) -> float:
                 children.setdefault(ppid, []).append(int(entry))
             except (OSError, IndexError, ValueError):
                 continue
+    return children
+
+
+def pss_mb(root_pid: int) -> float:
+    """Proportional set size of a process tree (shared pages split among their users), in MB."""
+    children = children_by_parent()
     total, stack = 0, [root_pid]
     while stack:
         pid = stack.pop()

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -28,6 +27,7 @@ from env_server.config import EnvServerConfig  # noqa: E402
 from env_server.miniwob.families import SOLVERS, TASKS, WRONG_SOLVERS  # noqa: E402
 from env_server.sim.families import DemoConfig  # noqa: E402
 from env_server.server import EnvServer  # noqa: E402
+from launch.procmem import children_by_parent  # noqa: E402
 from tests.conftest import make_net  # noqa: E402
 
 PLUGIN = "env_server.miniwob:PLUGIN"
@@ -164,18 +164,6 @@ def test_a_crashed_browser_retires_the_desktop_and_the_next_episode_gets_a_fresh
         thread.join(10)
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
 @pytest.mark.slow  # a real browser
 def test_a_terminated_command_closes_its_browsers(tmp_path):
     """SIGTERM to a tool command playing MiniWoB in-process (here `computerrl demos`) unwinds it through its
@@ -188,7 +176,8 @@ def test_a_terminated_command_closes_its_browsers(tmp_path):
     driver = None
     try:
         deadline = time.monotonic() + 60
-        while not (drivers := _children(proc.pid)):  # chromedriver, leading its browser's process group
+        # its one child: chromedriver, which leads its browser's process group
+        while not (drivers := children_by_parent().get(proc.pid, [])):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
             time.sleep(0.2)
         (driver,) = drivers

@@ -102,6 +102,17 @@ class _PickTheQuoted:
         return {"reward": float(ok), "success": ok}
 
 
+def _explore(explorer, family, env, episodes, max_steps):
+    """Play ``episodes`` of ``env`` with ``explorer``'s workflows, learning from each; whether each succeeded."""
+    tok, wins = ByteTokenizer(), []
+    for i in range(episodes):
+        player = explorer.player(family, tok)
+        ep = asyncio.run(play_episode(env, player, f"t/{i}", tok, PromptConfig(), max_steps=max_steps))
+        explorer.update(family, player.plan, float(ep.evaluation["success"]))
+        wins.append(ep.evaluation["success"])
+    return wins
+
+
 def test_the_explorer_learns_which_workflow_succeeds():
     env = _PickTheQuoted()
     obs = asyncio.run(env.reset("demo/0"))
@@ -114,13 +125,7 @@ def test_the_explorer_learns_which_workflow_succeeds():
         probs = explorer.probabilities("pick", 0, wf.steps[0])
         return sum(p for s, p in zip(wf.steps[0], probs) if "field 0" in s.key or "mentioned" in s.key)
     assert right_mass() < 0.5
-    tok = ByteTokenizer()
-    wins = []
-    for i in range(300):
-        player = explorer.player("pick", tok)
-        ep = asyncio.run(play_episode(env, player, f"t/{i}", tok, PromptConfig(), max_steps=1))
-        explorer.update("pick", player.plan, float(ep.evaluation["success"]))
-        wins.append(ep.evaluation["success"])
+    wins = _explore(explorer, "pick", env, 300, max_steps=1)
     assert right_mass() > 0.95 and np.mean(wins[:50]) < np.mean(wins[-100:]) > 0.95, (np.mean(wins[:50]),
                                                                                      np.mean(wins[-100:]))
     best = explorer.summary()["pick"]["best_workflow"][0]
@@ -195,27 +200,16 @@ def test_a_step_the_demo_repeated_repeats_as_often_as_another_instance_asks():
     assert not any(k.endswith("+") for k in by_key[3]), "Submit was done once"
     assert "click(input_checkbox #0)+" not in by_key[0], "a constraint the next tick broke does not repeat"
 
-    tok = ByteTokenizer()
     play = _TickTheNamed()  # one to four boxes an instance
     explorer = WorkflowExplorer({"tick": [wf]}, ExplorerConfig(seed=5))
-    wins = []
-    for i in range(300):
-        player = explorer.player("tick", tok)
-        ep = asyncio.run(play_episode(play, player, f"t/{i}", tok, PromptConfig(), max_steps=8))
-        explorer.update("tick", player.plan, float(ep.evaluation["success"]))
-        wins.append(ep.evaluation["success"])
+    wins = _explore(explorer, "tick", play, 300, max_steps=8)
     assert np.mean(wins[-100:]) > 0.9, (np.mean(wins[:50]), np.mean(wins[-100:]))
     first = explorer.summary()["tick"]["best_workflow"][0]  # a box (or an unchecked row) by its label, repeated
     assert "after mentioned)+" in first, first
     # without repeating steps the same demo wins only where the instance asks for three boxes
     plain = WorkflowExplorer({"tick": [dataclasses.replace(wf, steps=tuple(
         tuple(s for s in steps if not s.repeats) for steps in wf.steps))]}, ExplorerConfig(seed=5))
-    wins = []
-    for i in range(300):
-        player = plain.player("tick", tok)
-        ep = asyncio.run(play_episode(play, player, f"t/{i}", tok, PromptConfig(), max_steps=8))
-        plain.update("tick", player.plan, float(ep.evaluation["success"]))
-        wins.append(ep.evaluation["success"])
+    wins = _explore(plain, "tick", play, 300, max_steps=8)
     assert np.mean(wins[-100:]) < 0.4
 
 
