@@ -49,6 +49,14 @@ DEFAULT_MAX_SEQ_LEN = 4096  # engine.max_seq_len 0 with no prompt settings to fi
 MIN_REUSED_PREFIX = 16  # shorter shared prefixes are not worth leaving the lowest free slot for
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common."""
+    a, b = np.asarray(a), np.asarray(b)
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
 @dataclass
 class Request:
     """One generation in the engine: waiting for a slot, then running in it until it finishes."""
@@ -378,9 +386,7 @@ class HFEngine:
                 held = self.slot_tokens[slot]
                 if held is None:
                     continue
-                n = min(len(held), len(prompt))
-                differ = np.flatnonzero(held[:n] != prompt[:n])
-                common = int(differ[0]) if len(differ) else n
+                common = common_prefix(held, prompt)
                 if common > shared:
                     best, shared = slot, common
         if shared >= MIN_REUSED_PREFIX:

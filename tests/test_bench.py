@@ -105,12 +105,18 @@ def test_bench_engine_and_actor_print_their_ratios(tmp_path):
                     "4", "--mixed-episodes", "6", "--workload", str(tmp_path / "wl.json"),
                     "--profile", str(tmp_path / "profile.txt"))
     assert e["mixed"]["turns"] == 2 * rec["turns"], "6 episodes replay the 3 recorded twice"
+    turns = [t for ep in json.loads((tmp_path / "wl.json").read_text())["episodes"] for t in ep["turns"]]
+    assert all(len(t) == 3 and 0 <= t[2] < t[0] for t in turns), "each turn records the prefix it shares"
+    assert e["mixed"]["shared_prefixes"] and 0 <= e["mixed"]["prefix_reused_share"] < 1
     # 8 tokens a row, one a window on a CPU: the profile ends after its 6 windows, on the engine's own thread
-    assert e["profile"]["windows"] == 6 and e["profile"]["cpu_self_s"] > 0
+    assert e["profile"]["windows"] == 6 and e["profile"]["cpu_self_s"] > 0 and e["profile"]["wall_s"] > 0
     assert "aten::mm" in (tmp_path / "profile.txt").read_text(), "the decode step's operators were recorded"
+    # the mixed workload's profile (too short to pass its first windows: it profiles the last one)
+    assert e["profile_mixed"]["windows"] >= 1 and "aten::" in (tmp_path / "profile-mixed.txt").read_text()
     for workload in ("fixed_4", "mixed"):
         w = e[workload]
         assert w["tokens_per_s"] > 0 and w["generate_tokens_per_s"] > 0 and w["ttft_s"] > 0
+        assert 0 < w["prefill_share"] < 1
         assert abs(w["ratio"] - w["tokens_per_s"] / w["generate_tokens_per_s"]) < 0.01
         assert 1 <= w["mean_batch"] <= 4
     assert e["fixed_4"]["tokens"] == 4 * 8, "fixed lengths: every request generates exactly --new-tokens"

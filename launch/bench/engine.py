@@ -6,31 +6,56 @@ Workloads:
 - ``fixed``: ``batch`` prompts of ``prompt_len`` random tokens, each generating exactly ``new_tokens`` tokens
   (stop tokens banned until then, ``min_new_tokens`` on both sides), sampled at temperature 1;
 - ``mixed``: the turns of recorded episodes (``launch/bench/workloads/*.json``: per episode, each turn's prompt and
-  output length, recorded from the broad recipe's policy playing its training tasks:
-  ``computerrl bench engine --record launch/bench/workloads/broad-sim-turns.json``). Ours plays every
-  episode at once, each turn submitted when its previous turn is done, ``batch`` rows decoding at most;
-  ``generate`` plays ``batch`` episodes in lock step, one call per turn, which pads every row to the
-  turn's longest prompt and decodes until its longest output: what a user without a continuous batcher does.
+  output length and how many leading tokens its prompt shares with the previous turn's prompt and output,
+  recorded from the broad recipe's policy playing its training tasks:
+  ``computerrl bench engine --record launch/bench/workloads/broad-sim-turns.json``). A turn's prompt is that shared
+  prefix, taken from the tokens its previous turn was actually given and generated, then fresh random tokens: an
+  episode's prompts overlap as a real episode's do. Ours plays every episode at once, each turn submitted when its
+  previous turn is done, ``batch`` rows decoding at most; ``generate`` plays ``batch`` episodes in lock step, one
+  call per turn, which pads every row to the turn's longest prompt, decodes until its longest output and prefills
+  every prompt whole (a ``generate`` call keeps nothing of the last one): what a user without a continuous
+  batcher does. ``--unshared``: no turn shares anything (every prompt random), the figure before prefixes were
+  recorded.
 
 The baseline is ``generate`` on a ``StaticCache`` (on a GPU transformers then compiles its decode step), sampling, no
 scores kept: the fastest ``generate`` measured (docs/gpu.md). Ours also records a log-prob
 per token, which the baseline does not. Both count the same useful tokens (the recorded or fixed lengths);
 ``ratio`` is ours over ``generate`` in tokens/s. Each side runs once untimed first (graph capture, compile), on
-prompts of the same lengths but other tokens, and no prompt shares a prefix with another: the engine's prefix reuse
-(which ``generate`` lacks) has nothing to reuse here, so both sides prefill every prompt in full.
+prompts of the same lengths but other tokens, and no prompt shares a prefix with a prompt of another episode: the
+engine's prefix reuse finds only what an episode's own earlier turn left (``prefix_reused_share``: the share of
+prompt tokens it did not prefill), and nothing on the fixed workload. ``prefill_share``: the share of the engine's
+busy time spent admitting and prefilling.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 WORKLOADS = Path(__file__).parent / "workloads"
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn of a bench episode: its prompt is ``shared`` leading tokens of the previous turn's prompt and
+    output, then ``tail``; ``out`` tokens are generated."""
+
+    tail: list[int]
+    out: int
+    shared: int = 0
+
+    def prompt(self, previous: list[int]) -> list[int]:
+        """This turn's prompt after a turn that was given and generated ``previous``."""
+        if self.shared > len(previous):
+            raise ValueError(f"a turn shares {self.shared} tokens with a previous turn of {len(previous)}")
+        return previous[:self.shared] + self.tail
 
 
 def _sync(device: str) -> None:
@@ -49,87 +74,104 @@ def _random_prompt(rng: random.Random, n: int, vocab: int, avoid: set[int]) -> l
     return out
 
 
-def _ours(engine: Any, episodes: list[list[tuple[list[int], int]]]) -> dict:
-    """Every episode at once, turn after turn; returns tokens, seconds and the engine's batch and TTFT."""
+def _ours(engine: Any, episodes: list[list[Turn]]) -> dict:
+    """Every episode at once, turn after turn; returns tokens, seconds and the engine's batch, TTFT, prefill share
+    and reused prefixes."""
     import asyncio
 
     from actor.engine import SamplingParams
 
-    async def play(turns: list[tuple[list[int], int]]) -> int:
-        n = 0
-        for prompt, out_len in turns:
-            params = SamplingParams(temperature=1.0, max_new_tokens=out_len, min_new_tokens=out_len)
+    async def play(turns: list[Turn]) -> int:
+        n, previous = 0, []
+        for turn in turns:
+            params = SamplingParams(temperature=1.0, max_new_tokens=turn.out, min_new_tokens=turn.out)
+            prompt = turn.prompt(previous)
             g = await asyncio.wrap_future(engine.submit(prompt, params))
             n += len(g.token_ids)
+            previous = prompt + g.token_ids
         return n
 
     async def main() -> int:
         return sum(await asyncio.gather(*(play(t) for t in episodes)))
 
     st = engine.stats
-    steps0, rows0, ttft0 = st.decode_steps, st.decode_rows, len(st.first_token_s)
+    before = (st.decode_steps, st.decode_rows, len(st.first_token_s), st.seconds, st.prefill_seconds,
+              st.prompt_tokens, st.prefix_reused_tokens)
     t0 = time.perf_counter()
     tokens = asyncio.run(main())
     seconds = time.perf_counter() - t0
-    ttft = list(st.first_token_s)[ttft0:] if len(st.first_token_s) < st.first_token_s.maxlen else []
-    steps = st.decode_steps - steps0
+    steps, rows, ttft0, busy, prefill, prompted, reused = (now - then for now, then in zip(
+        (st.decode_steps, st.decode_rows, len(st.first_token_s), st.seconds, st.prefill_seconds, st.prompt_tokens,
+         st.prefix_reused_tokens), before))
+    ttft = list(st.first_token_s)[-ttft0:] if ttft0 and len(st.first_token_s) < st.first_token_s.maxlen else []
     return {"tokens": tokens, "seconds": seconds,
-            "mean_batch": round((st.decode_rows - rows0) / steps, 2) if steps else 0.0,
-            "ttft_s": round(sorted(ttft)[len(ttft) // 2], 4) if ttft else None}
+            "mean_batch": round(rows / steps, 2) if steps else 0.0,
+            "ttft_s": round(sorted(ttft)[len(ttft) // 2], 4) if ttft else None,
+            "prefill_share": round(prefill / busy, 3) if busy else 0.0,
+            "prefix_reused_share": round(reused / (reused + prompted), 3) if reused + prompted else 0.0}
 
 
 class _WindowProfiler:
-    """``torch.profiler`` over ``windows`` decode windows of an engine, started and stopped on the engine's own
-    thread from its ``step_hook`` (the profiler records the operators of the thread that started it only; the
-    engine's loop, prefills and host copies included, runs on that thread)."""
+    """``torch.profiler`` over ``windows`` decode windows of an engine after its first ``skip``, started and stopped
+    on the engine's own thread from its ``step_hook`` (the profiler records the operators of the thread that
+    started it only; the engine's loop, prefills and host copies included, runs on that thread)."""
 
-    def __init__(self, windows: int, activities: list):
-        self.windows, self.activities = windows, activities
+    def __init__(self, windows: int, activities: list, skip: int = 0):
+        self.windows, self.activities, self.skip = windows, activities, skip
         self.prof: Any = None
         self.seen = 0
         self.stop = threading.Event()  # asked from outside: end at the next window
         self.done = threading.Event()
+        self.started = self.wall_s = 0.0  # the profiled windows' wall-clock seconds
 
     def __call__(self) -> None:
         from torch.profiler import profile
 
         if self.done.is_set():
             return
+        if self.skip > 0 and not self.stop.is_set():
+            self.skip -= 1
+            return
         if self.prof is None:
             self.prof = profile(activities=self.activities)
             self.prof.__enter__()
+            self.started = time.perf_counter()
         elif self.seen >= self.windows or self.stop.is_set():
+            self.wall_s = time.perf_counter() - self.started
             self.prof.__exit__(None, None, None)
             self.done.set()
         self.seen += 1
 
 
-def _profile(engine: Any, episodes: list[list[tuple[list[int], int]]], device: str, out: str,
-             windows: int = 6) -> dict:
-    """Ours once more on ``episodes``, untimed, with ``windows`` of its decode windows under ``torch.profiler``: the
-    operators and kernels that took the time, as a table in ``out`` (sorted by device time on a GPU, CPU time on
-    a CPU); the totals it saw."""
+def _profile(engine: Any, episodes: list[list[Turn]], device: str, out: str, windows: int = 6, skip: int = 0) -> dict:
+    """Ours once more on ``episodes``, untimed, with ``windows`` of its decode windows (after the first ``skip``)
+    under ``torch.profiler``: the operators and kernels that took the time, as a table in ``out`` (sorted by device
+    time on a GPU, CPU time on a CPU); the totals it saw."""
     from actor.engine import SamplingParams
     from torch.profiler import ProfilerActivity
 
     cuda = device.startswith("cuda")
-    hook = _WindowProfiler(windows, [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    hook = _WindowProfiler(windows, [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), skip)
     engine.step_hook = hook
     try:
         _ours(engine, episodes)
-        if not hook.done.is_set():  # the work had fewer windows: one more window ends the profile
-            hook.stop.set()
-            engine.generate([episodes[0][0][0][:8]], SamplingParams(max_new_tokens=2, min_new_tokens=2))
+        hook.stop.set()
+        for _ in range(2):  # the work had fewer windows: a short generation gives the hook a window, which ends it
+            if hook.done.is_set():  # (or, where the profile had not begun, begins it: then one more)
+                break
+            engine.generate([episodes[0][0].tail[:8]], SamplingParams(max_new_tokens=2, min_new_tokens=2))
     finally:
         engine.step_hook = None
     events = hook.prof.key_averages()
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    Path(out).write_text(events.table(sort_by=key, row_limit=40))
-    return {"file": out, "windows": hook.seen - 1,
-            ("device_self_s" if cuda else "cpu_self_s"): round(sum(getattr(e, key) for e in events) / 1e6, 4)}
+    keys = ["self_device_time_total", "self_cpu_time_total"] if cuda else ["self_cpu_time_total"]
+    # on a GPU, also by host time: launches, copies and waits that leave the device idle show there
+    Path(out).write_text("\n\n".join(f"sorted by {k}\n" + events.table(sort_by=k, row_limit=40) for k in keys))
+    busy = sum(getattr(e, keys[0]) for e in events) / 1e6
+    return {"file": out, "windows": hook.seen - 1, "wall_s": round(hook.wall_s, 4),
+            ("device_self_s" if cuda else "cpu_self_s"): round(busy, 4)}
 
 
-def _generate(model: Any, tok: Any, device: str, episodes: list[list[tuple[list[int], int]]], batch: int,
+def _generate(model: Any, tok: Any, device: str, episodes: list[list[Turn]], batch: int,
               warm_up: bool = False) -> dict:
     """``batch`` episodes in lock step through ``generate``, one call per turn, on one ``StaticCache`` of fixed
     shape: every call is ``batch`` rows (episodes that have ended leave idle rows) left-padded to the workload's
@@ -139,62 +181,87 @@ def _generate(model: Any, tok: Any, device: str, episodes: list[list[tuple[list[
 
     from actor.engine import left_pad
 
-    width = max(len(p) for e in episodes for p, _ in e)
-    longest_out = max(n for e in episodes for _, n in e)
+    width = max(len(t.tail) + t.shared for e in episodes for t in e)
+    longest_out = max(t.out for e in episodes for t in e)
     cache = StaticCache(config=model.config, max_cache_len=width + longest_out)
     useful, t0, first = 0, time.perf_counter(), None
     for c in range(0, len(episodes), batch):
         chunk = episodes[c:c + batch]
+        previous: list[list[int]] = [[] for _ in chunk]  # each episode's last prompt and output
         for turn in range(max(len(e) for e in chunk)):
-            rows = [e[turn] for e in chunk if len(e) > turn]
-            prompts = [p for p, _ in rows] + [rows[0][0]] * (batch - len(rows))  # idle lanes
-            ids, mask = left_pad(prompts, tok.pad_id, width)
-            longest = max(n for _, n in rows)
+            playing = [i for i, e in enumerate(chunk) if len(e) > turn]
+            prompts = [chunk[i][turn].prompt(previous[i]) for i in playing]
+            ids, mask = left_pad(prompts + [prompts[0]] * (batch - len(prompts)), tok.pad_id, width)  # idle lanes
+            longest = max(chunk[i][turn].out for i in playing)
             ids, mask = ids.to(device), mask.to(device)
             if warm_up:
                 _generate_call(model, tok, ids, mask, min(longest, 8), cache, device)
                 return {}
             if first is None:  # generate returns every token at the end: its first token needs a whole prefill
-                first = _generate_call(model, tok, ids, mask, 1, cache, device)  # a probe, not timed as work
-            _generate_call(model, tok, ids, mask, longest, cache, device)
-            useful += sum(n for _, n in rows)
+                first, _ = _generate_call(model, tok, ids, mask, 1, cache, device)  # a probe, not timed as work
+            _, out = _generate_call(model, tok, ids, mask, longest, cache, device)
+            if any(chunk[i][turn + 1].shared for i in playing if len(chunk[i]) > turn + 1):
+                new = out[:len(playing), width:].tolist()  # the next turns begin with what this one generated
+                previous = [[] for _ in chunk]
+                for row, i in enumerate(playing):
+                    previous[i] = prompts[row] + new[row][:chunk[i][turn].out]
+            useful += sum(chunk[i][turn].out for i in playing)
     _sync(device)
     return {"tokens": useful, "seconds": time.perf_counter() - t0 - first, "ttft_s": round(first, 4)}
 
 
-def _generate_call(model: Any, tok: Any, ids: Any, mask: Any, new: int, cache: Any, device: str) -> float:
-    """One ``generate`` call (sampling at temperature 1, exactly ``new`` tokens) on ``cache``; its seconds."""
+def _generate_call(model: Any, tok: Any, ids: Any, mask: Any, new: int, cache: Any, device: str) -> tuple[float, Any]:
+    """One ``generate`` call (sampling at temperature 1, exactly ``new`` tokens) on ``cache``: its seconds and the
+    sequences it returned."""
     import torch
 
     cache.reset()
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x renamed
     t0 = time.perf_counter()
     with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                       max_new_tokens=new, min_new_tokens=new, pad_token_id=tok.pad_id,
-                       eos_token_id=sorted(tok.stop_ids), past_key_values=cache)
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                             max_new_tokens=new, min_new_tokens=new, pad_token_id=tok.pad_id,
+                             eos_token_id=sorted(tok.stop_ids), **{cache_kw: cache})
     _sync(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, out
 
 
-def load_workload(name: str) -> list[list[tuple[int, int]]]:
+def load_workload(name: str) -> list[list[tuple[int, int, int]]]:
+    """A recorded workload: per episode, each turn's (prompt length, output length, tokens shared with the previous
+    turn's prompt and output); files recorded before prefixes were share nothing."""
     path = Path(name) if Path(name).exists() else WORKLOADS / f"{name}.json"
     if not path.exists():
         raise FileNotFoundError(f"no engine workload {name!r} (a file, or one of {sorted(p.stem for p in WORKLOADS.glob('*.json'))})")
     data = json.loads(path.read_text())
-    return [[(int(p), int(o)) for p, o in ep["turns"]] for ep in data["episodes"]]
+    episodes = [[(int(t[0]), int(t[1]), int(t[2]) if len(t) > 2 else 0) for t in ep["turns"]]
+                for ep in data["episodes"]]
+    for i, ep in enumerate(episodes):
+        for j, (p, o, shared) in enumerate(ep):
+            previous = ep[j - 1][0] + ep[j - 1][1] if j else 0
+            if not (0 < p and 0 < o and 0 <= shared <= min(p - 1, previous)):
+                raise ValueError(f"{path}: episode {i} turn {j} ({p}, {o}, {shared}): need prompt and output >= 1 and "
+                                 "a shared prefix shorter than the prompt and within the previous turn")
+    return episodes
+
+
+def _episode(rng: random.Random, turns: list[tuple[int, int, int]], vocab: int, avoid: set[int],
+             shared: bool = True) -> list[Turn]:
+    """A recorded episode's turns with fresh random tokens (``shared``: each shares what it was recorded to)."""
+    return [Turn(_random_prompt(rng, p - (s if shared else 0), vocab, avoid), o, s if shared else 0)
+            for p, o, s in turns]
 
 
 def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: int = 2, batches: tuple = (32, 128),
               prompt_len: int = 512, new_tokens: int = 128, workload: str = "broad-sim-turns",
               mixed_batch: int = 64, mixed_episodes: int = 256, sync_every: int = 0, cuda_graphs: bool = True,
-              compile_step: bool = False, seed: int = 0, profile: str = "") -> dict:
+              compile_step: bool = False, seed: int = 0, profile: str = "", shared_prefixes: bool = True) -> dict:
     from actor.engine import EngineConfig
     from actor.hf_engine import HFEngine
     from launch.bench.learner import model_config
 
     rng = random.Random(seed)
     recorded = load_workload(workload) if workload else []
-    longest_turn = max((p + o for ep in recorded for p, o in ep), default=0)
+    longest_turn = max((p + o for ep in recorded for p, o, _ in ep), default=0)
     slots = max([*batches, mixed_batch if recorded else 0])
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         model_cfg = model_config(shape, hidden, layers, tmp if shape else "")
@@ -216,33 +283,40 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
         mine, theirs = ours["tokens"] / ours["seconds"], base["tokens"] / base["seconds"]
         return {"tokens_per_s": round(mine, 1), "generate_tokens_per_s": round(theirs, 1),
                 "ratio": round(mine / theirs, 3), "mean_batch": ours["mean_batch"], "ttft_s": ours["ttft_s"],
-                "generate_ttft_s": base["ttft_s"], "tokens": ours["tokens"]}
+                "generate_ttft_s": base["ttft_s"], "tokens": ours["tokens"], "prefill_share": ours["prefill_share"],
+                "prefix_reused_share": ours["prefix_reused_share"]}
 
     for batch in batches:
-        episodes = [[(_random_prompt(rng, prompt_len, tok.vocab_size, avoid), new_tokens)] for _ in range(batch)]
+        episodes = [_episode(rng, [(prompt_len, new_tokens, 0)], tok.vocab_size, avoid) for _ in range(batch)]
         engine.use_slots(batch)  # (which also forgets the prefixes slots held: nothing is reused across runs)
         # warm-up prompts of the same lengths but other tokens: no slot may hold a timed prompt's prefix
-        _ours(engine, [[(_random_prompt(rng, len(p), tok.vocab_size, avoid), min(n, 8)) for p, n in e]
-                       for e in episodes])
+        _ours(engine, [_episode(rng, [(prompt_len, min(new_tokens, 8), 0)], tok.vocab_size, avoid)
+                       for _ in range(batch)])
         engine.use_slots(batch)
         _generate(model, tok, device, episodes, batch, warm_up=True)
         ours = _ours(engine, episodes)
         base = _generate(model, tok, device, episodes, batch)
         result[f"fixed_{batch}"] = figures(ours, base)
-        if profile and batch == max(batches):  # where the ratio is furthest from its target
+        if profile and batch == max(batches):  # the largest fixed batch: where kernels, not launches, decide
             result["profile"] = _profile(engine, episodes, device, profile)
     if recorded:
         picked = [recorded[i % len(recorded)] for i in range(mixed_episodes)]
-        episodes = [[(_random_prompt(rng, p, tok.vocab_size, avoid), o) for p, o in ep] for ep in picked]
+        episodes = [_episode(rng, ep, tok.vocab_size, avoid, shared_prefixes) for ep in picked]
         engine.use_slots(mixed_batch)
-        _ours(engine, [[(_random_prompt(rng, len(p), tok.vocab_size, avoid), n) for p, n in e]
-                       for e in episodes[:mixed_batch]])
+        _ours(engine, [_episode(rng, ep, tok.vocab_size, avoid, shared_prefixes) for ep in picked[:mixed_batch]])
         engine.use_slots(mixed_batch)
         _generate(model, tok, device, episodes, mixed_batch, warm_up=True)
         ours = _ours(engine, episodes)
         base = _generate(model, tok, device, episodes, mixed_batch)
         result["mixed"] = {**figures(ours, base), "workload": workload, "episodes": len(episodes),
-                           "turns": sum(len(e) for e in episodes), "batch": mixed_batch}
+                           "turns": sum(len(e) for e in episodes), "batch": mixed_batch,
+                           "shared_prefixes": shared_prefixes}
+        if profile:  # admissions and prefills between the windows: what the fixed workload hardly has
+            mixed_out = str(Path(profile).with_name(Path(profile).stem + "-mixed" + Path(profile).suffix))
+            engine.use_slots(mixed_batch)
+            # past the first wave of turns, which all arrive at once: windows that admit as turns end
+            result["profile_mixed"] = _profile(engine, episodes, device, mixed_out, windows=12,
+                                               skip=max(8, 64 // engine.sync_every))
     if engine.compiled is not None:
         result["compile_disabled"] = engine.compiled.disabled or None  # why it fell back to eager, if it did
     if engine.graphs is not None:
@@ -254,12 +328,13 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
 
 def record_workload(config: str, episodes: int, out: str, overrides: list[str] = ()) -> dict:
     """Play ``episodes`` training episodes of a recipe's policy on the sim desktop (sampled, as in RL) and write
-    each turn's prompt and output length: the ``mixed`` workload."""
+    each turn's prompt and output length and the leading tokens its prompt shares with the previous turn's prompt
+    and output: the ``mixed`` workload."""
     import asyncio
 
     from actor.engine import EngineConfig
     from actor.episode import LocalEnv, play_episode
-    from actor.hf_engine import HFEngine
+    from actor.hf_engine import HFEngine, common_prefix
     from env_server.sim.backend import SimBackend, SimConfig
     from launch.config import load_run_config
     from launch.evaluate import suite_tasks
@@ -270,12 +345,18 @@ def record_workload(config: str, episodes: int, out: str, overrides: list[str] =
     ids = suite_tasks(cfg.broker.tasks.suite, -(-episodes // families))
     random.Random(cfg.run.seed).shuffle(ids)
     ids = ids[:episodes]
-    lengths: list[list[tuple[int, int]]] = [[] for _ in ids]
+    lengths: list[list[tuple[int, int, int]]] = [[] for _ in ids]
 
     def recorder(i: int):
+        previous: list[int] = []  # this episode's last prompt and output
+
         async def policy(prompt_ids, obs, images):
+            nonlocal previous
             g = await asyncio.wrap_future(engine.submit(prompt_ids, cfg.actor.sampling, images))
-            lengths[i].append((len(prompt_ids), len(g.token_ids)))
+            # never the whole prompt: its last token's logits sample the first new one (the engine prefills it too)
+            shared = min(common_prefix(previous, prompt_ids), len(prompt_ids) - 1)
+            lengths[i].append((len(prompt_ids), len(g.token_ids), shared))
+            previous = list(prompt_ids) + g.token_ids
             return g
         return policy
 
@@ -290,5 +371,7 @@ def record_workload(config: str, episodes: int, out: str, overrides: list[str] =
             "episodes": [{"task": t, "turns": turns} for t, turns in zip(ids, lengths)]}
     Path(out).write_text(json.dumps(data, indent=0))
     turns = [t for ep in lengths for t in ep]
-    return {"episodes": len(ids), "turns": len(turns), "mean_prompt": round(sum(p for p, _ in turns) / len(turns), 1),
-            "mean_output": round(sum(o for _, o in turns) / len(turns), 1), "out": out}
+    return {"episodes": len(ids), "turns": len(turns), "mean_prompt": round(sum(t[0] for t in turns) / len(turns), 1),
+            "mean_output": round(sum(t[1] for t in turns) / len(turns), 1),
+            "shared_share": round(sum(t[2] for t in turns) / sum(t[0] for t in turns), 3), "out": out}
+

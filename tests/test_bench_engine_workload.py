@@ -1,0 +1,63 @@
+"""``bench engine``'s mixed workload: a turn's prompt begins with what it was recorded to share with its previous
+turn's prompt and output, on both sides of the comparison; recorded files are checked as they load."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from actor.engine import EngineConfig  # noqa: E402
+from actor.hf_engine import HFEngine, common_prefix  # noqa: E402
+from launch.bench.engine import Turn, _episode, _generate, _ours, load_workload  # noqa: E402
+from tests.test_engine import TINY  # noqa: E402
+
+
+def test_a_turn_begins_with_its_shared_prefix_and_refuses_more_than_there_was():
+    assert Turn([7, 8], out=3, shared=2).prompt([1, 2, 3, 4]) == [1, 2, 7, 8]
+    assert Turn([7], out=1).prompt([1, 2]) == [7]
+    with pytest.raises(ValueError, match="shares 5 tokens with a previous turn of 4"):
+        Turn([7], out=1, shared=5).prompt([1, 2, 3, 4])
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([1, 2], [1, 2, 3]) == 2
+    assert common_prefix([], [1]) == 0
+
+
+def test_recorded_workloads_load_old_and_new_and_refuse_impossible_turns(tmp_path):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"episodes": [{"turns": [[10, 3], [20, 4]]}]}))
+    assert load_workload(str(old)) == [[(10, 3, 0), (20, 4, 0)]]
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps({"episodes": [{"turns": [[10, 3, 0], [20, 4, 12]]}]}))
+    assert load_workload(str(new)) == [[(10, 3, 0), (20, 4, 12)]]
+    for turns in ([[10, 3, 2]], [[10, 3, 0], [20, 4, 14]], [[10, 3, 0], [12, 4, 12]], [[0, 3]]):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({"episodes": [{"turns": turns}]}))
+        with pytest.raises(ValueError, match="episode 0 turn"):
+            load_workload(str(bad))
+    with pytest.raises(FileNotFoundError, match="no engine workload"):
+        load_workload(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "unshared"])
+def test_both_sides_play_episodes_whose_turns_overlap_as_recorded(shared):
+    eng = HFEngine(TINY, EngineConfig(seed=3, max_batch=4))
+    tok = eng.tokenizer
+    avoid = set(tok.stop_ids) | {tok.pad_id}
+    recorded = [[(40, 5, 0), (60, 4, 42), (70, 3, 61)], [(30, 6, 0), (50, 2, 20)]] * 2
+    episodes = [_episode(random.Random(i), ep, tok.vocab_size, avoid, shared) for i, ep in enumerate(recorded)]
+    assert [len(t.tail) + t.shared for t in episodes[0]] == [40, 60, 70], "every prompt has its recorded length"
+    ours = _ours(eng, episodes)
+    assert ours["tokens"] == sum(o for ep in recorded for _, o, _ in ep)
+    # the second turns' 42 and 20 shared tokens and the third's 61 come from the slot each episode's turn left
+    # (less the one token a reused prompt always prefills); unshared, nothing is reused
+    if shared:
+        assert ours["prefix_reused_share"] > 0.3
+    else:
+        assert ours["prefix_reused_share"] == 0.0
+    assert 0 < ours["prefill_share"] < 1
+    base = _generate(eng.model, tok, "cpu", episodes, batch=2)
+    assert base["tokens"] == ours["tokens"] and base["seconds"] > 0
+    eng.close()
