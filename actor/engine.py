@@ -54,6 +54,7 @@ class EngineStats:
     prefill_batches: int = 0
     prefill_seconds: float = 0.0  # of ``seconds``, spent prefilling prompts (the rest decodes)
     prefix_reused_tokens: int = 0  # prompt tokens not prefilled: a slot already held them
+    prefix_copies: int = 0  # requests whose reused prefix was copied from another request's slot
     first_token_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
     """seconds from submission to the first sampled token, most recent requests"""
 

@@ -6,7 +6,8 @@ Every prompt submitted is a request. On the engine's own thread, a loop of windo
 2. waiting requests take free slots of the KV cache (``actor/kv_cache.py``, allocated once) and are
    prefilled in batches of at most ``prefill_tokens`` padded tokens (a longer text prompt in chunks); each
    samples its first token. A slot keeps what its last request left in it: a turn whose prompt begins with an
-   earlier turn's prompt and output (the same episode's history) takes that slot and prefills only the rest;
+   earlier turn's prompt and output (the same episode's history) takes that slot and prefills only the rest; a
+   prompt that begins with another request's (a GRPO group's rollouts) copies that prefix from its slot;
 3. every running request decodes together for ``sync_every`` tokens: the decode step (with ``compile``, fused
    by inductor, ``actor/compiled_step.py``; replayed as a CUDA graph on a GPU, ``actor/decode_graphs.py``) and the
    sampling (``actor/sampler.py``) stay on the device,
@@ -71,6 +72,8 @@ class Request:
     slot: int = -1
     prefilled: int = 0  # prompt tokens already in the cache (a long prompt is prefilled in chunks)
     swaps_at_placement: int = 0  # the engine's weight swaps when its slot's columns began to be written
+    source: "Request | None" = None  # a request admitted with it whose prompt prefix it copies once prefilled
+    ids: Any = None  # the prompt as an array (prefix matching, made on the submitting thread)
 
     @property
     def remaining(self) -> int:
@@ -228,7 +231,7 @@ class HFEngine:
                              f"fit a slot of actor.engine.max_seq_len={self.max_seq_len} tokens: raise it, or "
                              "shorten prompts (actor.prompt.max_prompt_tokens)")
         req = Request(list(prompt), params, list(images or ()), cf.Future(), StopWatch(self.tokenizer, params.stop),
-                      time.perf_counter())
+                      time.perf_counter(), ids=np.asarray(prompt) if self.reuse else None)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine is closed" + (f": its thread died of {self._died!r}"
@@ -349,9 +352,10 @@ class HFEngine:
             new = []
             while self._waiting and self.free_slots:
                 r = self._waiting.popleft()
-                self._place(r)
-                self._by_slot[r.slot] = r
+                self._place(r, new)
                 new.append(r)
+            for r in new:
+                self._by_slot[r.slot] = r
         if not new:
             return
         slots = torch.tensor([r.slot for r in new], device=dev)
@@ -362,8 +366,17 @@ class HFEngine:
         rows.min_new.index_copy_(0, slots, torch.tensor([r.params.min_new_tokens for r in new], device=dev))
         rows.generated.index_fill_(0, slots, 0)
         self.budget.index_copy_(0, slots, torch.tensor([r.params.max_new_tokens for r in new], device=dev))
+        # requests whose prefix another new request holds once prefilled (a group's identical first turns) go after
+        waits = [r for r in new if r.source is not None]
+        self._prefill_all([r for r in new if r.source is None])
+        if waits:
+            self._copy_prefixes(waits)
+            self._prefill_all(waits)
+
+    def _prefill_all(self, reqs: list[Request]) -> None:
+        """Prefill ``reqs``: in batches of at most ``prefill_tokens`` padded tokens, a longer prompt alone in chunks."""
         batch: list[Request] = []
-        for r in new:
+        for r in reqs:
             if self.vision is None and len(r.prompt) - r.prefilled > self.cfg.prefill_tokens:
                 while r.prefilled < len(r.prompt):  # alone, in chunks
                     self._prefill([r], self.cfg.prefill_tokens)
@@ -376,28 +389,59 @@ class HFEngine:
         if batch:
             self._prefill(batch, self.max_seq_len)
 
-    def _place(self, r: Request) -> None:
-        """A free slot for ``r``: the one whose cached tokens share the longest prefix with its prompt (then only
-        the rest is prefilled), else the lowest (decode batches stay dense)."""
-        best, shared = -1, 0
+    def _place(self, r: Request, admitted: list[Request]) -> None:
+        """A free slot for ``r``, and how much of its prompt need not be prefilled. The longest prefix of its
+        prompt that the cache holds (at least ``MIN_REUSED_PREFIX`` tokens) comes from one of:
+
+        - a free slot's leftover tokens (an episode's earlier turn): ``r`` takes that slot and prefills the rest;
+        - a running request's prompt, or that of a request ``admitted`` before it in this window (the other
+          rollouts of a group start from the same prompt): ``r`` takes the lowest free slot, the prefix is copied
+          into it (``_copy_prefixes``) and the rest prefilled.
+
+        Else the lowest free slot (decode batches stay dense). Only columns the current weights wrote count."""
+        free, shared, source = -1, MIN_REUSED_PREFIX - 1, None
+        ids = r.ids
+
+        def longer(held: Any) -> int:
+            """``held``'s common prefix with the prompt where it beats ``shared``, else 0. Most candidates share
+            only the rules every prompt begins with: one look at the token after the best match so far rules
+            them out without comparing the rest."""
+            if len(held) <= shared or len(ids) <= shared or held[shared] != ids[shared]:
+                return 0
+            return common_prefix(held, ids)
+
         if self.reuse:
-            prompt = np.asarray(r.prompt)
             for slot in self.free_slots:
                 held = self.slot_tokens[slot]
-                if held is None:
-                    continue
-                common = common_prefix(held, prompt)
-                if common > shared:
-                    best, shared = slot, common
-        if shared >= MIN_REUSED_PREFIX:
-            self.free_slots.remove(best)
+                if held is not None and (common := longer(held)) > shared:
+                    free, shared = slot, common
+            for q in [*self._by_slot.values(), *admitted]:
+                if q.swaps_at_placement != self.stats.weight_swaps or q.source is not None:
+                    continue  # columns of the old weights; a copy's own source is the one to copy from
+                if (common := longer(q.ids)) > shared:
+                    free, shared, source = -1, common, q
+        shared = min(shared, len(r.prompt) - 1)  # one token at least is prefilled: its logits sample the first
+        if shared >= MIN_REUSED_PREFIX and source is None:
+            self.free_slots.remove(free)
             heapq.heapify(self.free_slots)
-            r.slot, r.prefilled = best, min(shared, len(r.prompt) - 1)  # one token at least: its logits
-            self.stats.prefix_reused_tokens += r.prefilled
+            r.slot = free
         else:
             r.slot = heapq.heappop(self.free_slots)
+        if shared >= MIN_REUSED_PREFIX:
+            r.prefilled, r.source = shared, source
+            self.stats.prefix_reused_tokens += shared
         self.slot_tokens[r.slot] = None  # overwritten from here on
         r.swaps_at_placement = self.stats.weight_swaps
+
+    def _copy_prefixes(self, reqs: list[Request]) -> None:
+        """Each request's reused prefix from its source's slot into its own (the source's prompt is all in the
+        cache by now: it ran before, or was prefilled earlier in this window)."""
+        torch, dev = self.torch, self.device
+        self.cache.copy_prefixes(torch.tensor([r.source.slot for r in reqs], device=dev),
+                                 torch.tensor([r.slot for r in reqs], device=dev), [r.prefilled for r in reqs])
+        self.stats.prefix_copies += len(reqs)
+        for r in reqs:
+            r.source = None
 
     def _prefill(self, reqs: list[Request], chunk: int) -> None:
         """Prompt tokens ``prefilled .. prefilled + chunk`` of each request into its slot (right-padded rows; the

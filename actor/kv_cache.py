@@ -63,6 +63,20 @@ class SlotKVCache(Cache):
             return k[:self._read_count, :, :self._read_len], v[:self._read_count, :, :self._read_len]
         return k[self._read_rows, :, :self._read_len], v[self._read_rows, :, :self._read_len]
 
+    def copy_prefixes(self, sources: Any, targets: Any, lengths: list[int]) -> None:
+        """Columns ``0 .. lengths[i] - 1`` of slot ``sources[i]`` into slot ``targets[i]``, every layer (a prompt
+        prefix another slot already holds: one gather and one scatter a layer, however many pairs). Shorter
+        pairs copy the scratch column into the scratch column beyond their length."""
+        torch = self.torch
+        device = self.keys[0].device
+        longest = max(lengths)
+        columns = torch.arange(longest, device=device)[None, :]
+        columns = torch.where(columns < torch.tensor(lengths, device=device)[:, None], columns, self.scratch)
+        src, dst = sources[:, None], targets[:, None]
+        for k, v in zip(self.keys, self.values):
+            k[dst, :, columns] = k[src, :, columns]
+            v[dst, :, columns] = v[src, :, columns]
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._read_len
 

@@ -93,6 +93,69 @@ def test_a_later_turn_reuses_the_slot_holding_its_prefix():
     eng.close()
 
 
+def _submit_from_window(eng, when, prompt, params) -> dict:
+    """Submit ``prompt`` from the engine's own thread before the first decode window at which ``when()`` holds:
+    at a known point of another request's decoding, whatever the machine's speed."""
+    out: dict = {}
+
+    def hook() -> None:
+        if "future" not in out and when():
+            out["future"] = eng.submit(prompt, params)
+    eng.step_hook = hook
+    return out
+
+
+def test_a_groups_rollouts_prefill_their_shared_prompt_once_and_later_ones_copy_it_from_a_running_slot():
+    """G rollouts of a group start from one prompt: it is prefilled once and the others copy its columns; a turn
+    that shares a running request's prompt copies it from that slot; all agree with the teacher-forced pass."""
+    eng = HFEngine(TINY, EngineConfig(seed=4, max_batch=6, sync_every=2))
+    tok = eng.tokenizer
+    prompt = tok.encode("the task, its rules and the first screen of the desktop " * 2)
+    gens = eng.generate([prompt] * 4, SamplingParams(max_new_tokens=14))
+    assert eng.stats.prefix_copies == 3 and eng.stats.prefix_reused_tokens == 3 * (len(prompt) - 1)
+    assert eng.stats.prompt_tokens == len(prompt) + 3, "one whole prefill, then one token each for its logits"
+    _agree(eng, [prompt] * 4, gens)
+    assert len({tuple(g.token_ids) for g in gens}) > 1, "each rollout samples its own continuation"
+
+    # a later turn sharing the prompt of a request still decoding (no free slot's leftovers share it)
+    other = tok.encode("another task entirely, with its own first screen")
+    later = other + tok.encode(" then a different observation")
+    copies, reused = eng.stats.prefix_copies, eng.stats.prefix_reused_tokens
+    sent = _submit_from_window(eng, lambda: any(r.prompt == other for r in eng._by_slot.values()), later,
+                               SamplingParams(max_new_tokens=6))
+    # (min_new_tokens keeps it decoding; its log-probs then leave out the banned stop tokens, so only the later
+    # turn is checked against the teacher-forced pass)
+    eng.generate([other], SamplingParams(max_new_tokens=30, min_new_tokens=30))
+    eng.step_hook = None
+    assert eng.stats.prefix_copies == copies + 1 and eng.stats.prefix_reused_tokens == reused + len(other)
+    _agree(eng, [later], [sent["future"].result(60)])
+    eng.close()
+
+
+def test_a_request_placed_before_a_swap_is_no_source_for_one_placed_after():
+    eng = HFEngine(TINY, EngineConfig(seed=6, max_batch=4, sync_every=2))
+    tok = eng.tokenizer
+    prompt = tok.encode("a prompt that a later request shares, whole " * 2)
+    later = prompt + tok.encode(" and more")
+    newer = build_model(ModelConfig(**{**TINY.__dict__, "init_seed": 13}), tok.vocab_size)
+    windows = {"n": 0}
+
+    def when() -> bool:  # weights staged before the 2nd window land at the 3rd; the later turn comes after them
+        windows["n"] += 1
+        if windows["n"] == 2:
+            eng.load_weights(dict(newer.named_parameters()), 2)
+        return eng.stats.weight_swaps == 1
+    sent = _submit_from_window(eng, when, later, SamplingParams(max_new_tokens=5))
+    old = eng.generate([prompt], SamplingParams(max_new_tokens=20, min_new_tokens=20))[0]
+    eng.step_hook = None
+    g = sent["future"].result(60)
+    assert old.versions[0] == 0 and old.versions[-1] == 2, "the swap landed while the first request decoded"
+    assert eng.stats.prefix_copies == 0 and eng.stats.prefix_reused_tokens == 0, "no column of the old weights is reused"
+    assert set(g.versions) == {2}
+    _agree(eng, [later], [g])
+    eng.close()
+
+
 def test_a_request_that_straddled_a_swap_leaves_no_prefix_to_reuse():
     """Its prompt's columns were written by the old weights and its last ones by the new: the next turn sharing
     that prompt prefills afresh (a lent H100 caught this: log-probs off the new weights' teacher-forced pass)."""

@@ -159,7 +159,10 @@ def run_bench(groups: int, group_size: int, max_groups: int, max_new_tokens: int
             mean_batch = round(engine.stats.decode_rows / max(engine.stats.decode_steps, 1), 2)
             engine_busy = {"engine_busy_s": round(engine.stats.seconds, 2),
                            "engine_prefill_s": round(engine.stats.prefill_seconds, 2),
-                           "engine_prefills": engine.stats.prefill_batches, "engine_windows": engine.stats.batches}
+                           "engine_prefills": engine.stats.prefill_batches, "engine_windows": engine.stats.batches,
+                           "engine_prompt_tokens": engine.stats.prompt_tokens,
+                           "engine_prefix_reused_tokens": engine.stats.prefix_reused_tokens,
+                           "engine_prefix_copies": engine.stats.prefix_copies}
             episodes = actor.stats["episodes"]
             stats = dict(actor.stats)
         finally:

@@ -15,7 +15,9 @@ Workloads:
   call per turn, which pads every row to the turn's longest prompt, decodes until its longest output and prefills
   every prompt whole (a ``generate`` call keeps nothing of the last one): what a user without a continuous
   batcher does. ``--unshared``: no turn shares anything (every prompt random), the figure before prefixes were
-  recorded.
+  recorded. ``--group-size G``: each recorded episode is played by G rollouts that start from one first prompt and
+  then diverge (their later turns draw their own tokens), as a GRPO group does; ``generate`` prefills each
+  rollout's copy (``num_return_sequences`` repeats the prompt before the prefill too).
 
 The baseline is ``generate`` on a ``StaticCache`` (on a GPU transformers then compiles its decode step), sampling, no
 scores kept: the fastest ``generate`` measured (docs/gpu.md). Ours also records a log-prob
@@ -254,7 +256,8 @@ def _episode(rng: random.Random, turns: list[tuple[int, int, int]], vocab: int, 
 def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: int = 2, batches: tuple = (32, 128),
               prompt_len: int = 512, new_tokens: int = 128, workload: str = "broad-sim-turns",
               mixed_batch: int = 64, mixed_episodes: int = 256, sync_every: int = 0, cuda_graphs: bool = True,
-              compile_step: bool = False, seed: int = 0, profile: str = "", shared_prefixes: bool = True) -> dict:
+              compile_step: bool = False, seed: int = 0, profile: str = "", shared_prefixes: bool = True,
+              group_size: int = 1) -> dict:
     from actor.engine import EngineConfig
     from actor.hf_engine import HFEngine
     from launch.bench.learner import model_config
@@ -300,8 +303,13 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
         if profile and batch == max(batches):  # the largest fixed batch: where kernels, not launches, decide
             result["profile"] = _profile(engine, episodes, device, profile)
     if recorded:
-        picked = [recorded[i % len(recorded)] for i in range(mixed_episodes)]
+        if group_size < 1 or mixed_episodes % group_size or mixed_batch % group_size:
+            raise ValueError(f"--group-size {group_size} must divide --mixed-episodes and --mixed-batch")
+        picked = [recorded[(i // group_size) % len(recorded)] for i in range(mixed_episodes)]
         episodes = [_episode(rng, ep, tok.vocab_size, avoid, shared_prefixes) for ep in picked]
+        for i in range(len(episodes)):  # a group's rollouts start from its first rollout's prompt, then diverge
+            if i % group_size:
+                episodes[i][0] = episodes[i - i % group_size][0]
         engine.use_slots(mixed_batch)
         _ours(engine, [_episode(rng, ep, tok.vocab_size, avoid, shared_prefixes) for ep in picked[:mixed_batch]])
         engine.use_slots(mixed_batch)
@@ -310,7 +318,7 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
         base = _generate(model, tok, device, episodes, mixed_batch)
         result["mixed"] = {**figures(ours, base), "workload": workload, "episodes": len(episodes),
                            "turns": sum(len(e) for e in episodes), "batch": mixed_batch,
-                           "shared_prefixes": shared_prefixes}
+                           "shared_prefixes": shared_prefixes, "group_size": group_size}
         if profile:  # admissions and prefills between the windows: what the fixed workload hardly has
             mixed_out = str(Path(profile).with_name(Path(profile).stem + "-mixed" + Path(profile).suffix))
             engine.use_slots(mixed_batch)

@@ -99,6 +99,8 @@ def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: i
               help="mixed multi-turn workload (launch/bench/workloads/NAME.json or a path; empty: none)")
 @click.option("--mixed-batch", default=64, show_default=True, help="mixed workload: rows decoded at once")
 @click.option("--mixed-episodes", default=256, show_default=True, help="mixed workload: episodes played")
+@click.option("--group-size", default=1, show_default=True,
+              help="mixed workload: rollouts per recorded episode, starting from one first prompt (a GRPO group)")
 @click.option("--unshared", is_flag=True, help="mixed workload: no turn shares a prefix with its previous turn "
               "(as recorded, an episode's prompts overlap as a real episode's do)")
 @click.option("--sync-every", default=0, show_default=True, help="engine decode steps per host look (0: the default)")
@@ -113,7 +115,8 @@ def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: i
 @click.option("--record-episodes", default=240, show_default=True, help="--record: episodes played")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def bench_engine(device: str, shape: str, hidden: int, layers: int, batches: tuple, prompt_len: int, new_tokens: int,
-                 workload: str, mixed_batch: int, mixed_episodes: int, unshared: bool, sync_every: int, no_graphs: bool,
+                 workload: str, mixed_batch: int, mixed_episodes: int, group_size: int, unshared: bool,
+                 sync_every: int, no_graphs: bool,
                  compile_step: bool, profile: str, record: str, record_config: str, record_episodes: int,
                  as_json: bool) -> None:
     """Our engine vs transformers' generate (static cache) on the same model, work and batch."""
@@ -125,7 +128,7 @@ def bench_engine(device: str, shape: str, hidden: int, layers: int, batches: tup
 
     emit(run_bench(device, shape, hidden, layers, tuple(b for b in batches if b > 0), prompt_len, new_tokens,
                     workload, mixed_batch, mixed_episodes, sync_every, not no_graphs, compile_step,
-                    profile=profile, shared_prefixes=not unshared), as_json)
+                    profile=profile, shared_prefixes=not unshared, group_size=group_size), as_json)
 
 
 @bench.command("learner")
