@@ -72,7 +72,7 @@ class Request:
     slot: int = -1
     prefilled: int = 0  # prompt tokens already in the cache (a long prompt is prefilled in chunks)
     swaps_at_placement: int = 0  # the engine's weight swaps when its slot's columns began to be written
-    source: "Request | None" = None  # a request admitted with it whose prompt prefix it copies once prefilled
+    source: int = -1  # the slot whose prompt prefix it copies once that slot's request is prefilled (-1: none)
     ids: Any = None  # the prompt as an array (prefix matching, made on the submitting thread)
 
     @property
@@ -367,8 +367,8 @@ class HFEngine:
         rows.generated.index_fill_(0, slots, 0)
         self.budget.index_copy_(0, slots, torch.tensor([r.params.max_new_tokens for r in new], device=dev))
         # requests whose prefix another new request holds once prefilled (a group's identical first turns) go after
-        waits = [r for r in new if r.source is not None]
-        self._prefill_all([r for r in new if r.source is None])
+        waits = [r for r in new if r.source >= 0]
+        self._prefill_all([r for r in new if r.source < 0])
         if waits:
             self._copy_prefixes(waits)
             self._prefill_all(waits)
@@ -416,7 +416,7 @@ class HFEngine:
                 if held is not None and (common := longer(held)) > shared:
                     free, shared = slot, common
             for q in [*self._by_slot.values(), *admitted]:
-                if q.swaps_at_placement != self.stats.weight_swaps or q.source is not None:
+                if q.swaps_at_placement != self.stats.weight_swaps or q.source >= 0:
                     continue  # columns of the old weights; a copy's own source is the one to copy from
                 if (common := longer(q.ids)) > shared:
                     free, shared, source = -1, common, q
@@ -428,7 +428,9 @@ class HFEngine:
         else:
             r.slot = heapq.heappop(self.free_slots)
         if shared >= MIN_REUSED_PREFIX:
-            r.prefilled, r.source = shared, source
+            # the source's slot, kept here: should it finish at its own prefill, its slot is released (the columns
+            # stay until the next admission) and it no longer knows it
+            r.prefilled, r.source = shared, source.slot if source is not None else -1
             self.stats.prefix_reused_tokens += shared
         self.slot_tokens[r.slot] = None  # overwritten from here on
         r.swaps_at_placement = self.stats.weight_swaps
@@ -437,11 +439,11 @@ class HFEngine:
         """Each request's reused prefix from its source's slot into its own (the source's prompt is all in the
         cache by now: it ran before, or was prefilled earlier in this window)."""
         torch, dev = self.torch, self.device
-        self.cache.copy_prefixes(torch.tensor([r.source.slot for r in reqs], device=dev),
+        self.cache.copy_prefixes(torch.tensor([r.source for r in reqs], device=dev),
                                  torch.tensor([r.slot for r in reqs], device=dev), [r.prefilled for r in reqs])
         self.stats.prefix_copies += len(reqs)
         for r in reqs:
-            r.source = None
+            r.source = -1
 
     def _prefill(self, reqs: list[Request], chunk: int) -> None:
         """Prompt tokens ``prefilled .. prefilled + chunk`` of each request into its slot (right-padded rows; the

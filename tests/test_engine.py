@@ -132,6 +132,22 @@ def test_a_groups_rollouts_prefill_their_shared_prompt_once_and_later_ones_copy_
     eng.close()
 
 
+def test_a_copy_whose_source_finished_at_its_own_prefill_still_copies_that_slot():
+    """Admitted together: the source's one token comes from its prefill, so it leaves its slot before the copy."""
+    eng = HFEngine(TINY, EngineConfig(seed=8, max_batch=4))
+    tok = eng.tokenizer
+    prompt = tok.encode("one prompt for two requests admitted in the same window " * 2)
+    eng.pause()
+    short = eng.submit(prompt, SamplingParams(max_new_tokens=1))
+    longer = eng.submit(prompt, SamplingParams(max_new_tokens=6))
+    eng.resume()
+    assert len(short.result(60).token_ids) == 1
+    g = longer.result(60)
+    assert eng.stats.prefix_copies == 1
+    _agree(eng, [prompt], [g])
+    eng.close()
+
+
 def test_a_request_placed_before_a_swap_is_no_source_for_one_placed_after():
     eng = HFEngine(TINY, EngineConfig(seed=6, max_batch=4, sync_every=2))
     tok = eng.tokenizer
@@ -203,7 +219,9 @@ def test_a_failing_step_fails_its_requests_and_the_next_ones_are_served(monkeypa
         return real(rows, columns)
 
     monkeypatch.setattr(eng, "step", broken)
+    eng.pause()  # all three in the batch the failing step holds, whatever the threads' timing
     futures = [eng.submit(tok.encode(f"p{i}"), SamplingParams(max_new_tokens=20, min_new_tokens=20)) for i in range(3)]
+    eng.resume()
     for f in futures:
         with pytest.raises(RuntimeError, match="device lost"):
             f.result(30)
