@@ -73,6 +73,8 @@ class Request:
     prefilled: int = 0  # prompt tokens already in the cache (a long prompt is prefilled in chunks)
     swaps_at_placement: int = 0  # the engine's weight swaps when its slot's columns began to be written
     source: int = -1  # the slot whose prompt prefix it copies once that slot's request is prefilled (-1: none)
+    twins: list = field(default_factory=list)  # requests admitted with it on the same prompt: they take its columns
+    twin: bool = False  # and its first-token logits when its prefill ends, with no forward pass of their own
     ids: Any = None  # the prompt as an array (prefix matching, made on the submitting thread)
 
     @property
@@ -368,7 +370,7 @@ class HFEngine:
         self.budget.index_copy_(0, slots, torch.tensor([r.params.max_new_tokens for r in new], device=dev))
         # requests whose prefix another new request holds once prefilled (a group's identical first turns) go after
         waits = [r for r in new if r.source >= 0]
-        self._prefill_all([r for r in new if r.source < 0])
+        self._prefill_all([r for r in new if r.source < 0 and not r.twin])  # twins come with their source
         if waits:
             self._copy_prefixes(waits)
             self._prefill_all(waits)
@@ -396,7 +398,9 @@ class HFEngine:
         - a free slot's leftover tokens (an episode's earlier turn): ``r`` takes that slot and prefills the rest;
         - a running request's prompt, or that of a request ``admitted`` before it in this window (the other
           rollouts of a group start from the same prompt): ``r`` takes the lowest free slot, the prefix is copied
-          into it (``_copy_prefixes``) and the rest prefilled.
+          into it (``_copy_prefixes``) and the rest prefilled. A request admitted just before it on the very same
+          prompt makes it a twin: no prefill at all, the source's columns and first-token logits once its prefill
+          ends (``_prefill``).
 
         Else the lowest free slot (decode batches stay dense). Only columns the current weights wrote count."""
         free, shared, source = -1, MIN_REUSED_PREFIX - 1, None
@@ -416,10 +420,18 @@ class HFEngine:
                 if held is not None and (common := longer(held)) > shared:
                     free, shared = slot, common
             for q in [*self._by_slot.values(), *admitted]:
-                if q.swaps_at_placement != self.stats.weight_swaps or q.source >= 0:
+                if q.swaps_at_placement != self.stats.weight_swaps or q.source >= 0 or q.twin:
                     continue  # columns of the old weights; a copy's own source is the one to copy from
                 if (common := longer(q.ids)) > shared:
                     free, shared, source = -1, common, q
+        if source is not None and shared == len(r.prompt) == len(source.prompt) and source.slot not in self._by_slot:
+            # the same prompt as a request admitted just before it (not yet in _by_slot): a twin
+            r.slot, r.twin, r.prefilled = heapq.heappop(self.free_slots), True, len(r.prompt)
+            source.twins.append(r)
+            self.stats.prefix_reused_tokens += len(r.prompt)
+            self.slot_tokens[r.slot] = None
+            r.swaps_at_placement = self.stats.weight_swaps
+            return
         shared = min(shared, len(r.prompt) - 1)  # one token at least is prefilled: its logits sample the first
         if shared >= MIN_REUSED_PREFIX and source is None:
             self.free_slots.remove(free)
@@ -485,10 +497,21 @@ class HFEngine:
         last = lens[idx] - 1
         logits = self._logits(hidden[idx, last])
         slots = slots[idx]
-        kinds = self._kinds([reqs[i] for i in done])
+        done_reqs = [reqs[i] for i in done]
+        twins = [(j, t) for j, r in enumerate(done_reqs) for t in r.twins]
+        if twins:  # each takes its source's columns and its logits, and samples its own first token from them
+            rows = torch.tensor([j for j, _ in twins], device=dev)
+            twin_slots = torch.tensor([t.slot for _, t in twins], device=dev)
+            self.cache.copy_prefixes(slots[rows], twin_slots, [len(t.prompt) for _, t in twins])
+            self.stats.prefix_copies += len(twins)
+            logits, slots = torch.cat([logits, logits[rows]]), torch.cat([slots, twin_slots])
+            done_reqs += [t for _, t in twins]
+            for r in done_reqs:
+                r.twins = []
+        kinds = self._kinds(done_reqs)
         tokens, logps = sample(logits, self.rows.take(slots), kinds, self.stop_ids, self.gen)
         self.tok_in.index_copy_(0, slots, tokens)
-        self.cache_pos.index_copy_(0, slots, torch.tensor([len(reqs[i].prompt) for i in done], device=dev))
+        self.cache_pos.index_copy_(0, slots, torch.tensor([len(r.prompt) for r in done_reqs], device=dev))
         self.active.index_fill_(0, slots, 1)
         self.rows.generated.index_fill_(0, slots, 1)
         if self.vision is not None:
@@ -497,8 +520,7 @@ class HFEngine:
             self.rope_pos[:, slots] = positions[:, idx, last] + 1
         host = torch.stack([tokens.float(), logps.float()]).tolist()
         now, version = time.perf_counter(), self.version
-        for j, i in enumerate(done):
-            r = reqs[i]
+        for j, r in enumerate(done_reqs):
             self.stats.first_token_s.append(now - r.submitted)
             self._take(r, [int(host[0][j])], [host[1][j]], version)
 

@@ -106,14 +106,18 @@ def _submit_from_window(eng, when, prompt, params) -> dict:
 
 
 def test_a_groups_rollouts_prefill_their_shared_prompt_once_and_later_ones_copy_it_from_a_running_slot():
-    """G rollouts of a group start from one prompt: it is prefilled once and the others copy its columns; a turn
-    that shares a running request's prompt copies it from that slot; all agree with the teacher-forced pass."""
+    """G rollouts of a group start from one prompt, admitted together: one forward pass prefills it, the others copy
+    its columns and sample their first tokens from its logits; a turn that shares a running request's prompt
+    copies it from that slot and prefills the rest; all agree with the teacher-forced pass."""
     eng = HFEngine(TINY, EngineConfig(seed=4, max_batch=6, sync_every=2))
     tok = eng.tokenizer
     prompt = tok.encode("the task, its rules and the first screen of the desktop " * 2)
-    gens = eng.generate([prompt] * 4, SamplingParams(max_new_tokens=14))
-    assert eng.stats.prefix_copies == 3 and eng.stats.prefix_reused_tokens == 3 * (len(prompt) - 1)
-    assert eng.stats.prompt_tokens == len(prompt) + 3, "one whole prefill, then one token each for its logits"
+    eng.pause()  # the group arrives in one window, as an actor submits it
+    group = [eng.submit(prompt, SamplingParams(max_new_tokens=14)) for _ in range(4)]
+    eng.resume()
+    gens = [f.result(60) for f in group]
+    assert eng.stats.prefix_copies == 3 and eng.stats.prefix_reused_tokens == 3 * len(prompt)
+    assert eng.stats.prompt_tokens == len(prompt) and eng.stats.prefill_batches == 1, "one prefill for the group"
     _agree(eng, [prompt] * 4, gens)
     assert len({tuple(g.token_ids) for g in gens}) > 1, "each rollout samples its own continuation"
 
@@ -139,12 +143,12 @@ def test_a_copy_whose_source_finished_at_its_own_prefill_still_copies_that_slot(
     prompt = tok.encode("one prompt for two requests admitted in the same window " * 2)
     eng.pause()
     short = eng.submit(prompt, SamplingParams(max_new_tokens=1))
-    longer = eng.submit(prompt, SamplingParams(max_new_tokens=6))
+    longer = prompt + tok.encode(" and a little more")  # not the same prompt: a copy, then a prefill of its own
+    g = eng.submit(longer, SamplingParams(max_new_tokens=6))
     eng.resume()
     assert len(short.result(60).token_ids) == 1
-    g = longer.result(60)
-    assert eng.stats.prefix_copies == 1
-    _agree(eng, [prompt], [g])
+    _agree(eng, [longer], [g.result(60)])
+    assert eng.stats.prefix_copies == 1 and eng.stats.prefill_batches == 2
     eng.close()
 
 
