@@ -368,12 +368,14 @@ class HFEngine:
         rows.min_new.index_copy_(0, slots, torch.tensor([r.params.min_new_tokens for r in new], device=dev))
         rows.generated.index_fill_(0, slots, 0)
         self.budget.index_copy_(0, slots, torch.tensor([r.params.max_new_tokens for r in new], device=dev))
-        # requests whose prefix another new request holds once prefilled (a group's identical first turns) go after
-        waits = [r for r in new if r.source >= 0]
-        self._prefill_all([r for r in new if r.source < 0 and not r.twin])  # twins come with their source
-        if waits:
-            self._copy_prefixes(waits)
-            self._prefill_all(waits)
+        # A copy from a running request's slot can be made now; one from a request admitted with it waits for that
+        # request's prefill, then takes a second pass. Twins come with their source's prefill (``_prefill``).
+        fresh = {r.slot for r in new}
+        first = [r for r in new if r.source not in fresh and not r.twin]  # no source (-1), or a running one
+        later = [r for r in new if r.source in fresh]
+        for reqs in (first, later):
+            self._copy_prefixes([r for r in reqs if r.source >= 0])
+            self._prefill_all(reqs)
 
     def _prefill_all(self, reqs: list[Request]) -> None:
         """Prefill ``reqs``: in batches of at most ``prefill_tokens`` padded tokens, a longer prompt alone in chunks."""
@@ -424,32 +426,33 @@ class HFEngine:
                     continue  # columns of the old weights; a copy's own source is the one to copy from
                 if (common := longer(q.ids)) > shared:
                     free, shared, source = -1, common, q
-        if source is not None and shared == len(r.prompt) == len(source.prompt) and source.slot not in self._by_slot:
-            # the same prompt as a request admitted just before it (not yet in _by_slot): a twin
-            r.slot, r.twin, r.prefilled = heapq.heappop(self.free_slots), True, len(r.prompt)
-            source.twins.append(r)
-            self.stats.prefix_reused_tokens += len(r.prompt)
-            self.slot_tokens[r.slot] = None
-            r.swaps_at_placement = self.stats.weight_swaps
-            return
-        shared = min(shared, len(r.prompt) - 1)  # one token at least is prefilled: its logits sample the first
+        # the very prompt of a request admitted just before it (not yet in _by_slot): a twin of that request
+        r.twin = (source is not None and shared == len(r.prompt) == len(source.prompt)
+                  and source.slot not in self._by_slot)
+        if not r.twin:
+            shared = min(shared, len(r.prompt) - 1)  # one token at least is prefilled: its logits sample the first
         if shared >= MIN_REUSED_PREFIX and source is None:
             self.free_slots.remove(free)
             heapq.heapify(self.free_slots)
             r.slot = free
         else:
             r.slot = heapq.heappop(self.free_slots)
-        if shared >= MIN_REUSED_PREFIX:
+        if r.twin:
+            source.twins.append(r)
+            r.prefilled = shared
+        elif shared >= MIN_REUSED_PREFIX:
             # the source's slot, kept here: should it finish at its own prefill, its slot is released (the columns
             # stay until the next admission) and it no longer knows it
             r.prefilled, r.source = shared, source.slot if source is not None else -1
-            self.stats.prefix_reused_tokens += shared
+        self.stats.prefix_reused_tokens += r.prefilled
         self.slot_tokens[r.slot] = None  # overwritten from here on
         r.swaps_at_placement = self.stats.weight_swaps
 
     def _copy_prefixes(self, reqs: list[Request]) -> None:
         """Each request's reused prefix from its source's slot into its own (the source's prompt is all in the
         cache by now: it ran before, or was prefilled earlier in this window)."""
+        if not reqs:
+            return
         torch, dev = self.torch, self.device
         self.cache.copy_prefixes(torch.tensor([r.source for r in reqs], device=dev),
                                  torch.tensor([r.slot for r in reqs], device=dev), [r.prefilled for r in reqs])

@@ -379,7 +379,8 @@ def record_workload(config: str, episodes: int, out: str, overrides: list[str] =
             "episodes": [{"task": t, "turns": turns} for t, turns in zip(ids, lengths)]}
     Path(out).write_text(json.dumps(data, indent=0))
     turns = [t for ep in lengths for t in ep]
-    return {"episodes": len(ids), "turns": len(turns), "mean_prompt": round(sum(t[0] for t in turns) / len(turns), 1),
+    return {"episodes": len(ids), "turns": len(turns),
+            "mean_prompt": round(sum(t[0] for t in turns) / len(turns), 1),
             "mean_output": round(sum(t[1] for t in turns) / len(turns), 1),
             "shared_share": round(sum(t[2] for t in turns) / sum(t[0] for t in turns), 3), "out": out}
 
