@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import os
 import threading
@@ -241,26 +242,30 @@ class VLLMEngine:
                 return part
             rid = uuid.uuid4().hex
             version, seen = self.version, 0
-            async for out in self.llm.generate(self._inputs(ids, images), self._sampling(params, budget), rid):
-                comp = out.outputs[0]
-                new_ids = list(comp.token_ids[seen:])
-                new_lps = [entry[tok].logprob for tok, entry in zip(new_ids, (comp.logprobs or [])[seen:])]
-                seen = len(comp.token_ids)
-                for k, tok in enumerate(new_ids):
-                    if watch.hit(tok):  # our own stop string: keep up to this token, drop what vLLM drew after it
-                        part.add(new_ids[:k + 1], new_lps[:k + 1], version)
-                        await self.llm.abort(rid)
-                        part.finish = "stop"
+            # aclosing: a stream left at a stop string or a pause is closed here, not when it is collected later
+            stream = contextlib.aclosing(self.llm.generate(self._inputs(ids, images), self._sampling(params, budget),
+                                                           rid))
+            async with stream as outs:
+                async for out in outs:
+                    comp = out.outputs[0]
+                    new_ids = list(comp.token_ids[seen:])
+                    new_lps = [entry[tok].logprob for tok, entry in zip(new_ids, (comp.logprobs or [])[seen:])]
+                    seen = len(comp.token_ids)
+                    for k, tok in enumerate(new_ids):
+                        if watch.hit(tok):  # our own stop string: keep up to this token, drop what vLLM drew after it
+                            part.add(new_ids[:k + 1], new_lps[:k + 1], version)
+                            await self.llm.abort(rid)
+                            part.finish = "stop"
+                            return part
+                    part.add(new_ids, new_lps, version)
+                    if out.finished:
+                        reason = comp.finish_reason or "length"
+                        if reason == "abort":
+                            break  # paused for a weight swap: continue from here with the new weights
+                        part.finish = {"stop": "stop", "length": "length"}.get(reason, reason)
+                        if part.token_ids and part.token_ids[-1] in self.tokenizer.stop_ids:
+                            part.finish = "eos"
                         return part
-                part.add(new_ids, new_lps, version)
-                if out.finished:
-                    reason = comp.finish_reason or "length"
-                    if reason == "abort":
-                        break  # paused for a weight swap: continue from here with the new weights
-                    part.finish = {"stop": "stop", "length": "length"}.get(reason, reason)
-                    if part.token_ids and part.token_ids[-1] in self.tokenizer.stop_ids:
-                        part.finish = "eos"
-                    return part
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, images: Sequence[Any] = ()) -> cf.Future:
         """One request into AsyncLLM (which batches continuously itself); the future gives its ``Generation``."""
@@ -358,5 +363,8 @@ class VLLMEngine:
         """Shut AsyncLLM down (its engine-core process and IPC), then stop the loop's thread."""
         if self._thread.is_alive():
             self.llm.shutdown()
+            # streams abandoned mid-generation (a stop string, a pause) are closed here, not whenever they are
+            # garbage-collected later, from whichever thread
+            asyncio.run_coroutine_threadsafe(self._loop.shutdown_asyncgens(), self._loop).result(30)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(30)

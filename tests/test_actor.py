@@ -455,6 +455,7 @@ def test_vllm_engine_stops_on_its_own_stop_strings_and_continues_after_a_pause()
     assert llm.calls[1][1] == [1, 2] + said[:4] and llm.calls[1][2]["max_tokens"] == 36, "a continuation"
     with pytest.raises(ValueError, match="top_p=1"):
         eng.generate([[1]], SamplingParams(top_p=0.9))
+    eng.close()  # (a loop left running would close the aborted stream whenever it is collected, logging there)
 
 
 def test_a_failed_vllm_swap_is_a_round_failed_and_generation_resumes():

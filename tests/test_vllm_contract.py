@@ -80,6 +80,7 @@ def test_the_installed_vllm_has_every_name_and_keyword(name):
     assert not missing, f"{name} no longer accepts {sorted(missing)}"
     if name.endswith("AsyncLLM.generate"):  # called positionally: the order matters too
         assert list(inspect.signature(obj).parameters)[1:4] == list(VLLM_CONTRACT[name])
+        assert inspect.isasyncgenfunction(obj), "the engine closes its streams with contextlib.aclosing"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (the gpu extra)")
