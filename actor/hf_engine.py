@@ -7,7 +7,8 @@ Every prompt submitted is a request. On the engine's own thread, a loop of windo
    prefilled in batches of at most ``prefill_tokens`` padded tokens (a longer text prompt in chunks); each
    samples its first token. A slot keeps what its last request left in it: a turn whose prompt begins with an
    earlier turn's prompt and output (the same episode's history) takes that slot and prefills only the rest; a
-   prompt that begins with another request's (a GRPO group's rollouts) copies that prefix from its slot;
+   prompt that begins with another request's copies that prefix from its slot, and one that is the very prompt of
+   a request admitted with it (a GRPO group's rollouts) also takes that request's first-token logits: no prefill;
 3. every running request decodes together for ``sync_every`` tokens: the decode step (with ``compile``, fused
    by inductor, ``actor/compiled_step.py``; replayed as a CUDA graph on a GPU, ``actor/decode_graphs.py``) and the
    sampling (``actor/sampler.py``) stay on the device,
@@ -27,7 +28,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import heapq
-import inspect
 import logging
 import threading
 import time
@@ -42,7 +42,7 @@ from actor.engine import EngineConfig, EngineStats, Generation, SamplingParams, 
 from actor.kv_cache import SlotKVCache
 from actor.sampler import BatchKinds, RowParams, sample
 from actor.slot_attention import use_slot_decode_attention
-from policy.model import ModelConfig, ban, build_model, build_tokenizer
+from policy.model import ModelConfig, ban, build_model, build_tokenizer, cache_keyword
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,10 @@ class Request:
     prefilled: int = 0  # prompt tokens already in the cache (a long prompt is prefilled in chunks)
     swaps_at_placement: int = 0  # the engine's weight swaps when its slot's columns began to be written
     source: int = -1  # the slot whose prompt prefix it copies once that slot's request is prefilled (-1: none)
-    twins: list = field(default_factory=list)  # requests admitted with it on the same prompt: they take its columns
-    twin: bool = False  # and its first-token logits when its prefill ends, with no forward pass of their own
+    # requests admitted with it on the very same prompt: when its prefill ends they take its columns and its
+    # first-token logits, with no forward pass of their own (``twin`` is set on them until then)
+    twins: list = field(default_factory=list)
+    twin: bool = False
     ids: Any = None  # the prompt as an array (prefix matching, made on the submitting thread)
 
     @property
@@ -132,8 +134,7 @@ class HFEngine:
             raise ValueError(f"the hf engine needs a model with a .model body and an output head; "
                              f"{type(self.model).__name__} has not")
         self.body, self.head = body, head
-        params = inspect.signature(body.forward).parameters
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
+        self.cache_kw = cache_keyword(body.forward)
         text = self.model.config.get_text_config()
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         dtype = next(self.head.parameters()).dtype
@@ -423,7 +424,8 @@ class HFEngine:
                     free, shared = slot, common
             for q in [*self._by_slot.values(), *admitted]:
                 if q.swaps_at_placement != self.stats.weight_swaps or q.source >= 0 or q.twin:
-                    continue  # columns of the old weights; a copy's own source is the one to copy from
+                    continue  # columns of the old weights; columns that are not there yet (a copy or a twin
+                    # waiting for its own source: that source is the one to take them from)
                 if (common := longer(q.ids)) > shared:
                     free, shared, source = -1, common, q
         # the very prompt of a request admitted just before it (not yet in _by_slot): a twin of that request
@@ -508,9 +510,10 @@ class HFEngine:
             self.cache.copy_prefixes(slots[rows], twin_slots, [len(t.prompt) for _, t in twins])
             self.stats.prefix_copies += len(twins)
             logits, slots = torch.cat([logits, logits[rows]]), torch.cat([slots, twin_slots])
+            for j, t in twins:
+                done_reqs[j].twins = []
+                t.twin = False  # its prompt is in its slot now: an ordinary request (and a source for later ones)
             done_reqs += [t for _, t in twins]
-            for r in done_reqs:
-                r.twins = []
         kinds = self._kinds(done_reqs)
         tokens, logps = sample(logits, self.rows.take(slots), kinds, self.stop_ids, self.gen)
         self.tok_in.index_copy_(0, slots, tokens)

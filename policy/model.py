@@ -131,6 +131,14 @@ def attention_implementation(device: str, dtype: Any) -> str:
     return "flash_attention_2"
 
 
+def cache_keyword(forward: Any) -> str:
+    """The keyword a transformers model's ``forward`` (and so its ``generate``) takes a KV cache by: ``cache`` since
+    transformers 5.x, ``past_key_values`` before (5.x still accepts it, with a deprecation warning)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
 def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu", dtype: Any = None,
                 keep_on_cpu: bool = False) -> Any:
     """A causal LM: loaded from ``cfg.path``, or built from the architecture fields with seeded weights.

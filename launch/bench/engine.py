@@ -31,7 +31,6 @@ busy time spent admitting and prefilling.
 
 from __future__ import annotations
 
-import inspect
 import json
 import random
 import tempfile
@@ -217,13 +216,14 @@ def _generate_call(model: Any, tok: Any, ids: Any, mask: Any, new: int, cache: A
     sequences it returned."""
     import torch
 
+    from policy.model import cache_keyword
+
     cache.reset()
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x renamed
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
                              max_new_tokens=new, min_new_tokens=new, pad_token_id=tok.pad_id,
-                             eos_token_id=sorted(tok.stop_ids), **{cache_kw: cache})
+                             eos_token_id=sorted(tok.stop_ids), **{cache_keyword(model.forward): cache})
     _sync(device)
     return time.perf_counter() - t0, out
 
@@ -251,6 +251,19 @@ def _episode(rng: random.Random, turns: list[tuple[int, int, int]], vocab: int, 
     """A recorded episode's turns with fresh random tokens (``shared``: each shares what it was recorded to)."""
     return [Turn(_random_prompt(rng, p - (s if shared else 0), vocab, avoid), o, s if shared else 0)
             for p, o, s in turns]
+
+
+def _groups(rng: random.Random, recorded: list[list[tuple[int, int, int]]], episodes: int, group_size: int,
+            vocab: int, avoid: set[int], shared: bool) -> list[list[Turn]]:
+    """``episodes`` rollouts, ``group_size`` to a recorded episode: a group's rollouts start from one first prompt
+    (its first rollout's), then diverge (their later turns draw their own tokens)."""
+    out = []
+    for i in range(episodes):
+        turns = _episode(rng, recorded[(i // group_size) % len(recorded)], vocab, avoid, shared)
+        if i % group_size:
+            turns[0] = out[i - i % group_size][0]
+        out.append(turns)
+    return out
 
 
 def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: int = 2, batches: tuple = (32, 128),
@@ -305,13 +318,9 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
     if recorded:
         if group_size < 1 or mixed_episodes % group_size or mixed_batch % group_size:
             raise ValueError(f"--group-size {group_size} must divide --mixed-episodes and --mixed-batch")
-        picked = [recorded[(i // group_size) % len(recorded)] for i in range(mixed_episodes)]
-        episodes = [_episode(rng, ep, tok.vocab_size, avoid, shared_prefixes) for ep in picked]
-        for i in range(len(episodes)):  # a group's rollouts start from its first rollout's prompt, then diverge
-            if i % group_size:
-                episodes[i][0] = episodes[i - i % group_size][0]
+        episodes = _groups(rng, recorded, mixed_episodes, group_size, tok.vocab_size, avoid, shared_prefixes)
         engine.use_slots(mixed_batch)
-        _ours(engine, [_episode(rng, ep, tok.vocab_size, avoid, shared_prefixes) for ep in picked[:mixed_batch]])
+        _ours(engine, _groups(rng, recorded, mixed_batch, group_size, tok.vocab_size, avoid, shared_prefixes))
         engine.use_slots(mixed_batch)
         _generate(model, tok, device, episodes, mixed_batch, warm_up=True)
         ours = _ours(engine, episodes)
@@ -383,4 +392,3 @@ def record_workload(config: str, episodes: int, out: str, overrides: list[str] =
             "mean_prompt": round(sum(t[0] for t in turns) / len(turns), 1),
             "mean_output": round(sum(t[1] for t in turns) / len(turns), 1),
             "shared_share": round(sum(t[2] for t in turns) / sum(t[0] for t in turns), 3), "out": out}
-
