@@ -18,8 +18,10 @@ on with an all-reduce before anyone acts on it.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -30,9 +32,14 @@ import torch
 from common import protocol as P
 from common.heap import return_freed_memory
 
+log = logging.getLogger(__name__)
+
 # A follower waits on the job channel for as long as rank 0 waits for the next batch (an SFT phase, slow
 # actors); rank 0 dying closes the gloo connections, which ends the wait at once, so no short timeout here.
 JOB_WAIT = datetime.timedelta(days=7)
+
+# How long ``DistContext.close`` waits for gloo's worker thread to let go of the last collective's tensor.
+RELEASE_WAIT_S = 5.0
 
 
 @dataclass
@@ -85,10 +92,23 @@ class DistContext:
 
     def close(self) -> None:
         """Leave the groups together: a rank that tears its gloo pairs down while a peer is still between
-        collectives can make that peer's transport thread abort the process, so all meet at a barrier first."""
+        collectives can make that peer's transport thread abort the process, so all meet first.
+
+        Then wait for gloo's worker thread to let go of the meeting's tensor. That thread drops its reference
+        to a collective's tensors just after the caller's wait has returned, and dropping a reference to a
+        tensor Python made takes the GIL. If the interpreter is already exiting by then, the thread cannot
+        take it and the process aborts ("terminate called without an active exception": 1 exit in 6 of a
+        two-rank run here, with ``barrier``)."""
         if not self.enabled or not torch.distributed.is_initialized():
             return
-        torch.distributed.barrier(group=self.job_group)
+        meeting = torch.zeros(1)
+        torch.distributed.all_reduce(meeting, group=self.job_group)
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while meeting._use_count() > 1 and time.monotonic() < deadline:
+            time.sleep(0.001)  # releases the GIL the worker thread needs
+        if meeting._use_count() > 1:
+            log.warning("gloo still holds the last collective's tensor after %.0f s: this rank may abort at exit",
+                        RELEASE_WAIT_S)
         torch.distributed.destroy_process_group()
 
 

@@ -1,6 +1,7 @@
 """Two FSDP2 learner ranks on CPU (gloo) train exactly like one rank: same weights after RL and SFT steps
 (with uneven micro-batch counts, so padding passes run), rank 1 driven only through the job channel, and a
-checkpoint written by two ranks resumes on one with the identical next step."""
+checkpoint written by two ranks resumes on one with the identical next step. The ranks leave their groups
+without aborting at exit."""
 
 from __future__ import annotations
 
@@ -17,8 +18,6 @@ from common.net import free_port  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
 from tests.test_learner import TINY, groups_from  # noqa: E402
-
-pytestmark = pytest.mark.slow
 
 # 9 samples of 26 tokens, 2 rows per micro-batch: rank 0 gets 5 samples (3 passes), rank 1 gets 4 (2 + 1 padding).
 CFG = LearnerConfig(lr=1e-3, micro_batch_tokens=60, keep_checkpoints=5)
@@ -70,6 +69,7 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-4 * max(1.0, abs(a))
 
 
+@pytest.mark.slow
 def test_two_fsdp_ranks_train_like_one(tmp_path):
     import torch.multiprocessing as mp
 
@@ -103,3 +103,27 @@ def test_two_fsdp_ranks_train_like_one(tmp_path):
     m = one.train_step(got["nxt"])
     assert _close(m["loss"], got["next"]["loss"]) and m["tokens"] == got["next"]["tokens"]
     assert one.version == got["version"] == 5
+
+
+def test_closing_waits_until_gloo_lets_go_of_the_last_collectives_tensor(monkeypatch):
+    """gloo's worker thread drops its reference to a collective's tensor after the caller's wait returns;
+    freeing a Python tensor there takes the GIL, which a thread cannot take while the interpreter exits
+    (the process aborts). ``close`` must not go on to tear down while that reference is held."""
+    import threading
+    import time
+
+    from learner.distributed import DistContext
+
+    seen: dict = {}
+
+    def all_reduce(tensor, group=None):
+        seen["tensor"] = tensor
+        worker_holds = [tensor.view(-1)]  # the worker thread's reference, let go of a little later
+        threading.Thread(target=lambda: (time.sleep(0.2), worker_holds.clear())).start()
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    monkeypatch.setattr(torch.distributed, "destroy_process_group",
+                        lambda: seen.setdefault("use_count_at_teardown", seen["tensor"]._use_count()))
+    DistContext(rank=1, world_size=2).close()
+    assert seen["use_count_at_teardown"] == 1
