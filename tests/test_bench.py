@@ -120,6 +120,7 @@ def test_bench_engine_and_actor_print_their_ratios(tmp_path):
         assert abs(w["ratio"] - w["tokens_per_s"] / w["generate_tokens_per_s"]) < 0.01
         assert 1 <= w["mean_batch"] <= 4
     assert e["fixed_4"]["tokens"] == 4 * 8, "fixed lengths: every request generates exactly --new-tokens"
+    assert e["fixed_4"]["mean_batch"] == 4, "the batch arrives at once: equal batch with generate's from the start"
     a = _bench_json(tmp_path, "actor", "--groups", "2", "--group-size", "2", "--max-new-tokens", "8")
     assert a["episodes"] == 4 and a["tokens_per_s"] > 0 and a["engine_requests"] > 0
     assert abs(a["ratio"] - a["tokens_per_s"] / a["engine_only_tokens_per_s"]) < 0.01

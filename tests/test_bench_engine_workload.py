@@ -61,3 +61,32 @@ def test_both_sides_play_episodes_whose_turns_overlap_as_recorded(shared):
     base = _generate(eng.model, tok, "cpu", episodes, batch=2)
     assert base["tokens"] == ours["tokens"] and base["seconds"] > 0
     eng.close()
+
+
+def test_every_episodes_first_turn_is_queued_before_the_engine_admits_any():
+    """``generate`` gets its batch whole; ours must too, or its first window takes the first few turns alone."""
+    eng = HFEngine(TINY, EngineConfig(seed=3, max_batch=4))
+
+    class Watched:  # the engine, noting whether it was paused at each submit
+        stats, paused, submits = eng.stats, False, []
+
+        def pause(self):
+            self.paused = True
+            eng.pause()
+
+        def resume(self):
+            self.paused = False
+            eng.resume()
+
+        def submit(self, *args, **kwargs):
+            self.submits.append(self.paused)
+            return eng.submit(*args, **kwargs)
+
+    tok = eng.tokenizer
+    avoid = set(tok.stop_ids) | {tok.pad_id}
+    episodes = [_episode(random.Random(i), [(12, 3, 0), (20, 2, 0)], tok.vocab_size, avoid) for i in range(4)]
+    watched = Watched()
+    assert _ours(watched, episodes)["tokens"] == 4 * (3 + 2)
+    assert watched.submits == [True] * 4 + [False] * 4, "first turns while paused, the rest as turns end"
+    assert not watched.paused
+    eng.close()

@@ -10,8 +10,9 @@ Workloads:
   recorded from the broad recipe's policy playing its training tasks:
   ``computerrl bench engine --record launch/bench/workloads/broad-sim-turns.json``). A turn's prompt is that shared
   prefix, taken from the tokens its previous turn was actually given and generated, then fresh random tokens: an
-  episode's prompts overlap as a real episode's do. Ours plays every episode at once, each turn submitted when its
-  previous turn is done, ``batch`` rows decoding at most; ``generate`` plays ``batch`` episodes in lock step, one
+  episode's prompts overlap as a real episode's do. Ours plays every episode at once (every first turn queued
+  before the engine admits any), each later turn submitted when its previous turn is done, ``batch`` rows decoding
+  at most; ``generate`` plays ``batch`` episodes in lock step, one
   call per turn, which pads every row to the turn's longest prompt, decodes until its longest output and prefills
   every prompt whole (a ``generate`` call keeps nothing of the last one): what a user without a continuous
   batcher does. ``--unshared``: no turn shares anything (every prompt random), the figure before prefixes were
@@ -93,7 +94,15 @@ def _ours(engine: Any, episodes: list[list[Turn]]) -> dict:
         return n
 
     async def main() -> int:
-        return sum(await asyncio.gather(*(play(t) for t in episodes)))
+        # every first turn is queued before the engine admits any: they arrive at once, as generate's batch does
+        # (else the engine's first window can take the first few alone and the rest wait a window for it)
+        engine.pause()
+        try:
+            plays = [asyncio.ensure_future(play(t)) for t in episodes]
+            await asyncio.sleep(0)  # each play runs to its first await: its first turn submitted
+        finally:
+            engine.resume()
+        return sum(await asyncio.gather(*plays))
 
     st = engine.stats
     before = (st.decode_steps, st.decode_rows, len(st.first_token_s), st.seconds, st.prefill_seconds,
