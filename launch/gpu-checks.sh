@@ -101,6 +101,7 @@ if steps:
     rep["step_seconds_mean"] = round(busy / len(steps), 3)
     rep["train_tokens_per_step"] = round(statistics.mean(r["tokens"] for r in steps))
     rep["learner_busy_s"] = round(busy, 1)
+    rep["learner_time_split_s"] = {k: v for k, v in steps[-1].items() if k.startswith("time_")}  # whole loop, by kind
 if rounds:
     secs = [r["seconds"] for r in rounds]
     rep.update(weight_rounds=len(secs), weight_round_s_median=statistics.median(secs),
