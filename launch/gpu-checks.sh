@@ -33,12 +33,15 @@ case "$what" in
     # The decode step compiled by inductor before graphs capture it: its CUDA test, then the engine bench with it
     # (its ratio is against generate measured in the same run, as the uncompiled figures in docs/gpu.md are; the
     # compilation is paid in the bench's untimed warm-up). The mixed workload is played in groups of 8 rollouts
-    # from one first prompt, as the recipes' GRPO groups are (group_size 8). About 8 minutes.
+    # from one first prompt, as the recipes' GRPO groups are (group_size 8). About 10 minutes.
     nvidia-smi -L | tee "$out/gpu.txt"
     timeout 150 "$py" -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k "compiled or version_0" 2>&1 | tee "$out/tests.txt" | tail -5
     timeout 330 "$py" -m launch.cli bench engine --device cuda --shape qwen2.5-0.5b --compile --group-size 8 \
       --profile "$out/profile-compiled.txt" --json 2>>"$out/bench-err.txt" \
       | tee -a "$out/bench-engine-compiled.jsonl" || tail -20 "$out/bench-err.txt"
+    # the same fixed batch of 128 uncompiled, same session: what compiling gave, apart from the bench's changes
+    timeout 150 "$py" -m launch.cli bench engine --device cuda --shape qwen2.5-0.5b --batch 128 --workload "" --json \
+      2>>"$out/bench-err.txt" | tee -a "$out/bench-engine-eager.jsonl" || tail -20 "$out/bench-err.txt"
     ;;
   bench-engine)
     # the actor's engine vs transformers' generate (static cache, compiled) on Qwen2.5-0.5B's shape
