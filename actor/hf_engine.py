@@ -7,8 +7,9 @@ Every prompt submitted is a request. On the engine's own thread, a loop of windo
    prefilled in batches of at most ``prefill_tokens`` padded tokens (a longer text prompt in chunks); each
    samples its first token. A slot keeps what its last request left in it: a turn whose prompt begins with an
    earlier turn's prompt and output (the same episode's history) takes that slot and prefills only the rest; a
-   prompt that begins with another request's copies that prefix from its slot, and one that is the very prompt of
-   a request admitted with it (a GRPO group's rollouts) also takes that request's first-token logits: no prefill;
+   prompt that begins with another request's prompt copies that prefix from its slot, and one that is the very
+   prompt of a request admitted with it (a GRPO group's rollouts) also takes that request's first-token logits:
+   no prefill;
 3. every running request decodes together for ``sync_every`` tokens: the decode step (with ``compile``, fused
    by inductor, ``actor/compiled_step.py``; replayed as a CUDA graph on a GPU, ``actor/decode_graphs.py``) and the
    sampling (``actor/sampler.py``) stay on the device,

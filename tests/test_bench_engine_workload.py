@@ -68,7 +68,8 @@ def test_every_episodes_first_turn_is_queued_before_the_engine_admits_any():
     eng = HFEngine(TINY, EngineConfig(seed=3, max_batch=4))
 
     class Watched:  # the engine, noting whether it was paused at each submit
-        stats, paused, submits = eng.stats, False, []
+        def __init__(self):
+            self.stats, self.paused, self.submits = eng.stats, False, []
 
         def pause(self):
             self.paused = True
