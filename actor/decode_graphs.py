@@ -1,21 +1,31 @@
-"""The HF engine's decode step captured as CUDA graphs, one per (batch rows, key columns) bucket.
+"""The HF engine's decode windows captured as CUDA graphs, one per (batch rows, key columns, sampling kinds) bucket.
 
 At the sizes an actor decodes (one token per row, a few hundred rows at most, a model under a few billion
 parameters) a decode step on a GPU is bound by kernel launches, not by arithmetic: a 24-layer model issues
-several hundred small kernels per token. A CUDA graph replays all of them with one launch. A graph is
-captured the first time its bucket is used (two warm-up runs on a side stream, then the capture) and
-replayed from then on; all graphs share one memory pool. The step reads its inputs from, and writes its
-logits to, tensors that never move (the engine's slot buffers and the KV cache), and new weights are copied
-into the captured parameters in place, so a graph stays valid across weight swaps.
+several hundred small kernels per token, and the sampling and bookkeeping after it a few dozen more. A graph
+holds a whole window: ``sync_every`` decode steps, each followed by its sampling and the rows' bookkeeping (tokens
+and log-probs into the window's buffer, positions and counts advanced). The host then issues one launch per window
+and runs no Python per token.
 
-A capture that fails (an operation a graph cannot hold) turns graphs off for this engine, with the reason
-logged once, and decoding continues eagerly.
+Sampling draws from the engine's own generator, which is registered with every graph
+(``CUDAGraph.register_generator_state``): a replay reads the generator's offset when it starts and advances it by
+what the captured kernels draw, as the same window run eagerly would, and prefills sampling eagerly between
+replays draw from it too.
+
+A graph is captured the first time its bucket is used: two warm-up runs of one step and its sampling on a side
+stream (lazy initialisations happen outside the capture; they draw from a scratch generator and change nothing a
+window reads), then the capture, then its replay. All graphs share one memory pool. A window reads its inputs from,
+and writes its outputs to, tensors that never move (the engine's slot buffers and the KV cache), and new weights are
+copied into the captured parameters in place, so a graph stays valid across weight swaps.
+
+A capture that fails (an operation a graph cannot hold, a torch that cannot register a generator with a graph)
+turns graphs off for this engine, with the reason logged once, and decoding continues eagerly.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 log = logging.getLogger(__name__)
 
@@ -35,43 +45,47 @@ def column_bucket(n: int, largest: int, step: int = 256) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, step: Callable[[int, int], Any]):
+    def __init__(self, window: Callable[..., None], warm_up: Callable[..., None], generator: Any):
         import torch
 
         self.torch = torch
-        self.step = step  # (rows, key columns) -> logits; reads and writes only fixed tensors
-        self.graphs: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.window = window  # (rows, columns, kinds): a whole decode window, from and into fixed tensors
+        self.warm_up = warm_up  # the same shapes' kernels once, changing nothing the window reads
+        self.generator = generator  # what the window samples from: registered with every graph
+        self.graphs: dict[Hashable, Any] = {}
         self.pool: Any = None
         self.disabled = ""  # why graphs are off, once a capture failed
 
-    def __call__(self, rows: int, columns: int) -> Any:
+    def __call__(self, *key: Hashable) -> None:
         if self.disabled:
-            return self.step(rows, columns)
-        entry = self.graphs.get((rows, columns))
-        if entry is None:
+            return self.window(*key)
+        graph = self.graphs.get(key)
+        if graph is None:
             try:
-                entry = self._capture(rows, columns)
-            except Exception as exc:  # a model whose step cannot be captured still decodes, eagerly
+                graph = self._capture(key)
+            except Exception as exc:  # a model whose window cannot be captured still decodes, eagerly
                 self.disabled = f"{type(exc).__name__}: {exc}"[:500]
                 log.warning("CUDA graph capture failed, decoding eagerly: %s", self.disabled)
                 self.torch.cuda.synchronize()
-                return self.step(rows, columns)
-        graph, logits = entry
+                return self.window(*key)
         graph.replay()
-        return logits
 
-    def _capture(self, rows: int, columns: int) -> tuple[Any, Any]:
+    def _capture(self, key: tuple) -> Any:
         torch = self.torch
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: lazy initialisations happen outside the capture
             for _ in range(2):
-                self.step(rows, columns)
+                self.warm_up(*key)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        if not hasattr(graph, "register_generator_state"):
+            raise RuntimeError(f"torch {torch.__version__} cannot register a generator with a CUDA graph "
+                               "(CUDAGraph.register_generator_state), which sampling inside the graph needs")
+        graph.register_generator_state(self.generator)  # before the capture begins: its offsets are the graph's
         # thread_local: the actor's weights thread may touch CUDA meanwhile; that must not void this capture
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = self.step(rows, columns)
+            self.window(*key)
         self.pool = graph.pool()
-        self.graphs[(rows, columns)] = (graph, logits)
-        return graph, logits
+        self.graphs[key] = graph
+        return graph

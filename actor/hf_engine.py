@@ -11,9 +11,8 @@ Every prompt submitted is a request. On the engine's own thread, a loop of windo
    prompt of a request admitted with it (a GRPO group's rollouts) also takes that request's first-token logits:
    no prefill;
 3. every running request decodes together for ``sync_every`` tokens: the decode step (with ``compile``, fused
-   by inductor, ``actor/compiled_step.py``; replayed as a CUDA graph on a GPU, ``actor/decode_graphs.py``) and the
-   sampling (``actor/sampler.py``) stay on the device,
-   tokens and log-probs go to a device buffer;
+   by inductor, ``actor/compiled_step.py``) and the sampling (``actor/sampler.py``) stay on the device, tokens and
+   log-probs go to a device buffer; on a GPU the whole window is one CUDA graph replay (``actor/decode_graphs.py``);
 4. one copy to the host; each row's new tokens are checked for stop ids and stop strings; a finished request
    leaves its slot, and the next waiting one takes it at step 2.
 
@@ -161,10 +160,12 @@ class HFEngine:
         self.sync_every = cfg.sync_every or (8 if self.cuda else 1)
         self.out = torch.zeros(2, S, self.sync_every, device=dev)  # tokens (exact in float32 below 2**24), log-probs
         self.compiled = CompiledStep(self._decode_step) if cfg.compile else None
-        step = self.compiled or self._decode_step
+        self.step = self.compiled or self._decode_step  # (rows, key columns) -> logits: a window's step per token
         use_graphs = self.cuda and cfg.cuda_graphs and self.vision is None
-        self.graphs = DecodeGraphs(step) if use_graphs else None
-        self.step = self.graphs if self.graphs is not None else step  # (rows, key columns) -> logits: what a decode window calls per token
+        self.graphs = DecodeGraphs(self._decode_tokens, self._warm_up_tokens, self.gen) if use_graphs else None
+        # a capture's warm-up samples from a generator of its own: the engine's draws stay those of eager decoding
+        self.warm_up_gen = torch.Generator(device=dev) if use_graphs else None
+        self.decode = self.graphs if self.graphs is not None else self._decode_tokens  # (rows, columns, kinds): a window
 
     # ----- weights -------------------------------------------------------------------------------
 
@@ -548,6 +549,30 @@ class HFEngine:
                            use_cache=True, **{self.cache_kw: self.cache}).last_hidden_state
         return self._logits(hidden[:, -1])
 
+    def _decode_tokens(self, rows: int, columns: int, kinds: BatchKinds) -> None:
+        """A window: ``sync_every`` tokens for slots ``0 .. rows - 1`` attending over ``columns`` cache columns, each
+        sampled on the device into ``out``, fed back and its row advanced. Reads and writes only fixed tensors and
+        the engine's generator (what one CUDA graph replays)."""
+        params = self.rows.take(slice(0, rows))
+        active, generated, budget = self.active[:rows], self.rows.generated[:rows], self.budget[:rows]
+        for i in range(self.sync_every):
+            tokens, logps = sample(self.step(rows, columns), params, kinds, self.stop_ids, self.gen)
+            self.out[0, :rows, i] = tokens
+            self.out[1, :rows, i] = logps
+            self.tok_in[:rows] = tokens
+            generated += active
+            # A row past its token budget (its tokens are thrown away on the host) keeps rewriting its last column,
+            # so a window need not stop at the shortest budget and no row writes beyond its reserved columns.
+            advance = active * (generated <= budget)
+            self.cache_pos[:rows] += advance
+            if self.rope_pos is not None:
+                self.rope_pos[:, :rows] += advance
+
+    def _warm_up_tokens(self, rows: int, columns: int, kinds: BatchKinds) -> None:
+        """A window's kernels once before its capture: one step (it rewrites each row's current column with what the
+        window will write there) and its sampling from a scratch generator; nothing a window reads changes."""
+        sample(self.step(rows, columns), self.rows.take(slice(0, rows)), kinds, self.stop_ids, self.warm_up_gen)
+
     def _kinds(self, reqs: Sequence[Request]) -> BatchKinds:
         temps = [r.params.temperature for r in reqs]
         return BatchKinds(nucleus=any(r.params.top_p < 1 and r.params.temperature > 0 for r in reqs),
@@ -565,22 +590,8 @@ class HFEngine:
             rows, columns = row_bucket(top, self.slots), column_bucket(longest, self.max_seq_len)
         else:
             rows, columns = top, longest
-        kinds, version = self._kinds(running), self.version
-        params = self.rows.take(slice(0, rows))
-        active, generated, budget = self.active[:rows], self.rows.generated[:rows], self.budget[:rows]
-        for i in range(window):
-            logits = self.step(rows, columns)
-            tokens, logps = sample(logits, params, kinds, self.stop_ids, self.gen)
-            self.out[0, :rows, i] = tokens
-            self.out[1, :rows, i] = logps
-            self.tok_in[:rows] = tokens
-            generated += active
-            # A row past its token budget (its tokens are thrown away on the host) keeps rewriting its last column,
-            # so a window need not stop at the shortest budget and no row writes beyond its reserved columns.
-            advance = active * (generated <= budget)
-            self.cache_pos[:rows] += advance
-            if self.rope_pos is not None:
-                self.rope_pos[:, :rows] += advance
+        version = self.version
+        self.decode(rows, columns, self._kinds(running))
         self.stats.decode_steps += window
         self.stats.decode_rows += window * len(running)
         self.stats.batches += 1

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks (docs/gpu.md records their figures): CUDA tests, learner benches on real model shapes,
 # the actor bench on CUDA, and a whole run with the learner and two actors sharing one GPU.
-#   bash launch/gpu-checks.sh tests|engine-all|engine-compile|bench-engine|bench-learner|bench-actor|bench-weights|run OUT_DIR
+#   bash launch/gpu-checks.sh tests|engine-all|engine-compile|engine-library|bench-engine|bench-learner|bench-actor|bench-weights|run OUT_DIR
 # Uses the current python (torch + transformers with CUDA); pyzmq/structlog/... must be importable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,18 +30,27 @@ case "$what" in
     RUN_TIMEOUT=170 timeout 200 bash "$0" run "$out"
     ;;
   engine-compile)
-    # The decode step compiled by inductor before graphs capture it: its CUDA test, then the engine bench with it
+    # The decode step compiled by inductor before graphs capture it, and whole windows (steps and their sampling) as
+    # one graph each: their CUDA tests, then the engine bench with the compiled step
     # (its ratio is against generate measured in the same run, as the uncompiled figures in docs/gpu.md are; the
     # compilation is paid in the bench's untimed warm-up). The mixed workload is played in groups of 8 rollouts
     # from one first prompt, as the recipes' GRPO groups are (group_size 8). About 10 minutes.
     nvidia-smi -L | tee "$out/gpu.txt"
-    timeout 150 "$py" -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k "compiled or version_0" 2>&1 | tee "$out/tests.txt" | tail -5
+    timeout 150 "$py" -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k "compiled or version_0 or window_graph or graphs_continuous" 2>&1 | tee "$out/tests.txt" | tail -5
     timeout 330 "$py" -m launch.cli bench engine --device cuda --shape qwen2.5-0.5b --compile --group-size 8 \
       --profile "$out/profile-compiled.txt" --json 2>>"$out/bench-err.txt" \
       | tee -a "$out/bench-engine-compiled.jsonl" || tail -20 "$out/bench-err.txt"
     # the same fixed batch of 128 uncompiled, same session: what compiling gave, apart from the bench's changes
     timeout 150 "$py" -m launch.cli bench engine --device cuda --shape qwen2.5-0.5b --batch 128 --workload "" --json \
       2>>"$out/bench-err.txt" | tee -a "$out/bench-engine-eager.jsonl" || tail -20 "$out/bench-err.txt"
+    ;;
+  engine-library)
+    # transformers' own continuous batching (paged attention; without, then with its CUDA graphs) beside ours and
+    # generate, on Qwen2.5-0.5B's shape, every workload: the "library first" comparison docs/actor.md reports.
+    # Mixed in groups of 8, as engine-compile plays it. About 6 minutes.
+    nvidia-smi -L | tee "$out/gpu.txt"
+    timeout 420 "$py" -m launch.cli bench engine --device cuda --shape qwen2.5-0.5b --library --group-size 8 --json \
+      2>>"$out/bench-err.txt" | tee -a "$out/bench-engine-library.jsonl" || tail -20 "$out/bench-err.txt"
     ;;
   bench-engine)
     # the actor's engine vs transformers' generate (static cache, compiled) on Qwen2.5-0.5B's shape

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from actor.engine import EngineConfig  # noqa: E402
 from actor.hf_engine import HFEngine, common_prefix  # noqa: E402
-from launch.bench.engine import Turn, _episode, _generate, _ours, load_workload  # noqa: E402
+from launch.bench.engine import Turn, _episode, _generate, _library, _ours, _play_library, load_workload  # noqa: E402
 from tests.test_engine import TINY  # noqa: E402
 
 
@@ -90,4 +90,56 @@ def test_every_episodes_first_turn_is_queued_before_the_engine_admits_any():
     assert _ours(watched, episodes)["tokens"] == 4 * (3 + 2)
     assert watched.submits == [True] * 4 + [False] * 4, "first turns while paused, the rest as turns end"
     assert not watched.paused
+    eng.close()
+
+
+def test_the_library_arm_plays_each_turn_after_its_previous_one_with_what_it_generated():
+    """``bench engine --library``'s bookkeeping, on a stand-in manager: every first turn added at once, a later turn
+    only when its previous turn's result is in, and its prompt begins with that turn's prompt and output."""
+    from types import SimpleNamespace
+
+    class Manager:
+        def __init__(self):
+            self.added, self.pending = [], []
+
+        def add_request(self, prompt, request_id, max_new_tokens, record_timestamps):
+            self.added.append((request_id, list(prompt)))
+            self.pending.append((request_id, max_new_tokens))
+
+        def get_result(self, timeout):
+            rid, n = self.pending.pop(0)
+            done = SimpleNamespace(request_id=rid, is_finished=lambda: True, error=None, created_time=0.0,
+                                   generated_tokens=[900 + k for k in range(n)], timestamps=[0.5] * n)
+            return done
+
+    episodes = [[Turn([1, 2, 3], out=2), Turn([7], out=1, shared=4)], [Turn([4, 5], out=3)]]
+    m = Manager()
+    tokens, first = _play_library(m, episodes)
+    assert tokens == 2 + 1 + 3 and first == [0.5, 0.5, 0.5]
+    assert [rid for rid, _ in m.added] == ["0:0", "1:0", "0:1"], "first turns at once, the second after the first"
+    assert dict(m.added)["0:1"] == [1, 2, 3, 900, 7], "its recorded 4 shared tokens: the last prompt and output"
+
+    class Silent(Manager):
+        background_thread_status = SimpleNamespace(fatal_error=RuntimeError("boom"))
+
+        def get_result(self, timeout):
+            return None
+
+    with pytest.raises(RuntimeError, match="returned nothing.*boom"):
+        _play_library(Silent(), episodes)
+
+
+def test_transformers_continuous_batching_plays_the_bench_workload_and_gives_the_engine_its_attention_back():
+    eng = HFEngine(TINY, EngineConfig(seed=3, max_batch=4))
+    tok = eng.tokenizer
+    attention = eng.model.config._attn_implementation
+    avoid = set(tok.stop_ids) | {tok.pad_id}
+    recorded = [[(30, 4, 0), (45, 3, 33)], [(20, 5, 0)]]
+    episodes = [_episode(random.Random(i), ep, tok.vocab_size, avoid) for i, ep in enumerate(recorded)]
+    warm = [_episode(random.Random(9), [(30, 2, 0)], tok.vocab_size, avoid)]
+    lib = _library(eng.model, tok, "cpu", episodes, 2, False, 256, warm)
+    assert lib["tokens"] == 4 + 3 + 5, "every turn generates exactly its recorded length"
+    assert lib["seconds"] > 0 and lib["ttft_s"] > 0 and lib["cuda_graphs"] is False
+    assert eng.model.config._attn_implementation == attention, "the engine's decode attention is back"
+    assert _ours(eng, episodes)["tokens"] == lib["tokens"]
     eng.close()

@@ -118,6 +118,27 @@ def test_a_compiled_step_captured_as_graphs_agrees_and_sees_swaps_on_cuda():
     eng.close()
 
 
+def test_a_window_graph_samples_inside_it_from_the_engines_generator_on_cuda():
+    """A whole window (8 steps and their sampling) is one graph replay, the engine's generator registered with every
+    graph: engines seeded alike draw the same tokens, engines seeded apart do not, and every replay moves the
+    generator on by its own draws (8 exponential races a window, each at least 4 philox offsets)."""
+    prompts = [list(f"open the file number {i} ".encode() * (1 + i % 3)) for i in range(6)]
+
+    def run(seed: int):
+        eng = HFEngine(F32, EngineConfig(device="cuda", seed=seed, max_batch=8, max_seq_len=512, sync_every=8))
+        start = eng.gen.get_offset()
+        gens = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=40))
+        assert eng.graphs.graphs and not eng.graphs.disabled, eng.graphs.disabled
+        moved, windows = eng.gen.get_offset() - start, eng.stats.batches
+        eng.close()
+        return [g.token_ids for g in gens], moved, windows
+
+    a, moved, windows = run(5)
+    assert run(5)[0] == a, "the same seed draws the same tokens: a replay reads the generator where it stands"
+    assert run(6)[0] != a
+    assert windows >= 5 and moved >= 8 * 4 * windows, (moved, windows)
+
+
 def _receive(port: int, q) -> None:
     cfg = WeightSyncConfig(port=port, join_window_s=20.0, timeout_s=60.0, bucket_mb=1.0)
     like = [("w", torch.empty(1000, 1000, device="cuda")), ("b", torch.empty(1000, device="cuda")),

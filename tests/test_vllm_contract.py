@@ -64,12 +64,29 @@ def _resolve(dotted: str):
 
 
 def _accepted(obj) -> set[str]:
-    if isinstance(obj, type) and typing.is_typeddict(obj):
-        return set(typing.get_type_hints(obj))
+    # a TypedDict's keys: typing's and typing_extensions' (vLLM 0.32's TokensPrompt, which typing.is_typeddict
+    # does not recognise on Python 3.11) both list them here
+    if isinstance(obj, type) and hasattr(obj, "__required_keys__"):
+        return set(obj.__required_keys__) | set(obj.__optional_keys__)
     fields = getattr(obj, "__struct_fields__", None) or getattr(obj, "__dataclass_fields__", None)
     if fields:
         return set(fields)
     return set(inspect.signature(obj).parameters)
+
+
+def test_the_accepted_names_of_a_typed_dict_are_its_keys_whichever_typing_made_it():
+    import typing_extensions
+
+    class Plain(typing.TypedDict, total=False):
+        prompt_token_ids: list
+
+    class Extended(typing_extensions.TypedDict):
+        prompt_token_ids: list
+        multi_modal_data: typing_extensions.NotRequired[dict]
+
+    assert _accepted(Plain) == {"prompt_token_ids"}
+    assert _accepted(Extended) == {"prompt_token_ids", "multi_modal_data"}
+    assert _accepted(lambda a, *, b=1: None) == {"a", "b"}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (the gpu extra)")

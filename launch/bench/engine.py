@@ -28,6 +28,13 @@ prompts of the same lengths but other tokens, and no prompt shares a prefix with
 engine's prefix reuse finds only what an episode's own earlier turn left (``prefix_reused_share``: the share of
 prompt tokens it did not prefill), and nothing on the fixed workload. ``prefill_share``: the share of the engine's
 busy time spent admitting and prefilling.
+
+``--library`` adds transformers' own continuous batching (``init_continuous_batching``: its scheduler, paged KV
+cache and ``paged|sdpa`` attention) playing the same episodes as ours, turn by turn, at the same batch
+(``max_requests_per_batch``), the same KV memory (blocks for every slot's longest turn), the same tokens per forward
+pass (``max_batch_tokens`` = our ``prefill_tokens``) and with log-probs returned as ours are: on a GPU once without
+and once with its CUDA-graph option (``library`` and ``library_graphs``); ``ratio`` there is ours over it. It is the
+library path the engine would build on if it were faster (docs/actor.md, "Which path, and why ours").
 """
 
 from __future__ import annotations
@@ -237,6 +244,76 @@ def _generate_call(model: Any, tok: Any, ids: Any, mask: Any, new: int, cache: A
     return time.perf_counter() - t0, out
 
 
+def _library(model: Any, tok: Any, device: str, episodes: list[list[Turn]], batch: int, cuda_graphs: bool,
+             prefill_tokens: int, warm_up: list[list[Turn]]) -> dict:
+    """transformers' continuous batching manager playing ``episodes`` as ours does: every first turn added at once,
+    each later turn added when its previous turn's result arrives, ``batch`` requests in a forward pass at most;
+    ``warm_up`` (same lengths, other tokens) is played first on the same manager, untimed (its graph captures and
+    first allocations). Every request generates exactly its recorded length (end ids off: ``eos_token_id`` -1),
+    with its log-probs. The model runs ``paged|sdpa`` meanwhile; its attention setting is restored after."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    longest = max(len(t.tail) + t.shared + t.out for e in episodes + warm_up for t in e)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=batch, max_batch_tokens=prefill_tokens,
+                                  use_cuda_graph=cuda_graphs, return_logprobs=True)
+    page = getattr(cb, "page_size", None) or cb.block_size  # (page_size from transformers 5.17's successors on)
+    cb.num_blocks = batch * -(-longest // page) + batch  # our cache's memory: every slot's longest turn, and spare
+    gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=-1,
+                           pad_token_id=tok.pad_id, max_new_tokens=max(t.out for e in episodes for t in e))
+    attention = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")  # the library makes it paged|sdpa; the engine's own decode attention
+    try:  # is not one it can page
+        with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                       block=True, timeout=60) as manager:
+            _play_library(manager, warm_up)
+            t0 = time.perf_counter()
+            tokens, first = _play_library(manager, episodes)
+            seconds = time.perf_counter() - t0
+            used_graphs = any(manager.continuous_batching_config.use_cuda_graph or ())
+    finally:
+        model.set_attn_implementation(attention)
+    return {"tokens": tokens, "seconds": seconds, "ttft_s": round(sorted(first)[len(first) // 2], 4) if first else None,
+            "cuda_graphs": used_graphs}
+
+
+def _play_library(manager: Any, episodes: list[list[Turn]]) -> tuple[int, list[float]]:
+    """Every episode through ``manager``, turn after turn: the tokens generated and each request's time to first
+    token (from its own per-token timestamps)."""
+    turn = [0] * len(episodes)
+    previous: list[list[int]] = [[] for _ in episodes]
+    prompts: dict[str, list[int]] = {}
+
+    def add(i: int) -> None:
+        t = episodes[i][turn[i]]
+        rid = f"{i}:{turn[i]}"
+        prompts[rid] = t.prompt(previous[i])
+        manager.add_request(prompts[rid], request_id=rid, max_new_tokens=t.out, record_timestamps=True)
+
+    for i in range(len(episodes)):
+        add(i)
+    tokens, first, left = 0, [], sum(len(e) for e in episodes)
+    while left:
+        r = manager.get_result(timeout=120)
+        if r is None:
+            status = manager.background_thread_status
+            raise RuntimeError(f"transformers' continuous batching returned nothing for 120 s ({left} turns left; "
+                               f"its loop's error: {getattr(status, 'fatal_error', None)!r})")
+        if not r.is_finished():
+            continue
+        if r.error:
+            raise RuntimeError(f"transformers' continuous batching failed request {r.request_id}: {r.error}")
+        i = int(r.request_id.split(":")[0])
+        tokens += len(r.generated_tokens)
+        if r.timestamps:
+            first.append(r.timestamps[0] - r.created_time)
+        previous[i] = prompts.pop(r.request_id) + list(r.generated_tokens)
+        left -= 1
+        turn[i] += 1
+        if turn[i] < len(episodes[i]):
+            add(i)
+    return tokens, first
+
+
 def load_workload(name: str) -> list[list[tuple[int, int, int]]]:
     """A recorded workload: per episode, each turn's (prompt length, output length, tokens shared with the previous
     turn's prompt and output); files recorded before prefixes were share nothing."""
@@ -279,7 +356,7 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
               prompt_len: int = 512, new_tokens: int = 128, workload: str = "broad-sim-turns",
               mixed_batch: int = 64, mixed_episodes: int = 256, sync_every: int = 0, cuda_graphs: bool = True,
               compile_step: bool = False, seed: int = 0, profile: str = "", shared_prefixes: bool = True,
-              group_size: int = 1) -> dict:
+              group_size: int = 1, library: bool = False) -> dict:
     from actor.engine import EngineConfig
     from actor.hf_engine import HFEngine
     from launch.bench.learner import model_config
@@ -311,6 +388,20 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
                 "generate_ttft_s": base["ttft_s"], "tokens": ours["tokens"], "prefill_share": ours["prefill_share"],
                 "prefix_reused_share": ours["prefix_reused_share"]}
 
+    def libraries(ours: dict, episodes: list[list[Turn]], batch: int, warm_up: list[list[Turn]]) -> dict:
+        """transformers' continuous batching on the same episodes: without its CUDA graphs, and on a GPU with them."""
+        out = {}
+        for name, graphs in [("library", False)] + ([("library_graphs", True)] if device.startswith("cuda") else []):
+            try:
+                lib = _library(model, tok, device, episodes, batch, graphs, engine.cfg.prefill_tokens, warm_up)
+            except Exception as exc:  # the library's failure is a figure too; ours and generate's still stand
+                out[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                continue
+            theirs = lib["tokens"] / lib["seconds"]
+            out[name] = {"tokens_per_s": round(theirs, 1), "ratio": round(ours["tokens"] / ours["seconds"] / theirs, 3),
+                         "ttft_s": lib["ttft_s"], "tokens": lib["tokens"], "cuda_graphs": lib["cuda_graphs"]}
+        return out
+
     for batch in batches:
         episodes = [_episode(rng, [(prompt_len, new_tokens, 0)], tok.vocab_size, avoid) for _ in range(batch)]
         engine.use_slots(batch)  # (which also forgets the prefixes slots held: nothing is reused across runs)
@@ -322,6 +413,9 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
         ours = _ours(engine, episodes)
         base = _generate(model, tok, device, episodes, batch)
         result[f"fixed_{batch}"] = figures(ours, base)
+        if library:
+            result[f"fixed_{batch}"].update(libraries(ours, episodes, batch, [
+                _episode(rng, [(prompt_len, min(new_tokens, 8), 0)], tok.vocab_size, avoid) for _ in range(batch)]))
         if profile and batch == max(batches):  # the largest fixed batch: where kernels, not launches, decide
             result["profile"] = _profile(engine, episodes, device, profile)
     if recorded:
@@ -337,6 +431,9 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
         result["mixed"] = {**figures(ours, base), "workload": workload, "episodes": len(episodes),
                            "turns": sum(len(e) for e in episodes), "batch": mixed_batch,
                            "shared_prefixes": shared_prefixes, "group_size": group_size}
+        if library:
+            result["mixed"].update(libraries(ours, episodes, mixed_batch, _groups(
+                rng, recorded, mixed_batch, group_size, tok.vocab_size, avoid, shared_prefixes)))
         if profile:  # admissions and prefills between the windows: what the fixed workload hardly has
             mixed_out = str(Path(profile).with_name(Path(profile).stem + "-mixed" + Path(profile).suffix))
             engine.use_slots(mixed_batch)

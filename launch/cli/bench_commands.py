@@ -107,6 +107,8 @@ def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: i
 @click.option("--no-graphs", is_flag=True, help="decode eagerly on CUDA (no captured graphs)")
 @click.option("--compile", "compile_step", is_flag=True,
               help="our decode step compiled by torch.compile (inductor) before graphs capture it")
+@click.option("--library", is_flag=True, help="also transformers' own continuous batching on the same work (paged "
+              "attention; on a GPU without and with its CUDA graphs): ours over it as library.ratio")
 @click.option("--profile", default="", help="also profile ours once on the largest fixed batch (untimed) and write "
               "torch.profiler's table of operators and kernels to this file (the mixed workload's: NAME-mixed.EXT)")
 @click.option("--record", default="", help="instead: record a mixed workload to this JSON file and exit")
@@ -117,9 +119,10 @@ def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: i
 def bench_engine(device: str, shape: str, hidden: int, layers: int, batches: tuple, prompt_len: int, new_tokens: int,
                  workload: str, mixed_batch: int, mixed_episodes: int, group_size: int, unshared: bool,
                  sync_every: int, no_graphs: bool,
-                 compile_step: bool, profile: str, record: str, record_config: str, record_episodes: int,
+                 compile_step: bool, library: bool, profile: str, record: str, record_config: str, record_episodes: int,
                  as_json: bool) -> None:
-    """Our engine vs transformers' generate (static cache) on the same model, work and batch."""
+    """Our engine vs transformers' generate (static cache), and with --library its continuous batching, on the same
+    model, work and batch."""
     from launch.bench.engine import record_workload, run_bench
 
     if record:
@@ -128,7 +131,7 @@ def bench_engine(device: str, shape: str, hidden: int, layers: int, batches: tup
 
     emit(run_bench(device, shape, hidden, layers, tuple(b for b in batches if b > 0), prompt_len, new_tokens,
                     workload, mixed_batch, mixed_episodes, sync_every, not no_graphs, compile_step,
-                    profile=profile, shared_prefixes=not unshared, group_size=group_size), as_json)
+                    profile=profile, shared_prefixes=not unshared, group_size=group_size, library=library), as_json)
 
 
 @bench.command("learner")
