@@ -127,7 +127,10 @@ def test_a_window_graph_samples_inside_it_from_the_engines_generator_on_cuda():
     def run(seed: int):
         eng = HFEngine(F32, EngineConfig(device="cuda", seed=seed, max_batch=8, max_seq_len=512, sync_every=8))
         start = eng.gen.get_offset()
-        gens = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=40))
+        eng.pause()  # every prompt queued before the first window: the windows' batches do not depend on timing
+        futures = [eng.submit(p, SamplingParams(temperature=1.0, max_new_tokens=40)) for p in prompts]
+        eng.resume()
+        gens = [f.result(timeout=120) for f in futures]
         assert eng.graphs.graphs and not eng.graphs.disabled, eng.graphs.disabled
         moved, windows = eng.gen.get_offset() - start, eng.stats.batches
         eng.close()
