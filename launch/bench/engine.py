@@ -261,8 +261,9 @@ def _library(model: Any, tok: Any, device: str, episodes: list[list[Turn]], batc
     gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=-1,
                            pad_token_id=tok.pad_id, max_new_tokens=max(t.out for e in episodes for t in e))
     attention = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")  # the library makes it paged|sdpa; the engine's own decode attention
-    try:  # is not one it can page
+    # the library makes SDPA paged|sdpa; the engine's own decode attention is not one it can page
+    model.set_attn_implementation("sdpa")
+    try:
         with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
                                                        block=True, timeout=60) as manager:
             _play_library(manager, warm_up)
