@@ -446,14 +446,16 @@ def _raw_swarm_proc(index: int, addr: str, n: int, setup: ScaleSetup, rates: dic
 
 
 def _settled_record(path: str, setup: ScaleSetup) -> dict:
-    """The broker's newest metrics record once every actor is either alive or declared dead: an actor silenced late
-    in the hold is declared dead up to ``liveness x heartbeat_s`` after it, which may be after the hold ended."""
+    """The broker's newest metrics record once every silenced actor is declared dead and every other one alive: an
+    actor silenced late in the hold is declared dead up to ``liveness x heartbeat_s`` after it, which may be after the
+    hold ended (until then the broker still counts it alive, so alive + dead alone is no sign of it)."""
     from common.metrics.records import last_record
 
     deadline = time.monotonic() + setup.liveness * setup.heartbeat_s + 3.0  # + a few metrics intervals
     while True:
         record = last_record(path) or {}
-        if record.get("actors_alive", 0) + record.get("actors_dead", 0) >= setup.actors \
+        dead = record.get("actors_dead", 0)
+        if (dead >= setup.silence and record.get("actors_alive", 0) + dead >= setup.actors) \
                 or time.monotonic() > deadline:
             return record
         time.sleep(0.2)
