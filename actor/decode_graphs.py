@@ -13,8 +13,8 @@ what the captured kernels draw, as the same window run eagerly would, and prefil
 replays draw from it too.
 
 A graph is captured the first time its bucket is used: two warm-up runs of one step and its sampling on a side
-stream (lazy initialisations happen outside the capture; they draw from a scratch generator and change nothing a
-window reads), then the capture, then its replay. All graphs share one memory pool. A window reads its inputs from,
+stream (lazy initialisations happen outside the capture; they draw from a scratch generator and write only what the
+window's first step writes again), then the capture, then its replay. All graphs share one memory pool. A window reads its inputs from,
 and writes its outputs to, tensors that never move (the engine's slot buffers and the KV cache), and new weights are
 copied into the captured parameters in place, so a graph stays valid across weight swaps.
 
