@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 
 from actor.engine import EngineConfig  # noqa: E402
 from actor.hf_engine import HFEngine, common_prefix  # noqa: E402
-from launch.bench.engine import Turn, _episode, _generate, _library, _ours, _play_library, load_workload  # noqa: E402
+from launch.bench.engine import (Turn, _episode, _generate, _library, _library_submit, _ours, _play,  # noqa: E402
+                                 load_workload)
 from tests.test_engine import TINY  # noqa: E402
 
 
@@ -94,39 +95,41 @@ def test_every_episodes_first_turn_is_queued_before_the_engine_admits_any():
 
 
 def test_the_library_arm_plays_each_turn_after_its_previous_one_with_what_it_generated():
-    """``bench engine --library``'s bookkeeping, on a stand-in manager: every first turn added at once, a later turn
-    only when its previous turn's result is in, and its prompt begins with that turn's prompt and output."""
+    """``bench engine --library``'s side of the manager, on a stand-in: the shared episode loop adds every first turn
+    at once and a later turn only when its previous turn's result came back through the handler registered for it,
+    with that turn's prompt and output leading its prompt; a refused request or a silent manager raises, saying so."""
+    import asyncio
     from types import SimpleNamespace
 
     class Manager:
-        def __init__(self):
-            self.added, self.pending = [], []
+        def __init__(self, answer=True, accept=True):
+            self.added, self.handlers, self.answer, self.accept = [], {}, answer, accept
+
+        def register_result_handler(self, rid, callback):
+            self.handlers[rid] = (callback, asyncio.get_running_loop())
 
         def add_request(self, prompt, request_id, max_new_tokens, record_timestamps):
+            assert request_id in self.handlers, "the handler is registered before the request"
             self.added.append((request_id, list(prompt)))
-            self.pending.append((request_id, max_new_tokens))
-
-        def get_result(self, timeout):
-            rid, n = self.pending.pop(0)
-            done = SimpleNamespace(request_id=rid, is_finished=lambda: True, error=None, created_time=0.0,
-                                   generated_tokens=[900 + k for k in range(n)], timestamps=[0.5] * n)
-            return done
+            if not self.accept:
+                return None
+            callback, loop = self.handlers[request_id]
+            out = SimpleNamespace(is_finished=lambda: True, error=None, created_time=0.0,
+                                  generated_tokens=[900 + k for k in range(max_new_tokens)],
+                                  timestamps=[0.5] * max_new_tokens)
+            if self.answer:
+                loop.call_soon_threadsafe(callback, out)
+            return request_id
 
     episodes = [[Turn([1, 2, 3], out=2), Turn([7], out=1, shared=4)], [Turn([4, 5], out=3)]]
-    m = Manager()
-    tokens, first = _play_library(m, episodes)
-    assert tokens == 2 + 1 + 3 and first == [0.5, 0.5, 0.5]
-    assert [rid for rid, _ in m.added] == ["0:0", "1:0", "0:1"], "first turns at once, the second after the first"
-    assert dict(m.added)["0:1"] == [1, 2, 3, 900, 7], "its recorded 4 shared tokens: the last prompt and output"
-
-    class Silent(Manager):
-        background_thread_status = SimpleNamespace(fatal_error=RuntimeError("boom"))
-
-        def get_result(self, timeout):
-            return None
-
-    with pytest.raises(RuntimeError, match="returned nothing.*boom"):
-        _play_library(Silent(), episodes)
+    m, first = Manager(), []
+    assert _play(_library_submit(m, first), episodes) == 2 + 1 + 3 and first == [0.5, 0.5, 0.5]
+    assert [rid for rid, _ in m.added] == ["r0", "r1", "r2"], "first turns at once, the second after the first"
+    assert dict(m.added)["r2"] == [1, 2, 3, 900, 7], "its recorded 4 shared tokens: the last prompt and output"
+    with pytest.raises(RuntimeError, match="returned nothing for r0 in 0 s"):
+        _play(_library_submit(Manager(answer=False), [], wait_s=0.2), episodes)
+    with pytest.raises(RuntimeError, match="refused request r0"):
+        _play(_library_submit(Manager(accept=False), []), episodes)
 
 
 def test_transformers_continuous_batching_plays_the_bench_workload_and_gives_the_engine_its_attention_back():

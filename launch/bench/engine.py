@@ -39,6 +39,9 @@ library path the engine would build on if it were faster (docs/actor.md, "Which 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import json
 import random
 import tempfile
@@ -46,7 +49,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable, ContextManager
 
 WORKLOADS = Path(__file__).parent / "workloads"
 
@@ -83,39 +86,54 @@ def _random_prompt(rng: random.Random, n: int, vocab: int, avoid: set[int]) -> l
     return out
 
 
-def _ours(engine: Any, episodes: list[list[Turn]]) -> dict:
-    """Every episode at once, turn after turn; returns tokens, seconds and the engine's batch, TTFT, prefill share
-    and reused prefixes."""
-    import asyncio
-
-    from actor.engine import SamplingParams
+def _play(submit: Callable[[list[int], int], Awaitable[list[int]]], episodes: list[list[Turn]],
+          hold: Callable[[], ContextManager] = contextlib.nullcontext) -> int:
+    """Every episode at once, each turn submitted when its previous turn is done, with the prompt that turn's prompt
+    and output make (``Turn.prompt``); the tokens generated. ``submit(prompt, new_tokens)`` generates exactly
+    ``new_tokens``; ``hold()`` is entered while every episode's first turn is submitted."""
 
     async def play(turns: list[Turn]) -> int:
         n, previous = 0, []
         for turn in turns:
-            params = SamplingParams(temperature=1.0, max_new_tokens=turn.out, min_new_tokens=turn.out)
             prompt = turn.prompt(previous)
-            g = await asyncio.wrap_future(engine.submit(prompt, params))
-            n += len(g.token_ids)
-            previous = prompt + g.token_ids
+            tokens = await submit(prompt, turn.out)
+            n += len(tokens)
+            previous = prompt + tokens
         return n
 
     async def main() -> int:
+        with hold():
+            plays = [asyncio.ensure_future(play(t)) for t in episodes]
+            await asyncio.sleep(0)  # each play runs to its first await: its first turn submitted
+        return sum(await asyncio.gather(*plays))
+
+    return asyncio.run(main())
+
+
+def _ours(engine: Any, episodes: list[list[Turn]]) -> dict:
+    """Every episode at once, turn after turn (``_play``); returns tokens, seconds and the engine's batch, TTFT,
+    prefill share and reused prefixes."""
+    from actor.engine import SamplingParams
+
+    async def submit(prompt: list[int], new: int) -> list[int]:
+        params = SamplingParams(temperature=1.0, max_new_tokens=new, min_new_tokens=new)
+        return (await asyncio.wrap_future(engine.submit(prompt, params))).token_ids
+
+    @contextlib.contextmanager
+    def paused():
         # every first turn is queued before the engine admits any: they arrive at once, as generate's batch does
         # (else the engine's first window can take the first few alone and the rest wait a window for it)
         engine.pause()
         try:
-            plays = [asyncio.ensure_future(play(t)) for t in episodes]
-            await asyncio.sleep(0)  # each play runs to its first await: its first turn submitted
+            yield
         finally:
             engine.resume()
-        return sum(await asyncio.gather(*plays))
 
     st = engine.stats
     before = (st.decode_steps, st.decode_rows, len(st.first_token_s), st.seconds, st.prefill_seconds,
               st.prompt_tokens, st.prefix_reused_tokens)
     t0 = time.perf_counter()
-    tokens = asyncio.run(main())
+    tokens = _play(submit, episodes, paused)
     seconds = time.perf_counter() - t0
     steps, rows, ttft0, busy, prefill, prompted, reused = (now - then for now, then in zip(
         (st.decode_steps, st.decode_rows, len(st.first_token_s), st.seconds, st.prefill_seconds, st.prompt_tokens,
@@ -246,11 +264,11 @@ def _generate_call(model: Any, tok: Any, ids: Any, mask: Any, new: int, cache: A
 
 def _library(model: Any, tok: Any, device: str, episodes: list[list[Turn]], batch: int, cuda_graphs: bool,
              prefill_tokens: int, warm_up: list[list[Turn]]) -> dict:
-    """transformers' continuous batching manager playing ``episodes`` as ours does: every first turn added at once,
-    each later turn added when its previous turn's result arrives, ``batch`` requests in a forward pass at most;
-    ``warm_up`` (same lengths, other tokens) is played first on the same manager, untimed (its graph captures and
-    first allocations). Every request generates exactly its recorded length (end ids off: ``eos_token_id`` -1),
-    with its log-probs. The model runs ``paged|sdpa`` meanwhile; its attention setting is restored after."""
+    """transformers' continuous batching manager playing ``episodes`` as ours does (``_play``), ``batch`` requests
+    in a forward pass at most; ``warm_up`` (same lengths, other tokens) is played first on the same manager, untimed
+    (its graph captures and first allocations). The manager has no pause, so its first turns are added one after
+    another while its loop runs. Every request generates exactly its recorded length (end ids off: ``eos_token_id``
+    -1), with its log-probs. The model runs ``paged|sdpa`` meanwhile; its attention setting is restored after."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     longest = max(len(t.tail) + t.shared + t.out for e in episodes + warm_up for t in e)
@@ -266,9 +284,12 @@ def _library(model: Any, tok: Any, device: str, episodes: list[list[Turn]], batc
     try:
         with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
                                                        block=True, timeout=60) as manager:
-            _play_library(manager, warm_up)
+            first: list[float] = []
+            submit = _library_submit(manager, first)
+            _play(submit, warm_up)
+            first.clear()
             t0 = time.perf_counter()
-            tokens, first = _play_library(manager, episodes)
+            tokens = _play(submit, episodes)
             seconds = time.perf_counter() - t0
             used_graphs = any(manager.continuous_batching_config.use_cuda_graph or ())
     finally:
@@ -277,42 +298,37 @@ def _library(model: Any, tok: Any, device: str, episodes: list[list[Turn]], batc
             "cuda_graphs": used_graphs}
 
 
-def _play_library(manager: Any, episodes: list[list[Turn]]) -> tuple[int, list[float]]:
-    """Every episode through ``manager``, turn after turn: the tokens generated and each request's time to first
-    token (from its own per-token timestamps)."""
-    turn = [0] * len(episodes)
-    previous: list[list[int]] = [[] for _ in episodes]
-    prompts: dict[str, list[int]] = {}
+def _library_submit(manager: Any, first: list[float], wait_s: float = 120.0
+                    ) -> Callable[[list[int], int], Awaitable[list[int]]]:
+    """``_play``'s ``submit`` on transformers' manager: each request's result comes back through the handler the
+    manager calls on the player's event loop; its time to first token (from its per-token timestamps) goes to
+    ``first``. A request the manager refuses, fails or leaves unanswered for ``wait_s`` raises, saying so."""
+    ids = itertools.count()
 
-    def add(i: int) -> None:
-        t = episodes[i][turn[i]]
-        rid = f"{i}:{turn[i]}"
-        prompts[rid] = t.prompt(previous[i])
-        manager.add_request(prompts[rid], request_id=rid, max_new_tokens=t.out, record_timestamps=True)
+    async def submit(prompt: list[int], new: int) -> list[int]:
+        rid = f"r{next(ids)}"
+        done = asyncio.get_running_loop().create_future()
 
-    for i in range(len(episodes)):
-        add(i)
-    tokens, first, left = 0, [], sum(len(e) for e in episodes)
-    while left:
-        r = manager.get_result(timeout=120)
-        if r is None:
-            status = manager.background_thread_status
-            raise RuntimeError(f"transformers' continuous batching returned nothing for 120 s ({left} turns left; "
-                               f"its loop's error: {getattr(status, 'fatal_error', None)!r})")
-        if not r.is_finished():
-            continue
-        if r.error:
-            raise RuntimeError(f"transformers' continuous batching failed request {r.request_id}: {r.error}")
-        i = int(r.request_id.split(":")[0])
-        tokens += len(r.generated_tokens)
-        if r.timestamps:
-            first.append(r.timestamps[0] - r.created_time)
-        previous[i] = prompts.pop(r.request_id) + list(r.generated_tokens)
-        left -= 1
-        turn[i] += 1
-        if turn[i] < len(episodes[i]):
-            add(i)
-    return tokens, first
+        def deliver(out: Any) -> None:
+            if out.is_finished() and not done.done():
+                done.set_result(out)
+
+        manager.register_result_handler(rid, deliver)  # before the request: its result can only come here
+        if manager.add_request(prompt, request_id=rid, max_new_tokens=new, record_timestamps=True) is None:
+            raise RuntimeError(f"transformers' continuous batching refused request {rid} (see its warning)")
+        try:
+            out = await asyncio.wait_for(done, wait_s)
+        except asyncio.TimeoutError:
+            status = getattr(manager, "background_thread_status", None)
+            raise RuntimeError(f"transformers' continuous batching returned nothing for {rid} in {wait_s:.0f} s "
+                               f"(its loop's error: {getattr(status, 'fatal_error', None)!r})") from None
+        if out.error:
+            raise RuntimeError(f"transformers' continuous batching failed request {rid}: {out.error}")
+        if out.timestamps:
+            first.append(out.timestamps[0] - out.created_time)
+        return list(out.generated_tokens)
+
+    return submit
 
 
 def load_workload(name: str) -> list[list[tuple[int, int, int]]]:
@@ -454,8 +470,6 @@ def record_workload(config: str, episodes: int, out: str, overrides: list[str] =
     """Play ``episodes`` training episodes of a recipe's policy on the sim desktop (sampled, as in RL) and write
     each turn's prompt and output length and the leading tokens its prompt shares with the previous turn's prompt
     and output: the ``mixed`` workload."""
-    import asyncio
-
     from actor.engine import EngineConfig
     from actor.episode import LocalEnv, play_episode
     from actor.hf_engine import HFEngine, common_prefix
