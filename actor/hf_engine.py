@@ -161,7 +161,9 @@ class HFEngine:
         self.out = torch.zeros(2, S, self.sync_every, device=dev)  # tokens (exact in float32 below 2**24), log-probs
         self.compiled = CompiledStep(self._decode_step) if cfg.compile else None
         self.step = self.compiled or self._decode_step  # (rows, key columns) -> logits: a window's step per token
-        use_graphs = self.cuda and cfg.cuda_graphs and self.vision is None
+        # a VLM's windows too: its multimodal rotary positions (``rope_pos``, allocated at its first prefill, before
+        # any window) are one more fixed tensor a window reads and advances
+        use_graphs = self.cuda and cfg.cuda_graphs
         self.graphs = DecodeGraphs(self._decode_tokens, self._warm_up_tokens, self.gen) if use_graphs else None
         # a capture's warm-up samples from a generator of its own: the engine's draws stay those of eager decoding
         self.warm_up_gen = torch.Generator(device=dev) if use_graphs else None

@@ -142,6 +142,37 @@ def test_a_window_graph_samples_inside_it_from_the_engines_generator_on_cuda():
     assert windows >= 5 and moved >= 8 * 4 * windows, (moved, windows)
 
 
+def test_a_vlm_decodes_through_window_graphs_on_cuda(tmp_path):
+    """A VLM's decode windows are captured and replayed as a text model's are (its multimodal rotary positions are one
+    more fixed tensor a window advances): screenshots in the prompts, more requests than slots so rows join and leave
+    between replays, and every token and log-prob equal to eager decoding of the same model."""
+    from actor.prompt import EpisodePrompt, PromptConfig
+    from env_server.sim.backend import SimBackend, SimConfig
+    from launch.tiny_checkpoints import vlm_checkpoint
+
+    cfg = ModelConfig(path=str(vlm_checkpoint(tmp_path / "vlm", corpus_episodes=20)), dtype="float32")
+    engines = [HFEngine(cfg, EngineConfig(device="cuda", seed=1, max_batch=4, sync_every=8, cuda_graphs=graphs))
+               for graphs in (True, False)]
+    tok = engines[0].tokenizer
+    prompts, images = [], []
+    for i, task in enumerate(["files_delete/1", "files_delete/2", "sheet_sort/3", "settings_display/4", "sheet_sort/5",
+                                "files_delete/6"]):
+        obs = SimBackend(SimConfig(screenshot="png")).reset(f"sim:train:{task}")
+        prompt = EpisodePrompt(tok, PromptConfig(style="minimal", observation="both" if i % 2 else "screenshot"),
+                               obs["instruction"])
+        prompts.append(prompt.build(obs))
+        images.append(prompt.images)
+    params = SamplingParams(temperature=0, max_new_tokens=32, min_new_tokens=16)
+    captured, eager = (eng.generate(prompts, params, images) for eng in engines)
+    assert engines[0].graphs.graphs and not engines[0].graphs.disabled, engines[0].graphs.disabled
+    assert engines[1].graphs is None
+    for a, b in zip(captured, eager):
+        assert a.token_ids == b.token_ids
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-4)
+    for eng in engines:
+        eng.close()
+
+
 def _receive(port: int, q) -> None:
     cfg = WeightSyncConfig(port=port, join_window_s=20.0, timeout_s=60.0, bucket_mb=1.0)
     like = [("w", torch.empty(1000, 1000, device="cuda")), ("b", torch.empty(1000, device="cuda")),
