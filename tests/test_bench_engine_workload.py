@@ -59,6 +59,10 @@ def test_both_sides_play_episodes_whose_turns_overlap_as_recorded(shared):
     else:
         assert ours["prefix_reused_share"] == 0.0
     assert 0 < ours["prefill_share"] < 1
+    # the busy time by phase: every turn's prompt went through a pass (10 turns, 4 slots: more than one pass, fewer
+    # passes than turns where turns arrive together), and every token but a turn's first through a decode step
+    assert 1 < ours["prefill_passes"] <= 10 and ours["prompt_tokens_per_pass"] > 0 and ours["prefill_ms_per_pass"] > 0
+    assert ours["windows"] >= max(o for ep in recorded for _, o, _ in ep) - 1 and ours["decode_ms_per_step"] > 0
     base = _generate(eng.model, tok, "cpu", episodes, batch=2)
     assert base["tokens"] == ours["tokens"] and base["seconds"] > 0
     eng.close()

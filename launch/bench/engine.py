@@ -27,7 +27,10 @@ per token, which the baseline does not. Both count the same useful tokens (the r
 prompts of the same lengths but other tokens, and no prompt shares a prefix with a prompt of another episode: the
 engine's prefix reuse finds only what an episode's own earlier turn left (``prefix_reused_share``: the share of
 prompt tokens it did not prefill), and nothing on the fixed workload. ``prefill_share``: the share of the engine's
-busy time spent admitting and prefilling.
+busy time spent admitting and prefilling. Where that busy time went, per unit: ``windows`` (decode windows) and
+``decode_ms_per_step`` (the rest of the busy time over decode steps: the windows, their host read and bookkeeping),
+``prefill_passes``, ``prefill_ms_per_pass`` and ``prompt_tokens_per_pass``. Every phase ends in a host read of its
+results, so on a GPU these wall times include the device's.
 
 ``--library`` adds transformers' own continuous batching (``init_continuous_batching``: its scheduler, paged KV
 cache and ``paged|sdpa`` attention) playing the same episodes as ours, turn by turn, at the same batch
@@ -130,20 +133,28 @@ def _ours(engine: Any, episodes: list[list[Turn]]) -> dict:
             engine.resume()
 
     st = engine.stats
-    before = (st.decode_steps, st.decode_rows, len(st.first_token_s), st.seconds, st.prefill_seconds,
-              st.prompt_tokens, st.prefix_reused_tokens)
+
+    def counts() -> tuple:
+        return (st.decode_steps, st.decode_rows, len(st.first_token_s), st.seconds, st.prefill_seconds,
+                st.prompt_tokens, st.prefix_reused_tokens, st.batches, st.prefill_batches)
+
+    before = counts()
     t0 = time.perf_counter()
     tokens = _play(submit, episodes, paused)
     seconds = time.perf_counter() - t0
-    steps, rows, ttft0, busy, prefill, prompted, reused = (now - then for now, then in zip(
-        (st.decode_steps, st.decode_rows, len(st.first_token_s), st.seconds, st.prefill_seconds, st.prompt_tokens,
-         st.prefix_reused_tokens), before))
+    steps, rows, ttft0, busy, prefill, prompted, reused, windows, passes = (
+        now - then for now, then in zip(counts(), before))
     ttft = list(st.first_token_s)[-ttft0:] if ttft0 and len(st.first_token_s) < st.first_token_s.maxlen else []
     return {"tokens": tokens, "seconds": seconds,
             "mean_batch": round(rows / steps, 2) if steps else 0.0,
             "ttft_s": round(sorted(ttft)[len(ttft) // 2], 4) if ttft else None,
             "prefill_share": round(prefill / busy, 3) if busy else 0.0,
-            "prefix_reused_share": round(reused / (reused + prompted), 3) if reused + prompted else 0.0}
+            "prefix_reused_share": round(reused / (reused + prompted), 3) if reused + prompted else 0.0,
+            # where the engine's busy time went, per unit (each phase ends in a host read of its results, so on a
+            # GPU these wall times include the device's): decode windows and their steps, prefill passes
+            "windows": windows, "decode_ms_per_step": round(1000 * (busy - prefill) / steps, 3) if steps else None,
+            "prefill_passes": passes, "prefill_ms_per_pass": round(1000 * prefill / passes, 3) if passes else None,
+            "prompt_tokens_per_pass": round(prompted / passes, 1) if passes else None}
 
 
 class _WindowProfiler:
@@ -402,8 +413,9 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
         mine, theirs = ours["tokens"] / ours["seconds"], base["tokens"] / base["seconds"]
         return {"tokens_per_s": round(mine, 1), "generate_tokens_per_s": round(theirs, 1),
                 "ratio": round(mine / theirs, 3), "mean_batch": ours["mean_batch"], "ttft_s": ours["ttft_s"],
-                "generate_ttft_s": base["ttft_s"], "tokens": ours["tokens"], "prefill_share": ours["prefill_share"],
-                "prefix_reused_share": ours["prefix_reused_share"]}
+                "generate_ttft_s": base["ttft_s"], "tokens": ours["tokens"],
+                **{k: ours[k] for k in ("prefill_share", "prefix_reused_share", "windows", "decode_ms_per_step",
+                                        "prefill_passes", "prefill_ms_per_pass", "prompt_tokens_per_pass")}}
 
     def libraries(ours: dict, episodes: list[list[Turn]], batch: int, warm_up: list[list[Turn]]) -> dict:
         """transformers' continuous batching on the same episodes: without its CUDA graphs, and on a GPU with them."""
