@@ -384,7 +384,7 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
               prompt_len: int = 512, new_tokens: int = 128, workload: str = "broad-sim-turns",
               mixed_batch: int = 64, mixed_episodes: int = 256, sync_every: int = 0, cuda_graphs: bool = True,
               compile_step: bool = False, seed: int = 0, profile: str = "", shared_prefixes: bool = True,
-              group_size: int = 1, library: bool = False) -> dict:
+              group_size: int = 1, library: bool = False, prefill_tokens: int = 0) -> dict:
     from actor.engine import EngineConfig
     from actor.hf_engine import HFEngine
     from launch.bench.learner import model_config
@@ -396,13 +396,15 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         model_cfg = model_config(shape, hidden, layers, tmp if shape else "")
         cfg = EngineConfig(device=device, max_batch=slots, max_seq_len=max(prompt_len + new_tokens, longest_turn) + 8,
-                           sync_every=sync_every, cuda_graphs=cuda_graphs, compile=compile_step, seed=seed)
+                           sync_every=sync_every, cuda_graphs=cuda_graphs, compile=compile_step, seed=seed,
+                           **({"prefill_tokens": prefill_tokens} if prefill_tokens else {}))
         engine = HFEngine(model_cfg, cfg)
     tok, model = engine.tokenizer, engine.model
     avoid = set(tok.stop_ids) | {tok.pad_id}
     result: dict[str, Any] = {"device": device, "shape": shape or f"hidden {hidden} x {layers} layers",
                               "params": sum(p.numel() for p in model.parameters()),
-                              "sync_every": engine.sync_every, "cuda_graphs": engine.graphs is not None,
+                              "sync_every": engine.sync_every, "prefill_tokens": engine.cfg.prefill_tokens,
+                              "cuda_graphs": engine.graphs is not None,
                               "compiled": compile_step}
     if device.startswith("cuda"):
         import torch

@@ -104,6 +104,8 @@ def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: i
 @click.option("--unshared", is_flag=True, help="mixed workload: no turn shares a prefix with its previous turn "
               "(as recorded, an episode's prompts overlap as a real episode's do)")
 @click.option("--sync-every", default=0, show_default=True, help="engine decode steps per host look (0: the default)")
+@click.option("--prefill-tokens", default=0, show_default=True,
+              help="engine: most padded prompt tokens in one prefill pass (0: the engine's default)")
 @click.option("--no-graphs", is_flag=True, help="decode eagerly on CUDA (no captured graphs)")
 @click.option("--compile", "compile_step", is_flag=True,
               help="our decode step compiled by torch.compile (inductor) before graphs capture it")
@@ -118,7 +120,7 @@ def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: i
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def bench_engine(device: str, shape: str, hidden: int, layers: int, batches: tuple, prompt_len: int, new_tokens: int,
                  workload: str, mixed_batch: int, mixed_episodes: int, group_size: int, unshared: bool,
-                 sync_every: int, no_graphs: bool,
+                 sync_every: int, prefill_tokens: int, no_graphs: bool,
                  compile_step: bool, library: bool, profile: str, record: str, record_config: str, record_episodes: int,
                  as_json: bool) -> None:
     """Our engine vs transformers' generate (static cache), and with --library its continuous batching, on the same
@@ -131,7 +133,8 @@ def bench_engine(device: str, shape: str, hidden: int, layers: int, batches: tup
 
     emit(run_bench(device, shape, hidden, layers, tuple(b for b in batches if b > 0), prompt_len, new_tokens,
                     workload, mixed_batch, mixed_episodes, sync_every, not no_graphs, compile_step,
-                    profile=profile, shared_prefixes=not unshared, group_size=group_size, library=library), as_json)
+                    profile=profile, shared_prefixes=not unshared, group_size=group_size, library=library,
+                    prefill_tokens=prefill_tokens), as_json)
 
 
 @bench.command("learner")
