@@ -4,7 +4,7 @@ and a whole actor against a real broker and env_server on loopback."""
 from __future__ import annotations
 
 import dataclasses
-
+import json
 import threading
 import time
 
@@ -202,6 +202,8 @@ def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, p
                 assert engine.tokenizer.decode(turn.output_ids.tolist()).startswith(tr.actions[0][:5])
         metrics = (tb.run_dir.metrics / "actor-0.jsonl").read_text()
         assert '"gen_tokens_per_s"' in metrics and '"engine_idle_ratio"' in metrics
+        last = json.loads(metrics.splitlines()[-1])  # the engine's busy time by phase
+        assert 0 < last["engine_prefill_share"] < 1 and last["engine_decode_ms_per_step"] > 0, last
     finally:
         actor.close()
         learner.close()
