@@ -23,7 +23,7 @@ import uuid
 from typing import Any
 
 from actor.config import ActorConfig
-from actor.engine import Engine, Generation
+from actor.engine import Engine, EngineStats, Generation
 from actor.episode import EnginePolicy, Episode, play_episode
 from actor.recorder import episode_record
 from actor.workflow_explorer import explored_trajectory
@@ -447,12 +447,8 @@ class Actor:
             "generated_tokens": getattr(st, "generated_tokens", 0),
             "gen_tokens_per_s": round(getattr(st, "generated_tokens", 0) / max(getattr(st, "seconds", 0), 1e-9), 1),
             "engine_idle_ratio": round(1 - getattr(st, "seconds", 0) / max(wall_s, 1e-9), 3),
-            "engine_mean_batch": round(st.decode_rows / st.decode_steps, 2) if getattr(st, "decode_steps", 0) else None,
-            # where the engine's busy time went (the hf engine's clocks): admitting and prefilling, and per decode step
-            "engine_prefill_share": (round(st.prefill_seconds / st.seconds, 3)
-                                     if getattr(st, "prefill_seconds", 0) and st.seconds else None),
-            "engine_decode_ms_per_step": (round(1000 * (st.seconds - st.prefill_seconds) / st.decode_steps, 3)
-                                          if getattr(st, "decode_steps", 0) else None),
+            # where the engine's busy time went since the actor started (mean batch, prefill share, ms per step...)
+            **{f"engine_{k}": v for k, v in (st.figures() if isinstance(st, EngineStats) else {}).items()},
             "env_step_ms_p50": round(percentile(lat, 50), 2) if lat else None,
             "env_step_ms_p99": round(percentile(lat, 99), 2) if lat else None,
             "episode_len_mean": round(sum(lens) / len(lens), 2) if lens else None,

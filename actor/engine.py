@@ -58,6 +58,32 @@ class EngineStats:
     first_token_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
     """seconds from submission to the first sampled token, most recent requests"""
 
+    def since(self, earlier: "EngineStats") -> "EngineStats":
+        """What happened after ``earlier`` (a ``copy.deepcopy`` of these stats): every count and clock less what it
+        held, and the first-token times recorded since (none where more came than the deque keeps)."""
+        out = EngineStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
+                             for f in dataclasses.fields(self) if f.name != "first_token_s"})
+        new = len(self.first_token_s) - len(earlier.first_token_s)
+        if 0 < new and len(self.first_token_s) < self.first_token_s.maxlen:
+            out.first_token_s.extend(list(self.first_token_s)[-new:])
+        return out
+
+    def figures(self) -> dict:
+        """Where the busy time went, from the clocks above (None where a phase never ran, or an engine keeps no clock
+        for it: the vllm engine times neither prefill passes nor decode steps): the mean decode batch, the share
+        spent admitting and prefilling, milliseconds per decode step (the rest of the busy time: windows, their host
+        read and bookkeeping) and per prefill pass, prompt tokens per pass, and the share of prompt tokens a slot
+        already held. Each phase ends in a host read of its results, so on a GPU these include the device's time."""
+        steps, passes = self.decode_steps, self.prefill_batches
+        prompted = self.prompt_tokens + self.prefix_reused_tokens
+        return {"mean_batch": round(self.decode_rows / steps, 2) if steps else None,
+                "prefill_share": round(self.prefill_seconds / self.seconds, 3) if passes and self.seconds else None,
+                "decode_ms_per_step": (round(1000 * (self.seconds - self.prefill_seconds) / steps, 3)
+                                       if steps else None),
+                "prefill_ms_per_pass": round(1000 * self.prefill_seconds / passes, 3) if passes else None,
+                "prompt_tokens_per_pass": round(self.prompt_tokens / passes, 1) if passes else None,
+                "prefix_reused_share": round(self.prefix_reused_tokens / prompted, 3) if prompted else None}
+
 
 class Engine(Protocol):
     version: int  # stamped on every token sampled from now on

@@ -333,3 +333,29 @@ def test_a_step_that_cannot_be_compiled_decodes_eagerly():
     step.compiled = refuse
     assert step(3, 4) == 12 and "no C++ compiler" in step.disabled
     assert step(2, 5) == 10, "the eager step from then on"
+
+
+def test_engine_figures_cover_what_happened_since_and_say_none_for_a_phase_no_clock_timed():
+    """``EngineStats.since`` subtracts an earlier copy (first-token times: the ones since, none once the deque has
+    wrapped); ``figures`` derives the phases, and says None for a phase an engine keeps no clock for."""
+    import copy
+
+    from actor.engine import EngineStats
+
+    st = EngineStats(seconds=1.0, prefill_seconds=0.25, decode_steps=10, decode_rows=40, prefill_batches=2,
+                     prompt_tokens=300, prefix_reused_tokens=100, batches=5)
+    st.first_token_s.extend([0.1, 0.2])
+    before = copy.deepcopy(st)
+    st.seconds, st.prefill_seconds, st.decode_steps, st.decode_rows = 3.0, 1.25, 20, 120
+    st.prefill_batches, st.prompt_tokens, st.batches = 4, 700, 7
+    st.first_token_s.append(0.3)
+    run = st.since(before)
+    assert (run.seconds, run.decode_steps, run.batches, list(run.first_token_s)) == (2.0, 10, 2, [0.3])
+    assert run.figures() == {"mean_batch": 8.0, "prefill_share": 0.5, "decode_ms_per_step": 100.0,
+                             "prefill_ms_per_pass": 500.0, "prompt_tokens_per_pass": 200.0,
+                             "prefix_reused_share": 0.0}
+    st.first_token_s.extend([1.0] * st.first_token_s.maxlen)
+    assert not st.since(before).first_token_s, "a wrapped deque cannot say which times are new"
+    # the vllm engine times its busy seconds only: no prefill share, no per-pass or per-step figures
+    timed = EngineStats(seconds=2.0, generated_tokens=50, prompt_tokens=80).figures()
+    assert timed["prefill_share"] is timed["decode_ms_per_step"] is timed["prefill_ms_per_pass"] is None

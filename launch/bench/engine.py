@@ -27,10 +27,9 @@ per token, which the baseline does not. Both count the same useful tokens (the r
 prompts of the same lengths but other tokens, and no prompt shares a prefix with a prompt of another episode: the
 engine's prefix reuse finds only what an episode's own earlier turn left (``prefix_reused_share``: the share of
 prompt tokens it did not prefill), and nothing on the fixed workload. ``prefill_share``: the share of the engine's
-busy time spent admitting and prefilling. Where that busy time went, per unit: ``windows`` (decode windows) and
-``decode_ms_per_step`` (the rest of the busy time over decode steps: the windows, their host read and bookkeeping),
-``prefill_passes``, ``prefill_ms_per_pass`` and ``prompt_tokens_per_pass``. Every phase ends in a host read of its
-results, so on a GPU these wall times include the device's.
+busy time spent admitting and prefilling. Where that busy time went, per unit (``EngineStats.figures``): ``windows``
+(decode windows) and ``decode_ms_per_step``, ``prefill_passes``, ``prefill_ms_per_pass`` and
+``prompt_tokens_per_pass``.
 
 ``--library`` adds transformers' own continuous batching (``init_continuous_batching``: its scheduler, paged KV
 cache and ``paged|sdpa`` attention) playing the same episodes as ours, turn by turn, at the same batch
@@ -44,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import itertools
 import json
 import random
@@ -114,8 +114,9 @@ def _play(submit: Callable[[list[int], int], Awaitable[list[int]]], episodes: li
 
 
 def _ours(engine: Any, episodes: list[list[Turn]]) -> dict:
-    """Every episode at once, turn after turn (``_play``); returns tokens, seconds and the engine's batch, TTFT,
-    prefill share and reused prefixes."""
+    """Every episode at once, turn after turn (``_play``); returns tokens, seconds, the median time to first token
+    and the engine's figures over the run (``EngineStats.figures``: batch, prefill share, reused prefixes, time by
+    phase)."""
     from actor.engine import SamplingParams
 
     async def submit(prompt: list[int], new: int) -> list[int]:
@@ -132,29 +133,15 @@ def _ours(engine: Any, episodes: list[list[Turn]]) -> dict:
         finally:
             engine.resume()
 
-    st = engine.stats
-
-    def counts() -> tuple:
-        return (st.decode_steps, st.decode_rows, len(st.first_token_s), st.seconds, st.prefill_seconds,
-                st.prompt_tokens, st.prefix_reused_tokens, st.batches, st.prefill_batches)
-
-    before = counts()
+    before = copy.deepcopy(engine.stats)
     t0 = time.perf_counter()
     tokens = _play(submit, episodes, paused)
     seconds = time.perf_counter() - t0
-    steps, rows, ttft0, busy, prefill, prompted, reused, windows, passes = (
-        now - then for now, then in zip(counts(), before))
-    ttft = list(st.first_token_s)[-ttft0:] if ttft0 and len(st.first_token_s) < st.first_token_s.maxlen else []
-    return {"tokens": tokens, "seconds": seconds,
-            "mean_batch": round(rows / steps, 2) if steps else 0.0,
-            "ttft_s": round(sorted(ttft)[len(ttft) // 2], 4) if ttft else None,
-            "prefill_share": round(prefill / busy, 3) if busy else 0.0,
-            "prefix_reused_share": round(reused / (reused + prompted), 3) if reused + prompted else 0.0,
-            # where the engine's busy time went, per unit (each phase ends in a host read of its results, so on a
-            # GPU these wall times include the device's): decode windows and their steps, prefill passes
-            "windows": windows, "decode_ms_per_step": round(1000 * (busy - prefill) / steps, 3) if steps else None,
-            "prefill_passes": passes, "prefill_ms_per_pass": round(1000 * prefill / passes, 3) if passes else None,
-            "prompt_tokens_per_pass": round(prompted / passes, 1) if passes else None}
+    run = engine.stats.since(before)
+    ttft = sorted(run.first_token_s)
+    # where the engine's busy time went (EngineStats.figures), with its windows and prefill passes
+    return {"tokens": tokens, "seconds": seconds, "ttft_s": round(ttft[len(ttft) // 2], 4) if ttft else None,
+            "windows": run.batches, "prefill_passes": run.prefill_batches, **run.figures()}
 
 
 class _WindowProfiler:
