@@ -289,7 +289,8 @@ def _library(model: Any, tok: Any, device: str, episodes: list[list[Turn]], batc
             t0 = time.perf_counter()
             tokens = _play(submit, episodes)
             seconds = time.perf_counter() - t0
-            used_graphs = any(manager.continuous_batching_config.use_cuda_graph or ())
+            # what the manager decided for its varlen and decode paths (5.17 and 5.24 both have this accessor)
+            used_graphs = any(manager.continuous_batching_config.cuda_graph_booleans)
     finally:
         model.set_attn_implementation(attention)
     return {"tokens": tokens, "seconds": seconds, "ttft_s": round(sorted(first)[len(first) // 2], 4) if first else None,
