@@ -7,8 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version="${1:-3.12}"
-py="${PYTHON:-python3}"
-[ -x .venv/bin/python ] && py=.venv/bin/python
+# $PYTHON when set, else the bootstrap's virtual environment, else python3 (only its pip runs: it downloads, installs nothing)
+py="${PYTHON:-}"
+if [ -z "$py" ]; then if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi; fi
 rm -rf build/wheels && mkdir -p build/wheels
 # Our install_requires without torch, transformers and what they bring (numpy, PyYAML, Pillow come with them there),
 # plus pytest's timeout plugin, which the tests' markers use. Binary wheels for the target's Python and Linux.
