@@ -170,7 +170,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     """replay the decode step as captured CUDA graphs (CUDA only; a capture that fails falls back to eager)"""
     compile: bool = False
-    """compile the decode step with torch.compile (inductor) before graphs capture it; the first decode compiles"""
+    """compile the decode step (before graphs capture it) and a text model's prefill pass with torch.compile (inductor)"""
     interrupt: bool = True
     """swap in new weights between two decode windows instead of waiting until no request is running"""
     seed: int = 0

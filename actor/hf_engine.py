@@ -11,7 +11,7 @@ Every prompt submitted is a request. On the engine's own thread, a loop of windo
    prompt of a request admitted with it (a GRPO group's rollouts) also takes that request's first-token logits:
    no prefill;
 3. every running request decodes together for ``sync_every`` tokens: the decode step (with ``compile``, fused
-   by inductor, ``actor/compiled_step.py``) and the sampling (``actor/sampler.py``) stay on the device, tokens and
+   by inductor, as a text model's prefill passes are: ``actor/compiled.py``) and the sampling (``actor/sampler.py``) stay on the device, tokens and
    log-probs go to a device buffer; on a GPU the whole window is one CUDA graph replay (``actor/decode_graphs.py``);
 4. one copy to the host; each row's new tokens are checked for stop ids and stop strings; a finished request
    leaves its slot, and the next waiting one takes it at step 2.
@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from actor.compiled_step import CompiledStep
+from actor.compiled import Compiled
 from actor.decode_graphs import DecodeGraphs, column_bucket, row_bucket
 from actor.engine import EngineConfig, EngineStats, Generation, SamplingParams, StopWatch, generate_all
 from actor.kv_cache import SlotKVCache
@@ -159,8 +159,15 @@ class HFEngine:
                               torch.zeros(S, dtype=torch.long, device=dev))
         self.sync_every = cfg.sync_every or (8 if self.cuda else 1)
         self.out = torch.zeros(2, S, self.sync_every, device=dev)  # tokens (exact in float32 below 2**24), log-probs
-        self.compiled = CompiledStep(self._decode_step) if cfg.compile else None
-        self.step = self.compiled or self._decode_step  # (rows, key columns) -> logits: a window's step per token
+        self.compiled_step = Compiled(self._decode_step, "the decode step") if cfg.compile else None
+        self.step = self.compiled_step or self._decode_step  # (rows, key columns) -> logits: a window's step per token
+        # a VLM's prefill also runs its vision tower on images of any size: it stays eager
+        self.compiled_prefill = (Compiled(self._prefill_forward, "the prefill pass")
+                                 if cfg.compile and self.vision is None else None)
+        self._prefill_traced = False  # (``_trace_prefill``)
+        if cfg.compile:  # their sizes never change: symbolic sizes for them would only add guards and graphs
+            for t in [*self.cache.keys, *self.cache.values, self.key_index]:
+                torch._dynamo.mark_static(t)
         # a VLM's windows too: its multimodal rotary positions (``rope_pos``, allocated at its first prefill, before
         # any window) are one more fixed tensor a window reads and advances
         use_graphs = self.cuda and cfg.cuda_graphs
@@ -472,29 +479,31 @@ class HFEngine:
         torch, dev = self.torch, self.device
         parts = [r.prompt[r.prefilled:r.prefilled + chunk] for r in reqs]
         n, width = len(reqs), max(len(p) for p in parts)
+        columns = max(r.prefilled + len(p) for r, p in zip(reqs, parts))
+        compiled = self.compiled_prefill is not None and not self.compiled_prefill.disabled
+        if compiled:
+            # A compiled pass meets its rows, tokens and columns as symbolic sizes, but a size of 1 (one row, one
+            # token) would compile a graph of its own: a padding row (no token of its own: it writes only to the
+            # scratch column), a padding token and a column more (masked out) keep every pass on one graph.
+            n, width = max(n, 2), max(width, 2)
+            columns = max(columns, width)
+            if not self._prefill_traced:
+                self._trace_prefill()
         ids = torch.full((n, width), self.tokenizer.pad_id, dtype=torch.long)
         for i, p in enumerate(parts):
             ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
         ids = ids.to(dev)
-        lens = torch.tensor([len(p) for p in parts], device=dev)
-        starts = torch.tensor([r.prefilled for r in reqs], device=dev)
-        q = torch.arange(width, device=dev)
-        real = q[None, :] < lens[:, None]
-        columns = max(r.prefilled + len(p) for r, p in zip(reqs, parts))
-        # a padding query attends as the row's last real token does: finite, and never read
-        last_q = starts[:, None] + torch.minimum(q[None, :], lens[:, None] - 1)
-        mask = (self.key_index[None, None, :columns] <= last_q[:, :, None])[:, None]  # [n, 1, width, columns]
-        slots = torch.tensor([r.slot for r in reqs], device=dev)
-        self.cache.write(slots, torch.where(real, starts[:, None] + q[None, :], self.scratch))
-        self.cache.read_rows(slots, columns)
+        pad_rows = n - len(reqs)
+        lens = torch.tensor([len(p) for p in parts] + [0] * pad_rows, device=dev)
+        starts = torch.tensor([r.prefilled for r in reqs] + [0] * pad_rows, device=dev)
+        slots = torch.tensor([r.slot for r in reqs] + [reqs[0].slot] * pad_rows, device=dev)
         extra: dict[str, Any] = {}
         if self.vision is not None:  # image inputs and multimodal positions [axes, n, width]
+            real = torch.arange(width, device=dev)[None, :] < lens[:, None]
             extra = self.vision.model_inputs(self.model, ids, real.long(), [r.images for r in reqs])
-            positions = extra.pop("position_ids")
-        else:
-            positions = starts[:, None] + q[None, :]
-        hidden = self.body(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                           **{self.cache_kw: self.cache}, **extra).last_hidden_state
+            positions = extra["position_ids"]
+        hidden = (self.compiled_prefill if compiled else self._prefill_forward)(ids, lens, starts, slots, columns,
+                                                                                 **extra)
         for r, p in zip(reqs, parts):
             r.prefilled += len(p)
             self.stats.prompt_tokens += len(p)
@@ -533,6 +542,40 @@ class HFEngine:
         for j, r in enumerate(done_reqs):
             self.stats.first_token_s.append(now - r.submitted)
             self._take(r, [int(host[0][j])], [host[1][j]], version)
+
+    def _trace_prefill(self) -> None:
+        """The compiled prefill pass's first call, on sizes that differ from each other: traced on a pass whose rows,
+        tokens or columns happened to be equal, it would hold only for passes where they are (a guard), and the
+        next pass would compile again; traced on distinct sizes, it holds for all. Two padding rows, three tokens
+        and four columns of slot 0: every write goes to the scratch column, the result is dropped."""
+        torch, dev = self.torch, self.device
+        self._prefill_traced = True
+        if self.max_seq_len < 3:  # four columns do not fit: the first real pass is traced instead
+            return
+        lens, starts, slots = (torch.zeros(2, dtype=torch.long, device=dev) for _ in range(3))  # (not one tensor:
+        # a graph traced on aliased inputs holds only for aliased inputs)
+        self.compiled_prefill(torch.full((2, 3), self.tokenizer.pad_id, dtype=torch.long, device=dev), lens, starts,
+                              slots, 4)
+
+    def _prefill_forward(self, ids: Any, lens: Any, starts: Any, slots: Any, columns: int, **extra: Any) -> Any:
+        """One prefill pass: row ``i``'s ``lens[i]`` tokens ``ids[i]`` (right-padded) written to slot ``slots[i]``
+        from cache column ``starts[i]`` on, each attending over the slot's columns up to its own; the hidden states.
+        ``extra``: a VLM's image inputs and ``position_ids``. Tensors and sizes in, tensors out: what ``compile``
+        compiles."""
+        torch = self.torch
+        q = torch.arange(ids.shape[1], device=ids.device)
+        real = q[None, :] < lens[:, None]
+        # a padding query attends as the row's last real token does (a padding row, as its first column): finite,
+        # and never read
+        last_q = starts[:, None] + torch.minimum(q[None, :], (lens[:, None] - 1).clamp(min=0))
+        mask = (self.key_index[None, None, :columns] <= last_q[:, :, None])[:, None]  # [n, 1, width, columns]
+        self.cache.write(slots, torch.where(real, starts[:, None] + q[None, :], self.scratch))
+        self.cache.read_rows(slots, columns)
+        positions = extra.pop("position_ids", None)
+        if positions is None:
+            positions = starts[:, None] + q[None, :]
+        return self.body(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{self.cache_kw: self.cache}, **extra).last_hidden_state
 
     # ----- decode --------------------------------------------------------------------------------
 

@@ -30,19 +30,19 @@ case "$what" in
     RUN_TIMEOUT=170 timeout 200 bash "$0" run "$out"
     ;;
   engine-compile)
-    # The decode step compiled by inductor before graphs capture it, and whole windows (steps and their sampling) as
-    # one graph each: their CUDA tests, then the engine bench with the compiled step
+    # The decode step compiled by inductor before graphs capture it, the prefill pass compiled too, and whole windows
+    # (steps and their sampling) as one graph each: their CUDA tests, then the engine bench compiled
     # (its ratio is against generate measured in the same run, as the uncompiled figures in docs/gpu.md are; the
-    # compilation is paid in the bench's untimed warm-up). The mixed workload is played in groups of 8 rollouts
-    # from one first prompt, as the recipes' GRPO groups are (group_size 8). About 10 minutes.
+    # compilations are paid in the bench's untimed warm-up). The mixed workload is played in groups of 8 rollouts
+    # from one first prompt, as the recipes' GRPO groups are (group_size 8). At most 590 s: one device call (600).
     nvidia-smi -L | tee "$out/gpu.txt"
     # every test reports (no -x): a VLM capture that fails must not hide the text tests' outcome
-    timeout 180 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "compiled or version_0 or window_graph or graphs_continuous" 2>&1 | tee "$out/tests.txt" | tail -5
+    timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "compiled or version_0 or window_graph or graphs_continuous" 2>&1 | tee "$out/tests.txt" | tail -5
     timeout 330 "$py" -m launch.cli bench engine --device cuda --shape qwen2.5-0.5b --compile --group-size 8 \
       --profile "$out/profile-compiled.txt" --json 2>>"$out/bench-err.txt" \
       | tee -a "$out/bench-engine-compiled.jsonl" || tail -20 "$out/bench-err.txt"
-    # the same fixed batch of 128 uncompiled, same session: what compiling gave, apart from the bench's changes
-    timeout 150 "$py" -m launch.cli bench engine --device cuda --shape qwen2.5-0.5b --batch 128 --workload "" --json \
+    # the same fixed batch of 128 uncompiled, same session: what compiling gave, per decode step and per prefill pass
+    timeout 110 "$py" -m launch.cli bench engine --device cuda --shape qwen2.5-0.5b --batch 128 --workload "" --json \
       2>>"$out/bench-err.txt" | tee -a "$out/bench-engine-eager.jsonl" || tail -20 "$out/bench-err.txt"
     ;;
   engine-library)

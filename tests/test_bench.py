@@ -63,12 +63,17 @@ def test_bench_async_prints_speedup_json(tmp_path):
     assert 0 <= result["async_actor_engine_idle_ratio"] <= 1
 
 
-def _bench_json(tmp_path, *args: str) -> dict:
+def _bench(tmp_path, *args: str) -> tuple[dict, str]:
+    """A bench's JSON and what it wrote on stderr."""
     out = subprocess.run([sys.executable, "-m", "launch.cli", "bench", *args, "--json"], cwd=tmp_path,
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
                          timeout=1500)
     assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def _bench_json(tmp_path, *args: str) -> dict:
+    return _bench(tmp_path, *args)[0]
 
 
 def test_bench_learner_and_weights_print_ratio_json(tmp_path):
@@ -101,9 +106,13 @@ def test_bench_engine_and_actor_print_their_ratios(tmp_path):
     rec = _bench_json(tmp_path, "engine", "--record", str(tmp_path / "wl.json"), "--record-config",
                       str(REPO / "configs/broad.yaml"), "--record-episodes", "3")
     assert rec["episodes"] == 3 and rec["turns"] >= 3 and rec["mean_output"] > 0
-    e = _bench_json(tmp_path, "engine", "--batch", "4", "--prompt-len", "16", "--new-tokens", "8", "--mixed-batch",
+    e, err = _bench(tmp_path, "engine", "--batch", "4", "--prompt-len", "16", "--new-tokens", "8", "--mixed-batch",
                     "4", "--mixed-episodes", "6", "--workload", str(tmp_path / "wl.json"),
                     "--profile", str(tmp_path / "profile.txt"))
+    # each workload's figures also went to stderr as it ended (what a run cut short by a time limit leaves)
+    done = {line.split()[2]: json.loads(line.split(" ", 3)[3]) for line in err.splitlines()
+            if line.startswith("bench engine: ")}
+    assert done == {"fixed_4": e["fixed_4"], "mixed": e["mixed"]}, err[-2000:]
     assert e["mixed"]["turns"] == 2 * rec["turns"], "6 episodes replay the 3 recorded twice"
     turns = [t for ep in json.loads((tmp_path / "wl.json").read_text())["episodes"] for t in ep["turns"]]
     assert all(len(t) == 3 and 0 <= t[2] < t[0] for t in turns), "each turn records the prefix it shares"

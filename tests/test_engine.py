@@ -298,22 +298,33 @@ def test_a_dead_engine_thread_fails_its_requests_and_refuses_new_ones(monkeypatc
         eng.submit([1, 2, 3], SamplingParams(max_new_tokens=4))
 
 
-@pytest.mark.slow  # inductor compiles the step (C++ on a CPU): about half a minute
-def test_a_compiled_step_decodes_every_shape_with_one_compilation_and_sees_swaps_in_place():
-    """``compile``: the step inductor compiled gives the eager step's log-probs over batches of every size and
-    length, without recompiling per shape, and reads weights swapped in place (the GPU's captured graphs replay
+@pytest.mark.slow  # inductor compiles the step and the prefill pass (C++ on a CPU): about a minute
+def test_compiled_passes_serve_every_shape_with_one_compilation_each_and_see_swaps_in_place():
+    """``compile``: the step and the prefill pass inductor compiled give the eager engine's log-probs over passes of
+    every kind (one row or several, one token or many, chunks of a long prompt, prefixes copied or left in a
+    slot) without compiling again per shape, and read weights swapped in place (the GPU's captured graphs replay
     this same compiled step)."""
     from torch._dynamo.utils import counters
 
     counters.clear()
     one_layer = ModelConfig(**{**TINY.__dict__, "num_layers": 1})  # what is compiled matters less than how often
-    eng = HFEngine(one_layer, EngineConfig(seed=2, max_batch=4, sync_every=3, compile=True))
+    eng = HFEngine(one_layer, EngineConfig(seed=2, max_batch=4, sync_every=3, compile=True, prefill_tokens=24))
     tok = eng.tokenizer
     prompts = [tok.encode("go " * (1 + 5 * (i % 3)) + str(i)) for i in range(7)]
+    prompts.append(tok.encode("a" * 25))  # 24 tokens, then a pass of one token from column 24 on
     gens = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=10))
-    assert not eng.compiled.disabled, eng.compiled.disabled
+    assert not (eng.compiled_step.disabled or eng.compiled_prefill.disabled), \
+        (eng.compiled_step.disabled, eng.compiled_prefill.disabled)
     _agree(eng, prompts, gens)
-    assert 1 <= counters["stats"]["unique_graphs"] <= 3, "one compilation (and one for a single row) serves every shape"
+    graphs = counters["stats"]["unique_graphs"]
+    # the prefill pass once; the step once, and once more for a batch of one row (windows are not padded)
+    assert 2 <= graphs <= 3, graphs
+    assert eng.stats.prefill_batches > 4 and eng.stats.prefix_reused_tokens > 0
+    # later turns of the same episodes: what a slot still holds is not prefilled again
+    turns = [p + g.token_ids + tok.encode(" ok") for p, g in zip(prompts, gens)]
+    later = eng.generate(turns, SamplingParams(temperature=1.0, max_new_tokens=6))
+    _agree(eng, turns, later)
+    assert counters["stats"]["unique_graphs"] == graphs, "no shape compiled again"
     newer = build_model(ModelConfig(**{**one_layer.__dict__, "init_seed": 7}), tok.vocab_size)
     eng.load_weights(dict(newer.named_parameters()), 1)
     after = eng.generate(prompts[:3], SamplingParams(temperature=1.0, max_new_tokens=8))
@@ -322,10 +333,10 @@ def test_a_compiled_step_decodes_every_shape_with_one_compilation_and_sees_swaps
     eng.close()
 
 
-def test_a_step_that_cannot_be_compiled_decodes_eagerly():
-    from actor.compiled_step import CompiledStep
+def test_a_pass_that_cannot_be_compiled_runs_eagerly():
+    from actor.compiled import Compiled
 
-    step = CompiledStep(lambda rows, columns: rows * columns)
+    step = Compiled(lambda rows, columns: rows * columns, "the decode step")
 
     def refuse(rows, columns):
         raise RuntimeError("no C++ compiler")

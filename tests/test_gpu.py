@@ -97,16 +97,17 @@ def test_engine_graphs_continuous_batching_and_in_place_swaps_on_cuda():
 
 
 def test_a_compiled_step_captured_as_graphs_agrees_and_sees_swaps_on_cuda():
-    """``compile`` on a GPU: graphs capture the step inductor compiled (one compilation for every bucket); every
-    token's log-prob equals a teacher-forced pass, before and after weights are swapped in place."""
+    """``compile`` on a GPU: graphs capture the step inductor compiled (one compilation for every bucket), and the
+    prefill passes run compiled; every token's log-prob equals a teacher-forced pass, before and after weights are
+    swapped in place."""
     from policy.model import build_model
 
     eng = HFEngine(F32, EngineConfig(device="cuda", seed=1, max_batch=8, max_seq_len=512, sync_every=8, compile=True))
     vocab = eng.tokenizer.vocab_size
     prompts = [list(f"click the button number {i} ".encode() * (1 + i % 5)) for i in range(12)]
     gens = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=40))
-    assert not eng.compiled.disabled and eng.graphs.graphs and not eng.graphs.disabled, \
-        (eng.compiled.disabled, eng.graphs.disabled)
+    assert not (eng.compiled_step.disabled or eng.compiled_prefill.disabled) and eng.graphs.graphs \
+        and not eng.graphs.disabled, (eng.compiled_step.disabled, eng.compiled_prefill.disabled, eng.graphs.disabled)
     for p, g in zip(prompts, gens):
         assert np.allclose(np.array(g.logprobs), _teacher_forced(eng.model, p, g, vocab), atol=2e-3)
     newer = build_model(ModelConfig(**{**F32.__dict__, "init_seed": 99}), vocab, "cuda").eval()

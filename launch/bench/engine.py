@@ -372,7 +372,10 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
               prompt_len: int = 512, new_tokens: int = 128, workload: str = "broad-sim-turns",
               mixed_batch: int = 64, mixed_episodes: int = 256, sync_every: int = 0, cuda_graphs: bool = True,
               compile_step: bool = False, seed: int = 0, profile: str = "", shared_prefixes: bool = True,
-              group_size: int = 1, library: bool = False, prefill_tokens: int = 0) -> dict:
+              group_size: int = 1, library: bool = False, prefill_tokens: int = 0,
+              progress: Callable[[str, dict], None] | None = None) -> dict:
+    """Every workload's figures; ``progress(workload, figures)`` as each is done (a run cut short by a time limit
+    still leaves those)."""
     from actor.engine import EngineConfig
     from actor.hf_engine import HFEngine
     from launch.bench.learner import model_config
@@ -435,6 +438,8 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
         if library:
             result[f"fixed_{batch}"].update(libraries(ours, episodes, batch, [
                 _episode(rng, [(prompt_len, min(new_tokens, 8), 0)], tok.vocab_size, avoid) for _ in range(batch)]))
+        if progress:
+            progress(f"fixed_{batch}", result[f"fixed_{batch}"])
         if profile and batch == max(batches):  # the largest fixed batch: where kernels, not launches, decide
             result["profile"] = _profile(engine, episodes, device, profile)
     if recorded:
@@ -453,14 +458,17 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
         if library:
             result["mixed"].update(libraries(ours, episodes, mixed_batch, _groups(
                 rng, recorded, mixed_batch, group_size, tok.vocab_size, avoid, shared_prefixes)))
+        if progress:
+            progress("mixed", result["mixed"])
         if profile:  # admissions and prefills between the windows: what the fixed workload hardly has
             mixed_out = str(Path(profile).with_name(Path(profile).stem + "-mixed" + Path(profile).suffix))
             engine.use_slots(mixed_batch)
             # past the first wave of turns, which all arrive at once: windows that admit as turns end
             result["profile_mixed"] = _profile(engine, episodes, device, mixed_out, windows=12,
                                                skip=max(8, 64 // engine.sync_every))
-    if engine.compiled is not None:
-        result["compile_disabled"] = engine.compiled.disabled or None  # why it fell back to eager, if it did
+    for key, compiled in (("compile_disabled", engine.compiled_step), ("prefill_compile_disabled", engine.compiled_prefill)):
+        if compiled is not None:
+            result[key] = compiled.disabled or None  # why it fell back to eager, if it did
     if engine.graphs is not None:
         result["graphs_captured"] = len(engine.graphs.graphs)
         result["graphs_disabled"] = engine.graphs.disabled or None

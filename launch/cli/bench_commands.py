@@ -3,6 +3,7 @@ measured in the same run."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -108,7 +109,7 @@ def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: i
               help="engine: most padded prompt tokens in one prefill pass (0: the engine's default)")
 @click.option("--no-graphs", is_flag=True, help="decode eagerly on CUDA (no captured graphs)")
 @click.option("--compile", "compile_step", is_flag=True,
-              help="our decode step compiled by torch.compile (inductor) before graphs capture it")
+              help="our decode step (before graphs capture it) and prefill pass compiled by torch.compile (inductor)")
 @click.option("--library", is_flag=True, help="also transformers' own continuous batching on the same work (paged "
               "attention; on a GPU without and with its CUDA graphs): ours over it as library.ratio")
 @click.option("--profile", default="", help="also profile ours once on the largest fixed batch (untimed) and write "
@@ -131,10 +132,13 @@ def bench_engine(device: str, shape: str, hidden: int, layers: int, batches: tup
         emit(record_workload(record_config, record_episodes, record), as_json)
         return
 
+    def progress(name: str, figures: dict) -> None:  # on stderr as each workload ends: kept if a time limit cuts the run
+        click.echo(f"bench engine: {name} " + json.dumps(figures), err=True)
+
     emit(run_bench(device, shape, hidden, layers, tuple(b for b in batches if b > 0), prompt_len, new_tokens,
                     workload, mixed_batch, mixed_episodes, sync_every, not no_graphs, compile_step,
                     profile=profile, shared_prefixes=not unshared, group_size=group_size, library=library,
-                    prefill_tokens=prefill_tokens), as_json)
+                    prefill_tokens=prefill_tokens, progress=progress), as_json)
 
 
 @bench.command("learner")
