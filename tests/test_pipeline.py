@@ -184,6 +184,9 @@ def test_a_learner_that_stops_is_counted_as_leaving_not_dead(tmp_path, monkeypat
     finally:
         actor.close()
     counters = tb.broker.counters
+    deadline = time.monotonic() + 10  # the learner's goodbye is sent as its thread ends: the broker reads it after
+    while counters.get("learners_left", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert counters["learners_leaving"] == 1 and counters["learners_left"] == 1, dict(counters)
     assert counters.get("learners_dead", 0) == 0, dict(counters)
     assert (tb.run_dir.checkpoints / "latest").exists()
