@@ -11,8 +11,8 @@ Every prompt submitted is a request. On the engine's own thread, a loop of windo
    prompt of a request admitted with it (a GRPO group's rollouts) also takes that request's first-token logits:
    no prefill;
 3. every running request decodes together for ``sync_every`` tokens: the decode step (with ``compile``, fused
-   by inductor, as a text model's prefill passes are: ``actor/compiled.py``) and the sampling (``actor/sampler.py``) stay on the device, tokens and
-   log-probs go to a device buffer; on a GPU the whole window is one CUDA graph replay (``actor/decode_graphs.py``);
+   by inductor, as a text model's prefill passes are: ``actor/compiled.py``) and the sampling
+   (``actor/sampler.py``) stay on the device, tokens and log-probs go to a device buffer; on a GPU the whole window is one CUDA graph replay (``actor/decode_graphs.py``);
 4. one copy to the host; each row's new tokens are checked for stop ids and stop strings; a finished request
    leaves its slot, and the next waiting one takes it at step 2.
 
@@ -484,7 +484,8 @@ class HFEngine:
         if compiled:
             # A compiled pass meets its rows, tokens and columns as symbolic sizes, but a size of 1 (one row, one
             # token) would compile a graph of its own: a padding row (no token of its own: it writes only to the
-            # scratch column), a padding token and a column more (masked out) keep every pass on one graph.
+            # scratch column), a padding token and as many columns as tokens (the extra ones masked out) keep every
+            # pass on one graph.
             n, width = max(n, 2), max(width, 2)
             columns = max(columns, width)
             if not self._prefill_traced:
