@@ -12,7 +12,8 @@ Every prompt submitted is a request. On the engine's own thread, a loop of windo
    no prefill;
 3. every running request decodes together for ``sync_every`` tokens: the decode step (with ``compile``, fused
    by inductor, as a text model's prefill passes are: ``actor/compiled.py``) and the sampling
-   (``actor/sampler.py``) stay on the device, tokens and log-probs go to a device buffer; on a GPU the whole window is one CUDA graph replay (``actor/decode_graphs.py``);
+   (``actor/sampler.py``) stay on the device, tokens and log-probs go to a device buffer; on a GPU the whole
+   window is one CUDA graph replay (``actor/decode_graphs.py``);
 4. one copy to the host; each row's new tokens are checked for stop ids and stop strings; a finished request
    leaves its slot, and the next waiting one takes it at step 2.
 
