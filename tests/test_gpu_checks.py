@@ -1,6 +1,8 @@
-"""``launch/gpu-checks.sh`` selects CUDA tests by name (``pytest -k``); a test renamed here would silently drop out of
-the check a lent GPU's few minutes run. Every name a check's ``-k`` expression mentions must select a test of
-``tests/test_gpu.py``, read with pytest's own ``-k`` parser."""
+"""``launch/gpu-checks.sh``, what a lent GPU's few minutes run, checked where no GPU is.
+
+It selects CUDA tests by name (``pytest -k``): a test renamed here would silently drop out of the check. Every name a
+check's ``-k`` expression mentions must select a test of ``tests/test_gpu.py``, read with pytest's own ``-k`` parser.
+A check meant as one device call must fit in one."""
 
 from __future__ import annotations
 
@@ -37,3 +39,24 @@ def test_every_name_a_gpu_check_selects_by_names_a_cuda_test():
             assert any(_selects(name, t) for t in tests), \
                 f"gpu-checks.sh -k {expr!r}: {name!r} selects no test in test_gpu.py"
         assert any(_selects(expr, t) for t in tests), f"gpu-checks.sh -k {expr!r} selects nothing"
+
+
+DEVICE_CALL_S = 600  # the most one command may run on a lent GPU machine (the device tool's per-call limit)
+
+
+def _cases() -> dict[str, str]:
+    """Each check of ``gpu-checks.sh``: its name and its lines."""
+    script = (ROOT / "launch" / "gpu-checks.sh").read_text()
+    return dict(re.findall(r"^  ([a-z-]+)\)\n(.*?)^    ;;", script, flags=re.M | re.S))
+
+
+def test_a_gpu_check_bounded_by_timeouts_fits_in_one_device_call():
+    """A check whose steps each run under ``timeout`` is meant as one device call: their timeouts together must fit
+    in one, or the call is killed before its last step and the minutes it used bring back less."""
+    cases = _cases()
+    assert {"engine-all", "engine-compile", "engine-library", "run"} <= set(cases), sorted(cases)
+    bounded = {name: [int(s) for s in re.findall(r"(?:^|\s)timeout (\d+)", body)] for name, body in cases.items()}
+    bounded = {name: limits for name, limits in bounded.items() if limits}
+    assert {"engine-all", "engine-compile", "engine-library"} <= set(bounded), bounded
+    for name, limits in bounded.items():
+        assert sum(limits) <= DEVICE_CALL_S, f"gpu-checks.sh {name}: timeouts {limits} add up past {DEVICE_CALL_S} s"
