@@ -466,7 +466,8 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
             # past the first wave of turns, which all arrive at once: windows that admit as turns end
             result["profile_mixed"] = _profile(engine, episodes, device, mixed_out, windows=12,
                                                skip=max(8, 64 // engine.sync_every))
-    for key, compiled in (("compile_disabled", engine.compiled_step), ("prefill_compile_disabled", engine.compiled_prefill)):
+    for key, compiled in (("compile_disabled", engine.compiled_step),
+                          ("prefill_compile_disabled", engine.compiled_prefill)):
         if compiled is not None:
             result[key] = compiled.disabled or None  # why it fell back to eager, if it did
     if engine.graphs is not None:
