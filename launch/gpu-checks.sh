@@ -123,12 +123,9 @@ if rounds:
 if actors:
     last = {}
     for r in actors: last[r.get("rank")] = r
-    rep["actor_engine_idle_ratio"] = {k: v.get("engine_idle_ratio") for k, v in last.items()}
-    rep["actor_gen_tokens_per_s"] = {k: v.get("gen_tokens_per_s") for k, v in last.items()}
-    rep["actor_wall_s"] = {k: v.get("wall_s") for k, v in last.items()}
-    rep["actor_engine_prefill_share"] = {k: v.get("engine_prefill_share") for k, v in last.items()}
-    rep["actor_engine_decode_ms_per_step"] = {k: v.get("engine_decode_ms_per_step") for k, v in last.items()}
-    rep["actor_engine_mean_batch"] = {k: v.get("engine_mean_batch") for k, v in last.items()}
+    for key in ("engine_idle_ratio", "gen_tokens_per_s", "wall_s", "engine_prefill_share", "engine_decode_ms_per_step",
+                "engine_mean_batch"):  # each actor's last record: rate, wall time, its engine by phase
+        rep[f"actor_{key}"] = {k: v.get(key) for k, v in last.items()}
 print(json.dumps(rep, indent=1))
 (out / "run-report.json").write_text(json.dumps(rep, indent=1))
 PY
