@@ -24,7 +24,10 @@ class VisionProcessor:
     """A VLM checkpoint's image processor and image token ids; the same object serves the actor and the learner."""
 
     def __init__(self, path: str | Path, min_pixels: int = 0, max_pixels: int = 0, cache_items: int = 64):
-        from transformers import AutoConfig, AutoImageProcessor
+        from transformers import AutoConfig
+        # from its module, not ``transformers``: transformers 5.17's top-level name is a placeholder that demands
+        # torchvision, while the class itself falls back to the PIL processor where torchvision is missing
+        from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         if config.model_type not in SUPPORTED_FAMILIES:

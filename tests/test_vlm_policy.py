@@ -207,3 +207,26 @@ def test_image_token_counts_come_from_the_size_alone_and_match_the_processor(vlm
     img = Image.of(obs["screenshot"])
     vision = VisionProcessor(vlm_dir, **pixels)
     assert vision.tokens_for(img) == int(vision.pixels(img)[1].prod()) // vision.merge ** 2
+
+
+def test_the_image_processor_loads_where_transformers_top_level_name_demands_torchvision(vlm_dir, monkeypatch):
+    """transformers 5.17 (the lent GPU machines' version) exports ``transformers.AutoImageProcessor`` as a placeholder
+    that raises for want of torchvision, although the class itself falls back to the PIL processor. A VLM must still
+    load there: the processor is taken from its own module, and gives the same pixels."""
+    import transformers
+
+    from policy.vision import VisionProcessor
+
+    class NeedsTorchvision:
+        @classmethod
+        def from_pretrained(cls, *args, **kwargs):
+            raise ImportError("AutoImageProcessor requires the Torchvision library but it was not found")
+
+    monkeypatch.setattr(transformers, "AutoImageProcessor", NeedsTorchvision)
+    _, obs = screen()
+    img = Image.of(obs["screenshot"])
+    vision = VisionProcessor(vlm_dir, max_pixels=28 * 28 * 200)
+    pixels, grid = vision.pixels(img)
+    monkeypatch.undo()
+    expected, expected_grid = VisionProcessor(vlm_dir, max_pixels=28 * 28 * 200).pixels(img)
+    assert torch.equal(grid, expected_grid) and torch.equal(pixels, expected)
