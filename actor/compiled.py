@@ -15,6 +15,11 @@ code, so in-place weight swaps reach it as they reach the captured graphs.
 
 A compilation that fails (no C++ compiler on a CPU, an operation inductor cannot lower) turns compiling off for
 that function, with the reason logged once, and it runs eagerly from then on.
+
+Before anything compiles, autograd starts its device threads (``start_autograd_threads``): under torch 2.11, the lent
+GPU machines' version, a process whose first backward came after inductor had compiled on another thread segfaulted
+as autograd started them (``Engine::start_device_threads``), which a learner beside an engine in one process (the
+in-process tier, a test session) would do. Found on a CPU by ``launch/gpu-rehearsal.sh``; torch 2.13 does not.
 """
 
 from __future__ import annotations
@@ -25,10 +30,21 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 
 
+def start_autograd_threads() -> None:
+    """One backward of one element: autograd starts its device threads now, once per process, not later in a
+    process where inductor has compiled on another thread (the torch 2.11 segfault above)."""
+    import torch
+
+    with torch.inference_mode(False), torch.enable_grad():
+        weight = torch.zeros(1, requires_grad=True)
+        (weight * 2).sum().backward()
+
+
 class Compiled:
     def __init__(self, fn: Callable[..., Any], what: str):
         import torch
 
+        start_autograd_threads()
         self.eager, self.what = fn, what
         self.compiled = torch.compile(fn, dynamic=True)
         self.disabled = ""  # why compiling is off, once a compilation failed

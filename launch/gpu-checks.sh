@@ -3,6 +3,9 @@
 # the actor bench on CUDA, and a whole run with the learner and two actors sharing one GPU.
 #   bash launch/gpu-checks.sh tests|engine-all|engine-compile|engine-library|bench-engine|bench-learner|bench-actor|bench-weights|run OUT_DIR
 # Uses the current python (torch + transformers with CUDA); pyzmq/structlog/... must be importable.
+# launch/gpu-rehearsal.sh plays these same checks on a CPU first, under the lent machines' torch and transformers,
+# through four variables (unset on a GPU): GPU_CHECKS_DEVICE (cuda), GPU_CHECKS_MODEL (the benches' model
+# arguments), GPU_CHECKS_RUN_MODEL (the run's model overrides), and GPU_CHECKS_SMALL (arguments that shrink a bench).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="$1"; out="$2"; mkdir -p "$out"
@@ -14,9 +17,15 @@ if ls build/wheels/*.whl >/dev/null 2>&1 && ! "$py" -c "import zmq, structlog, m
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 crl() { "$py" -m launch.cli "$@"; }
+dev="${GPU_CHECKS_DEVICE:-cuda}"
+read -r -a model <<< "${GPU_CHECKS_MODEL:---shape qwen2.5-0.5b}"
+read -r -a small <<< "${GPU_CHECKS_SMALL:-}"
+run_model="${GPU_CHECKS_RUN_MODEL:-model.arch=qwen2 model.hidden_size=896 model.num_layers=24 model.num_heads=14 \
+model.num_kv_heads=2 model.intermediate_size=4864 model.vocab_size=151936}"
+gpus() { nvidia-smi -L 2>&1 | tee "$out/gpu.txt"; }
 case "$what" in
   tests)
-    nvidia-smi -L | tee "$out/gpu.txt"
+    gpus
     "$py" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
     "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_learner.py tests/test_actor.py \
       tests/test_weightsync.py tests/test_losses.py 2>&1 | tee "$out/tests.txt" | tail -15
@@ -24,7 +33,7 @@ case "$what" in
   engine-all)
     # One lent GPU session's engine checks in about 9 minutes (the device tool's budget is 15 with the start):
     # the engine's CUDA tests, the engine bench on Qwen2.5-0.5B's shape, then a whole run with that engine.
-    nvidia-smi -L | tee "$out/gpu.txt"
+    gpus
     timeout 150 "$py" -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k engine 2>&1 | tee "$out/tests.txt" | tail -5
     timeout 240 bash "$0" bench-engine "$out"
     RUN_TIMEOUT=170 timeout 200 bash "$0" run "$out"
@@ -35,27 +44,27 @@ case "$what" in
     # (its ratio is against generate measured in the same run, as the uncompiled figures in docs/gpu.md are; the
     # compilations are paid in the bench's untimed warm-up). The mixed workload is played in groups of 8 rollouts
     # from one first prompt, as the recipes' GRPO groups are (group_size 8). At most 590 s: one device call (600).
-    nvidia-smi -L | tee "$out/gpu.txt"
+    gpus
     # every test reports (no -x): a VLM capture that fails must not hide the text tests' outcome
     timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "compiled or version_0 or window_graph or graphs_continuous" 2>&1 | tee "$out/tests.txt" | tail -5
-    timeout 330 "$py" -m launch.cli bench engine --device cuda --shape qwen2.5-0.5b --compile --group-size 8 \
+    timeout 330 "$py" -m launch.cli bench engine --device "$dev" "${model[@]}" "${small[@]}" --compile --group-size 8 \
       --profile "$out/profile-compiled.txt" --json 2>>"$out/bench-err.txt" \
       | tee -a "$out/bench-engine-compiled.jsonl" || tail -20 "$out/bench-err.txt"
     # the same fixed batch of 128 uncompiled, same session: what compiling gave, per decode step and per prefill pass
-    timeout 110 "$py" -m launch.cli bench engine --device cuda --shape qwen2.5-0.5b --batch 128 --workload "" --json \
+    timeout 110 "$py" -m launch.cli bench engine --device "$dev" "${model[@]}" "${small[@]}" --batch 128 --workload "" --json \
       2>>"$out/bench-err.txt" | tee -a "$out/bench-engine-eager.jsonl" || tail -20 "$out/bench-err.txt"
     ;;
   engine-library)
     # transformers' own continuous batching (paged attention; without, then with its CUDA graphs) beside ours and
     # generate, on Qwen2.5-0.5B's shape, every workload: the "library first" comparison docs/actor.md reports.
     # Mixed in groups of 8, as engine-compile plays it. About 6 minutes.
-    nvidia-smi -L | tee "$out/gpu.txt"
-    timeout 420 "$py" -m launch.cli bench engine --device cuda --shape qwen2.5-0.5b --library --group-size 8 --json \
+    gpus
+    timeout 420 "$py" -m launch.cli bench engine --device "$dev" "${model[@]}" "${small[@]}" --library --group-size 8 --json \
       2>>"$out/bench-err.txt" | tee -a "$out/bench-engine-library.jsonl" || tail -20 "$out/bench-err.txt"
     ;;
   bench-engine)
     # the actor's engine vs transformers' generate (static cache, compiled) on Qwen2.5-0.5B's shape
-    crl bench engine --device cuda --shape qwen2.5-0.5b --profile "$out/profile.txt" --json 2>>"$out/bench-err.txt" \
+    crl bench engine --device "$dev" "${model[@]}" "${small[@]}" --profile "$out/profile.txt" --json 2>>"$out/bench-err.txt" \
       | tee -a "$out/bench-engine.jsonl" || tail -20 "$out/bench-err.txt"
     ;;
   bench-learner)
@@ -87,9 +96,9 @@ case "$what" in
   run)
     # Qwen2.5-0.5B's shape (about 1 GB of bf16 weights per round), random weights, byte tokenizer.
     rd=/tmp/gpu-run; rm -rf "$rd"
-    timeout "${RUN_TIMEOUT:-360}" "$py" -m launch.cli run configs/local.yaml --run-dir "$rd" model.path= model.arch=qwen2 \
-      model.hidden_size=896 model.num_layers=24 model.num_heads=14 model.num_kv_heads=2 \
-      model.intermediate_size=4864 model.vocab_size=151936 learner.device=cuda actor.engine.device=cuda \
+    # shellcheck disable=SC2086  # the model overrides are words
+    timeout "${RUN_TIMEOUT:-360}" "$py" -m launch.cli run configs/local.yaml --run-dir "$rd" model.path= $run_model \
+      learner.device="$dev" actor.engine.device="$dev" \
       learner.anchor.suite= learner.total_steps=8 learner.checkpoint_every=0 local.eval_episodes=0 \
       local.torch_threads=4 learner.advantage.drop_zero_variance=false weights.timeout_s=120 weights.join_window_s=30 > "$out/run-stdout.txt" 2>&1
     echo "run exit: $?"

@@ -5,6 +5,7 @@ step are refused or failed one by one, never stalling the engine."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 import time
 
 import numpy as np
@@ -331,6 +332,38 @@ def test_compiled_passes_serve_every_shape_with_one_compilation_each_and_see_swa
     assert {v for g in after for v in g.versions} == {1}
     _agree(eng, prompts[:3], after)
     eng.close()
+
+
+@pytest.mark.slow  # a process of its own (no backward may have run in it yet), and a compilation: about 10 s
+def test_a_process_that_compiled_on_another_thread_still_trains():
+    """An engine's passes compile on the engine's own thread; a learner in the same process (the in-process tier, a
+    test session) then runs its first backward. torch 2.11, the lent GPU machines' version, segfaulted there (in
+    autograd's ``Engine::start_device_threads``) unless autograd had started its threads before anything compiled,
+    which ``Compiled`` now sees to (``actor/compiled.py``). Our pinned torch does not segfault either way, so this
+    fails only where that torch runs: ``launch/gpu-rehearsal.sh`` runs it under torch 2.11 (without the fix: -11)."""
+    import subprocess
+    import sys
+
+    script = """
+import threading
+import torch
+from actor.compiled import Compiled
+double_silu = Compiled(lambda x: torch.nn.functional.silu(x) * 2, "a pass")
+def serve():
+    with torch.no_grad():
+        for rows in (3, 5):
+            double_silu(torch.randn(rows, 4))
+engine = threading.Thread(target=serve)
+engine.start()
+engine.join()
+assert not double_silu.disabled, double_silu.disabled
+model = torch.nn.Linear(4, 1)
+model(torch.randn(2, 4)).sum().backward()
+print("trained", float(model.weight.grad.abs().sum()) > 0)
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=str(Path(__file__).resolve().parents[1]),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "trained True" in done.stdout, (done.returncode, done.stderr[-3000:])
 
 
 def test_a_pass_that_cannot_be_compiled_runs_eagerly():

@@ -62,3 +62,50 @@ def test_a_gpu_check_bounded_by_timeouts_fits_in_one_device_call():
     assert {"engine-all", "engine-compile", "engine-library", "run"} <= set(bounded), bounded
     for name, limits in bounded.items():
         assert sum(limits) <= DEVICE_CALL_S, f"gpu-checks.sh {name}: timeouts {limits} add up past {DEVICE_CALL_S} s"
+
+
+def _complete_outputs(out: Path) -> None:
+    """What engine-compile and run leave when every step of theirs ran."""
+    import json
+
+    workload = {"tokens_per_s": 100.0, "generate_tokens_per_s": 90.0, "ratio": 1.1}
+    compiled = {"compiled": True, "compile_disabled": None, "prefill_compile_disabled": None,
+                **{name: dict(workload) for name in ("fixed_32", "fixed_128", "mixed")}}
+    (out / "bench-engine-compiled.jsonl").write_text(json.dumps(compiled) + "\n")
+    (out / "bench-engine-eager.jsonl").write_text(json.dumps({"fixed_128": workload}) + "\n")
+    for name in ("profile-compiled.txt", "profile-compiled-mixed.txt"):
+        (out / name).write_text("sorted by self_cpu_time_total\n")
+    (out / "tests.txt").write_text("sssss\n5 skipped in 1.20s\n")
+    (out / "run-report.json").write_text(json.dumps({"steps": 8, "weight_rounds": 8,
+                                                     "actor_gen_tokens_per_s": {"0": 80.0, "1": 79.0}}, indent=1))
+
+
+def test_a_rehearsal_finds_every_output_a_check_leaves_missing_or_empty(tmp_path):
+    """``launch/rehearsal_outputs.py`` judges a CPU rehearsal by what each check wrote (gpu-checks.sh goes on past a
+    failing step): complete outputs pass, and each way a step can fail is named."""
+    import json
+
+    from launch.rehearsal_outputs import main
+
+    _complete_outputs(tmp_path)
+    assert main(["engine-compile", str(tmp_path)]) == 0 and main(["run", str(tmp_path)]) == 0
+    compiled = json.loads((tmp_path / "bench-engine-compiled.jsonl").read_text())
+    broken = [("bench-engine-compiled.jsonl", {**compiled, "prefill_compile_disabled": "Unsupported: ..."}),
+              ("bench-engine-compiled.jsonl", {k: v for k, v in compiled.items() if k != "mixed"}),
+              ("bench-engine-eager.jsonl", None),
+              ("profile-compiled-mixed.txt", ""),
+              ("tests.txt", "1 failed, 4 skipped in 3.0s\n")]
+    for name, content in broken:
+        _complete_outputs(tmp_path)
+        path = tmp_path / name
+        if content is None:
+            path.unlink()
+        else:
+            path.write_text(content if isinstance(content, str) else json.dumps(content) + "\n")
+        assert main(["engine-compile", str(tmp_path)]) == 1, name
+    _complete_outputs(tmp_path)
+    (tmp_path / "run-report.json").write_text(json.dumps({"steps": 5, "weight_rounds": 4,
+                                                          "actor_gen_tokens_per_s": {"0": 80.0, "1": 0.0}}))
+    assert main(["run", str(tmp_path)]) == 1
+    assert main(["engine-library", str(tmp_path)]) == 1  # nothing written for it
+    assert main(["no-such-check", str(tmp_path)]) == 2

@@ -1,0 +1,121 @@
+"""What each of ``launch/gpu-checks.sh``'s checks must leave in its output folder, checked after a rehearsal on a CPU
+(``launch/gpu-rehearsal.sh``). The script goes on past a failing step, so its exit status says little; a check whose
+figures are missing or empty here would bring back nothing from a lent GPU either.
+
+    python -m launch.rehearsal_outputs CHECK OUT_DIR     exit 1 with the reasons when something is missing
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+WORKLOADS = ("fixed_32", "fixed_128", "mixed")
+
+
+def _last_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ValueError(f"{path.name} was not written")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"{path.name} is empty")
+    return json.loads(lines[-1])
+
+
+def _workloads(bench: dict[str, Any], names: tuple[str, ...], source: str) -> list[str]:
+    problems = []
+    for name in names:
+        figures = bench.get(name)
+        if not isinstance(figures, dict) or not figures.get("tokens_per_s") or not figures.get("generate_tokens_per_s"):
+            problems.append(f"{source}: workload {name} has no tokens/s (got {figures!r:.200})")
+    return problems
+
+
+def _file(out: Path, name: str) -> list[str]:
+    path = out / name
+    return [] if path.is_file() and path.stat().st_size else [f"{name} was not written or is empty"]
+
+
+def engine_compile(out: Path) -> list[str]:
+    compiled = _last_json(out / "bench-engine-compiled.jsonl")
+    problems = _workloads(compiled, WORKLOADS, "compiled bench")
+    if compiled.get("compiled") is not True:
+        problems.append("the compiled bench did not compile")
+    for key in ("compile_disabled", "prefill_compile_disabled"):
+        if compiled.get(key):
+            problems.append(f"the compiled bench fell back to eager: {key} = {compiled[key]!r}")
+    problems += _workloads(_last_json(out / "bench-engine-eager.jsonl"), ("fixed_128",), "eager bench")
+    return problems + _file(out, "profile-compiled.txt") + _file(out, "profile-compiled-mixed.txt") + _tests(out)
+
+
+def engine_library(out: Path) -> list[str]:
+    bench = _last_json(out / "bench-engine-library.jsonl")
+    problems = _workloads(bench, WORKLOADS, "library bench")
+    for name in WORKLOADS:
+        library = (bench.get(name) or {}).get("library") or {}
+        if not library.get("tokens_per_s"):
+            problems.append(f"library bench: workload {name} has no library tokens/s (got {library!r:.200})")
+    return problems
+
+
+def run(out: Path, steps: int = 8) -> list[str]:
+    path = out / "run-report.json"
+    if not path.is_file():
+        return ["run-report.json was not written"]
+    report = json.loads(path.read_text())
+    problems = [] if report.get("steps") == steps else [f"the run made {report.get('steps')} steps, not {steps}"]
+    rates = report.get("actor_gen_tokens_per_s") or {}
+    if not rates or not all(rates.values()):
+        problems.append(f"an actor reported no generated tokens/s: {rates}")
+    if not report.get("weight_rounds"):
+        problems.append("no weight round was logged")
+    return problems
+
+
+def engine_all(out: Path) -> list[str]:
+    return bench_engine(out) + run(out) + _tests(out)
+
+
+def bench_engine(out: Path) -> list[str]:
+    return _workloads(_last_json(out / "bench-engine.jsonl"), WORKLOADS, "bench") + _file(out, "profile.txt")
+
+
+def _tests(out: Path) -> list[str]:
+    """pytest's summary line: on a CPU the CUDA tests skip, so none may fail or error."""
+    path = out / "tests.txt"
+    if not path.is_file():
+        return ["tests.txt was not written"]
+    lines = path.read_text().splitlines()
+    summary = next((line for line in reversed(lines) if " in " in line and ("passed" in line or "skipped" in line)),
+                   "")
+    if not summary or "failed" in summary or "error" in summary:
+        return [f"the check's tests did not all pass or skip: {summary or lines[-1:]}"]
+    return []
+
+
+CHECKS: dict[str, Callable[[Path], list[str]]] = {
+    "engine-compile": engine_compile, "engine-library": engine_library, "run": run, "engine-all": engine_all,
+    "bench-engine": bench_engine, "tests": _tests,
+}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] not in CHECKS:
+        print(f"usage: python -m launch.rehearsal_outputs {{{'|'.join(CHECKS)}}} OUT_DIR", file=sys.stderr)
+        return 2
+    check, out = argv[0], Path(argv[1])
+    try:
+        problems = CHECKS[check](out)
+    except (ValueError, OSError) as e:
+        problems = [str(e)]
+    for problem in problems:
+        print(f"{check}: {problem}")
+    if not problems:
+        print(f"{check}: every output there")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
