@@ -10,6 +10,7 @@
 # too), and each check through gpu-checks.sh on the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+[ $# -ge 1 ] || { echo "usage: bash launch/gpu-rehearsal.sh OUT_DIR [CHECK ...]" >&2; exit 2; }
 out="$(mkdir -p "$1" && cd "$1" && pwd)"; shift
 [ $# -gt 0 ] || set -- engine-compile engine-library run
 venv="${REHEARSAL_VENV:-/tmp/computerrl-gpu-rehearsal}"

@@ -109,3 +109,37 @@ def test_a_rehearsal_finds_every_output_a_check_leaves_missing_or_empty(tmp_path
     assert main(["run", str(tmp_path)]) == 1
     assert main(["engine-library", str(tmp_path)]) == 1  # nothing written for it
     assert main(["no-such-check", str(tmp_path)]) == 2
+
+
+def test_the_checks_run_on_the_gpu_unless_a_rehearsal_points_them_at_the_cpu(tmp_path):
+    """``gpu-checks.sh`` on a lent GPU (no variables set) benches Qwen2.5-0.5B's shape on CUDA; under
+    ``launch/gpu-rehearsal.sh``'s variables the same commands take the CPU and a tiny model. A stand-in python
+    records the commands each check runs."""
+    import os
+    import subprocess
+
+    calls = tmp_path / "calls.txt"
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/bin/sh\necho "$*" >> "{calls}"\n')
+    stub.chmod(0o755)
+    rehearsal = {"GPU_CHECKS_DEVICE": "cpu", "GPU_CHECKS_MODEL": "--hidden 32 --layers 2",
+                 "GPU_CHECKS_SMALL": "--prompt-len 64 --new-tokens 16",
+                 "GPU_CHECKS_RUN_MODEL": "model.arch=qwen2 model.hidden_size=64 model.num_layers=2"}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECKS_")}
+
+    def commands(check: str, extra: dict) -> list[str]:
+        calls.write_text("")
+        subprocess.run(["bash", str(ROOT / "launch" / "gpu-checks.sh"), check, str(tmp_path / check)],
+                       env={**base, "PYTHON": str(stub), "RUN_TIMEOUT": "30", **extra}, cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+        return [line for line in calls.read_text().splitlines() if line.startswith("-m launch.cli")]
+
+    on_gpu = commands("engine-library", {})
+    assert on_gpu and "bench engine --device cuda --shape qwen2.5-0.5b --library" in on_gpu[0], on_gpu
+    rehearsed = commands("engine-library", rehearsal)
+    assert "bench engine --device cpu --hidden 32 --layers 2 --prompt-len 64 --new-tokens 16 --library" \
+        in rehearsed[0], rehearsed
+    run_on_gpu, run_rehearsed = commands("run", {})[0], commands("run", rehearsal)[0]
+    assert "model.hidden_size=896" in run_on_gpu and "learner.device=cuda actor.engine.device=cuda" in run_on_gpu
+    assert "model.hidden_size=64" in run_rehearsed and "learner.device=cpu actor.engine.device=cpu" in run_rehearsed
+    assert "model.hidden_size=896" not in run_rehearsed
