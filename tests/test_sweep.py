@@ -258,7 +258,7 @@ def test_a_tiny_sweep_runs_evaluates_summarises_and_continues_after_an_interrupt
     # A longer sweep, interrupted once its run has a checkpoint: the same command resumes it and finishes.
     out2 = tmp_path / "sweep2"
     # No periodic evaluation here (the first sweep had them): a checkpoint every step made one run all along.
-    # 4 steps: interrupted at step 2 or 3 (a step takes seconds here, the interrupt follows within half a second)
+    # 4 steps: interrupted at step 2 or 3 (a step takes 1.5–2 s here; the interrupt follows within half a second)
     args = ("learner.total_steps=4", "local.eval_episodes=0", "--vary", "learner.lr=1e-4", "--seeds", "1")
     p = _sweep(out2, *args)
     latest = out2 / "runs" / "learner.lr=1e-4" / "seed-0" / "checkpoints" / "latest"
