@@ -3,7 +3,7 @@
 # machines have (docs/gpu.md: torch 2.11.0, transformers 5.17.0; no torchvision assumed), so that what would fail
 # there for a version's sake fails here, not in the GPU's few minutes. It checks that the checks run and write what
 # they should, not what a GPU measures: the CUDA tests skip here, and the model is tiny.
-#   bash launch/gpu-rehearsal.sh OUT_DIR [CHECK ...]   (default checks: engine-compile engine-library run)
+#   bash launch/gpu-rehearsal.sh OUT_DIR [CHECK ...]   (default checks: tests engine-compile engine-library run)
 # A virtual environment of its own, reused when it exists (REHEARSAL_VENV, default /tmp/computerrl-gpu-rehearsal;
 # about 5 GB and a few minutes the first time: PyPI's torch is the CUDA build, which also runs on a CPU). Versions:
 # REHEARSAL_TORCH, REHEARSAL_TRANSFORMERS. Then, under them: the engine's and the VLM policy's tests (slow ones
@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { echo "usage: bash launch/gpu-rehearsal.sh OUT_DIR [CHECK ...]" >&2; exit 2; }
 out="$(mkdir -p "$1" && cd "$1" && pwd)"; shift
-[ $# -gt 0 ] || set -- engine-compile engine-library run
+[ $# -gt 0 ] || set -- tests engine-compile engine-library run
 venv="${REHEARSAL_VENV:-/tmp/computerrl-gpu-rehearsal}"
 torch_version="${REHEARSAL_TORCH:-2.11.0}"
 transformers_version="${REHEARSAL_TRANSFORMERS:-5.17.0}"
