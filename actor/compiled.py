@@ -24,14 +24,16 @@ in-process tier, a test session) would do. Found on a CPU by ``launch/gpu-rehear
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
 
+@functools.cache
 def start_autograd_threads() -> None:
-    """One backward of one element: autograd starts its device threads now, once per process, not later in a
+    """One backward of one element, once per process: autograd starts its device threads now, not later in a
     process where inductor has compiled on another thread (the torch 2.11 segfault above)."""
     import torch
 

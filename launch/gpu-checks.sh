@@ -95,7 +95,7 @@ case "$what" in
     ;;
   run)
     # Qwen2.5-0.5B's shape (about 1 GB of bf16 weights per round), random weights, byte tokenizer.
-    rd=/tmp/gpu-run; rm -rf "$rd"
+    rd="${TMPDIR:-/tmp}/gpu-run"; rm -rf "$rd"  # not under OUT: its checkpoints would travel back with it
     # shellcheck disable=SC2086  # the model overrides are words
     timeout "${RUN_TIMEOUT:-360}" "$py" -m launch.cli run configs/local.yaml --run-dir "$rd" model.path= $run_model \
       learner.device="$dev" actor.engine.device="$dev" \

@@ -4,7 +4,8 @@
 # there for a version's sake fails here, not in the GPU's few minutes. It checks that the checks run and write what
 # they should, not what a GPU measures: the CUDA tests skip here, and the model is tiny.
 #   bash launch/gpu-rehearsal.sh OUT_DIR [CHECK ...]   (default checks: tests engine-compile engine-library run)
-# A virtual environment of its own, reused when it exists (REHEARSAL_VENV, default /tmp/computerrl-gpu-rehearsal;
+# A virtual environment of its own, made when missing and reused after (REHEARSAL_VENV, default
+# /tmp/computerrl-gpu-rehearsal; one with other versions is refused, never removed;
 # about 5 GB and a few minutes the first time: PyPI's torch is the CUDA build, which also runs on a CPU). Versions:
 # REHEARSAL_TORCH, REHEARSAL_TRANSFORMERS. Then, under them: the engine's and the VLM policy's tests (slow ones
 # too), and each check through gpu-checks.sh on the CPU.
@@ -17,11 +18,18 @@ venv="${REHEARSAL_VENV:-/tmp/computerrl-gpu-rehearsal}"
 torch_version="${REHEARSAL_TORCH:-2.11.0}"
 transformers_version="${REHEARSAL_TRANSFORMERS:-5.17.0}"
 py="${PYTHON:-python3}"
-if ! "$venv/bin/python" -c "import torch, transformers, zmq, pytest, xdist" 2>/dev/null \
-   || [ "$("$venv/bin/python" -c 'import torch, transformers; print(torch.__version__.split("+")[0], transformers.__version__)')" \
-        != "$torch_version $transformers_version" ]; then
+ready() {  # the venv has what a rehearsal imports, at the versions asked for
+  "$venv/bin/python" -c "import torch, transformers, zmq, pytest, xdist" 2>/dev/null && \
+    [ "$("$venv/bin/python" -c 'import torch, transformers; print(torch.__version__.split("+")[0], transformers.__version__)')" \
+      = "$torch_version $transformers_version" ]
+}
+if [ -e "$venv" ] && ! ready; then  # never removed here: REHEARSAL_VENV may name an environment someone uses
+  echo "[gpu-rehearsal] $venv is not a rehearsal environment with torch $torch_version and transformers" \
+       "$transformers_version (or its install was cut short): remove it, or set REHEARSAL_VENV to another path" >&2
+  exit 2
+fi
+if [ ! -e "$venv" ]; then
   echo "[gpu-rehearsal] installing torch $torch_version and transformers $transformers_version into $venv" >&2
-  rm -rf "$venv"
   "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
   # setup.cfg's requirements and test extra, torch and transformers at the lent machines' versions instead of ours

@@ -5,8 +5,8 @@ step are refused or failed one by one, never stalling the engine."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest

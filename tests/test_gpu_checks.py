@@ -130,7 +130,7 @@ def test_the_checks_run_on_the_gpu_unless_a_rehearsal_points_them_at_the_cpu(tmp
     def commands(check: str, extra: dict) -> list[str]:
         calls.write_text("")
         subprocess.run(["bash", str(ROOT / "launch" / "gpu-checks.sh"), check, str(tmp_path / check)],
-                       env={**base, "PYTHON": str(stub), "RUN_TIMEOUT": "30", **extra}, cwd=ROOT,
+                       env={**base, "PYTHON": str(stub), "RUN_TIMEOUT": "30", "TMPDIR": str(tmp_path), **extra}, cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
         return [line for line in calls.read_text().splitlines() if line.startswith("-m launch.cli")]
 
