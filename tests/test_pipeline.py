@@ -140,9 +140,11 @@ def check_recorded_episodes(rd: RunDir) -> None:
     assert trained[0]["instruction"] in text and "desktop: " in text and "advantage " in text
 
 
+@pytest.mark.slow
 def test_the_pipeline_check_fails_when_the_broker_forgets_a_commit(tmp_path, monkeypatch):
     """Break the commit protocol (a Commit that settles nothing: the broker keeps the groups as delivered) and the
-    check must notice. Two steps are enough to show it (a commit after each)."""
+    check must notice. Two steps are enough to show it (a commit after each). In the whole suite, not the quick
+    tier: it checks the check, not the pipeline, and its run was an eighth of the quick tier's time."""
     monkeypatch.setattr(Ledger, "commit", lambda self, group_ids: ([], 0))
     rd, _ = run_pipeline(tmp_path, steps=2)
     with pytest.raises(AssertionError, match="broker committed 0 of the 4 groups the learner settled"):
