@@ -7,8 +7,8 @@
 # A virtual environment of its own, made when missing and reused after (REHEARSAL_VENV, default
 # /tmp/computerrl-gpu-rehearsal; one with other versions is refused, never removed;
 # about 5 GB and a few minutes the first time: PyPI's torch is the CUDA build, which also runs on a CPU). Versions:
-# REHEARSAL_TORCH, REHEARSAL_TRANSFORMERS. Then, under them: the engine's and the VLM policy's tests (slow ones
-# too), and each check through gpu-checks.sh on the CPU.
+# REHEARSAL_TORCH, REHEARSAL_TRANSFORMERS. Then, under them: the engine's, the VLM policy's and the GPU checks' own
+# tests (slow ones too), and each check through gpu-checks.sh on the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { echo "usage: bash launch/gpu-rehearsal.sh OUT_DIR [CHECK ...]" >&2; exit 2; }
@@ -47,7 +47,7 @@ fi
   | tee "$out/versions.txt"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
-echo "== tests: engine and VLM policy, slow ones too" | tee "$out/rehearsal.txt"
+echo "== tests: the engine, the VLM policy and the GPU checks, slow ones too" | tee "$out/rehearsal.txt"
 if ! "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 tests/test_engine.py tests/test_vlm_policy.py \
      tests/test_gpu_checks.py > "$out/tests.txt" 2>&1; then
   status=1

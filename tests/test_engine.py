@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from actor.engine import EngineConfig, SamplingParams  # noqa: E402
 from actor.hf_engine import HFEngine  # noqa: E402
 from actor.slot_attention import slot_decode_attention  # noqa: E402
 from policy.model import ModelConfig, build_model, sequence_logprobs  # noqa: E402
-from tests.conftest import stage_weights_before_window  # noqa: E402
+from tests.conftest import REPO, stage_weights_before_window  # noqa: E402
 
 TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 
@@ -361,7 +360,7 @@ model = torch.nn.Linear(4, 1)
 model(torch.randn(2, 4)).sum().backward()
 print("trained", float(model.weight.grad.abs().sum()) > 0)
 """
-    done = subprocess.run([sys.executable, "-c", script], cwd=str(Path(__file__).resolve().parents[1]),
+    done = subprocess.run([sys.executable, "-c", script], cwd=str(REPO),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "trained True" in done.stdout, (done.returncode, done.stderr[-3000:])
 
