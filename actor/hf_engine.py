@@ -9,7 +9,7 @@ Every prompt submitted is a request. On the engine's own thread, a loop of windo
    earlier turn's prompt and output (the same episode's history) takes that slot and prefills only the rest; a
    prompt that begins with another request's prompt copies that prefix from its slot, and one that is the very
    prompt of a request admitted with it (a GRPO group's rollouts) also takes that request's first-token logits:
-   no prefill;
+   no prefill. The first tokens of every pass come to the host in one read at the end of the admission;
 3. every running request decodes together for ``sync_every`` tokens: the decode step (with ``compile``, fused
    by inductor, as a text model's prefill passes are: ``actor/compiled.py``) and the sampling
    (``actor/sampler.py``) stay on the device, tokens and log-probs go to a device buffer; on a GPU the whole
@@ -43,6 +43,7 @@ from actor.engine import EngineConfig, EngineStats, Generation, SamplingParams, 
 from actor.kv_cache import SlotKVCache
 from actor.sampler import BatchKinds, RowParams, sample
 from actor.slot_attention import use_slot_decode_attention
+from actor.staging import rows_to_device, to_device
 from policy.model import ModelConfig, ban, build_model, build_tokenizer, cache_keyword
 
 log = logging.getLogger(__name__)
@@ -341,8 +342,8 @@ class HFEngine:
 
     def _release(self, r: Request) -> None:
         self._by_slot.pop(r.slot, None)
-        self.active[r.slot] = 0
-        self.cache_pos[r.slot] = self.scratch
+        self.active[r.slot:r.slot + 1].fill_(0)  # (a kernel each: nothing here waits for the GPU)
+        self.cache_pos[r.slot:r.slot + 1].fill_(self.scratch)
         heapq.heappush(self.free_slots, r.slot)
         r.slot = -1
 
@@ -362,7 +363,10 @@ class HFEngine:
     # ----- prefill -------------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        torch, dev = self.torch, self.device
+        """Waiting requests into free slots, prefilled, each with its first token. Nothing in here waits for the
+        GPU but the one read of every first token at the end, so on a GPU the host queues pass after pass while
+        earlier ones run."""
+        dev = self.device
         with self._cv:
             new = []
             while self._waiting and self.free_slots:
@@ -373,38 +377,53 @@ class HFEngine:
                 self._by_slot[r.slot] = r
         if not new:
             return
-        slots = torch.tensor([r.slot for r in new], device=dev)
+        slots = to_device([r.slot for r in new], dev)
         rows = self.rows
-        rows.temperature.index_copy_(0, slots, torch.tensor([r.params.temperature or 1.0 for r in new], device=dev))
-        rows.greedy.index_copy_(0, slots, torch.tensor([r.params.temperature == 0 for r in new], device=dev))
-        rows.top_p.index_copy_(0, slots, torch.tensor([float(r.params.top_p) for r in new], device=dev))
-        rows.min_new.index_copy_(0, slots, torch.tensor([r.params.min_new_tokens for r in new], device=dev))
+        rows.temperature.index_copy_(0, slots, to_device([r.params.temperature or 1.0 for r in new], dev))
+        rows.greedy.index_copy_(0, slots, to_device([r.params.temperature == 0 for r in new], dev))
+        rows.top_p.index_copy_(0, slots, to_device([float(r.params.top_p) for r in new], dev))
+        rows.min_new.index_copy_(0, slots, to_device([r.params.min_new_tokens for r in new], dev))
         rows.generated.index_fill_(0, slots, 0)
-        self.budget.index_copy_(0, slots, torch.tensor([r.params.max_new_tokens for r in new], device=dev))
+        self.budget.index_copy_(0, slots, to_device([r.params.max_new_tokens for r in new], dev))
         # A copy from a running request's slot can be made now; one from a request admitted with it waits for that
         # request's prefill, then takes a second pass. Twins come with their source's prefill (``_prefill``).
         fresh = {r.slot for r in new}
         first = [r for r in new if r.source not in fresh and not r.twin]  # no source (-1), or a running one
         later = [r for r in new if r.source in fresh]
+        sampled: list[tuple[list[Request], Any]] = []
         for reqs in (first, later):
             self._copy_prefixes([r for r in reqs if r.source >= 0])
-            self._prefill_all(reqs)
+            sampled += self._prefill_all(reqs)
+        self._take_first_tokens(sampled)
 
-    def _prefill_all(self, reqs: list[Request]) -> None:
-        """Prefill ``reqs``: in batches of at most ``prefill_tokens`` padded tokens, a longer prompt alone in chunks."""
+    def _prefill_all(self, reqs: list[Request]) -> list[tuple[list[Request], Any]]:
+        """Prefill ``reqs``: in batches of at most ``prefill_tokens`` padded tokens, a longer prompt alone in chunks.
+        The first tokens each pass sampled, on the device (``_prefill``)."""
         batch: list[Request] = []
+        sampled = []
         for r in reqs:
             if self.vision is None and len(r.prompt) - r.prefilled > self.cfg.prefill_tokens:
                 while r.prefilled < len(r.prompt):  # alone, in chunks
-                    self._prefill([r], self.cfg.prefill_tokens)
+                    sampled += self._prefill([r], self.cfg.prefill_tokens)
                 continue
             width = max(len(q.prompt) - q.prefilled for q in [r, *batch])
             if batch and width * (len(batch) + 1) > self.cfg.prefill_tokens:
-                self._prefill(batch, self.max_seq_len)
+                sampled += self._prefill(batch, self.max_seq_len)
                 batch = []
             batch.append(r)
         if batch:
-            self._prefill(batch, self.max_seq_len)
+            sampled += self._prefill(batch, self.max_seq_len)
+        return sampled
+
+    def _take_first_tokens(self, sampled: list[tuple[list[Request], Any]]) -> None:
+        """Every pass's first tokens and log-probs in one read from the device: the admission's one wait."""
+        if not sampled:
+            return
+        host = self.torch.cat([t for _, t in sampled], dim=1).tolist()
+        now, version = time.perf_counter(), self.version
+        for j, r in enumerate(r for reqs, _ in sampled for r in reqs):
+            self.stats.first_token_s.append(now - r.submitted)
+            self._take(r, [int(host[0][j])], [host[1][j]], version)
 
     def _place(self, r: Request, admitted: list[Request]) -> None:
         """A free slot for ``r``, and how much of its prompt need not be prefilled. The longest prefix of its
@@ -467,16 +486,18 @@ class HFEngine:
         cache by now: it ran before, or was prefilled earlier in this window)."""
         if not reqs:
             return
-        torch, dev = self.torch, self.device
-        self.cache.copy_prefixes(torch.tensor([r.source for r in reqs], device=dev),
-                                 torch.tensor([r.slot for r in reqs], device=dev), [r.prefilled for r in reqs])
+        dev = self.device
+        self.cache.copy_prefixes(to_device([r.source for r in reqs], dev), to_device([r.slot for r in reqs], dev),
+                                 [r.prefilled for r in reqs])
         self.stats.prefix_copies += len(reqs)
         for r in reqs:
             r.source = -1
 
-    def _prefill(self, reqs: list[Request], chunk: int) -> None:
+    def _prefill(self, reqs: list[Request], chunk: int) -> list[tuple[list[Request], Any]]:
         """Prompt tokens ``prefilled .. prefilled + chunk`` of each request into its slot (right-padded rows; the
-        padding writes to the scratch column); a request whose prompt is now all in samples its first token."""
+        padding writes to the scratch column); a request whose prompt is now all in samples its first token. Those
+        requests, with their first tokens and log-probs as one ``[2, n]`` device tensor (none read here: the host
+        goes on queueing while the GPU runs the pass)."""
         torch, dev = self.torch, self.device
         parts = [r.prompt[r.prefilled:r.prefilled + chunk] for r in reqs]
         n, width = len(reqs), max(len(p) for p in parts)
@@ -491,14 +512,11 @@ class HFEngine:
             columns = max(columns, width)
             if not self._prefill_traced:
                 self._trace_prefill()
-        ids = torch.full((n, width), self.tokenizer.pad_id, dtype=torch.long)
-        for i, p in enumerate(parts):
-            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-        ids = ids.to(dev)
+        ids = rows_to_device(parts + [[]] * (n - len(reqs)), width, self.tokenizer.pad_id, dev)
         pad_rows = n - len(reqs)
-        lens = torch.tensor([len(p) for p in parts] + [0] * pad_rows, device=dev)
-        starts = torch.tensor([r.prefilled for r in reqs] + [0] * pad_rows, device=dev)
-        slots = torch.tensor([r.slot for r in reqs] + [reqs[0].slot] * pad_rows, device=dev)
+        lens = to_device([len(p) for p in parts] + [0] * pad_rows, dev)
+        starts = to_device([r.prefilled for r in reqs] + [0] * pad_rows, dev)
+        slots = to_device([r.slot for r in reqs] + [reqs[0].slot] * pad_rows, dev)
         extra: dict[str, Any] = {}
         if self.vision is not None:  # image inputs and multimodal positions [axes, n, width]
             real = torch.arange(width, device=dev)[None, :] < lens[:, None]
@@ -512,16 +530,16 @@ class HFEngine:
         self.stats.prefill_batches += 1
         done = [i for i, r in enumerate(reqs) if r.prefilled == len(r.prompt)]
         if not done:
-            return
-        idx = torch.tensor(done, device=dev)
+            return []
+        idx = to_device(done, dev)
         last = lens[idx] - 1
         logits = self._logits(hidden[idx, last])
         slots = slots[idx]
         done_reqs = [reqs[i] for i in done]
         twins = [(j, t) for j, r in enumerate(done_reqs) for t in r.twins]
         if twins:  # each takes its source's columns and its logits, and samples its own first token from them
-            rows = torch.tensor([j for j, _ in twins], device=dev)
-            twin_slots = torch.tensor([t.slot for _, t in twins], device=dev)
+            rows = to_device([j for j, _ in twins], dev)
+            twin_slots = to_device([t.slot for _, t in twins], dev)
             self.cache.copy_prefixes(slots[rows], twin_slots, [len(t.prompt) for _, t in twins])
             self.stats.prefix_copies += len(twins)
             logits, slots = torch.cat([logits, logits[rows]]), torch.cat([slots, twin_slots])
@@ -532,18 +550,14 @@ class HFEngine:
         kinds = self._kinds(done_reqs)
         tokens, logps = sample(logits, self.rows.take(slots), kinds, self.stop_ids, self.gen)
         self.tok_in.index_copy_(0, slots, tokens)
-        self.cache_pos.index_copy_(0, slots, torch.tensor([len(r.prompt) for r in done_reqs], device=dev))
+        self.cache_pos.index_copy_(0, slots, to_device([len(r.prompt) for r in done_reqs], dev))
         self.active.index_fill_(0, slots, 1)
         self.rows.generated.index_fill_(0, slots, 1)
         if self.vision is not None:
             if self.rope_pos is None:
                 self.rope_pos = torch.zeros(positions.shape[0], self.slots, dtype=torch.long, device=dev)
             self.rope_pos[:, slots] = positions[:, idx, last] + 1
-        host = torch.stack([tokens.float(), logps.float()]).tolist()
-        now, version = time.perf_counter(), self.version
-        for j, r in enumerate(done_reqs):
-            self.stats.first_token_s.append(now - r.submitted)
-            self._take(r, [int(host[0][j])], [host[1][j]], version)
+        return [(done_reqs, torch.stack([tokens.float(), logps.float()]))]
 
     def _trace_prefill(self) -> None:
         """The compiled prefill pass's first call, on sizes that differ from each other: traced on a pass whose rows,

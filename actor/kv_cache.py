@@ -19,6 +19,8 @@ from typing import Any
 
 from transformers.cache_utils import Cache
 
+from actor.staging import to_device
+
 
 class SlotKVCache(Cache):
     def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, max_seq_len: int,
@@ -71,7 +73,7 @@ class SlotKVCache(Cache):
         device = self.keys[0].device
         longest = max(lengths)
         columns = torch.arange(longest, device=device)[None, :]
-        columns = torch.where(columns < torch.tensor(lengths, device=device)[:, None], columns, self.scratch)
+        columns = torch.where(columns < to_device(lengths, device)[:, None], columns, self.scratch)
         src, dst = sources[:, None], targets[:, None]
         for k, v in zip(self.keys, self.values):
             k[dst, :, columns] = k[src, :, columns]

@@ -46,7 +46,7 @@ case "$what" in
     # from one first prompt, as the recipes' GRPO groups are (group_size 8). At most 590 s: one device call (600).
     gpus
     # every test reports (no -x): a VLM capture that fails must not hide the text tests' outcome
-    timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "compiled or version_0 or window_graph or graphs_continuous" 2>&1 | tee "$out/tests.txt" | tail -5
+    timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "compiled or version_0 or window_graph or graphs_continuous or host_waits" 2>&1 | tee "$out/tests.txt" | tail -5
     timeout 330 "$py" -m launch.cli bench engine --device "$dev" "${model[@]}" "${small[@]}" --compile --group-size 8 \
       --profile "$out/profile-compiled.txt" --json 2>>"$out/bench-err.txt" \
       | tee -a "$out/bench-engine-compiled.jsonl" || tail -20 "$out/bench-err.txt"

@@ -137,7 +137,8 @@ def test_a_groups_rollouts_prefill_their_shared_prompt_once_and_later_ones_copy_
 
 
 def test_a_copy_whose_source_finished_at_its_own_prefill_still_copies_that_slot():
-    """Admitted together: the source's one token comes from its prefill, so it leaves its slot before the copy."""
+    """Admitted together: the source's one token comes from its prefill, so it finishes in the admission that copies
+    its prefix."""
     eng = HFEngine(TINY, EngineConfig(seed=8, max_batch=4))
     tok = eng.tokenizer
     prompt = tok.encode("one prompt for two requests admitted in the same window " * 2)
@@ -149,6 +150,37 @@ def test_a_copy_whose_source_finished_at_its_own_prefill_still_copies_that_slot(
     assert len(short.result(60).token_ids) == 1
     _agree(eng, [longer], [g.result(60)])
     assert eng.stats.prefix_copies == 1 and eng.stats.prefill_batches == 2
+    eng.close()
+
+
+def test_the_host_reads_the_device_once_per_window_and_once_per_admission(monkeypatch):
+    """However many prefill passes an admission takes (here short and chunked prompts, a group's twins and a copy),
+    its first tokens come to the host in one read at its end: on a GPU a read waits for everything queued, so a
+    read per pass would stop the host queueing the next pass while the GPU runs this one. Every read the engine's
+    thread makes is counted by the function that made it."""
+    import sys
+
+    reads: dict[str, int] = {}
+    tolist = torch.Tensor.tolist
+
+    def counted(self):
+        if threading.current_thread().name.startswith("hf-engine"):
+            name = sys._getframe(1).f_code.co_name
+            reads[name] = reads.get(name, 0) + 1
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    eng = HFEngine(TINY, EngineConfig(seed=3, max_batch=8, sync_every=4, prefill_tokens=32))
+    tok = eng.tokenizer
+    group = tok.encode("a prompt the rollouts of one group share, whole ")
+    prompts = [tok.encode("go " * (1 + 5 * i)) for i in range(4)] + [group] * 3 + [group + tok.encode(" and more")]
+    eng.pause()  # all queued: one admission takes them all
+    futures = [eng.submit(p, SamplingParams(max_new_tokens=10)) for p in prompts]
+    eng.resume()
+    gens = [f.result(60) for f in futures]
+    _agree(eng, prompts, gens)
+    assert eng.stats.prefill_batches >= 4 and eng.stats.prefix_copies >= 3, eng.stats
+    assert reads == {"_take_first_tokens": 1, "_decode_window": eng.stats.batches}, reads
     eng.close()
 
 
