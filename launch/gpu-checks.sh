@@ -45,8 +45,10 @@ case "$what" in
     # compilations are paid in the bench's untimed warm-up). The mixed workload is played in groups of 8 rollouts
     # from one first prompt, as the recipes' GRPO groups are (group_size 8). At most 590 s: one device call (600).
     gpus
-    # every test reports (no -x): a VLM capture that fails must not hide the text tests' outcome
-    timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "compiled or version_0 or window_graph or graphs_continuous or host_waits" 2>&1 | tee "$out/tests.txt" | tail -5
+    # every test reports (no -x): a VLM capture that fails must not hide the text tests' outcome; -v names each
+    # outcome as it comes, so a time limit that cuts the tests short still says which passed (durations: the next
+    # plan's sizes)
+    timeout 150 "$py" -m pytest -v --durations=0 -p no:cacheprovider tests/test_gpu.py -k "compiled or version_0 or window_graph or graphs_continuous or host_waits" 2>&1 | tee "$out/tests.txt" | tail -5
     timeout 330 "$py" -m launch.cli bench engine --device "$dev" "${model[@]}" "${small[@]}" --compile --group-size 8 \
       --profile "$out/profile-compiled.txt" --json 2>>"$out/bench-err.txt" \
       | tee -a "$out/bench-engine-compiled.jsonl" || tail -20 "$out/bench-err.txt"
