@@ -6,6 +6,7 @@
 # launch/gpu-rehearsal.sh plays these same checks on a CPU first, under the lent machines' torch and transformers,
 # through four variables (unset on a GPU): GPU_CHECKS_DEVICE (cuda), GPU_CHECKS_MODEL (the benches' model
 # arguments), GPU_CHECKS_RUN_MODEL (the run's model overrides), and GPU_CHECKS_SMALL (arguments that shrink a bench).
+# RUN_OVERRIDES: more overrides for `run`, after its own (e.g. "local.actors=1 actor.max_groups=4", docs/gpu.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="$1"; out="$2"; mkdir -p "$out"
@@ -102,7 +103,8 @@ case "$what" in
     timeout "${RUN_TIMEOUT:-360}" "$py" -m launch.cli run configs/local.yaml --run-dir "$rd" model.path= $run_model \
       learner.device="$dev" actor.engine.device="$dev" \
       learner.anchor.suite= learner.total_steps=8 learner.checkpoint_every=0 local.eval_episodes=0 \
-      local.torch_threads=4 learner.advantage.drop_zero_variance=false weights.timeout_s=120 weights.join_window_s=30 > "$out/run-stdout.txt" 2>&1
+      local.torch_threads=4 learner.advantage.drop_zero_variance=false weights.timeout_s=120 weights.join_window_s=30 \
+      ${RUN_OVERRIDES:-} > "$out/run-stdout.txt" 2>&1
     echo "run exit: $?"
     tail -5 "$out/run-stdout.txt"
     "$py" - "$rd" "$out" <<'PY'

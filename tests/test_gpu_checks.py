@@ -143,3 +143,5 @@ def test_the_checks_run_on_the_gpu_unless_a_rehearsal_points_them_at_the_cpu(tmp
     assert "model.hidden_size=896" in run_on_gpu and "learner.device=cuda actor.engine.device=cuda" in run_on_gpu
     assert "model.hidden_size=64" in run_rehearsed and "learner.device=cpu actor.engine.device=cpu" in run_rehearsed
     assert "model.hidden_size=896" not in run_rehearsed
+    one_actor = commands("run", {"RUN_OVERRIDES": "local.actors=1 actor.max_groups=4"})[0]
+    assert one_actor.endswith("weights.join_window_s=30 local.actors=1 actor.max_groups=4"), one_actor
