@@ -363,9 +363,9 @@ class HFEngine:
     # ----- prefill -------------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Waiting requests into free slots, prefilled, each with its first token. Nothing in here waits for the
-        GPU but the one read of every first token at the end, so on a GPU the host queues pass after pass while
-        earlier ones run."""
+        """Waiting requests into free slots, prefilled, each with its first token. For a text model nothing in here
+        waits for the GPU but the one read of every first token at the end, so on a GPU the host queues pass after
+        pass while earlier ones run (a VLM's image inputs still wait: ``policy/vision.py``)."""
         dev = self.device
         with self._cv:
             new = []
@@ -512,8 +512,8 @@ class HFEngine:
             columns = max(columns, width)
             if not self._prefill_traced:
                 self._trace_prefill()
-        ids = rows_to_device(parts + [[]] * (n - len(reqs)), width, self.tokenizer.pad_id, dev)
         pad_rows = n - len(reqs)
+        ids = rows_to_device(parts + [[]] * pad_rows, width, self.tokenizer.pad_id, dev)
         lens = to_device([len(p) for p in parts] + [0] * pad_rows, dev)
         starts = to_device([r.prefilled for r in reqs] + [0] * pad_rows, dev)
         slots = to_device([r.slot for r in reqs] + [reqs[0].slot] * pad_rows, dev)
