@@ -52,6 +52,14 @@ DEFAULT_MAX_SEQ_LEN = 4096  # engine.max_seq_len 0 with no prompt settings to fi
 MIN_REUSED_PREFIX = 16  # shorter shared prefixes are not worth leaving the lowest free slot for
 
 
+MASK_ALIGNMENT = 8  # elements between an attention mask's rows (``HFEngine._mask``)
+
+
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of ``MASK_ALIGNMENT``."""
+    return -(-n // MASK_ALIGNMENT) * MASK_ALIGNMENT
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens ``a`` and ``b`` have in common."""
     a, b = np.asarray(a), np.asarray(b)
@@ -155,7 +163,9 @@ class HFEngine:
         self.budget = torch.zeros(S, dtype=torch.long, device=dev)  # max_new_tokens of each slot's request
         self.rope_pos: Any = None  # a VLM's multimodal positions [axes, S] (text: rope position = cache position)
         self.slot_index = torch.arange(S, device=dev)
-        self.key_index = torch.arange(self.max_seq_len + 1, device=dev)
+        # (a multiple of MASK_ALIGNMENT long: masks are built over it, ``attention_mask``)
+        self.key_index = torch.arange(aligned(self.max_seq_len + 1), device=dev)
+        self.mask_dtype = dtype  # the attention's own: SDPA takes such a mask as it is
         self.rows = RowParams(torch.ones(S, device=dev), torch.zeros(S, dtype=torch.bool, device=dev),
                               torch.ones(S, device=dev), torch.zeros(S, dtype=torch.long, device=dev),
                               torch.zeros(S, dtype=torch.long, device=dev))
@@ -584,7 +594,7 @@ class HFEngine:
         # a padding query attends as the row's last real token does (a padding row, as its first column): finite,
         # and never read
         last_q = starts[:, None] + torch.minimum(q[None, :], (lens[:, None] - 1).clamp(min=0))
-        mask = (self.key_index[None, None, :columns] <= last_q[:, :, None])[:, None]  # [n, 1, width, columns]
+        mask = self._mask(last_q[:, None], columns)  # [n, 1, width, columns]
         self.cache.write(slots, torch.where(real, starts[:, None] + q[None, :], self.scratch))
         self.cache.read_rows(slots, columns)
         positions = extra.pop("position_ids", None)
@@ -595,6 +605,21 @@ class HFEngine:
 
     # ----- decode --------------------------------------------------------------------------------
 
+    def _mask(self, last: Any, columns: int) -> Any:
+        """The additive mask every layer of a pass adds to its attention scores, for queries that attend to cache
+        columns ``0 .. last``: ``last.shape + (columns,)`` (built in the shape the attention takes: a view that
+        adds dimensions would not keep the alignment below), 0 where a query attends and -inf where not, in the
+        attention's dtype.
+
+        Given a boolean mask, SDPA converts it to this in every layer, as our decode attention did; built once, a
+        pass saves two operators a layer. Its rows lie ``MASK_ALIGNMENT`` elements apart in memory, as the
+        memory-efficient kernel that runs a masked SDPA on a GPU needs: other masks it copies into that layout, in
+        every layer."""
+        torch = self.torch
+        attend = self.key_index[:aligned(columns)] <= last[..., None]
+        zero = torch.zeros((), dtype=self.mask_dtype, device=last.device)
+        return torch.where(attend, zero, float("-inf"))[..., :columns]
+
     def _logits(self, hidden: Any) -> Any:
         return ban(self.head(hidden)[:, :self.vocab].float(), self.banned)
 
@@ -602,7 +627,7 @@ class HFEngine:
         """One token for slots ``0 .. rows - 1`` attending over ``columns`` cache columns: the logits. Reads and
         writes only fixed tensors (what a CUDA graph replays)."""
         pos = self.cache_pos[:rows]
-        mask = (self.key_index[:columns][None, :] <= pos[:, None])[:, None, None, :]
+        mask = self._mask(pos[:, None, None], columns)  # [rows, 1, 1, columns]
         self.cache.write(self.slot_index[:rows], pos[:, None])
         self.cache.read_prefix(rows, columns)
         positions = self.rope_pos[:, :rows, None] if self.rope_pos is not None else pos[:, None]

@@ -150,3 +150,39 @@ def test_transformers_continuous_batching_plays_the_bench_workload_and_gives_the
     assert eng.model.config._attn_implementation == attention, "the engine's decode attention is back"
     assert _ours(eng, episodes)["tokens"] == lib["tokens"]
     eng.close()
+
+
+def test_the_baselines_run_on_transformers_attention_with_their_padding_masks(monkeypatch):
+    """``generate`` in ``bench engine`` and ``bench actor`` is what a user gets without our engine: transformers' own
+    attention, which masks the left padding. On the engine's attention transformers builds no mask at all, so a
+    baseline run there would attend over padding and be timed on other kernels."""
+    import threading
+
+    import actor.slot_attention as slot_attention
+    from actor.engine import SamplingParams, left_pad
+    from launch.bench.actor import _hf_generate
+
+    ours = []
+    attend = slot_attention.slot_decode_attention
+
+    def seen(*args, **kwargs):
+        ours.append(threading.current_thread().name)
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(slot_attention, "slot_decode_attention", seen)  # (registered by the engine below)
+    eng = HFEngine(TINY, EngineConfig(seed=3, max_batch=4))
+    tok, model = eng.tokenizer, eng.model
+    avoid = set(tok.stop_ids) | {tok.pad_id}
+    episodes = [_episode(random.Random(i), [(12 + 9 * i, 3, 0)], tok.vocab_size, avoid) for i in range(2)]
+    assert _generate(model, tok, "cpu", episodes, batch=2)["tokens"] == 6
+    prompts = [tok.encode("a short one"), tok.encode("a longer prompt, padded on the left of the short one")]
+    assert _hf_generate(eng, [(prompts, SamplingParams(max_new_tokens=4), [[], []])], "cpu")[0] > 0
+    assert ours == [], "no baseline call reached the engine's attention"
+    assert model.config._attn_implementation == slot_attention.ATTENTION, "the engine's attention is back after"
+    with slot_attention.library_attention(model), torch.no_grad():
+        ids, mask = left_pad(prompts, tok.pad_id)
+        padded = model(input_ids=ids, attention_mask=mask).logits[0, -1]
+        alone = model(input_ids=torch.tensor([prompts[0]])).logits[0, -1]
+    torch.testing.assert_close(padded, alone, atol=1e-5, rtol=1e-5)
+    assert eng.generate([prompts[0]], SamplingParams(max_new_tokens=3))[0].token_ids and ours, "the engine's own"
+    eng.close()

@@ -297,12 +297,49 @@ def test_decode_attention_reads_grouped_heads_once_and_equals_sdpa():
     k, v = torch.randn(rows, kv_heads, cols, dim, generator=g), torch.randn(rows, kv_heads, cols, dim, generator=g)
     lengths = torch.tensor([1, 5, 17, 36, 37])
     mask = (torch.arange(cols)[None, :] < lengths[:, None])[:, None, None, :]
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))  # what the engine passes
     module = type("M", (), {"num_key_value_groups": heads // kv_heads, "is_causal": True})()
-    ours, _ = slot_decode_attention(module, q, k, v, mask, scaling=dim ** -0.5)
+    ours, _ = slot_decode_attention(module, q, k, v, additive, scaling=dim ** -0.5)
     ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     eng = HFEngine(TINY, EngineConfig())
     assert eng.slot_attention, "the engine's own model decodes with it"
+    eng.close()
+
+
+def test_every_layer_of_a_pass_gets_one_additive_mask_built_once_with_aligned_rows(monkeypatch):
+    """A boolean mask is converted to an additive one by SDPA in every layer (our decode attention did the same):
+    the engine gives every layer of a pass one additive mask in the attention's dtype, whose rows lie 8 elements
+    apart in memory (what the memory-efficient kernel of a masked SDPA on a GPU needs, or it copies the mask in
+    every layer). Seen by every layer of every prefill pass and decode step, and the log-probs unchanged."""
+    import actor.slot_attention as slot_attention
+
+    passes: list[list] = []
+    attend = slot_attention.slot_decode_attention
+
+    def seen(module, query, key, value, attention_mask, **kw):
+        if threading.current_thread().name.startswith("hf-engine"):  # (not the teacher-forced passes below)
+            if module.layer_idx == 0:
+                passes.append([])
+            passes[-1].append((query.shape[2], key.shape[2], attention_mask))
+        return attend(module, query, key, value, attention_mask, **kw)
+
+    monkeypatch.setattr(slot_attention, "slot_decode_attention", seen)
+    eng = HFEngine(TINY, EngineConfig(seed=4, max_batch=4, sync_every=3, prefill_tokens=40))
+    tok = eng.tokenizer
+    prompts = [tok.encode("go " * n) for n in (1, 4, 9, 30)]
+    gens = eng.generate(prompts, SamplingParams(max_new_tokens=7))
+    _agree(eng, prompts, gens)
+    layers = eng.model.config.num_hidden_layers
+    assert {len(p) for p in passes} == {layers} and any(q > 1 for q, _, _ in (p[0] for p in passes)), \
+        "prefill passes and decode steps were seen"
+    for p in passes:
+        mask = p[0][2]
+        assert all(m is mask for _, _, m in p), "one mask for every layer of the pass"
+        queries, columns = p[0][0], p[0][1]
+        assert mask.dtype == next(eng.model.parameters()).dtype and mask.shape[-2:] == (queries, columns)
+        assert set(mask.unique().tolist()) <= {0.0, float("-inf")} and (mask == 0).any(-1).all()
+        assert mask.stride(-1) == 1 and all(s % 8 == 0 for s in mask.stride()[:-1]), mask.stride()
     eng.close()
 
 

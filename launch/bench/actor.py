@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Any
 
+from actor.slot_attention import library_attention
+
 
 def _broker_proc(net, run_dir: str, group_size: int, ready) -> None:
     from broker.config import BrokerConfig
@@ -69,7 +71,8 @@ def _learner_stand_in(net, log, stop: threading.Event) -> None:
 
 def _hf_generate(engine: Any, recorded: list, device: str) -> tuple[int, float]:
     """The same batches through transformers' own ``generate`` (sampling, scores kept for log-probs, as RL
-    needs them), left-padded as the engine pads: what a user gets without our engine."""
+    needs them), left-padded as the engine pads, on transformers' own attention (``library_attention``): what a
+    user gets without our engine."""
     import torch
 
     from actor.engine import left_pad
@@ -84,7 +87,7 @@ def _hf_generate(engine: Any, recorded: list, device: str) -> tuple[int, float]:
         if tok.vision is not None:  # a VLM: pixels, grids and placeholder mask; generate computes its positions
             extra = tok.vision.model_inputs(model, ids, mask, images)
             extra.pop("position_ids")
-        with torch.no_grad():
+        with torch.no_grad(), library_attention(model):
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
                                  temperature=params.temperature, top_p=params.top_p, top_k=0,
                                  max_new_tokens=params.max_new_tokens, pad_token_id=tok.pad_id,

@@ -21,7 +21,9 @@ Workloads:
   rollout's copy (``num_return_sequences`` repeats the prompt before the prefill too).
 
 The baseline is ``generate`` on a ``StaticCache`` (on a GPU transformers then compiles its decode step), sampling, no
-scores kept: the fastest ``generate`` measured (docs/gpu.md). Ours also records a log-prob
+scores kept: the fastest ``generate`` measured (docs/gpu.md), on transformers' own SDPA attention (the engine's
+model decodes with ours, ``actor/slot_attention.py``: until 2026-11-28 the baseline ran on it too, and transformers,
+which builds masks only for attention it knows, gave it none). Ours also records a log-prob
 per token, which the baseline does not. Both count the same useful tokens (the recorded or fixed lengths);
 ``ratio`` is ours over ``generate`` in tokens/s. Each side runs once untimed first (graph capture, compile), on
 prompts of the same lengths but other tokens, and no prompt shares a prefix with a prompt of another episode: the
@@ -53,6 +55,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, ContextManager
+
+from actor.slot_attention import library_attention
 
 WORKLOADS = Path(__file__).parent / "workloads"
 
@@ -209,7 +213,14 @@ def _generate(model: Any, tok: Any, device: str, episodes: list[list[Turn]], bat
     """``batch`` episodes in lock step through ``generate``, one call per turn, on one ``StaticCache`` of fixed
     shape: every call is ``batch`` rows (episodes that have ended leave idle rows) left-padded to the workload's
     longest prompt, so transformers compiles its decode step once and replays it (a cache of a new shape per call
-    would recompile every time, which no user would accept). ``warm_up``: one short call on the same shapes."""
+    would recompile every time, which no user would accept). ``warm_up``: one short call on the same shapes. The
+    model runs transformers' own attention meanwhile (``library_attention``)."""
+    with library_attention(model):
+        return _generate_turns(model, tok, device, episodes, batch, warm_up)
+
+
+def _generate_turns(model: Any, tok: Any, device: str, episodes: list[list[Turn]], batch: int,
+                    warm_up: bool) -> dict:
     from transformers import StaticCache
 
     from actor.engine import left_pad
@@ -266,7 +277,7 @@ def _library(model: Any, tok: Any, device: str, episodes: list[list[Turn]], batc
     in a forward pass at most; ``warm_up`` (same lengths, other tokens) is played first on the same manager, untimed
     (its graph captures and first allocations). The manager has no pause, so its first turns are added one after
     another while its loop runs. Every request generates exactly its recorded length (end ids off: ``eos_token_id``
-    -1), with its log-probs. The model runs ``paged|sdpa`` meanwhile; its attention setting is restored after."""
+    -1), with its log-probs. The model runs ``paged|sdpa`` meanwhile (``library_attention``)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     longest = max(len(t.tail) + t.shared + t.out for e in episodes + warm_up for t in e)
@@ -276,10 +287,8 @@ def _library(model: Any, tok: Any, device: str, episodes: list[list[Turn]], batc
     cb.num_blocks = batch * -(-longest // page) + batch  # our cache's memory: every slot's longest turn, and spare
     gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=-1,
                            pad_token_id=tok.pad_id, max_new_tokens=max(t.out for e in episodes for t in e))
-    attention = model.config._attn_implementation
     # the library makes SDPA paged|sdpa; the engine's own decode attention is not one it can page
-    model.set_attn_implementation("sdpa")
-    try:
+    with library_attention(model):
         with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
                                                        block=True, timeout=60) as manager:
             first: list[float] = []
@@ -291,8 +300,6 @@ def _library(model: Any, tok: Any, device: str, episodes: list[list[Turn]], batc
             seconds = time.perf_counter() - t0
             # what the manager decided for its varlen and decode paths (5.17 and 5.24 both have this accessor)
             used_graphs = any(manager.continuous_batching_config.cuda_graph_booleans)
-    finally:
-        model.set_attn_implementation(attention)
     return {"tokens": tokens, "seconds": seconds, "ttft_s": round(sorted(first)[len(first) // 2], 4) if first else None,
             "cuda_graphs": used_graphs}
 
