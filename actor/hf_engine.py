@@ -608,8 +608,10 @@ class HFEngine:
     def _mask(self, last: Any, columns: int) -> Any:
         """The additive mask every layer of a pass adds to its attention scores, for queries that attend to cache
         columns ``0 .. last``: ``last.shape + (columns,)`` (built in the shape the attention takes: a view that
-        adds dimensions would not keep the alignment below), 0 where a query attends and -inf where not, in the
-        attention's dtype.
+        adds dimensions would not keep the alignment below), 0 where a query attends and the dtype's lowest finite
+        value where not, in the attention's dtype. (Finite, as transformers' own additive masks are: a kernel that
+        meets a block of -inf scores can make NaN of it. PyTorch gives cuDNN's attention a finite one for that
+        reason. Softmax gives the masked columns exactly 0 either way.)
 
         Given a boolean mask, SDPA converts it to this in every layer, as our decode attention did; built once, a
         pass saves two operators a layer. Its rows lie ``MASK_ALIGNMENT`` elements apart in memory, as the
@@ -618,7 +620,7 @@ class HFEngine:
         torch = self.torch
         attend = self.key_index[:aligned(columns)] <= last[..., None]
         zero = torch.zeros((), dtype=self.mask_dtype, device=last.device)
-        return torch.where(attend, zero, float("-inf"))[..., :columns]
+        return torch.where(attend, zero, torch.finfo(self.mask_dtype).min)[..., :columns]
 
     def _logits(self, hidden: Any) -> Any:
         return ban(self.head(hidden)[:, :self.vocab].float(), self.banned)

@@ -23,7 +23,7 @@ LIBRARY_ATTENTION = "sdpa"  # what transformers runs these models with by defaul
 def slot_decode_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
                           scaling: float | None = None, **kwargs: Any) -> tuple[Any, None]:
     """``query`` [rows, heads, q, dim], ``key``/``value`` [rows, kv_heads, columns, dim], ``attention_mask``
-    [rows, 1, q, columns] (additive: 0 = attend, -inf = not); returns [rows, q, heads, dim] as transformers'
+    [rows, 1, q, columns] (additive: 0 = attend, a large negative value = not); returns [rows, q, heads, dim] as transformers'
     functions do."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -297,7 +297,7 @@ def test_decode_attention_reads_grouped_heads_once_and_equals_sdpa():
     k, v = torch.randn(rows, kv_heads, cols, dim, generator=g), torch.randn(rows, kv_heads, cols, dim, generator=g)
     lengths = torch.tensor([1, 5, 17, 36, 37])
     mask = (torch.arange(cols)[None, :] < lengths[:, None])[:, None, None, :]
-    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))  # what the engine passes
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)  # what the engine passes
     module = type("M", (), {"num_key_value_groups": heads // kv_heads, "is_causal": True})()
     ours, _ = slot_decode_attention(module, q, k, v, additive, scaling=dim ** -0.5)
     ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
@@ -338,7 +338,7 @@ def test_every_layer_of_a_pass_gets_one_additive_mask_built_once_with_aligned_ro
         assert all(m is mask for _, _, m in p), "one mask for every layer of the pass"
         queries, columns = p[0][0], p[0][1]
         assert mask.dtype == next(eng.model.parameters()).dtype and mask.shape[-2:] == (queries, columns)
-        assert set(mask.unique().tolist()) <= {0.0, float("-inf")} and (mask == 0).any(-1).all()
+        assert set(mask.unique().tolist()) <= {0.0, torch.finfo(mask.dtype).min} and (mask == 0).any(-1).all()
         assert mask.stride(-1) == 1 and all(s % 8 == 0 for s in mask.stride()[:-1]), mask.stride()
     eng.close()
 
