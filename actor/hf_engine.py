@@ -40,7 +40,7 @@ import numpy as np
 from actor.compiled import Compiled
 from actor.decode_graphs import DecodeGraphs, column_bucket, row_bucket
 from actor.engine import EngineConfig, EngineStats, Generation, SamplingParams, StopWatch, generate_all
-from actor.kv_cache import SlotKVCache
+from actor.kv_cache import SlotKVCache, aligned
 from actor.sampler import BatchKinds, RowParams, sample
 from actor.slot_attention import use_slot_decode_attention
 from actor.staging import rows_to_device, to_device
@@ -50,14 +50,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQ_LEN = 4096  # engine.max_seq_len 0 with no prompt settings to fit (EngineConfig.fitted)
 MIN_REUSED_PREFIX = 16  # shorter shared prefixes are not worth leaving the lowest free slot for
-
-
-MASK_ALIGNMENT = 8  # elements between an attention mask's rows (``HFEngine._mask``)
-
-
-def aligned(n: int) -> int:
-    """``n`` rounded up to a multiple of ``MASK_ALIGNMENT``."""
-    return -(-n // MASK_ALIGNMENT) * MASK_ALIGNMENT
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -163,8 +155,7 @@ class HFEngine:
         self.budget = torch.zeros(S, dtype=torch.long, device=dev)  # max_new_tokens of each slot's request
         self.rope_pos: Any = None  # a VLM's multimodal positions [axes, S] (text: rope position = cache position)
         self.slot_index = torch.arange(S, device=dev)
-        # (a multiple of MASK_ALIGNMENT long: masks are built over it, ``attention_mask``)
-        self.key_index = torch.arange(aligned(self.max_seq_len + 1), device=dev)
+        self.key_index = torch.arange(self.cache.keys[0].shape[2], device=dev)  # every cache column (``_mask``)
         self.mask_dtype = dtype  # the attention's own: SDPA takes such a mask as it is
         self.rows = RowParams(torch.ones(S, device=dev), torch.zeros(S, dtype=torch.bool, device=dev),
                               torch.ones(S, device=dev), torch.zeros(S, dtype=torch.long, device=dev),
@@ -522,6 +513,11 @@ class HFEngine:
             columns = max(columns, width)
             if not self._prefill_traced:
                 self._trace_prefill()
+        # Every row's prompt starts at column 0 (no prefix in its slot, no earlier chunk): plain causal attention over
+        # the pass's own tokens is exact for every real token (rows are right-padded), and needs no mask: SDPA then
+        # runs its causal kernels, grouped heads read once (on a GPU, flash attention). A VLM's SDPA would be given
+        # transformers' own mask instead: it keeps ours.
+        causal = self.slot_attention and all(r.prefilled == 0 for r in reqs)
         pad_rows = n - len(reqs)
         ids = rows_to_device(parts + [[]] * pad_rows, width, self.tokenizer.pad_id, dev)
         lens = to_device([len(p) for p in parts] + [0] * pad_rows, dev)
@@ -533,7 +529,7 @@ class HFEngine:
             extra = self.vision.model_inputs(self.model, ids, real.long(), [r.images for r in reqs])
             positions = extra["position_ids"]
         hidden = (self.compiled_prefill if compiled else self._prefill_forward)(ids, lens, starts, slots, columns,
-                                                                                 **extra)
+                                                                                 causal, **extra)
         for r, p in zip(reqs, parts):
             r.prefilled += len(p)
             self.stats.prompt_tokens += len(p)
@@ -573,30 +569,39 @@ class HFEngine:
         """The compiled prefill pass's first call, on sizes that differ from each other: traced on a pass whose rows,
         tokens or columns happened to be equal, it would hold only for passes where they are (a guard), and the
         next pass would compile again; traced on distinct sizes, it holds for all. Two padding rows, three tokens
-        and four columns of slot 0: every write goes to the scratch column, the result is dropped."""
+        and four columns of slot 0 (a causal pass: three, its own tokens), once for each kind of pass: every write
+        goes to the scratch column, the results are dropped."""
         torch, dev = self.torch, self.device
         self._prefill_traced = True
         if self.max_seq_len < 3:  # four columns do not fit: the first real pass is traced instead
             return
-        lens, starts, slots = (torch.zeros(2, dtype=torch.long, device=dev) for _ in range(3))  # (not one tensor:
-        # a graph traced on aliased inputs holds only for aliased inputs)
-        self.compiled_prefill(torch.full((2, 3), self.tokenizer.pad_id, dtype=torch.long, device=dev), lens, starts,
-                              slots, 4)
+        for causal in (False, True) if self.slot_attention else (False,):
+            lens, starts, slots = (torch.zeros(2, dtype=torch.long, device=dev) for _ in range(3))  # (not one
+            # tensor: a graph traced on aliased inputs holds only for aliased inputs)
+            self.compiled_prefill(torch.full((2, 3), self.tokenizer.pad_id, dtype=torch.long, device=dev), lens,
+                                  starts, slots, 3 if causal else 4, causal)
 
-    def _prefill_forward(self, ids: Any, lens: Any, starts: Any, slots: Any, columns: int, **extra: Any) -> Any:
+    def _prefill_forward(self, ids: Any, lens: Any, starts: Any, slots: Any, columns: int, causal: bool,
+                         **extra: Any) -> Any:
         """One prefill pass: row ``i``'s ``lens[i]`` tokens ``ids[i]`` (right-padded) written to slot ``slots[i]``
         from cache column ``starts[i]`` on, each attending over the slot's columns up to its own; the hidden states.
-        ``extra``: a VLM's image inputs and ``position_ids``. Tensors and sizes in, tensors out: what ``compile``
-        compiles."""
+        ``causal``: every ``starts[i]`` is 0, and the pass attends causally over its own ``width`` columns with no
+        mask (``columns`` is then ``width``). ``extra``: a VLM's image inputs and ``position_ids``. Tensors and sizes
+        in, tensors out: what ``compile`` compiles (once per value of ``causal``)."""
         torch = self.torch
         q = torch.arange(ids.shape[1], device=ids.device)
         real = q[None, :] < lens[:, None]
-        # a padding query attends as the row's last real token does (a padding row, as its first column): finite,
-        # and never read
-        last_q = starts[:, None] + torch.minimum(q[None, :], (lens[:, None] - 1).clamp(min=0))
-        mask = self._mask(last_q[:, None], columns)  # [n, 1, width, columns]
         self.cache.write(slots, torch.where(real, starts[:, None] + q[None, :], self.scratch))
-        self.cache.read_rows(slots, columns)
+        if causal:  # (transformers makes no mask for attention it does not know: ours gets None, and SDPA is causal)
+            mask = None
+            self.cache.read_rows(slots, ids.shape[1])
+        else:
+            # a padding query attends as the row's last real token does (a padding row, as its first column): finite,
+            # and never read
+            last_q = starts[:, None] + torch.minimum(q[None, :], (lens[:, None] - 1).clamp(min=0))
+            columns = aligned(columns)  # (the extra columns are masked out)
+            mask = self._mask(last_q[:, None], columns)  # [n, 1, width, columns]
+            self.cache.read_rows(slots, columns)
         positions = extra.pop("position_ids", None)
         if positions is None:
             positions = starts[:, None] + q[None, :]
@@ -607,20 +612,21 @@ class HFEngine:
 
     def _mask(self, last: Any, columns: int) -> Any:
         """The additive mask every layer of a pass adds to its attention scores, for queries that attend to cache
-        columns ``0 .. last``: ``last.shape + (columns,)`` (built in the shape the attention takes: a view that
-        adds dimensions would not keep the alignment below), 0 where a query attends and the dtype's lowest finite
+        columns ``0 .. last``: ``last.shape + (columns,)``, 0 where a query attends and the dtype's lowest finite
         value where not, in the attention's dtype. (Finite, as transformers' own additive masks are: a kernel that
         meets a block of -inf scores can make NaN of it. PyTorch gives cuDNN's attention a finite one for that
         reason. Softmax gives the masked columns exactly 0 either way.)
 
         Given a boolean mask, SDPA converts it to this in every layer, as our decode attention did; built once, a
-        pass saves two operators a layer. Its rows lie ``MASK_ALIGNMENT`` elements apart in memory, as the
-        memory-efficient kernel that runs a masked SDPA on a GPU needs: other masks it copies into that layout, in
-        every layer."""
+        pass saves two operators a layer. ``columns`` is a multiple of ``COLUMN_ALIGNMENT`` (``aligned``), so the
+        mask's rows lie that many elements apart in memory, as the memory-efficient kernel that runs a masked SDPA
+        on a GPU needs: other masks it copies into that layout, in every layer. (Rounding the columns read, rather
+        than slicing a wider mask, also keeps a compiled pass from specialising on whether a pass's columns happen
+        to be aligned.)"""
         torch = self.torch
-        attend = self.key_index[:aligned(columns)] <= last[..., None]
+        attend = self.key_index[:columns] <= last[..., None]
         zero = torch.zeros((), dtype=self.mask_dtype, device=last.device)
-        return torch.where(attend, zero, torch.finfo(self.mask_dtype).min)[..., :columns]
+        return torch.where(attend, zero, torch.finfo(self.mask_dtype).min)
 
     def _logits(self, hidden: Any) -> Any:
         return ban(self.head(hidden)[:, :self.vocab].float(), self.banned)
@@ -629,6 +635,7 @@ class HFEngine:
         """One token for slots ``0 .. rows - 1`` attending over ``columns`` cache columns: the logits. Reads and
         writes only fixed tensors (what a CUDA graph replays)."""
         pos = self.cache_pos[:rows]
+        columns = aligned(columns)  # (the extra columns are masked out)
         mask = self._mask(pos[:, None, None], columns)  # [rows, 1, 1, columns]
         self.cache.write(self.slot_index[:rows], pos[:, None])
         self.cache.read_prefix(rows, columns)

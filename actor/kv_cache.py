@@ -1,10 +1,13 @@
 """The HF engine's KV cache: allocated once, one fixed slot per in-flight request.
 
-Every layer holds keys and values as ``[slots, kv_heads, max_seq_len + 1, head_dim]``. A request owns one slot
-(a row) from its prefill to its last token; a token at cache position ``p`` of slot ``s`` is written to
-``[s, :, p]``. Nothing is concatenated or reallocated while decoding, so a decode step has the same tensors at
-every token (what a captured CUDA graph needs). The last column is a scratch column: padding tokens of a
-prefill and idle slots of a decode batch write there, and no live request ever reads it.
+Every layer holds keys and values as ``[slots, kv_heads, columns, head_dim]``, ``columns`` being
+``max_seq_len + 1`` rounded up to a multiple of ``COLUMN_ALIGNMENT``. A request owns one slot (a row) from its
+prefill to its last token; a token at cache position ``p`` of slot ``s`` is written to ``[s, :, p]``. Nothing is
+concatenated or reallocated while decoding, so a decode step has the same tensors at every token (what a captured
+CUDA graph needs). Column ``max_seq_len`` is a scratch column: padding tokens of a prefill and idle slots of a decode
+batch write there, and no live request ever reads it. The columns after it are never written: attention reads
+blocks of columns in multiples of ``COLUMN_ALIGNMENT`` (``aligned``), as the masks it takes are laid out, and masks
+them out.
 
 The model sees this as a transformers ``Cache``: its attention layers call ``update(keys, values, layer)``
 and attend over what it returns, under the 4D mask the engine passes (transformers uses a 4D mask as given).
@@ -21,6 +24,13 @@ from transformers.cache_utils import Cache
 
 from actor.staging import to_device
 
+COLUMN_ALIGNMENT = 8  # cache columns attention reads at once, and its masks' row length, come in multiples of this
+
+
+def aligned(n: int) -> int:
+    """``n`` columns rounded up to a multiple of ``COLUMN_ALIGNMENT``."""
+    return -(-n // COLUMN_ALIGNMENT) * COLUMN_ALIGNMENT
+
 
 class SlotKVCache(Cache):
     def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, max_seq_len: int,
@@ -31,7 +41,7 @@ class SlotKVCache(Cache):
         self.torch = torch
         self.slots, self.max_seq_len = slots, max_seq_len
         self.scratch = max_seq_len  # the column padding and idle slots write to
-        shape = (slots, kv_heads, max_seq_len + 1, head_dim)
+        shape = (slots, kv_heads, aligned(max_seq_len + 1), head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self._write_rows: Any = None  # [n, 1] slot of each row of the forward batch
