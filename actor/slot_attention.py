@@ -2,11 +2,12 @@
 grouped-query heads read once.
 
 A decode step attends one new token per row over up to a few thousand cached columns, under a mask (rows have
-different lengths; the engine's is additive, built once per step), so PyTorch's flash kernels, which take no mask, are out, and transformers' SDPA path then
-repeats every key/value head for each query head of its group before attending (7 copies of the whole cache
-per layer for Qwen2.5-0.5B's 14 query and 2 key/value heads). Here the query heads of a group are laid side
-by side instead: one batched matmul per group reads each cached key and value once. Prefill (many query tokens
-per row) stays on SDPA.
+different lengths; the engine's is additive, built once per step), so PyTorch's flash kernels, which take no mask,
+are out, and transformers' SDPA path then repeats every key/value head for each query head of its group before
+attending (7 copies of the whole cache per layer for Qwen2.5-0.5B's 14 query and 2 key/value heads). Here the query
+heads of a group are laid side by side instead: one batched matmul per group reads each cached key and value once.
+Prefill (many query tokens per row) stays on SDPA: under the engine's mask, or with none and causal for a pass whose
+prompts all start at column 0.
 
 Registered with transformers' ``AttentionInterface`` under ``ATTENTION`` and set on the engine's own model only.
 """
@@ -23,8 +24,8 @@ LIBRARY_ATTENTION = "sdpa"  # what transformers runs these models with by defaul
 def slot_decode_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
                           scaling: float | None = None, **kwargs: Any) -> tuple[Any, None]:
     """``query`` [rows, heads, q, dim], ``key``/``value`` [rows, kv_heads, columns, dim], ``attention_mask``
-    [rows, 1, q, columns] (additive: 0 = attend, a large negative value = not); returns [rows, q, heads, dim] as transformers'
-    functions do."""
+    [rows, 1, q, columns] (additive: 0 = attend, a large negative value = not); returns [rows, q, heads, dim] as
+    transformers' functions do."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -73,11 +73,15 @@ def _hf_generate(engine: Any, recorded: list, device: str) -> tuple[int, float]:
     """The same batches through transformers' own ``generate`` (sampling, scores kept for log-probs, as RL
     needs them), left-padded as the engine pads, on transformers' own attention (``library_attention``): what a
     user gets without our engine."""
+    with library_attention(engine.model):
+        return _hf_generate_batches(engine.tokenizer, engine.model, recorded, device)
+
+
+def _hf_generate_batches(tok: Any, model: Any, recorded: list, device: str) -> tuple[int, float]:
     import torch
 
     from actor.engine import left_pad
 
-    tok, model = engine.tokenizer, engine.model
     total, t0 = 0, time.perf_counter()
     for prompts, params, images in recorded:
         ids, mask = left_pad(prompts, tok.pad_id)
@@ -87,7 +91,7 @@ def _hf_generate(engine: Any, recorded: list, device: str) -> tuple[int, float]:
         if tok.vision is not None:  # a VLM: pixels, grids and placeholder mask; generate computes its positions
             extra = tok.vision.model_inputs(model, ids, mask, images)
             extra.pop("position_ids")
-        with torch.no_grad(), library_attention(model):
+        with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
                                  temperature=params.temperature, top_p=params.top_p, top_k=0,
                                  max_new_tokens=params.max_new_tokens, pad_token_id=tok.pad_id,
