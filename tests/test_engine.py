@@ -311,7 +311,8 @@ def test_every_layer_of_a_pass_gets_one_additive_mask_built_once_with_aligned_ro
     """A boolean mask is converted to an additive one by SDPA in every layer (our decode attention did the same):
     the engine gives every layer of a pass one additive mask in the attention's dtype, whose rows lie 8 elements
     apart in memory (what the memory-efficient kernel of a masked SDPA on a GPU needs, or it copies the mask in
-    every layer). Seen by every layer of every prefill pass and decode step, and the log-probs unchanged."""
+    every layer). A pass whose prompts all start at column 0 gets no mask: causal attention over its own tokens is
+    exact for them. Seen by every layer of every prefill pass and decode step, and the log-probs unchanged."""
     import actor.slot_attention as slot_attention
 
     passes: list[list] = []
@@ -336,6 +337,7 @@ def test_every_layer_of_a_pass_gets_one_additive_mask_built_once_with_aligned_ro
     causal = [p for p in passes if p[0][2] is None]
     assert causal and all(q > 1 and q == k for q, k, _ in causal[0]), \
         "the first pass's prompts start at column 0: causal over its own tokens, no mask"
+    assert any(q > 1 and m is not None for q, _, m in (p[0] for p in passes)), "a later chunk's pass has a mask"
     for p in passes:
         mask = p[0][2]
         assert all(m is mask for _, _, m in p), "one mask for every layer of the pass"
