@@ -594,7 +594,7 @@ class HFEngine:
         self.cache.write(slots, torch.where(real, starts[:, None] + q[None, :], self.scratch))
         if causal:  # (transformers makes no mask for attention it does not know: ours gets None, and SDPA is causal)
             mask = None
-            self.cache.read_rows(slots, ids.shape[1])
+            self.cache.read_own(ids.shape[1])
         else:
             # a padding query attends as the row's last real token does (a padding row, as its first column): finite,
             # and never read

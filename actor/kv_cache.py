@@ -49,6 +49,7 @@ class SlotKVCache(Cache):
         self._read_rows: Any = None  # [n] slots read back (a prefill), or None: the first _read_count slots (a decode)
         self._read_count = 0
         self._read_len = 0
+        self._read_own = False  # (``read_own``)
 
     @property
     def bytes(self) -> int:
@@ -60,17 +61,25 @@ class SlotKVCache(Cache):
 
     def read_prefix(self, rows: int, length: int) -> None:
         """Attention reads the first ``length`` columns of slots ``0 .. rows - 1`` (a view: no copy)."""
-        self._read_rows, self._read_count, self._read_len = None, rows, length
+        self._read_rows, self._read_count, self._read_len, self._read_own = None, rows, length, False
 
     def read_rows(self, rows: Any, length: int) -> None:
         """Attention reads the first ``length`` columns of the slots ``rows`` (gathered: a prefill batch)."""
-        self._read_rows, self._read_len = rows, length
+        self._read_rows, self._read_len, self._read_own = rows, length, False
+
+    def read_own(self, length: int) -> None:
+        """Attention reads the pass's own ``length`` new keys and values, as computed (a causal pass whose prompts all
+        start at column 0: its real tokens' keys are what the slots' first columns now hold, so nothing is gathered;
+        its padding tokens' keys, which went to the scratch column, are read only by padding queries)."""
+        self._read_len, self._read_own = length, True
 
     def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any):
         k, v = self.keys[layer_idx], self.values[layer_idx]
         # [n, heads, q, dim] -> [n, q, heads, dim]: the layout advanced indexing on dims 0 and 2 expects
         k[self._write_rows, :, self._write_pos] = key_states.transpose(1, 2).to(k.dtype)
         v[self._write_rows, :, self._write_pos] = value_states.transpose(1, 2).to(v.dtype)
+        if self._read_own:
+            return key_states.to(k.dtype), value_states.to(v.dtype)
         if self._read_rows is None:
             return k[:self._read_count, :, :self._read_len], v[:self._read_count, :, :self._read_len]
         return k[self._read_rows, :, :self._read_len], v[self._read_rows, :, :self._read_len]
