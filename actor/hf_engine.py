@@ -40,7 +40,7 @@ import numpy as np
 from actor.compiled import Compiled
 from actor.decode_graphs import DecodeGraphs, column_bucket, row_bucket
 from actor.engine import EngineConfig, EngineStats, Generation, SamplingParams, StopWatch, generate_all
-from actor.kv_cache import SlotKVCache, aligned
+from actor.kv_cache import SlotKVCache
 from actor.sampler import BatchKinds, RowParams, sample
 from actor.slot_attention import use_slot_decode_attention
 from actor.staging import rows_to_device, to_device
@@ -155,8 +155,6 @@ class HFEngine:
         self.budget = torch.zeros(S, dtype=torch.long, device=dev)  # max_new_tokens of each slot's request
         self.rope_pos: Any = None  # a VLM's multimodal positions [axes, S] (text: rope position = cache position)
         self.slot_index = torch.arange(S, device=dev)
-        self.key_index = torch.arange(self.cache.keys[0].shape[2], device=dev)  # every cache column (``_mask``)
-        self.mask_dtype = dtype  # the attention's own: SDPA takes such a mask as it is
         self.rows = RowParams(torch.ones(S, device=dev), torch.zeros(S, dtype=torch.bool, device=dev),
                               torch.ones(S, device=dev), torch.zeros(S, dtype=torch.long, device=dev),
                               torch.zeros(S, dtype=torch.long, device=dev))
@@ -169,7 +167,7 @@ class HFEngine:
                                  if cfg.compile and self.vision is None else None)
         self._prefill_traced = False  # (``_trace_prefill``)
         if cfg.compile:  # their sizes never change: symbolic sizes for them would only add guards and graphs
-            for t in [*self.cache.keys, *self.cache.values, self.key_index]:
+            for t in [*self.cache.keys, *self.cache.values, self.cache.column_index]:
                 torch._dynamo.mark_static(t)
         # a VLM's windows too: its multimodal rotary positions (``rope_pos``, allocated at its first prefill, before
         # any window) are one more fixed tensor a window reads and advances
@@ -599,9 +597,7 @@ class HFEngine:
             # a padding query attends as the row's last real token does (a padding row, as its first column): finite,
             # and never read
             last_q = starts[:, None] + torch.minimum(q[None, :], (lens[:, None] - 1).clamp(min=0))
-            columns = aligned(columns)  # (the extra columns are masked out)
-            mask = self._mask(last_q[:, None], columns)  # [n, 1, width, columns]
-            self.cache.read_rows(slots, columns)
+            mask = self.cache.read_rows(slots, columns, last_q[:, None])  # [n, 1, width, columns]
         positions = extra.pop("position_ids", None)
         if positions is None:
             positions = starts[:, None] + q[None, :]
@@ -610,24 +606,6 @@ class HFEngine:
 
     # ----- decode --------------------------------------------------------------------------------
 
-    def _mask(self, last: Any, columns: int) -> Any:
-        """The additive mask every layer of a pass adds to its attention scores, for queries that attend to cache
-        columns ``0 .. last``: ``last.shape + (columns,)``, 0 where a query attends and the dtype's lowest finite
-        value where not, in the attention's dtype. (Finite, as transformers' own additive masks are: a kernel that
-        meets a block of -inf scores can make NaN of it. PyTorch gives cuDNN's attention a finite one for that
-        reason. Softmax gives the masked columns exactly 0 either way.)
-
-        Given a boolean mask, SDPA converts it to this in every layer, as our decode attention did; built once, a
-        pass saves two operators a layer. ``columns`` is a multiple of ``COLUMN_ALIGNMENT`` (``aligned``), so the
-        mask's rows lie that many elements apart in memory, as the memory-efficient kernel that runs a masked SDPA
-        on a GPU needs: other masks it copies into that layout, in every layer. (Rounding the columns read, rather
-        than slicing a wider mask, also keeps a compiled pass from specialising on whether a pass's columns happen
-        to be aligned.)"""
-        torch = self.torch
-        attend = self.key_index[:columns] <= last[..., None]
-        zero = torch.zeros((), dtype=self.mask_dtype, device=last.device)
-        return torch.where(attend, zero, torch.finfo(self.mask_dtype).min)
-
     def _logits(self, hidden: Any) -> Any:
         return ban(self.head(hidden)[:, :self.vocab].float(), self.banned)
 
@@ -635,10 +613,8 @@ class HFEngine:
         """One token for slots ``0 .. rows - 1`` attending over ``columns`` cache columns: the logits. Reads and
         writes only fixed tensors (what a CUDA graph replays)."""
         pos = self.cache_pos[:rows]
-        columns = aligned(columns)  # (the extra columns are masked out)
-        mask = self._mask(pos[:, None, None], columns)  # [rows, 1, 1, columns]
         self.cache.write(self.slot_index[:rows], pos[:, None])
-        self.cache.read_prefix(rows, columns)
+        mask = self.cache.read_prefix(rows, columns, pos[:, None, None])  # [rows, 1, 1, columns]
         positions = self.rope_pos[:, :rows, None] if self.rope_pos is not None else pos[:, None]
         hidden = self.body(input_ids=self.tok_in[:rows, None], attention_mask=mask, position_ids=positions,
                            use_cache=True, **{self.cache_kw: self.cache}).last_hidden_state

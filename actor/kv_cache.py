@@ -6,14 +6,23 @@ prefill to its last token; a token at cache position ``p`` of slot ``s`` is writ
 concatenated or reallocated while decoding, so a decode step has the same tensors at every token (what a captured
 CUDA graph needs). Column ``max_seq_len`` is a scratch column: padding tokens of a prefill and idle slots of a decode
 batch write there, and no live request ever reads it. The columns after it are never written: attention reads
-blocks of columns in multiples of ``COLUMN_ALIGNMENT`` (``aligned``), as the masks it takes are laid out, and masks
-them out.
+columns in multiples of ``COLUMN_ALIGNMENT`` (``aligned``; the extra ones masked out), as its masks are laid out.
 
 The model sees this as a transformers ``Cache``: its attention layers call ``update(keys, values, layer)``
 and attend over what it returns, under the 4D mask the engine passes (transformers uses a 4D mask as given).
 Before each forward pass the engine says which slots are written where (``write``) and which block is read
-back (``read_prefix`` for the first ``rows`` slots, as a decode batch is laid out, or ``read_rows`` for the
-slots of a prefill batch).
+back: ``read_prefix`` for the first ``rows`` slots, as a decode batch is laid out, or ``read_rows`` for the
+slots of a prefill batch, each returning the mask over the columns it reads; or ``read_own``, no mask, for a
+pass that attends causally over its own new keys.
+
+The masks are additive, in the cache's dtype: 0 where a query attends, the dtype's lowest finite value where
+not. (Finite, as transformers' own additive masks are: a kernel that meets a block of -inf scores can make NaN
+of it, and PyTorch gives cuDNN's attention a finite one for that reason; softmax gives masked columns exactly 0
+either way.) Given a boolean mask, SDPA would convert it to this in every layer; made once, a pass saves two
+operators a layer. Its rows are ``COLUMN_ALIGNMENT`` elements apart in memory, as the memory-efficient kernel that
+runs a masked SDPA on a GPU needs: other masks it copies into that layout, in every layer. (Rounding the columns
+read, rather than slicing a wider mask, also keeps a compiled pass from specialising on whether a pass's columns
+happen to be aligned.)
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ class SlotKVCache(Cache):
         shape = (slots, kv_heads, aligned(max_seq_len + 1), head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.column_index = torch.arange(shape[2], device=device)  # (masks are made from it)
         self._write_rows: Any = None  # [n, 1] slot of each row of the forward batch
         self._write_pos: Any = None  # [n, q] cache position of each of its q new tokens
         self._read_rows: Any = None  # [n] slots read back (a prefill), or None: the first _read_count slots (a decode)
@@ -59,19 +69,33 @@ class SlotKVCache(Cache):
         """The next forward pass writes row ``i``'s new token ``j`` to slot ``rows[i]`` at ``positions[i, j]``."""
         self._write_rows, self._write_pos = rows[:, None], positions
 
-    def read_prefix(self, rows: int, length: int) -> None:
-        """Attention reads the first ``length`` columns of slots ``0 .. rows - 1`` (a view: no copy)."""
+    def read_prefix(self, rows: int, length: int, last: Any) -> Any:
+        """Attention reads the first ``length`` columns of slots ``0 .. rows - 1`` (a view: no copy), each query
+        attending to columns ``0 .. last`` (``last``: one per query, in the shape the mask broadcasts from): the
+        mask, ``last.shape + (columns,)``."""
+        length = aligned(length)
         self._read_rows, self._read_count, self._read_len, self._read_own = None, rows, length, False
+        return self._mask(last, length)
 
-    def read_rows(self, rows: Any, length: int) -> None:
-        """Attention reads the first ``length`` columns of the slots ``rows`` (gathered: a prefill batch)."""
+    def read_rows(self, rows: Any, length: int, last: Any) -> Any:
+        """Attention reads the first ``length`` columns of the slots ``rows`` (gathered: a prefill batch), each
+        query attending to columns ``0 .. last``: the mask, as ``read_prefix``."""
+        length = aligned(length)
         self._read_rows, self._read_len, self._read_own = rows, length, False
+        return self._mask(last, length)
 
     def read_own(self, length: int) -> None:
         """Attention reads the pass's own ``length`` new keys and values, as computed (a causal pass whose prompts all
         start at column 0: its real tokens' keys are what the slots' first columns now hold, so nothing is gathered;
         its padding tokens' keys, which went to the scratch column, are read only by padding queries)."""
         self._read_len, self._read_own = length, True
+
+    def _mask(self, last: Any, columns: int) -> Any:
+        """0 for columns ``0 .. last``, the lowest finite value beyond, ``columns`` (aligned) wide."""
+        torch = self.torch
+        dtype = self.keys[0].dtype
+        attend = self.column_index[:columns] <= last[..., None]
+        return torch.where(attend, torch.zeros((), dtype=dtype, device=last.device), torch.finfo(dtype).min)
 
     def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any):
         k, v = self.keys[layer_idx], self.values[layer_idx]
