@@ -1,8 +1,10 @@
 """The objective's terms: pure functions ``(LossInputs, LossConfig) -> LossOutputs``, selected by name or import path.
 
 All tensors are ``[N, T]``: one row per sample (a model turn), one column per predicted token; ``mask`` is 1
-on the tokens to train on (the sampled ones) and 0 on padding and prompt. Token-mean aggregation: sums
-are divided by the number of loss tokens in the whole step (``num_tokens``), so micro-batches add up.
+on the tokens to train on (the sampled ones) and 0 on padding and prompt. Only those tokens are scored: log-probs
+are 0 where the mask is 0, and the model's output head never runs there, unless a term needs whole rows of logits.
+Token-mean aggregation: sums are divided by the number of loss tokens in the whole step (``num_tokens``), so
+micro-batches add up.
 Metrics are means over the micro-batch's own loss tokens unless the output says otherwise (``reduce``: mean,
 max or sum); the trainer weights means by those tokens, which makes them the step's means however it was split.
 
@@ -38,13 +40,13 @@ REDUCTIONS = ("mean", "max", "sum")
 
 @dataclass
 class LossInputs:
-    logprobs: torch.Tensor  # log pi_theta of each target token (carries the gradient)
+    logprobs: torch.Tensor  # log pi_theta of each loss token (carries the gradient); 0 where mask is 0 (not scored)
     prox_logprobs: torch.Tensor  # log pi_prox (detached)
     behav_logprobs: torch.Tensor  # log pi_behav, recorded by the actor
     advantages: torch.Tensor  # per token (a sample's advantage broadcast over its tokens)
     mask: torch.Tensor  # float, 1 = loss token
     num_tokens: float  # loss tokens in the whole step (the token-mean denominator)
-    ref_logprobs: torch.Tensor | None = None  # log pi_ref of each target token (when a term needs it)
+    ref_logprobs: torch.Tensor | None = None  # log pi_ref of each loss token (when a term needs it)
     logits: torch.Tensor | None = None  # [N, T, V] pi_theta's next-token logits (when a term needs them)
     ref_logits: torch.Tensor | None = None  # [N, T, V] pi_ref's (when a term needs them)
 

@@ -7,12 +7,13 @@ from a small architecture config with random weights. torch and transformers are
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 
 @dataclass
@@ -235,7 +236,8 @@ def ban(logits: Any, banned: Any) -> Any:
 
 
 def token_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, temperature: float = 1.0,
-                   vocab: int = 0, vision: dict | None = None, banned: Any = None) -> tuple[Any, Any]:
+                   vocab: int = 0, vision: dict | None = None, banned: Any = None,
+                   scored: Any = None) -> tuple[Any, Any]:
     """Teacher-forced log-probs of each token given its prefix, and the (float, tempered) logits they came
     from: ``lp[:, t]`` scores ``input_ids[:, t + 1]``.
 
@@ -244,6 +246,12 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, tempe
     Qwen2.5 has 151,936 rows for 151,665 tokens); engines sample over the same ``vocab`` columns, without the
     ``banned`` ones (a VLM's image placeholders). ``vision``: a VLM's image inputs and multimodal positions
     (``policy.vision.VisionProcessor.model_inputs``).
+
+    ``scored`` (bool ``[N, L - 1]``, optional): the only positions whose log-probs are wanted. The output head then
+    runs on those positions alone (``head_reads``), so the rest of each row costs neither the head's matmul nor the
+    full-vocabulary float32 logits and their gradient. In RL they are the sampled tokens, a small part of a row
+    that is mostly prompt (an instruction and a screen's text or image tokens, then a short action). ``lp`` is 0
+    elsewhere, and the logits returned are ``[M, V]``: the scored positions, in row-major order.
     """
     import torch
 
@@ -253,13 +261,40 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, tempe
         extra = {"position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0)}
     else:
         extra = {}
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
-    logits = logits[:, :-1, :vocab or None].float()
+    targets = input_ids[:, 1:]
+    if scored is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits[:, :-1]
+    else:
+        with head_reads(model, lambda hidden: hidden[:, :-1][scored]):
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
+        targets = targets[scored]
+    logits = logits[..., :vocab or None].float()
     if temperature != 1.0:  # one full-vocabulary copy fewer in the common case
         logits = logits / temperature
     logits = ban(logits, banned)
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    if scored is not None:
+        lp = lp.new_zeros(scored.shape).masked_scatter(scored, lp)
     return lp, logits
+
+
+@contextlib.contextmanager
+def head_reads(model: Any, select: Callable[[Any], Any]) -> Iterator[None]:
+    """While open, ``model``'s output head (``get_output_embeddings``; ``model.module``'s for a wrapper) reads
+    ``select(hidden states)`` instead of all of them.
+
+    A hook on the head's input rather than a forward of ``model.model`` and then the head: the model's own forward
+    still runs whole, so whatever wraps it (FSDP2's unsharding of the root's parameters, the head's among them)
+    runs as it always does."""
+    inner = getattr(model, "module", model)
+    head = inner.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(inner).__name__} has no output head (get_output_embeddings) to score positions with")
+    handle = head.register_forward_pre_hook(lambda _module, args: (select(args[0]), *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def sequence_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, temperature: float = 1.0,
