@@ -2,8 +2,8 @@
 
 All tensors are ``[N, T]``: one row per sample (a model turn), one column per predicted token; ``mask`` is 1
 on the tokens to train on (the sampled ones) and 0 on padding and prompt. Only those tokens are scored: log-probs
-are 0 where the mask is 0, and the model's output head never runs there, unless a term needs whole rows of logits.
-Token-mean aggregation: sums are divided by the number of loss tokens in the whole step (``num_tokens``), so
+are 0 where the mask is 0, the model's output head never runs there, and logits (for a term that needs them) are
+``[M, V]``, one row per loss token. Token-mean aggregation: sums are divided by the number of loss tokens in the whole step (``num_tokens``), so
 micro-batches add up.
 Metrics are means over the micro-batch's own loss tokens unless the output says otherwise (``reduce``: mean,
 max or sum); the trainer weights means by those tokens, which makes them the step's means however it was split.
@@ -47,8 +47,10 @@ class LossInputs:
     mask: torch.Tensor  # float, 1 = loss token
     num_tokens: float  # loss tokens in the whole step (the token-mean denominator)
     ref_logprobs: torch.Tensor | None = None  # log pi_ref of each loss token (when a term needs it)
-    logits: torch.Tensor | None = None  # [N, T, V] pi_theta's next-token logits (when a term needs them)
-    ref_logits: torch.Tensor | None = None  # [N, T, V] pi_ref's (when a term needs them)
+    # [M, V] pi_theta's next-token logits at the loss tokens (mask > 0, row-major: weighted by mask[mask > 0]),
+    # when a term needs them
+    logits: torch.Tensor | None = None
+    ref_logits: torch.Tensor | None = None  # [M, V] pi_ref's, at the same tokens (when a term needs them)
 
 
 @dataclass
@@ -169,7 +171,8 @@ def anchor_kl_term(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
         raise ValueError("the kl anchor needs the policy's and the reference policy's logits")
     ref_logp = torch.log_softmax(inp.ref_logits.float(), dim=-1)
     per_token = (ref_logp.exp() * (ref_logp - torch.log_softmax(inp.logits.float(), dim=-1))).sum(-1)
-    return LossOutputs((per_token * inp.mask).sum() / inp.num_tokens, {"anchor_loss": _token_mean(per_token, inp.mask)})
+    weights = inp.mask[inp.mask > 0]  # the logits' rows are the loss tokens'
+    return LossOutputs((per_token * weights).sum() / inp.num_tokens, {"anchor_loss": _token_mean(per_token, weights)})
 
 
 def anchor_sft_term(inp: LossInputs, cfg: LossConfig) -> LossOutputs:

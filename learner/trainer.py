@@ -159,10 +159,11 @@ class Trainer:
         self.content_version = 0  # the version at which the weights last changed (empty steps keep it)
         self.counters: dict[str, int] = {}
 
-    def _logprobs(self, model: Any, tb: Any, scored: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """log-probs [N, T] and logits ([N, T, V], or [M, V] at the ``scored`` positions when given)."""
+    def _logprobs(self, model: Any, tb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """log-probs [N, T] (0 off the loss tokens) and the loss tokens' logits [M, V]: only the loss tokens are
+        scored (``token_logprobs``: the output head runs on them alone)."""
         return token_logprobs(model, tb.input_ids, tb.attention_mask, self.temperature, self.tokenizer.vocab_size,
-                              tb.vision, self.banned, scored)
+                              tb.vision, self.banned, scored=tb.mask > 0)
 
     def _image_available(self, dig: str) -> bool:
         if self.images is None:
@@ -303,7 +304,7 @@ class Trainer:
             for kind, (chunks, tokens_all) in split.items():
                 kind_terms = [t for t in terms if t.samples == kind]
                 for tb in chunks[j] if kind_terms else ():
-                    inp, logits, scored = self._loss_inputs(tb, kind_terms, float(max(tokens_all[j], 1)), prox, j, k)
+                    inp, logits = self._loss_inputs(tb, kind_terms, float(max(tokens_all[j], 1)), prox, j, k)
                     total = 0.0
                     for term in kind_terms:
                         res = term.fn(inp, cfg.loss)
@@ -314,8 +315,7 @@ class Trainer:
                     (total * loss_scale).backward()
                     acc[kind].add_loss(float(total.detach()), tokens_all[j], tb.num_tokens)
                     if kind == BATCH:
-                        weights = tb.mask if scored is None else tb.mask[scored]
-                        entropy_sum += float((token_entropy(logits) * weights).sum())
+                        entropy_sum += float((token_entropy(logits) * tb.mask[tb.mask > 0]).sum())
                         if j == 0:
                             mismatch.add(inp, tb, self.version)
             self.net.grads_to_master()
@@ -356,31 +356,29 @@ class Trainer:
     def _recomputed_prox(self, mbs: list[Any]) -> dict[int, torch.Tensor]:
         """log pi_prox as the policy at the start of this step, for every micro-batch."""
         with torch.no_grad():
-            return {id(tb): self._logprobs(self.net, tb, tb.mask > 0)[0] for tb in mbs}
+            return {id(tb): self._logprobs(self.net, tb)[0] for tb in mbs}
 
     def _loss_inputs(self, tb: Any, terms: list[Term], num_tokens: float, prox: dict, j: int,
-                     k: int) -> tuple[LossInputs, torch.Tensor, torch.Tensor | None]:
+                     k: int) -> tuple[LossInputs, torch.Tensor]:
         """The inputs of ``terms`` on one micro-batch: log pi_theta always, pi_prox by the configured mode, the
-        reference's log-probs or either model's logits only where a term needs them; with them pi_theta's logits
-        and the positions they are at (None: every position; else the loss tokens, which are all that is scored
-        unless a term needs whole rows of logits)."""
-        wanted = frozenset().union(*(t.needs for t in terms))
-        scored = None if wanted & {"logits", "ref_logits"} else tb.mask > 0
-        lp, logits = self._logprobs(self.net, tb, scored)
+        reference's log-probs or either model's logits only where a term needs them; and pi_theta's logits at the
+        loss tokens (the step's entropy)."""
+        lp, logits = self._logprobs(self.net, tb)
         if k == 1:
             lp_prox = lp.detach()  # one update per batch: pi_prox is pi_theta before this update
         elif id(tb) in prox:
             lp_prox = prox[id(tb)]
         else:
             lp_prox = loglinear_prox(tb.behav_logprobs, lp, tb.versions, self.version, self.version + j / k)
+        wanted = frozenset().union(*(t.needs for t in terms))
         ref_lp = ref_logits = None
         if wanted & {"ref_logprobs", "ref_logits"}:
             with torch.no_grad():
-                ref_lp, ref_logits = self._logprobs(self.ref_model, tb, scored)
+                ref_lp, ref_logits = self._logprobs(self.ref_model, tb)
         inp = LossInputs(lp, lp_prox, tb.behav_logprobs, tb.advantages, tb.mask, num_tokens,
                          ref_lp if "ref_logprobs" in wanted else None, logits if "logits" in wanted else None,
                          ref_logits if "ref_logits" in wanted else None)
-        return inp, logits, scored
+        return inp, logits
 
     def gather_weights(self) -> None:
         """Collective with several ranks: rank 0 keeps the full weights the actors get, in the compute dtype, on

@@ -23,7 +23,7 @@ from learner.advantages import AdvantageConfig  # noqa: E402
 from learner.batch import build_samples  # noqa: E402
 from learner.config import AnchorConfig, LearnerConfig  # noqa: E402
 from learner.entropulse import Entropulse, EntropulseConfig  # noqa: E402
-from learner.losses import LossConfig, needs  # noqa: E402
+from learner.losses import LossConfig  # noqa: E402
 from learner.process import Learner  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
 from tests.conftest import pump  # noqa: E402
@@ -250,24 +250,24 @@ def test_kl_term_and_reference_reset():
     assert m2["kl"] == pytest.approx(0.0, abs=1e-6)
 
 
-@needs("logits")
-def grpo_on_whole_rows(inp, cfg):
-    """GRPO, declared as needing whole rows of logits: the trainer then scores every position, as it always did."""
-    from learner.losses import grpo_loss
+def test_only_the_loss_tokens_reach_the_output_head_and_the_step_is_that_of_scoring_every_position(monkeypatch):
+    """The trainer scores the loss tokens alone; against a trainer whose log-probs and logits are cut from whole
+    rows' (every position through the head, as before): the same loss, metrics and weights over steps that use the
+    reference, the KL anchor's logits and a recomputed pi_prox, while the output head sees the loss tokens alone."""
+    from policy.model import token_logprobs
 
-    assert inp.logits is not None and inp.logits.dim() == 3
-    return grpo_loss(inp, cfg)
+    def from_whole_rows(model, input_ids, attention_mask, temperature, vocab, vision, banned, scored):
+        lp, logits = token_logprobs(model, input_ids, attention_mask, temperature, vocab, vision, banned)
+        return lp * scored, logits[scored]
 
-
-def test_only_the_loss_tokens_reach_the_output_head_and_the_step_is_that_of_scoring_every_position():
-    """Scoring only the loss tokens (the default) against scoring every position: the same loss, metrics and
-    weights over steps that use the reference and a recomputed pi_prox, while the output head sees the loss tokens
-    alone."""
     cfg = LearnerConfig(lr=3e-3, updates_per_batch=2, prox="recompute", micro_batch_tokens=64,
-                        loss=LossConfig(kl_beta=0.1))
+                        loss=LossConfig(kl_beta=0.1), anchor=AnchorConfig(suite="sim:train:settings_display",
+                                                                          samples=4))
     results = []
-    for name in ("grpo", "tests.test_learner:grpo_on_whole_rows"):
-        t = Trainer(dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, name=name)), TINY, seed=0)
+    for whole in (False, True):
+        if whole:
+            monkeypatch.setattr("learner.trainer.token_logprobs", from_whole_rows)
+        t = Trainer(cfg, TINY, seed=0, anchor_demos=anchor_demos())
         rows, ms = [], []
         for s in range(2):
             groups = groups_from(t, seed=s, version=t.version)  # scores with the same model: not counted
@@ -277,18 +277,17 @@ def test_only_the_loss_tokens_reach_the_output_head_and_the_step_is_that_of_scor
             handle.remove()
         results.append((ms, rows, [p.detach().clone() for p in t.model.parameters()]))
     (scored, scored_rows, w_scored), (whole, whole_rows, w_whole) = results
-    for a, b in zip(scored[1:], whole[1:]):
-        for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "is_weight_mean", "grad_norm"):
+    for a, b in zip(scored, whole):
+        for key in ("loss", "pg_loss", "kl", "anchor_loss", "entropy", "clip_frac", "is_weight_mean", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-    assert scored[1]["kl"] > 0
+    assert scored[1]["kl"] > 0 and scored[1]["anchor_loss"] > 0
     for a, b in zip(w_scored, w_whole):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    # per step: pi_prox recomputed over every micro-batch, then two updates over half of them each; the
-    # reference's passes run on its own copy of the model, whose head this hook is not on
-    tokens = [m["tokens"] for m in scored]
-    assert sum(scored_rows) == sum(2 * n for n in tokens), (scored_rows, tokens)
-    # scoring whole rows, the updates' passes see every position (prompt 20 + answer 6 of each row: over 4 x)
-    assert sum(whole_rows) - sum(tokens) > 4 * sum(tokens), (whole_rows, tokens)
+    # per step: pi_prox recomputed over the RL micro-batches, then two updates, each over half of them and half of
+    # the anchor's (the reference's passes run on its own copy of the model, whose head this hook is not on)
+    loss_tokens = sum(2 * m["tokens"] + m["anchor_tokens"] for m in scored)
+    assert sum(scored_rows) == loss_tokens, (scored_rows, scored)
+    assert sum(whole_rows) > 3 * loss_tokens, "scoring whole rows, the head sees every position"
 
 
 def anchor_demos(n=6, answer=b"fail()") -> list:

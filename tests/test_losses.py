@@ -215,7 +215,9 @@ def test_anchor_terms_match_an_independent_computation():
     lp = np.take_along_axis(logp, targets[..., None], -1)[..., 0]
     T = lambda a: torch.tensor(a, dtype=torch.float64)  # noqa: E731
     zeros = T(np.zeros((n, t)))
-    inp = LossInputs(T(lp), zeros, zeros, zeros, T(mask), 10.0, logits=T(logits), ref_logits=T(ref_logits))
+    loss_tokens = T(mask) > 0  # the trainer passes the loss tokens' logits alone, row-major
+    inp = LossInputs(T(lp), zeros, zeros, zeros, T(mask), 10.0, logits=T(logits)[loss_tokens],
+                     ref_logits=T(ref_logits)[loss_tokens])
     kl = 0.0
     for i in range(n):
         for j in range(t):
