@@ -257,14 +257,35 @@ class Supervisor:
                 try:
                     r.proc.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    os.killpg(r.proc.pid, signal.SIGKILL)
-                    r.proc.wait(10)
+                    self._kill(r, f"did not exit within {timeout:g} s of being asked to stop", stacks=True)
         for r in self.roles:  # anything a role started in its own group goes too
             if r.proc is not None:
                 try:
                     os.killpg(r.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+    def _kill(self, role: Role, why: str, stacks: bool = False, reap_s: float = 10.0) -> None:
+        """Kill ``role``'s process group, and say so. With ``stacks`` (a role that would not stop), the role first
+        prints its threads' stacks into its stderr (SIGUSR1, which every role hands to ``faulthandler``): where it
+        hung. A process that outlives SIGKILL for ``reap_s`` (stuck in uninterruptible I/O: the kill lands when that
+        returns) is left to the kernel and said, not waited for: the run must still end with its outcome."""
+        if stacks:
+            try:
+                role.proc.send_signal(signal.SIGUSR1)
+                role.proc.wait(0.5)  # faulthandler writes from the signal handler itself; a role may also exit now
+            except subprocess.TimeoutExpired:
+                pass
+            why += f"; its threads' stacks are at the end of {role.stderr_path}"
+        try:
+            os.killpg(role.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # already gone, group and all
+            pass
+        try:
+            role.proc.wait(reap_s)
+        except subprocess.TimeoutExpired:
+            why += f"; still there {reap_s:.0f} s after SIGKILL (pid {role.proc.pid}), left behind"
+        self._event(f"{role.label} killed: {why}")
 
     def _check(self) -> bool:
         """One supervision pass; False once the run is over."""
@@ -299,8 +320,7 @@ class Supervisor:
             group = [r for r in self.roles if r.name == "learner"] if role.name == "learner" else [role]
             for r in group:
                 if r is not role and r.proc is not None and r.proc.poll() is None:
-                    os.killpg(r.proc.pid, signal.SIGKILL)
-                    r.proc.wait(10)
+                    self._kill(r, f"restarts with {role.label}")
                 if r.name == "learner" and "--resume" not in r.args:
                     r.args = [*r.args, "--resume"]
                 r.restarts += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import subprocess
+import sys
 import time
 
 from common.rundir import RunDir
@@ -52,3 +53,61 @@ def test_a_hung_evaluation_is_killed_at_its_deadline_and_the_next_checkpoint_is_
     assert time.monotonic() - t0 < 5 and all(p.poll() is not None for p in started), "every hung one killed"
     assert sup.eval_proc is None and sup.eval_step == 3 and len(started) == 3
     assert "held-out eval at step 3 killed" in out.getvalue()
+
+
+HANGING_ROLE = """
+import signal, sys, time
+from launch.cli.base import start_role
+start_role("actor", None, sys.argv[1], ())
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a role that will not stop when asked
+
+
+def hang_here():
+    print("ready", flush=True)
+    time.sleep(600)
+
+
+hang_here()
+"""
+
+
+def test_a_role_that_will_not_stop_leaves_its_stacks_and_one_that_outlives_sigkill_does_not_crash_the_stop(
+        tmp_path, request):
+    """A role that ignores the stop signal is killed at its deadline, after printing where its threads are (every
+    role hands SIGUSR1 to faulthandler). One that is still there 10 s after SIGKILL (uninterruptible I/O: seen once,
+    an actor at the end of a loaded whole-suite run) used to raise out of the supervisor's stop, so the run exited 1
+    instead of resumable; now it is said and left behind."""
+    from launch.placement import Role
+
+    cfg = load_run_config(REPO / "configs" / "local.yaml", ["local.stop_timeout_s=0.5"])
+    rd = RunDir.create(tmp_path / "run")
+    roles = []
+    for rank in (0, 1):
+        stderr_path = tmp_path / f"actor-{rank}.stderr"
+        with open(stderr_path, "wb") as err:
+            proc = subprocess.Popen([sys.executable, "-c", HANGING_ROLE, str(tmp_path / f"role-{rank}")], cwd=REPO,
+                                    stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+        request.addfinalizer(proc.kill)
+        roles.append(Role("actor", rank, [], True, proc=proc, stderr_path=stderr_path))
+    for r in roles:
+        assert r.proc.stdout.readline() == b"ready\n"
+    outlives = roles[1].proc
+    real_wait = outlives.wait
+
+    def never_reaped(timeout=None):  # as a process in uninterruptible I/O: SIGKILL lands, the exit does not come
+        time.sleep(min(timeout or 0.5, 0.5))
+        raise subprocess.TimeoutExpired(outlives.args, timeout)
+    outlives.wait = never_reaped
+    out = io.StringIO()
+    sup = Supervisor(cfg, REPO / "configs" / "local.yaml", rd, resume=False, out=out, roles=roles)
+    t0 = time.monotonic()
+    sup.stop("interrupted")
+    assert time.monotonic() - t0 < 15
+    said = out.getvalue()
+    for r in roles:
+        assert f"actor-{r.rank} killed: did not exit within 0.5 s of being asked to stop; its threads' stacks are at " \
+               f"the end of {r.stderr_path}" in said
+        assert "in hang_here" in r.stderr_path.read_text(), "faulthandler's dump of the main thread"
+    assert f"still there 10 s after SIGKILL (pid {outlives.pid}), left behind" in said
+    assert "actor-0 killed" in said and "left behind" not in said.split("actor-1 killed")[0]
+    assert roles[0].proc.poll() == -9 and real_wait(5) == -9, "both killed"

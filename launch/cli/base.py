@@ -3,7 +3,9 @@ every role takes, a role's start (config, run directory, logs), a whole run's di
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import signal
 from typing import Any
 
 import click
@@ -40,7 +42,10 @@ def role_options(fn):
 
 
 def start_role(role: str, config: str | None, run_dir: str | None, overrides: tuple[str, ...], rank: int = 0):
-    """Resolve the config and run directory, record what this role runs with, set up its logs."""
+    """Resolve the config and run directory, record what this role runs with, set up its logs; ``kill -USR1`` then
+    prints where every thread of the role is to its stderr (what the supervisor does before it kills a role that
+    would not stop)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     cfg = load_config(config, overrides)
     rd = resolve_run_dir(cfg, run_dir)
     configlib.dump(cfg, rd.root / f"config.{role}-{rank}.yaml")
