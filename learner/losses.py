@@ -3,8 +3,8 @@
 All tensors are ``[N, T]``: one row per sample (a model turn), one column per predicted token; ``mask`` is 1
 on the tokens to train on (the sampled ones) and 0 on padding and prompt. Only those tokens are scored: log-probs
 are 0 where the mask is 0, the model's output head never runs there, and logits (for a term that needs them) are
-``[M, V]``, one row per loss token. Token-mean aggregation: sums are divided by the number of loss tokens in the whole step (``num_tokens``), so
-micro-batches add up.
+``[M, V]``, one row per loss token. Token-mean aggregation: sums are divided by the number of loss tokens in the
+whole step (``num_tokens``), so micro-batches add up.
 Metrics are means over the micro-batch's own loss tokens unless the output says otherwise (``reduce``: mean,
 max or sum); the trainer weights means by those tokens, which makes them the step's means however it was split.
 
