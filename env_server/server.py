@@ -470,8 +470,8 @@ class EnvServer:
         for backend in self.idle:
             try:
                 backend.close()
-            except Exception:
-                pass
+            except Exception as exc:  # one desktop that fails to close does not keep the others open
+                self.log.warning("desktop_close_failed", error=repr(exc))
         self.idle.clear()
         self.workers.shutdown(wait=False, cancel_futures=True)
         self.sock.close()

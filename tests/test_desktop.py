@@ -231,6 +231,51 @@ def test_apptainer_commands_isolate_the_desktop_and_fail_clearly(tmp_path):
     box.stop()  # never started: nothing to stop, no error
 
 
+def test_a_retired_desktops_folder_is_removed_past_late_writes_and_a_sandbox_ending_by_itself_is_not_killed(tmp_path, monkeypatch):
+    """An agent asked to shut down closes its apps, which write into the home as they exit: the sandbox gets a grace
+    to end by itself, and the folder's removal outlasts writes that land while it is walked (the CI failure at
+    08b0ad4: a closed desktop's folder stayed). A writer that never stops is a BackendError naming what is left."""
+    from env_server.desktop.backend import remove_folder
+    from env_server.desktop.sandbox import _stop_group
+    home = tmp_path / "desktop-late" / "home"
+    home.mkdir(parents=True)
+    stop_writing = time.monotonic() + 0.6
+
+    def late_writer():
+        i = 0
+        while time.monotonic() < stop_writing:
+            try:
+                (home.parent / f"saved-{i}").write_text("settings")
+            except OSError:  # the folder was removed under it: it comes back on the next write
+                home.parent.mkdir(exist_ok=True)
+            i += 1
+            time.sleep(0.005)
+    writer = threading.Thread(target=late_writer)
+    writer.start()
+    time.sleep(0.05)
+    remove_folder(home.parent, within_s=3.0)
+    writer.join()
+    remove_folder(home.parent, within_s=3.0)  # the last write may land after the removal saw it gone once
+    assert not home.parent.exists()
+
+    # A folder that cannot go (a busy mount, here an rmtree that removes nothing) is said, with its contents.
+    stuck = tmp_path / "desktop-stuck"
+    (stuck / "run").mkdir(parents=True)
+    (stuck / "run" / "agent.sock").touch()
+    monkeypatch.setattr("env_server.desktop.backend.shutil.rmtree", lambda path, ignore_errors=False: None)
+    with pytest.raises(BackendError, match=r"could not be removed; left in it: \['run', 'run/agent.sock'\]"):
+        remove_folder(stuck, within_s=0.3)
+    monkeypatch.undo()
+
+    ends = subprocess.Popen(["sleep", "0.3"], start_new_session=True)
+    _stop_group(ends, grace_s=5.0)
+    assert ends.returncode == 0  # it ended by itself; no signal
+    hangs = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    t0 = time.monotonic()
+    _stop_group(hangs, grace_s=0.2)
+    assert hangs.returncode == -15 and time.monotonic() - t0 < 3
+
+
 def test_instances_a_crashed_env_server_left_running_are_stopped(tmp_path):
     """Instances outlive a killed env_server; the next one's first desktop stops those whose owner is gone."""
     dead = subprocess.Popen(["true"])

@@ -28,6 +28,24 @@ from env_server.desktop.sandbox import (AgentActionError, AgentClient, Apptainer
                                         require_packages)
 from env_server.tree import TREE_FIELDS, row_text
 
+SHUTDOWN_GRACE_S = 5.0
+"""how long a desktop asked to shut down may take to close its apps before its sandbox is killed"""
+
+
+def remove_folder(path: Path, within_s: float = 3.0) -> None:
+    """Remove a retired desktop's host folder. A killed sandbox's last writes may land while it is walked, so the
+    removal is tried again until the folder is gone; one that stays is a BackendError naming what is left."""
+    deadline = time.monotonic() + within_s
+    while True:
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            return
+        if time.monotonic() > deadline:
+            left = sorted(str(p.relative_to(path)) for p in path.rglob("*"))[:20]
+            raise BackendError(f"the desktop's folder {path} could not be removed; left in it: {left}")
+        time.sleep(0.1)
+
+
 APP_OF_CLASS = {"libreoffice-calc": "Calc", "libreoffice-writer": "Writer", "mousepad": "Editor",
                 "pcmanfm": "Files"}
 APP_ALIASES = {"calc": "Calc", "libreoffice calc": "Calc", "spreadsheet": "Calc", "sheet": "Calc",
@@ -230,14 +248,18 @@ class RealDesktopBackend(TaskBackend):
         return bool(h.get("xvfb") and h.get("wm") and office_ok and all(h.get("apps", [])))
 
     def close(self) -> None:
+        asked = False
         try:
             if self.agent.sock is not None:
                 self.agent.call("shutdown", timeout_s=5.0)
+                asked = True
         except BackendError:
             pass
         self.agent.close()
-        self.sandbox.stop()
-        shutil.rmtree(self.root, ignore_errors=True)
+        # The agent answers ``shutdown`` first and then closes its apps, which save their settings into the home
+        # as they exit: let it end by itself, so nothing inside writes into the folder while it is removed.
+        self.sandbox.stop(grace_s=SHUTDOWN_GRACE_S if asked else 0.0)
+        remove_folder(self.root)
 
     # -- observation
     def observation(self) -> dict:

@@ -201,10 +201,16 @@ def _pid_alive(pid: int) -> bool:
 _ORPHANS_SWEPT = threading.Lock()
 
 
-def _stop_group(proc: subprocess.Popen | None) -> None:
-    """SIGTERM the process group a sandbox runs in, SIGKILL it after 3 s, and reap the leader."""
+def _stop_group(proc: subprocess.Popen | None, grace_s: float = 0.0) -> None:
+    """Give the sandbox ``grace_s`` to end by itself, then SIGTERM its process group, SIGKILL it after 3 s, and
+    reap the leader."""
     if proc is None or proc.poll() is not None:
         return
+    try:
+        proc.wait(timeout=grace_s)
+        return
+    except subprocess.TimeoutExpired:
+        pass
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=3)
@@ -325,10 +331,11 @@ class BwrapSandbox(Sandbox):
         with open(self.log_path, "ab") as log:
             self._spawn(self.argv(), log)
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Stop the sandbox, after ``grace_s`` for it to end by itself (an agent asked to shut down)."""
         # The sandbox is its own session; --die-with-parent and the pid namespace take everything inside
         # down with bwrap, the group kill catches a bwrap that is itself stuck.
-        _stop_group(self.proc)
+        _stop_group(self.proc, grace_s)
         self.proc = None
 
 
@@ -411,8 +418,9 @@ class ApptainerSandbox(Sandbox):
             self.started = True
             self._spawn(self.exec_argv(), log)
 
-    def stop(self) -> None:
-        _stop_group(self.proc)
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Stop the agent's exec, after ``grace_s`` for it to end by itself, then the instance."""
+        _stop_group(self.proc, grace_s)
         self.proc = None
         if self.started:
             with open(self.log_path, "ab") as log:
