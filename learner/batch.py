@@ -154,6 +154,9 @@ class TensorBatch:
     mask: "object"  # [N, L - 1] float32
     advantages: "object"  # [N, L - 1] float32
     num_tokens: int
+    # [M] int64: the loss tokens' flat positions in the [N, L - 1] grid (mask > 0, row-major), found on the host, so
+    # selecting them on a GPU is a gather, not a boolean index (which waits for the device to count them)
+    loss_index: "object" = None
     images: list = field(default_factory=list)  # per row, the content hashes of its images (a VLM's)
     vision: dict | None = None  # a VLM's image inputs and positions, filled in by the trainer
 
@@ -179,7 +182,7 @@ def collate(samples: list[Sample], pad_id: int, device: str = "cpu") -> TensorBa
         adv[r, sl] = s.advantage
     t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
     return TensorBatch(t(ids), t(attn), t(behav), t(versions), t(mask), t(adv), int(mask.sum()),
-                       [list(s.images) for s in samples])
+                       t(np.flatnonzero(mask > 0)), [list(s.images) for s in samples])
 
 
 def loglinear_prox(behav: "object", theta: "object", versions: "object", v_prox: float, v_theta: float) -> "object":

@@ -31,6 +31,7 @@ def gspo_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     per_token = -w * torch.minimum(s * a, s.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * a)
     loss = per_token.sum() / inp.num_tokens
     tokens = inp.mask.sum().clamp(min=1)
-    metrics = {"pg_loss": float((per_token.detach() * inp.mask).sum() / tokens),
-               "seq_ratio_mean": float(s.detach().mean()), "seq_ratio_max": float(s.detach().max())}
+    # metrics as detached 0-d tensors: the trainer reads them once a step, not once a micro-batch
+    metrics = {"pg_loss": (per_token.detach() * inp.mask).sum() / tokens,
+               "seq_ratio_mean": s.detach().mean(), "seq_ratio_max": s.detach().max()}
     return LossOutputs(loss, metrics, reduce={"seq_ratio_max": "max"})

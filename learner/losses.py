@@ -7,6 +7,8 @@ are 0 where the mask is 0, the model's output head never runs there, and logits 
 whole step (``num_tokens``), so micro-batches add up.
 Metrics are means over the micro-batch's own loss tokens unless the output says otherwise (``reduce``: mean,
 max or sum); the trainer weights means by those tokens, which makes them the step's means however it was split.
+A metric may be a float or a detached 0-d tensor. The built-in terms give tensors: the trainer reads them all at
+the step's end, so a micro-batch never makes the host wait for the GPU (``float(t)`` would, each time).
 
 A term declares what it needs beyond log-probs (``@needs("ref_logprobs")``, ``"ref_logits"``, ``"logits"``);
 the trainer computes only that, and builds a reference model only when a term of the objective needs one
@@ -47,16 +49,18 @@ class LossInputs:
     mask: torch.Tensor  # float, 1 = loss token
     num_tokens: float  # loss tokens in the whole step (the token-mean denominator)
     ref_logprobs: torch.Tensor | None = None  # log pi_ref of each loss token (when a term needs it)
-    # [M, V] pi_theta's next-token logits at the loss tokens (mask > 0, row-major: weighted by mask[mask > 0]),
-    # when a term needs them
+    # [M, V] pi_theta's next-token logits at the loss tokens (mask > 0, row-major), when a term needs them
     logits: torch.Tensor | None = None
     ref_logits: torch.Tensor | None = None  # [M, V] pi_ref's, at the same tokens (when a term needs them)
+    # [M] the mask at the logits' rows (mask[mask > 0], found without a boolean index: that waits for the device)
+    logits_mask: torch.Tensor | None = None
 
 
 @dataclass
 class LossOutputs:
     loss: torch.Tensor
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float | torch.Tensor] = field(default_factory=dict)
+    """floats, or detached 0-d tensors: those stay on the device until the step reads them all at once"""
     reduce: dict[str, str] = field(default_factory=dict)
     """how a metric combines over micro-batches and ranks: mean (token-weighted, the default) | max | sum"""
 
@@ -100,15 +104,15 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def _token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean of ``x`` over this micro-batch's loss tokens (a metric, detached)."""
-    return float((x.detach() * mask).sum() / mask.sum().clamp(min=1))
+def _token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over this micro-batch's loss tokens (a metric: detached, 0-d, left on the device)."""
+    return (x.detach() * mask).sum() / mask.sum().clamp(min=1)
 
 
-def _common_metrics(inp: LossInputs, w: torch.Tensor, kept: torch.Tensor) -> dict[str, float]:
+def _common_metrics(inp: LossInputs, w: torch.Tensor, kept: torch.Tensor) -> dict[str, torch.Tensor]:
     n = inp.mask.sum().clamp(min=1)
-    return {"is_weight_mean": float((w * inp.mask).sum() / n), "is_weight_max": float((w * inp.mask).max()),
-            "is_masked_frac": float(((inp.mask - kept) > 0).sum() / n)}
+    return {"is_weight_mean": (w * inp.mask).sum() / n, "is_weight_max": (w * inp.mask).max(),
+            "is_masked_frac": ((inp.mask - kept) > 0).sum() / n}
 
 
 COMMON_REDUCE = {"is_weight_max": "max"}
@@ -123,7 +127,7 @@ def _clipped_surrogate(inp: LossInputs, cfg: LossConfig, eps_low: float, eps_hig
     pg = per_token.sum() / inp.num_tokens
     metrics = _common_metrics(inp, w, kept)
     clip_frac = ((clipped < unclipped).float() * inp.mask).sum() / inp.mask.sum().clamp(min=1)
-    metrics.update(pg_loss=_token_mean(per_token, inp.mask), clip_frac=float(clip_frac))
+    metrics.update(pg_loss=_token_mean(per_token, inp.mask), clip_frac=clip_frac)
     return LossOutputs(pg, metrics, dict(COMMON_REDUCE))
 
 
@@ -167,11 +171,11 @@ def kl_term(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
 def anchor_kl_term(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     """KL(pi_ref || pi_theta) of each demo position's whole next-token distribution: holds the policy to what the
     reference does there, the probabilities of runner-up tokens included (``learner.anchor.kind: kl``)."""
-    if inp.logits is None or inp.ref_logits is None:
-        raise ValueError("the kl anchor needs the policy's and the reference policy's logits")
+    if inp.logits is None or inp.ref_logits is None or inp.logits_mask is None:
+        raise ValueError("the kl anchor needs the policy's and the reference policy's logits, and their rows' mask")
     ref_logp = torch.log_softmax(inp.ref_logits.float(), dim=-1)
     per_token = (ref_logp.exp() * (ref_logp - torch.log_softmax(inp.logits.float(), dim=-1))).sum(-1)
-    weights = inp.mask[inp.mask > 0]  # the logits' rows are the loss tokens'
+    weights = inp.logits_mask  # the logits' rows are the loss tokens'
     return LossOutputs((per_token * weights).sum() / inp.num_tokens, {"anchor_loss": _token_mean(per_token, weights)})
 
 

@@ -38,6 +38,23 @@ from learner.objective import ANCHOR, BATCH, EXPLORED, Term, needs_reference, rl
 from learner.precision import compute_model
 
 
+def _maximum(a: float | torch.Tensor, b: float | torch.Tensor) -> float | torch.Tensor:
+    """The larger of two numbers or 0-d tensors, without reading a tensor back."""
+    if isinstance(a, torch.Tensor):
+        return torch.maximum(a, b) if isinstance(b, torch.Tensor) else a.clamp(min=b)
+    return b.clamp(min=a) if isinstance(b, torch.Tensor) else max(a, b)
+
+
+def read_back(values: list) -> list:
+    """``values`` (numbers, 0-d tensors, and lists of them) as Python floats, the tensors read from their device
+    together: one wait for the device, however many there are."""
+    flat = [v for x in values for v in (x if isinstance(x, list) else [x])]
+    tensors = [v.float().reshape(()) for v in flat if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack(tensors).tolist() if tensors else [])
+    numbers = iter([next(read) if isinstance(v, torch.Tensor) else float(v) for v in flat])
+    return [[next(numbers) for _ in x] if isinstance(x, list) else next(numbers) for x in values]
+
+
 class MetricSums:
     """A step's metrics from many micro-batches (and ranks), each combined as its loss declared: token-weighted
     mean (the default), max or sum."""
@@ -50,28 +67,32 @@ class MetricSums:
         self.tokens = 0
 
     def add(self, res: Any, tokens: int) -> None:
+        """A term's metrics on one micro-batch: floats, or 0-d tensors that stay on the device until ``reduce``."""
         for key, value in res.metrics.items():
+            value = value.detach().float() if isinstance(value, torch.Tensor) else float(value)
             how = res.reduce.get(key, "mean")
             if how == "max":
-                self.maxima[key] = max(self.maxima.get(key, float("-inf")), float(value))
+                self.maxima[key] = value if key not in self.maxima else _maximum(self.maxima[key], value)
             elif how == "sum":
-                self.sums[key] = self.sums.get(key, 0.0) + float(value)
+                self.sums[key] = self.sums.get(key, 0.0) + value
             else:
-                self.weighted[key] = self.weighted.get(key, 0.0) + float(value) * tokens
+                self.weighted[key] = self.weighted.get(key, 0.0) + value * tokens
 
-    def add_loss(self, loss: float, chunk_tokens: int, tokens: int) -> None:
+    def add_loss(self, loss: float | torch.Tensor, chunk_tokens: int, tokens: int) -> None:
         """A micro-batch's summed loss (already divided by its chunk's tokens) and its own loss tokens."""
-        self.loss += loss * chunk_tokens
+        self.loss = self.loss + loss * chunk_tokens
         self.tokens += tokens
 
     def reduce(self, dist: DistContext, loss_key: str | None) -> dict[str, float]:
-        """Collective with several ranks (every rank calls it with the same keys)."""
+        """Collective with several ranks (every rank calls it with the same keys). The sums still on the device are
+        read in one go."""
         keys, mkeys, skeys = sorted(self.weighted), sorted(self.maxima), sorted(self.sums)
-        total, loss, *values = dist.sum([self.tokens, self.loss, *(self.weighted[k] for k in keys),
-                                         *(self.sums[k] for k in skeys)])
+        loss, weighted, sums, maxima = read_back([self.loss, [self.weighted[k] for k in keys],
+                                                  [self.sums[k] for k in skeys], [self.maxima[k] for k in mkeys]])
+        total, loss, *values = dist.sum([self.tokens, loss, *weighted, *sums])
         out = {k: v / max(total, 1) for k, v in zip(keys, values)}
         out.update(zip(skeys, values[len(keys):]))
-        out.update(zip(mkeys, dist.max([self.maxima[k] for k in mkeys])))
+        out.update(zip(mkeys, dist.max(maxima)))
         if loss_key is not None:
             out[loss_key] = loss / max(total, 1)
         return out
@@ -84,23 +105,22 @@ class Mismatch:
     numerics only (kernels, dtype, batching, and for a VLM the rebuilt image inputs), zero in exact arithmetic."""
 
     def __init__(self):
-        self.total = self.worst = 0.0
-        self.tokens = 0
+        self.total = self.worst = self.tokens = 0.0  # tensors on the device once a micro-batch is added
 
     def add(self, inp: LossInputs, tb: Any, version: int) -> None:
         same = (tb.versions == version) & (tb.mask > 0)
-        if bool(same.any()):
-            diff = (inp.logprobs.detach() - tb.behav_logprobs).abs()[same]
-            self.total += float(diff.sum())
-            self.worst = max(self.worst, float(diff.max()))
-            self.tokens += int(same.sum())
+        diff = torch.where(same, (inp.logprobs.detach() - tb.behav_logprobs).abs(), 0.0)
+        self.total = self.total + diff.sum()
+        self.worst = _maximum(self.worst, diff.max())
+        self.tokens = self.tokens + same.sum()
 
     def reduce(self, dist: DistContext) -> dict[str, float]:
         """Collective with several ranks; empty when no rank scored a same-weights token."""
-        total, tokens = dist.sum([self.total, self.tokens])
+        total, worst, tokens = read_back([self.total, self.worst, self.tokens])
+        total, tokens = dist.sum([total, tokens])
         if not tokens:
             return {}
-        return {"mismatch_abs_mean": total / tokens, "mismatch_abs_max": dist.max([self.worst])[0],
+        return {"mismatch_abs_mean": total / tokens, "mismatch_abs_max": dist.max([worst])[0],
                 "mismatch_tokens": int(tokens)}
 
 
@@ -108,8 +128,8 @@ class Trainer:
     """Model, optimizer and one training step; no sockets (the ``Learner`` below adds those).
 
     With more than one learner rank (``dist``), the model is sharded with FSDP2 and every rank calls the
-    same methods in the same order (rank 0 ``run``s each job on a ``learner.distributed.JobChannel``, the others ``follow``); each rank
-    trains on its share of a step's samples.
+    same methods in the same order (rank 0 ``run``s each job on a ``learner.distributed.JobChannel``, the others
+    ``follow``); each rank trains on its share of a step's samples.
     """
 
     def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, temperature: float = 1.0, seed: int = 0,
@@ -161,9 +181,14 @@ class Trainer:
 
     def _logprobs(self, model: Any, tb: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """log-probs [N, T] (0 off the loss tokens) and the loss tokens' logits [M, V]: only the loss tokens are
-        scored (``token_logprobs``: the output head runs on them alone)."""
-        return token_logprobs(model, tb.input_ids, tb.attention_mask, self.temperature, self.tokenizer.vocab_size,
-                              tb.vision, self.banned, scored=tb.mask > 0)
+        scored (``token_logprobs``: the output head runs on them alone).
+
+        A text model's rows get no attention mask: they are right-padded (``collate``), so causal attention alone is
+        exact for every real token, and the attention may take its causal kernels (flash attention on a GPU) rather
+        than those that read a mask. A VLM's keep theirs, with the positions its processor computed."""
+        mask = tb.attention_mask if tb.vision is not None else None
+        return token_logprobs(model, tb.input_ids, mask, self.temperature, self.tokenizer.vocab_size, tb.vision,
+                              self.banned, scored=tb.loss_index)
 
     def _image_available(self, dig: str) -> bool:
         if self.images is None:
@@ -300,7 +325,10 @@ class Trainer:
             if split[BATCH][1][j] == 0 and split[EXPLORED][1][j] == 0:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
-            bad = False
+            # Nothing of a micro-batch is read back to the host (a read makes it wait for the device, and on a GPU
+            # that drains the queue of launches): finiteness, losses and metrics stay on the device until the update's
+            # one read below.
+            finite = torch.ones((), dtype=torch.bool, device=self.device)
             for kind, (chunks, tokens_all) in split.items():
                 kind_terms = [t for t in terms if t.samples == kind]
                 for tb in chunks[j] if kind_terms else ():
@@ -311,11 +339,11 @@ class Trainer:
                         total = total + term.coef * res.loss
                         acc[kind].add(res, tb.num_tokens)
                     # Skipped after the chunk, by every rank together (the others are mid-step in collectives).
-                    bad = bad or not bool(torch.isfinite(total))
+                    finite = finite & torch.isfinite(torch.as_tensor(total, device=self.device))
                     (total * loss_scale).backward()
-                    acc[kind].add_loss(float(total.detach()), tokens_all[j], tb.num_tokens)
+                    acc[kind].add_loss(total.detach(), tokens_all[j], tb.num_tokens)
                     if kind == BATCH:
-                        entropy_sum += float((token_entropy(logits) * tb.mask[tb.mask > 0]).sum())
+                        entropy_sum = entropy_sum + (token_entropy(logits) * inp.logits_mask).sum()
                         if j == 0:
                             mismatch.add(inp, tb, self.version)
             self.net.grads_to_master()
@@ -323,11 +351,11 @@ class Trainer:
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
             if isinstance(norm, DTensor):  # sharded parameters: the norm is already global
                 norm = norm.full_tensor()
-            if dist.any(bad) or not torch.isfinite(norm):
+            ok, grad_norm = torch.stack([(finite & torch.isfinite(norm)).float(), norm.float()]).tolist()  # one read
+            if dist.any(not ok):
                 self._count("steps_skipped_nonfinite")
                 self.optimizer.zero_grad(set_to_none=True)
                 return None
-            grad_norm = float(norm)
             self.optimizer.step()
             self.net.master_to_compute()
             self.scheduler.step()
@@ -342,7 +370,8 @@ class Trainer:
             metrics.update(acc[EXPLORED].reduce(dist, None), explored_tokens=explored_tokens)
         tokens = int(dist.sum([acc[BATCH].tokens])[0])
         metrics.update(mismatch.reduce(dist))
-        metrics.update(entropy=dist.sum([entropy_sum])[0] / max(tokens, 1), grad_norm=grad_norm, tokens=tokens,
+        entropy = dist.sum(read_back([entropy_sum]))[0] / max(tokens, 1)
+        metrics.update(entropy=entropy, grad_norm=grad_norm, tokens=tokens,
                        lr=self.optimizer.param_groups[0]["lr"], version=self.version, micro_batches=len(mbs))
         if cfg.broadcast_weights:
             self.gather_weights()
@@ -377,7 +406,8 @@ class Trainer:
                 ref_lp, ref_logits = self._logprobs(self.ref_model, tb)
         inp = LossInputs(lp, lp_prox, tb.behav_logprobs, tb.advantages, tb.mask, num_tokens,
                          ref_lp if "ref_logprobs" in wanted else None, logits if "logits" in wanted else None,
-                         ref_logits if "ref_logits" in wanted else None)
+                         ref_logits if "ref_logits" in wanted else None,
+                         tb.mask.reshape(-1).index_select(0, tb.loss_index))
         return inp, logits
 
     def gather_weights(self) -> None:

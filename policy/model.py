@@ -247,11 +247,13 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, tempe
     ``banned`` ones (a VLM's image placeholders). ``vision``: a VLM's image inputs and multimodal positions
     (``policy.vision.VisionProcessor.model_inputs``).
 
-    ``scored`` (bool ``[N, L - 1]``, optional): the only positions whose log-probs are wanted. The output head then
-    runs on those positions alone (``head_reads``), so the rest of each row costs neither the head's matmul nor the
-    full-vocabulary float32 logits and their gradient. In RL they are the sampled tokens, a small part of a row
-    that is mostly prompt (an instruction and a screen's text or image tokens, then a short action). ``lp`` is 0
-    elsewhere, and the logits returned are ``[M, V]``: the scored positions, in row-major order.
+    ``scored`` (int64 ``[M]``, optional): the only positions whose log-probs are wanted, as flat indices into the
+    ``[N, L - 1]`` grid of ``lp``, ascending. The output head then runs on those positions alone (``head_reads``),
+    so the rest of each row costs neither the head's matmul nor the full-vocabulary float32 logits and their
+    gradient. In RL they are the sampled tokens, a small part of a row that is mostly prompt (an instruction and a
+    screen's text or image tokens, then a short action). ``lp`` is 0 elsewhere, and the logits returned are
+    ``[M, V]``: the scored positions, in that order. Indices, not a boolean mask: selecting by a mask makes the host
+    wait for the device to count it.
     """
     import torch
 
@@ -265,16 +267,19 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, tempe
     if scored is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits[:, :-1]
     else:
-        with head_reads(model, lambda hidden: hidden[:, :-1][scored]):
+        # grid position r * (L - 1) + c is the hidden state at r * L + c, whose target is the token after it
+        at = scored + torch.div(scored, input_ids.shape[1] - 1, rounding_mode="floor")
+        with head_reads(model, lambda hidden: hidden.reshape(-1, hidden.shape[-1]).index_select(0, at)):
             logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
-        targets = targets[scored]
+        targets = input_ids.reshape(-1).index_select(0, at + 1)
     logits = logits[..., :vocab or None].float()
     if temperature != 1.0:  # one full-vocabulary copy fewer in the common case
         logits = logits / temperature
     logits = ban(logits, banned)
     lp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
     if scored is not None:
-        lp = lp.new_zeros(scored.shape).masked_scatter(scored, lp)
+        n, width = input_ids.shape
+        lp = lp.new_zeros(n * (width - 1)).index_copy(0, scored, lp).view(n, width - 1)
     return lp, logits
 
 

@@ -39,6 +39,41 @@ def test_learner_on_cuda_trains_bf16_on_float32_masters():
     assert all(p.is_cuda and p.dtype == torch.bfloat16 for _, p in named)
 
 
+def test_a_learner_step_host_waits_per_update_not_per_micro_batch_on_cuda():
+    """torch's sync debug mode warns at every call that makes the host wait for the GPU. A step's waits, past the
+    copies of its collated micro-batches to the GPU (all made before its first pass), do not grow with its
+    micro-batches: 2 or 8 of them, the same waits at the same places, with a reference model (the KL term) and two
+    updates a step (pi_prox recomputed)."""
+    import dataclasses
+    import warnings
+
+    from learner.losses import LossConfig
+
+    cfg = LearnerConfig(device="cuda", lr=1e-4, updates_per_batch=2, prox="recompute", loss=LossConfig(kl_beta=0.1))
+    counted = {}
+    for mb_tokens in (160, 40):
+        t = Trainer(dataclasses.replace(cfg, micro_batch_tokens=mb_tokens), SMALL, seed=0)
+        t.train_step(groups_from(t, seed=0, good=b"ok()", bad=b"fail(again)"))
+        groups = groups_from(t, seed=1, version=t.version, good=b"ok()", bad=b"fail(again)")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                m = t.train_step(groups)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        sites: dict[tuple[str, int], int] = {}
+        for w in caught:
+            if "synchroniz" in str(w.message) and not w.filename.endswith("learner/batch.py"):
+                sites[(w.filename, w.lineno)] = sites.get((w.filename, w.lineno), 0) + 1
+        counted[m["micro_batches"]] = sites
+    (few, at_few), (many, at_many) = sorted(counted.items())
+    assert 2 <= few < many, (few, many)
+    assert at_few == at_many, f"waits that grow with micro-batches: {at_few} against {at_many}"
+    assert sum(at_many.values()) <= 12, at_many
+
+
 def test_engine_on_cuda_samples_only_real_tokens_with_the_learners_logprobs():
     eng = HFEngine(SMALL, EngineConfig(device="cuda", seed=1))
     prompt = list(b"click the button ")

@@ -258,7 +258,8 @@ def test_only_the_loss_tokens_reach_the_output_head_and_the_step_is_that_of_scor
 
     def from_whole_rows(model, input_ids, attention_mask, temperature, vocab, vision, banned, scored):
         lp, logits = token_logprobs(model, input_ids, attention_mask, temperature, vocab, vision, banned)
-        return lp * scored, logits[scored]
+        keep = torch.zeros(lp.numel(), dtype=torch.bool).index_fill(0, scored, True).view_as(lp)
+        return lp * keep, logits[keep]
 
     cfg = LearnerConfig(lr=3e-3, updates_per_batch=2, prox="recompute", micro_batch_tokens=64,
                         loss=LossConfig(kl_beta=0.1), anchor=AnchorConfig(suite="sim:train:settings_display",
@@ -288,6 +289,68 @@ def test_only_the_loss_tokens_reach_the_output_head_and_the_step_is_that_of_scor
     loss_tokens = sum(2 * m["tokens"] + m["anchor_tokens"] for m in scored)
     assert sum(scored_rows) == loss_tokens, (scored_rows, scored)
     assert sum(whole_rows) > 3 * loss_tokens, "scoring whole rows, the head sees every position"
+
+
+def test_a_step_reads_from_the_device_at_its_end_alone_however_many_micro_batches_it_has(monkeypatch):
+    """On a GPU every read of a tensor (``float``, ``bool``, ``.item()``, a boolean index, ``.tolist()``) makes the host
+    wait until the device has run all it was given, so a read per micro-batch stops the host from queuing ahead. A
+    step's losses, metrics, finiteness and entropy stay on the device until its end: the reads a step makes do not
+    grow with its micro-batches, and none of them is of the kinds counted here (which the previous trainer made 138
+    of in the 4-micro-batch step). Its text rows are scored without an attention mask (right-padded, so causal
+    attention alone is exact): the same log-probs as with it."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from learner.batch import collate, micro_batches
+    from policy.model import token_logprobs
+
+    waits = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default",
+             "aten.masked_select.default", "aten.masked_scatter.default", "aten.unique.default",
+             "aten._unique2.default", "aten.repeat_interleave.Tensor"}
+
+    class CountWaits(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            bool_index = name == "aten.index.Tensor" and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+            # the optimizer's step counts live on the CPU whatever the device: reading them waits for nothing
+            if (name in waits or bool_index) and not any("torch/optim/" in f.filename
+                                                         for f in traceback.extract_stack(limit=12)):
+                self.seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
+    cfg = LearnerConfig(lr=3e-3, updates_per_batch=2, prox="recompute", loss=LossConfig(kl_beta=0.1),
+                        anchor=AnchorConfig(suite="sim:train:settings_display", samples=4))
+    counted = {}
+    for mb_tokens in (160, 40):  # two updates a step either way (their norms are read), 2 or 8 micro-batches
+        t = Trainer(dataclasses.replace(cfg, micro_batch_tokens=mb_tokens), TINY, seed=0, anchor_demos=anchor_demos())
+        t.train_step(groups_from(t, seed=0))
+        groups = groups_from(t, seed=1, version=t.version, good=b"ok()", bad=b"fail(again)")  # padded rows
+        reads.clear()
+        with CountWaits() as mode:
+            m = t.train_step(groups)
+        counted[m["micro_batches"]] = (mode.seen, len(reads))
+    (one, (seen_one, reads_one)), (many, (seen_many, reads_many)) = sorted(counted.items())
+    assert 2 <= one < many, (one, many)
+    assert seen_one == seen_many == [], (seen_one, seen_many)
+    assert reads_one == reads_many <= 8, (reads_one, reads_many)
+
+    samples, _ = build_samples(groups, t.cfg.advantage, t.tokenizer.vocab_size, t.version)
+    tb = collate(micro_batches(samples, 1 << 14)[0], t.tokenizer.pad_id)
+    assert len(set(tb.attention_mask.sum(-1).tolist())) > 1, "rows of several lengths, right-padded"
+    with torch.no_grad():
+        masked = token_logprobs(t.model, tb.input_ids, tb.attention_mask, scored=tb.loss_index)[0]
+        unmasked = token_logprobs(t.model, tb.input_ids, None, scored=tb.loss_index)[0]
+    torch.testing.assert_close(unmasked, masked, rtol=1e-5, atol=1e-5)
+    assert (masked != 0).sum() == tb.num_tokens
 
 
 def anchor_demos(n=6, answer=b"fail()") -> list:

@@ -217,7 +217,7 @@ def test_anchor_terms_match_an_independent_computation():
     zeros = T(np.zeros((n, t)))
     loss_tokens = T(mask) > 0  # the trainer passes the loss tokens' logits alone, row-major
     inp = LossInputs(T(lp), zeros, zeros, zeros, T(mask), 10.0, logits=T(logits)[loss_tokens],
-                     ref_logits=T(ref_logits)[loss_tokens])
+                     ref_logits=T(ref_logits)[loss_tokens], logits_mask=T(mask)[loss_tokens])
     kl = 0.0
     for i in range(n):
         for j in range(t):

@@ -1,9 +1,9 @@
 """``computerrl bench learner`` and ``computerrl bench weights``.
 
 learner: train tokens/s of ``Trainer.train_step`` on synthetic trajectory groups, against the bare loop a
-user would write for the same model and the same padded tensors (the body's forward, the output head and a
-log-softmax gather on the sampled tokens alone, token-mean loss, backward, clip, AdamW step; on GPUs in pure bf16,
-the fastest such loop). ``ratio`` = ours / bare.
+user would write for the same model and the same padded tensors (the body's forward without an attention mask, the
+rows being right-padded, the output head and a log-softmax gather on the sampled tokens alone, token-mean loss,
+backward, clip, AdamW step; on GPUs in pure bf16, the fastest such loop). ``ratio`` = ours / bare.
 ``--shape qwen2.5-0.5b|qwen2.5-1.5b`` builds those published shapes (vocabulary 151,936, scored over a
 151,665-token tokenizer) with random weights. On a GPU (``--device cuda``) it also reports MFU: model
 FLOPs (6 x parameters + 12 x layers x width x sequence length, per processed token: prompt and output,
@@ -167,9 +167,8 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
         opt.zero_grad(set_to_none=True)
         n = sum(tb.num_tokens for tb in mbs)
         for tb in mbs:
-            pos = (tb.attention_mask.cumsum(-1) - 1).clamp(min=0)
-            hidden = model.model(input_ids=tb.input_ids, attention_mask=tb.attention_mask,
-                                 position_ids=pos).last_hidden_state
+            # rows are right-padded: causal attention alone is exact for their real tokens, so no mask
+            hidden = model.model(input_ids=tb.input_ids).last_hidden_state
             loss_tokens = tb.mask > 0  # the head and its log-softmax on the sampled tokens alone
             logits = model.get_output_embeddings()(hidden[:, :-1][loss_tokens])
             lp = torch.log_softmax(logits[..., :vocab].float(), -1).gather(
