@@ -156,7 +156,7 @@ class TensorBatch:
     num_tokens: int
     # [M] int64: the loss tokens' flat positions in the [N, L - 1] grid (mask > 0, row-major), found on the host, so
     # selecting them on a GPU is a gather, not a boolean index (which waits for the device to count them)
-    loss_index: "object" = None
+    loss_index: "object"
     images: list = field(default_factory=list)  # per row, the content hashes of its images (a VLM's)
     vision: dict | None = None  # a VLM's image inputs and positions, filled in by the trainer
 

@@ -45,14 +45,12 @@ def _maximum(a: float | torch.Tensor, b: float | torch.Tensor) -> float | torch.
     return b.clamp(min=a) if isinstance(b, torch.Tensor) else max(a, b)
 
 
-def read_back(values: list) -> list:
-    """``values`` (numbers, 0-d tensors, and lists of them) as Python floats, the tensors read from their device
-    together: one wait for the device, however many there are."""
-    flat = [v for x in values for v in (x if isinstance(x, list) else [x])]
-    tensors = [v.float().reshape(()) for v in flat if isinstance(v, torch.Tensor)]
+def read_back(values: list) -> list[float]:
+    """``values`` (numbers and 0-d tensors) as Python floats, the tensors read from their device together: one wait
+    for the device, however many there are."""
+    tensors = [v.float().reshape(()) for v in values if isinstance(v, torch.Tensor)]
     read = iter(torch.stack(tensors).tolist() if tensors else [])
-    numbers = iter([next(read) if isinstance(v, torch.Tensor) else float(v) for v in flat])
-    return [[next(numbers) for _ in x] if isinstance(x, list) else next(numbers) for x in values]
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
 class MetricSums:
@@ -87,12 +85,12 @@ class MetricSums:
         """Collective with several ranks (every rank calls it with the same keys). The sums still on the device are
         read in one go."""
         keys, mkeys, skeys = sorted(self.weighted), sorted(self.maxima), sorted(self.sums)
-        loss, weighted, sums, maxima = read_back([self.loss, [self.weighted[k] for k in keys],
-                                                  [self.sums[k] for k in skeys], [self.maxima[k] for k in mkeys]])
-        total, loss, *values = dist.sum([self.tokens, loss, *weighted, *sums])
-        out = {k: v / max(total, 1) for k, v in zip(keys, values)}
-        out.update(zip(skeys, values[len(keys):]))
-        out.update(zip(mkeys, dist.max(maxima)))
+        summed = [self.weighted[k] for k in keys] + [self.sums[k] for k in skeys]
+        loss, *rest = read_back([self.loss, *summed, *(self.maxima[k] for k in mkeys)])
+        total, loss, *summed = dist.sum([self.tokens, loss, *rest[:len(summed)]])
+        out = {k: v / max(total, 1) for k, v in zip(keys, summed)}
+        out.update(zip(skeys, summed[len(keys):]))
+        out.update(zip(mkeys, dist.max(rest[len(summed):])))
         if loss_key is not None:
             out[loss_key] = loss / max(total, 1)
         return out
@@ -339,7 +337,7 @@ class Trainer:
                         total = total + term.coef * res.loss
                         acc[kind].add(res, tb.num_tokens)
                     # Skipped after the chunk, by every rank together (the others are mid-step in collectives).
-                    finite = finite & torch.isfinite(torch.as_tensor(total, device=self.device))
+                    finite = finite & torch.isfinite(total)
                     (total * loss_scale).backward()
                     acc[kind].add_loss(total.detach(), tokens_all[j], tb.num_tokens)
                     if kind == BATCH:

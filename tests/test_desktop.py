@@ -234,35 +234,33 @@ def test_apptainer_commands_isolate_the_desktop_and_fail_clearly(tmp_path):
 def test_a_retired_desktops_folder_is_removed_past_late_writes_and_a_sandbox_ending_by_itself_is_not_killed(tmp_path, monkeypatch):
     """An agent asked to shut down closes its apps, which write into the home as they exit: the sandbox gets a grace
     to end by itself, and the folder's removal outlasts writes that land while it is walked (the CI failure at
-    08b0ad4: a closed desktop's folder stayed). A writer that never stops is a BackendError naming what is left."""
+    08b0ad4: a closed desktop's folder stayed). A folder that will not go is a BackendError naming what is left."""
+    import env_server.desktop.backend as desktop_backend
     from env_server.desktop.backend import remove_folder
     from env_server.desktop.sandbox import _stop_group
-    home = tmp_path / "desktop-late" / "home"
-    home.mkdir(parents=True)
-    stop_writing = time.monotonic() + 0.6
 
-    def late_writer():
-        i = 0
-        while time.monotonic() < stop_writing:
-            try:
-                (home.parent / f"saved-{i}").write_text("settings")
-            except OSError:  # the folder was removed under it: it comes back on the next write
-                home.parent.mkdir(exist_ok=True)
-            i += 1
-            time.sleep(0.005)
-    writer = threading.Thread(target=late_writer)
-    writer.start()
-    time.sleep(0.05)
-    remove_folder(home.parent, within_s=3.0)
-    writer.join()
-    remove_folder(home.parent, within_s=3.0)  # the last write may land after the removal saw it gone once
-    assert not home.parent.exists()
+    # The first walk is overtaken by a write (an app saving its settings as it exits): the folder is still there
+    # after it, and only a second walk removes it.
+    folder = tmp_path / "desktop-late"
+    (folder / "home").mkdir(parents=True)
+    walks, rmtree = [], shutil.rmtree
+
+    def overtaken(path, ignore_errors=False):
+        walks.append(path)
+        rmtree(path, ignore_errors=ignore_errors)
+        if len(walks) == 1:
+            path.mkdir()
+            (path / "saved-late").write_text("settings")
+    monkeypatch.setattr(desktop_backend.shutil, "rmtree", overtaken)
+    remove_folder(folder, within_s=3.0)
+    assert not folder.exists() and len(walks) == 2
+    monkeypatch.undo()
 
     # A folder that cannot go (a busy mount, here an rmtree that removes nothing) is said, with its contents.
     stuck = tmp_path / "desktop-stuck"
     (stuck / "run").mkdir(parents=True)
     (stuck / "run" / "agent.sock").touch()
-    monkeypatch.setattr("env_server.desktop.backend.shutil.rmtree", lambda path, ignore_errors=False: None)
+    monkeypatch.setattr(desktop_backend.shutil, "rmtree", lambda path, ignore_errors=False: None)
     with pytest.raises(BackendError, match=r"could not be removed; left in it: \['run', 'run/agent.sock'\]"):
         remove_folder(stuck, within_s=0.3)
     monkeypatch.undo()

@@ -291,12 +291,12 @@ def test_only_the_loss_tokens_reach_the_output_head_and_the_step_is_that_of_scor
     assert sum(whole_rows) > 3 * loss_tokens, "scoring whole rows, the head sees every position"
 
 
-def test_a_step_reads_from_the_device_at_its_end_alone_however_many_micro_batches_it_has(monkeypatch):
+def test_a_steps_reads_from_the_device_do_not_grow_with_its_micro_batches(monkeypatch):
     """On a GPU every read of a tensor (``float``, ``bool``, ``.item()``, a boolean index, ``.tolist()``) makes the host
     wait until the device has run all it was given, so a read per micro-batch stops the host from queuing ahead. A
-    step's losses, metrics, finiteness and entropy stay on the device until its end: the reads a step makes do not
-    grow with its micro-batches, and none of them is of the kinds counted here (which the previous trainer made 138
-    of in the 4-micro-batch step). Its text rows are scored without an attention mask (right-padded, so causal
+    step's losses, metrics, finiteness and entropy stay on the device until its update's read or its end: the reads a
+    step makes do not grow with its micro-batches, and none of them is of the kinds counted here (the previous trainer
+    made 118 of those in a step of 4 micro-batches, 37 in a step of 1). Its text rows are scored without an attention mask (right-padded, so causal
     attention alone is exact): the same log-probs as with it."""
     import traceback
 
