@@ -15,6 +15,7 @@ import numpy as np
 
 from common import protocol as P
 from learner.advantages import AdvantageConfig, GroupRewards, compute, zero_variance
+from policy.model import SharedPrompt
 
 
 @dataclass
@@ -130,12 +131,18 @@ def turn_samples(traj: P.Trajectory, task_id: str, advantages: list[float] | Non
     return out
 
 
-def micro_batches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
-    """Group samples of similar length so that rows x longest row <= max_tokens (one row at least)."""
-    order = sorted(samples, key=lambda s: len(s.ids))
+def micro_batches(samples: list[Sample], max_tokens: int, share_prompts: bool = False) -> list[list[Sample]]:
+    """Group samples of similar length so that rows x longest row <= max_tokens (one row at least).
+
+    ``share_prompts``: samples with one prompt (a GRPO group's first turns: one task, one first screen) first go
+    together, as many as fit in ``max_tokens`` counting their prompt once (``prompt_shares``); such a micro-batch is
+    scored with one pass over its prompt (``collate(share_prompt=True)``). The rest are packed as above."""
     out: list[list[Sample]] = []
+    rest = samples
+    if share_prompts:
+        out, rest = prompt_shares(samples, max_tokens)
     cur: list[Sample] = []
-    for s in order:
+    for s in sorted(rest, key=lambda s: len(s.ids)):
         if cur and (len(cur) + 1) * len(s.ids) > max_tokens:
             out.append(cur)
             cur = []
@@ -143,6 +150,46 @@ def micro_batches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
     if cur:
         out.append(cur)
     return out
+
+
+def prompt_shares(samples: list[Sample], max_tokens: int) -> tuple[list[list[Sample]], list[Sample]]:
+    """Micro-batches of two or more samples with the same prompt (a VLM's images aside), each costing its prompt once
+    and its rows' continuations padded to the longest: prompt + rows x longest continuation <= max_tokens; and the
+    samples left over."""
+    by_prompt: dict[bytes, list[Sample]] = {}
+    rest = []
+    for s in samples:
+        if s.images:
+            rest.append(s)
+        else:
+            by_prompt.setdefault(s.ids[:s.prompt_len].tobytes(), []).append(s)
+    out: list[list[Sample]] = []
+
+    def close(rows: list[Sample]) -> None:  # a row alone shares nothing: it is packed with the rest
+        if len(rows) > 1:
+            out.append(rows)
+        else:
+            rest.extend(rows)
+
+    for same in by_prompt.values():
+        cur: list[Sample] = []
+        for s in sorted(same, key=lambda s: len(s.ids)):
+            if cur and s.prompt_len + (len(cur) + 1) * (len(s.ids) - s.prompt_len) > max_tokens:
+                close(cur)
+                cur = []
+            cur.append(s)
+        close(cur)
+    # the rest in their given order: where nothing is shared, the micro-batches are those of sharing off
+    given = {id(s): i for i, s in enumerate(samples)}
+    return out, sorted(rest, key=lambda s: given[id(s)])
+
+
+def share_one_prompt(samples: list[Sample]) -> bool:
+    """Whether ``samples`` are two or more text rows that begin with the same prompt."""
+    first = samples[0]
+    head = first.ids[:first.prompt_len]
+    return len(samples) > 1 and all(not s.images and s.prompt_len == first.prompt_len and
+                                    np.array_equal(s.ids[:s.prompt_len], head) for s in samples)
 
 
 @dataclass
@@ -159,9 +206,14 @@ class TensorBatch:
     loss_index: "object"
     images: list = field(default_factory=list)  # per row, the content hashes of its images (a VLM's)
     vision: dict | None = None  # a VLM's image inputs and positions, filled in by the trainer
+    # set when every row begins with one prompt, to be run once (policy.model.shared_prompt_logits)
+    shared: SharedPrompt | None = None
 
 
-def collate(samples: list[Sample], pad_id: int, device: str = "cpu") -> TensorBatch:
+def collate(samples: list[Sample], pad_id: int, device: str = "cpu", share_prompt: bool = False) -> TensorBatch:
+    """Right-padded rows and their per-token tensors. ``share_prompt``: the rows all begin with one prompt
+    (``share_one_prompt``), which the passes then run once; where each loss token's hidden state comes from in
+    that case is found here, on the host."""
     import torch
 
     n, width = len(samples), max(len(s.ids) for s in samples)
@@ -181,8 +233,17 @@ def collate(samples: list[Sample], pad_id: int, device: str = "cpu") -> TensorBa
         mask[r, sl] = s.loss_mask
         adv[r, sl] = s.advantage
     t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    loss_index = np.flatnonzero(mask > 0)
+    shared = None
+    if share_prompt:
+        if not share_one_prompt(samples):
+            raise ValueError("share_prompt: the rows do not all begin with one prompt (or hold images)")
+        p = samples[0].prompt_len
+        rows, cols = np.divmod(loss_index, width - 1)
+        # column p - 1 is the prompt's last position (index 0); column c >= p is the continuation's column c - p
+        shared = SharedPrompt(p, t(np.where(cols == p - 1, 0, 1 + rows * (width - p) + cols - p).astype(np.int64)))
     return TensorBatch(t(ids), t(attn), t(behav), t(versions), t(mask), t(adv), int(mask.sum()),
-                       t(np.flatnonzero(mask > 0)), [list(s.images) for s in samples])
+                       t(loss_index), [list(s.images) for s in samples], shared=shared)
 
 
 def loglinear_prox(behav: "object", theta: "object", versions: "object", v_prox: float, v_theta: float) -> "object":

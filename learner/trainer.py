@@ -27,7 +27,7 @@ from common.group_rules import too_stale
 from policy.model import ModelConfig, build_model, build_tokenizer, freeze_vision, token_logprobs, torch_dtype
 from common.images import Image, ImageStore, ImageStoreError
 from learner import checkpoint as ckpt
-from learner.batch import (Sample, build_samples, collate, loglinear_prox, micro_batches,
+from learner.batch import (Sample, build_samples, collate, loglinear_prox, micro_batches, share_one_prompt,
                            token_entropy, turn_samples)
 from learner.config import LearnerConfig
 from learner.distributed import DistContext, full_state, load_full_state, padding_micro_batch, shard_model
@@ -186,7 +186,7 @@ class Trainer:
         than those that read a mask. A VLM's keep theirs, with the positions its processor computed."""
         mask = tb.attention_mask if tb.vision is not None else None
         return token_logprobs(model, tb.input_ids, mask, self.temperature, self.tokenizer.vocab_size, tb.vision,
-                              self.banned, scored=tb.loss_index)
+                              self.banned, scored=tb.loss_index, shared=tb.shared)
 
     def _image_available(self, dig: str) -> bool:
         if self.images is None:
@@ -296,10 +296,13 @@ class Trainer:
         pad, dist = self.tokenizer.pad_id, self.dist
         if dist.enabled:
             samples = sorted(samples, key=lambda s: len(s.ids))[dist.rank::dist.world_size]
-        groups = micro_batches(samples, self.cfg.micro_batch_tokens)
+        # A layer under activation checkpointing drops the KV cache that a shared prompt's rows attend to.
+        share = self.cfg.share_prompts and self.vision is None and not self.cfg.activation_checkpointing
+        groups = micro_batches(samples, self.cfg.micro_batch_tokens, share_prompts=share)
         n = dist.max_int(len(groups))
         groups += [padding_micro_batch(pad) for _ in range(n - len(groups))]
-        return [self._with_vision(collate(mb, pad, self.device)) for mb in groups]
+        return [self._with_vision(collate(mb, pad, self.device, share_prompt=share and share_one_prompt(mb)))
+                for mb in groups]
 
     def _update(self, samples: list[Sample], terms: list[Term], updates: int, anchor: list[Sample] = (),
                 explored: list[Sample] = ()) -> dict | None:
@@ -366,10 +369,12 @@ class Trainer:
         explored_tokens = sum(split[EXPLORED][1])
         if explored_tokens:
             metrics.update(acc[EXPLORED].reduce(dist, None), explored_tokens=explored_tokens)
-        tokens = int(dist.sum([acc[BATCH].tokens])[0])
+        # prompt tokens not run because rows shared them (share_prompts): (rows - 1) x prompt, per shared micro-batch
+        shared = sum((tb.input_ids.shape[0] - 1) * tb.shared.length for tb in mbs if tb.shared is not None)
+        tokens, shared = (int(v) for v in dist.sum([acc[BATCH].tokens, shared]))
         metrics.update(mismatch.reduce(dist))
         entropy = dist.sum(read_back([entropy_sum]))[0] / max(tokens, 1)
-        metrics.update(entropy=entropy, grad_norm=grad_norm, tokens=tokens,
+        metrics.update(entropy=entropy, grad_norm=grad_norm, tokens=tokens, prompt_tokens_shared=shared,
                        lr=self.optimizer.param_groups[0]["lr"], version=self.version, micro_batches=len(mbs))
         if cfg.broadcast_weights:
             self.gather_weights()

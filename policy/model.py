@@ -237,7 +237,7 @@ def ban(logits: Any, banned: Any) -> Any:
 
 def token_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, temperature: float = 1.0,
                    vocab: int = 0, vision: dict | None = None, banned: Any = None,
-                   scored: Any = None) -> tuple[Any, Any]:
+                   scored: Any = None, shared: SharedPrompt | None = None) -> tuple[Any, Any]:
     """Teacher-forced log-probs of each token given its prefix, and the (float, tempered) logits they came
     from: ``lp[:, t]`` scores ``input_ids[:, t + 1]``.
 
@@ -254,6 +254,10 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, tempe
     screen's text or image tokens, then a short action). ``lp`` is 0 elsewhere, and the logits returned are
     ``[M, V]``: the scored positions, in that order. Indices, not a boolean mask: selecting by a mask makes the host
     wait for the device to count it.
+
+    ``shared`` (with ``scored``, a text model's unmasked rows): every row begins with the same prompt, which is then
+    run once rather than once a row (``shared_prompt_logits``). The log-probs and their gradients are those of the
+    rows run whole.
     """
     import torch
 
@@ -269,8 +273,13 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, tempe
     else:
         # grid position r * (L - 1) + c is the hidden state at r * L + c, whose target is the token after it
         at = scored + torch.div(scored, input_ids.shape[1] - 1, rounding_mode="floor")
-        with head_reads(model, lambda hidden: hidden.reshape(-1, hidden.shape[-1]).index_select(0, at)):
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
+        if shared is not None:
+            if vision is not None or attention_mask is not None:
+                raise ValueError("a shared prompt is scored on a text model's unmasked, right-padded rows only")
+            logits = shared_prompt_logits(model, input_ids, shared)
+        else:
+            with head_reads(model, lambda hidden: hidden.reshape(-1, hidden.shape[-1]).index_select(0, at)):
+                logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
         targets = input_ids.reshape(-1).index_select(0, at + 1)
     logits = logits[..., :vocab or None].float()
     if temperature != 1.0:  # one full-vocabulary copy fewer in the common case
@@ -281,6 +290,48 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, tempe
         n, width = input_ids.shape
         lp = lp.new_zeros(n * (width - 1)).index_copy(0, scored, lp).view(n, width - 1)
     return lp, logits
+
+
+@dataclass
+class SharedPrompt:
+    """Rows that all begin with one prompt (a GRPO group's first turns), to be scored with one pass over it."""
+
+    length: int
+    """the prompt's tokens, the same at the start of every row"""
+    index: Any
+    """int64 [M], one per scored position in ``scored``'s order: its row in [the prompt's last hidden state; the
+    continuations' hidden states, row-major] (0 scores a row's first sampled token, which the prompt's last
+    position predicts)"""
+
+
+def shared_prompt_logits(model: Any, input_ids: Any, shared: SharedPrompt) -> Any:
+    """The output head's logits at ``shared.index`` for right-padded rows that all begin with the same
+    ``shared.length`` tokens: one pass over that prompt as one row, its keys and values repeated for every row (a
+    KV cache, as in generation), then one pass over all the rows' continuations, which attend to them.
+
+    Causal attention makes this exact: a prompt token never sees what follows it, so its hidden states, keys and
+    values are the same in every row, and each continuation sees the prompt and its own earlier tokens as it would
+    in its row. Gradients reach the prompt's pass from every row through the repeated keys and values (the repeat's
+    backward sums them). So a group of G rollouts pays for its prompt once instead of G times. The model's own
+    forward runs both passes (FSDP2's hooks included); activation checkpointing drops a layer's cache in training,
+    so the trainer does not share prompts under it."""
+    import torch
+
+    rows, length = input_ids.shape[0], shared.length
+    keyword = cache_keyword(getattr(model, "module", model).forward)
+    last: list[Any] = []
+
+    def keep_last(hidden: Any) -> Any:  # the prompt's last hidden state; the head's [1, V] of it is not used
+        last.append(hidden[:, -1])
+        return last[0]
+
+    with head_reads(model, keep_last):
+        prompt_pass = model(input_ids=input_ids[:1, :length], use_cache=True)
+    cache = getattr(prompt_pass, keyword)
+    cache.batch_repeat_interleave(rows)
+    with head_reads(model, lambda hidden: torch.cat([last[0], hidden.reshape(-1, hidden.shape[-1])])
+                    .index_select(0, shared.index)):
+        return model(input_ids=input_ids[:, length:], use_cache=True, **{keyword: cache}).logits
 
 
 @contextlib.contextmanager

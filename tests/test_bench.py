@@ -78,8 +78,11 @@ def _bench_json(tmp_path, *args: str) -> dict:
 
 def test_bench_learner_and_weights_print_ratio_json(tmp_path):
     r = _bench_json(tmp_path, "learner", "--hidden", "32", "--groups", "2", "--group-size", "2", "--prompt-len", "32",
-                    "--output-len", "8", "--steps", "2", "--peak-tflops", "0.5")
+                    "--output-len", "8", "--steps", "2", "--peak-tflops", "0.5", "--same-prompt")
     assert r["train_tokens_per_s"] > 0 and r["bare_tokens_per_s"] > 0
+    # a group's rollouts share their prompt: ours also ran without sharing it, in the same run
+    assert r["same_prompt"] and r["unshared_tokens_per_s"] > 0
+    assert r["share_speedup"] == pytest.approx(r["train_tokens_per_s"] / r["unshared_tokens_per_s"], rel=0.01)
     # Both figures are printed to three significant digits: their rounding is the slack.
     assert r["mfu"] == pytest.approx(r["model_tflops_per_s"] / 0.5, rel=0.01) and r["mfu"] > 0
     assert abs(r["ratio"] - r["train_tokens_per_s"] / r["bare_tokens_per_s"]) < 0.01

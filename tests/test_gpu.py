@@ -55,6 +55,9 @@ def test_a_learner_step_host_waits_per_update_not_per_micro_batch_on_cuda():
         t = Trainer(dataclasses.replace(cfg, micro_batch_tokens=mb_tokens), SMALL, seed=0)
         t.train_step(groups_from(t, seed=0, good=b"ok()", bad=b"fail(again)"))
         groups = groups_from(t, seed=1, version=t.version, good=b"ok()", bad=b"fail(again)")
+        # a group whose rollouts share their prompt: its passes run it once (share_prompts), on the GPU too
+        groups += groups_from(t, n_groups=1, seed=2, version=t.version, good=b"ok()", bad=b"fail(again)",
+                              same_prompt=True)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -63,6 +66,7 @@ def test_a_learner_step_host_waits_per_update_not_per_micro_batch_on_cuda():
                 m = t.train_step(groups)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        assert m["prompt_tokens_shared"] > 0
         sites: dict[tuple[str, int], int] = {}
         for w in caught:
             if "synchroniz" in str(w.message) and not w.filename.endswith("learner/batch.py"):

@@ -31,16 +31,19 @@ from tests.conftest import pump  # noqa: E402
 TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 
 
-def groups_from(trainer: Trainer, n_groups=2, g=4, seed=0, version=0, good=b"done()", bad=b"fail()") -> list:
+def groups_from(trainer: Trainer, n_groups=2, g=4, seed=0, version=0, good=b"done()", bad=b"fail()",
+                same_prompt=False) -> list:
     """Groups whose 'good' trajectories (reward 1) answer with ``good`` and the others with ``bad``;
-    behaviour log-probs come from the trainer's own model (as an actor with the same weights records)."""
+    behaviour log-probs come from the trainer's own model (as an actor with the same weights records).
+    ``same_prompt``: a group's rollouts all begin with one prompt, as a GRPO group's first turns do."""
     rng = np.random.default_rng(seed)
     out = []
     for k in range(n_groups):
         trajs = []
+        group_prompt = rng.integers(0, 256, 20).astype(np.int32) if same_prompt else None
         for i in range(g):
             success = i % 2 == 0
-            prompt = rng.integers(0, 256, 20).astype(np.int32)
+            prompt = group_prompt if same_prompt else rng.integers(0, 256, 20).astype(np.int32)
             answer = np.frombuffer(good if success else bad, np.uint8).astype(np.int32)
             with torch.no_grad():
                 ids = torch.tensor([np.concatenate([prompt, answer]).tolist()], device=trainer.device)
@@ -256,7 +259,7 @@ def test_only_the_loss_tokens_reach_the_output_head_and_the_step_is_that_of_scor
     reference, the KL anchor's logits and a recomputed pi_prox, while the output head sees the loss tokens alone."""
     from policy.model import token_logprobs
 
-    def from_whole_rows(model, input_ids, attention_mask, temperature, vocab, vision, banned, scored):
+    def from_whole_rows(model, input_ids, attention_mask, temperature, vocab, vision, banned, scored, shared=None):
         lp, logits = token_logprobs(model, input_ids, attention_mask, temperature, vocab, vision, banned)
         keep = torch.zeros(lp.numel(), dtype=torch.bool).index_fill(0, scored, True).view_as(lp)
         return lp * keep, logits[keep]
@@ -291,13 +294,105 @@ def test_only_the_loss_tokens_reach_the_output_head_and_the_step_is_that_of_scor
     assert sum(whole_rows) > 3 * loss_tokens, "scoring whole rows, the head sees every position"
 
 
+def _first_turns_shared(seed: int, n_groups: int = 3, g: int = 4) -> list:
+    """Groups of two-turn rollouts: the first turns of a group share its prompt (of a different length per group),
+    the outputs differ in length and have a token masked out of the loss; the second turns' prompts differ."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(n_groups):
+        prompt = rng.integers(0, 256, 24 + 9 * k).astype(np.int32)
+        trajs = []
+        for i in range(g):
+            first = rng.integers(0, 256, 3 + 2 * i).astype(np.int32)
+            loss_mask = np.ones(len(first), np.uint8)
+            loss_mask[1] = 0
+            second = rng.integers(0, 256, 4).astype(np.int32)
+            turns = [P.TurnView(prompt, first, np.full(len(first), -3.0, np.float32), np.zeros(len(first), np.int32),
+                                loss_mask, float(i % 2), False, "", ""),
+                     P.TurnView(np.concatenate([prompt, first, rng.integers(0, 256, 5).astype(np.int32)]), second,
+                                np.full(4, -3.0, np.float32), np.zeros(4, np.int32), np.ones(4, np.uint8),
+                                float(i % 2), False, "", "")]
+            trajs.append(P.Trajectory.from_turns(uuid.uuid4().hex[:8], float(i % 2), bool(i % 2), turns))
+        out.append(P.TrajectoryGroup(group_id=uuid.uuid4().hex, ticket_id="t", task_id=f"sim:train/{k}",
+                                     actor_id="a", trajectories=trajs, behavior_version_min=0,
+                                     behavior_version_max=0))
+    return out
+
+
+def test_a_prompt_that_samples_share_runs_once_and_the_step_is_that_of_whole_rows():
+    """A group's first turns begin with one prompt; with ``share_prompts`` each such prompt runs once per pass
+    (the rows' continuations attend to its keys and values), and the steps are those of running every row whole:
+    the same loss, KL to the reference, entropy, gradient norm and weights (temperature 0.7, a masked token, rows of
+    different lengths). The embedding, in the policy's pass and the reference's, sees a shared micro-batch's prompt
+    once and its rows' continuations, and the step counts the prompt tokens it did not run."""
+    cfg = LearnerConfig(lr=1e-3, micro_batch_tokens=200, loss=LossConfig(kl_beta=0.1))
+    results = {}
+    for share in (False, True):
+        t = Trainer(dataclasses.replace(cfg, share_prompts=share), TINY, seed=0, temperature=0.7)
+        embedded, batches = [], []
+        for model in (t.net.module, t.ref_model):
+            model.get_input_embeddings().register_forward_hook(lambda _m, args, _out: embedded.append(args[0].numel()))
+        collated = t._rank_micro_batches
+        t._rank_micro_batches = lambda samples: batches.extend(mbs := collated(samples)) or mbs
+        ms = []
+        for s in range(2):
+            embedded.clear()
+            batches.clear()
+            m = t.train_step(_first_turns_shared(s))
+            rows_run = sum(tb.shared.length + tb.input_ids[:, tb.shared.length:].numel() if tb.shared is not None
+                           else tb.input_ids.numel() for tb in batches)
+            assert sum(embedded) == 2 * rows_run, "each pass runs a shared prompt once"
+            assert sum(tb.shared is not None for tb in batches) == (3 if share else 0)
+            ms.append(m)
+        results[share] = ms, [p.detach().clone() for p in t.model.parameters()]
+    (whole, whole_params), (shared, shared_params) = results[False], results[True]
+    for m_whole, m_shared in zip(whole, shared):
+        assert m_whole["prompt_tokens_shared"] == 0
+        # each group's 4 first turns: 3 prompts of 24, 33, 42 tokens not run
+        assert m_shared["prompt_tokens_shared"] == 3 * (24 + 33 + 42)
+        assert m_shared["tokens"] == m_whole["tokens"]
+        for key in ("loss", "kl", "entropy", "grad_norm", "is_weight_mean"):
+            assert m_shared[key] == pytest.approx(m_whole[key], rel=1e-4, abs=1e-6), key
+    for a, b in zip(whole_params, shared_params):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_micro_batches_put_samples_of_one_prompt_together_within_the_token_budget():
+    """Samples of one prompt go together, counting the prompt once; a lone one, or one whose group no longer
+    fits, goes back to the length-sorted packing, as does a VLM's (its images are not compared); every sample is
+    in exactly one micro-batch, and ``collate`` refuses to share a prompt the rows do not all begin with."""
+    from learner.batch import Sample, collate, micro_batches, share_one_prompt
+
+    def sample(prompt, out_len, images=()):
+        ids = np.concatenate([prompt, np.full(out_len, 7)]).astype(np.int64)
+        z = np.zeros(out_len, np.float32)
+        return Sample(ids, len(prompt), z, z.astype(np.int64), np.ones(out_len, np.float32), 1.0, "t", "x", 0,
+                      images)
+
+    a, b, c = np.arange(40), np.arange(40) + 1, np.arange(30)
+    samples = ([sample(a, n) for n in (4, 5, 6, 7, 8)] + [sample(b, 3)] +
+               [sample(c, 4, images=("img",)), sample(c, 4, images=("img",))])
+    mbs = micro_batches(samples, max_tokens=64, share_prompts=True)
+    assert sorted(id(s) for mb in mbs for s in mb) == sorted(id(s) for s in samples)
+    shared = [mb for mb in mbs if share_one_prompt(mb)]
+    # prompt a: 40 + 3 rows x 6 = 58 fits 64, a fourth row (x 7) does not; then 7 and 8 together: 40 + 2 x 8 = 56
+    assert [[len(s.ids) - 40 for s in mb] for mb in shared] == [[4, 5, 6], [7, 8]]
+    for mb in shared:
+        tb = collate(mb, pad_id=0, share_prompt=True)
+        assert tb.shared.length == 40 and tb.shared.index.shape == tb.loss_index.shape
+        assert int(tb.shared.index[0]) == 0, "a row's first sampled token is scored by the prompt's last position"
+    with pytest.raises(ValueError, match="one prompt"):
+        collate([samples[0], samples[5]], pad_id=0, share_prompt=True)
+
+
 def test_a_steps_reads_from_the_device_do_not_grow_with_its_micro_batches(monkeypatch):
     """On a GPU every read of a tensor (``float``, ``bool``, ``.item()``, a boolean index, ``.tolist()``) makes the host
     wait until the device has run all it was given, so a read per micro-batch stops the host from queuing ahead. A
     step's losses, metrics, finiteness and entropy stay on the device until its update's read or its end: the reads a
     step makes do not grow with its micro-batches, and none of them is of the kinds counted here (the previous trainer
-    made 118 of those in a step of 4 micro-batches, 37 in a step of 1). Its text rows are scored without an attention mask (right-padded, so causal
-    attention alone is exact): the same log-probs as with it."""
+    made 118 of those in a step of 4 micro-batches, 37 in a step of 1), a shared prompt's passes included. Its text rows
+    are scored without an attention mask (right-padded, so causal attention alone is exact): the same log-probs as
+    with it."""
     import traceback
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -334,9 +429,13 @@ def test_a_steps_reads_from_the_device_do_not_grow_with_its_micro_batches(monkey
         t = Trainer(dataclasses.replace(cfg, micro_batch_tokens=mb_tokens), TINY, seed=0, anchor_demos=anchor_demos())
         t.train_step(groups_from(t, seed=0))
         groups = groups_from(t, seed=1, version=t.version, good=b"ok()", bad=b"fail(again)")  # padded rows
+        # and a group whose rollouts share their prompt, run once (share_prompts)
+        groups += groups_from(t, n_groups=1, seed=2, version=t.version, good=b"ok()", bad=b"fail(again)",
+                              same_prompt=True)
         reads.clear()
         with CountWaits() as mode:
             m = t.train_step(groups)
+        assert m["prompt_tokens_shared"] > 0
         counted[m["micro_batches"]] = (mode.seen, len(reads))
     (one, (seen_one, reads_one)), (many, (seen_many, reads_many)) = sorted(counted.items())
     assert 2 <= one < many, (one, many)

@@ -74,7 +74,8 @@ def test_two_fsdp_ranks_train_like_one(tmp_path):
     import torch.multiprocessing as mp
 
     ref = Trainer(CFG, TINY)
-    groups = groups_from(ref, n_groups=3, g=3, seed=1) + groups_from(ref, n_groups=2, g=4, seed=2)
+    # the second batch's groups each begin with one prompt: its passes share them (share_prompts), across two ranks
+    groups = groups_from(ref, n_groups=3, g=3, seed=1) + groups_from(ref, n_groups=2, g=4, seed=2, same_prompt=True)
     successes = P.SuccessBatch([P.SuccessSample(g.task_id, t) for g in groups[:2] for t in g.trajectories
                                 if t.success])
     with open(tmp_path / "inputs.pkl", "wb") as f:
@@ -90,6 +91,7 @@ def test_two_fsdp_ranks_train_like_one(tmp_path):
         assert m_two["tokens"] == m_ref["tokens"]
         assert _close(m_two["loss"], m_ref["loss"]) and _close(m_two["entropy"], m_ref["entropy"])
         assert _close(m_two["grad_norm"], m_ref["grad_norm"])
+    assert want[2]["prompt_tokens_shared"] > 0 and got["metrics"][2]["prompt_tokens_shared"] > 0
     assert ref.version == 4
     names = [n for n, _ in ref.model.named_parameters()]
     assert list(got["broadcast"]) == names, "the actors get every parameter, full size, in parameter order"

@@ -16,6 +16,7 @@ bytes as one flat tensor over a gloo group built once. ``ratio`` = raw seconds /
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import statistics
 import tempfile
@@ -27,15 +28,18 @@ import numpy as np
 from launch.bench.procs import await_result, reap
 
 
-def _groups(n_groups: int, group_size: int, prompt_len: int, output_len: int, vocab: int, seed: int):
+def _groups(n_groups: int, group_size: int, prompt_len: int, output_len: int, vocab: int, seed: int,
+            same_prompt: bool = False):
+    """Single-turn groups of random tokens; ``same_prompt``: a group's rollouts begin with one prompt."""
     from common import protocol as P
 
     rng = np.random.default_rng(seed)
     out = []
     for k in range(n_groups):
         trajs = []
+        group_prompt = rng.integers(0, vocab, prompt_len).astype(np.int32)
         for i in range(group_size):
-            turn = P.TurnView(rng.integers(0, vocab, prompt_len).astype(np.int32),
+            turn = P.TurnView(group_prompt if same_prompt else rng.integers(0, vocab, prompt_len).astype(np.int32),
                               rng.integers(0, vocab, output_len).astype(np.int32),
                               np.full(output_len, -2.0, np.float32), np.zeros(output_len, np.int32),
                               np.ones(output_len, np.uint8), float(i % 2), False, "", "")
@@ -103,12 +107,17 @@ def model_config(shape: str, hidden: int, layers: int, tokenizer_dir: str = "") 
 
 def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, prompt_len: int, output_len: int,
                       steps: int, device: str = "cpu", peak: float = 0.0, shape: str = "",
-                      micro_batch_tokens: int = 16384, activation_checkpointing: bool = False) -> dict:
+                      micro_batch_tokens: int = 16384, activation_checkpointing: bool = False,
+                      same_prompt: bool = False) -> dict:
     """Ours, then the bare loop, each alone on the device (the other's memory freed first).
 
     The bare loop is the fastest one a user writes by hand for the same model and tensors: parameters and
     AdamW state in the compute dtype (bf16 on GPUs, which at fine-tuning learning rates rounds most updates
     away: ours keeps float32 masters, and pays for it here), one forward/backward per micro-batch, clip, step.
+
+    ``same_prompt``: a group's rollouts begin with one prompt (a GRPO group's first turns). Ours then also runs
+    with ``share_prompts`` off, in the same run: ``unshared_tokens_per_s`` and ``share_speedup`` say what running
+    each shared prompt once gave. The bare loop runs every row whole, as a hand-written loop does.
     """
     import gc
 
@@ -132,27 +141,36 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
 
     cfg = LearnerConfig(lr=1e-5, device=device, micro_batch_tokens=micro_batch_tokens, broadcast_weights=False,
                         activation_checkpointing=activation_checkpointing)
-    with tempfile.TemporaryDirectory(prefix="bench-tokenizer-") as tokenizer_dir:  # read once, by the Trainer
-        model_cfg = model_config(shape, hidden, layers, tokenizer_dir if shape else "")
-        ours = Trainer(cfg, model_cfg)
-    vocab, pad = ours.tokenizer.vocab_size, ours.tokenizer.pad_id
-    params = sum(p.numel() for p in ours.model.parameters())
-    data = [_groups(groups, group_size, prompt_len, output_len, 256, s) for s in range(steps + 1)]
-    ours.train_step(data[0])  # warm-up (allocator, kernels)
-    sync()
-    peak_gb()
-    t0 = time.perf_counter()
-    tokens = 0
-    for d in data[1:]:
-        ours.version = 0
-        tokens += ours.train_step(d)["tokens"]
-    sync()
-    ours_s = time.perf_counter() - t0
-    ours_gb = peak_gb()
-    del ours
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    data = [_groups(groups, group_size, prompt_len, output_len, 256, s, same_prompt) for s in range(steps + 1)]
+
+    def time_ours(share_prompts: bool) -> tuple[float, int, float | None, dict]:
+        """Seconds, loss tokens and peak memory of our timed steps, and the trainer's vocabulary, padding id and
+        parameter count."""
+        with tempfile.TemporaryDirectory(prefix="bench-tokenizer-") as tokenizer_dir:  # read once, by the Trainer
+            ours = Trainer(dataclasses.replace(cfg, share_prompts=share_prompts),
+                           model_config(shape, hidden, layers, tokenizer_dir if shape else ""))
+        about = {"vocab": ours.tokenizer.vocab_size, "pad": ours.tokenizer.pad_id,
+                 "params": sum(p.numel() for p in ours.model.parameters()), "model_cfg": ours.model_cfg}
+        ours.train_step(data[0])  # warm-up (allocator, kernels)
+        sync()
+        peak_gb()
+        t0 = time.perf_counter()
+        tokens = 0
+        for d in data[1:]:
+            ours.version = 0
+            tokens += ours.train_step(d)["tokens"]
+        sync()
+        seconds = time.perf_counter() - t0
+        gb = peak_gb()
+        del ours
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        return seconds, tokens, gb, about
+
+    ours_s, tokens, ours_gb, about = time_ours(share_prompts=True)
+    unshared = time_ours(share_prompts=False) if same_prompt else None
+    vocab, pad, params, model_cfg = about["vocab"], about["pad"], about["params"], about["model_cfg"]
 
     model = build_model(model_cfg, vocab, device).train()  # compute dtype throughout, as a bare loop has it
     if activation_checkpointing:
@@ -201,7 +219,9 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
             "train_tokens_per_s": round(tokens / ours_s, 1), "bare_tokens_per_s": round(bare_tokens / bare_s, 1),
             "ratio": round((tokens / ours_s) / (bare_tokens / bare_s), 3),
             "step_seconds": round(ours_s / steps, 4), "bare_step_seconds": round(bare_s / steps, 4),
-            "peak_memory_gb": ours_gb, "bare_peak_memory_gb": bare_gb,
+            "peak_memory_gb": ours_gb, "bare_peak_memory_gb": bare_gb, "same_prompt": same_prompt,
+            "unshared_tokens_per_s": round(unshared[1] / unshared[0], 1) if unshared else None,
+            "share_speedup": round(unshared[0] / ours_s, 3) if unshared else None,
             # Three significant digits, not four decimals: a tiny model on a slow CPU printed 0.0.
             "model_tflops_per_s": float(f"{flops_per_step * steps / ours_s / 1e12:.3g}"),
             "mfu": float(f"{flops_per_step * steps / ours_s / (top * 1e12):.3g}") if top else None,
