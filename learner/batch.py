@@ -159,7 +159,7 @@ def prompt_shares(samples: list[Sample], max_tokens: int) -> tuple[list[list[Sam
     by_prompt: dict[bytes, list[Sample]] = {}
     rest = []
     for s in samples:
-        if s.images:
+        if s.images or s.prompt_len < 1:
             rest.append(s)
         else:
             by_prompt.setdefault(s.ids[:s.prompt_len].tobytes(), []).append(s)
@@ -185,11 +185,12 @@ def prompt_shares(samples: list[Sample], max_tokens: int) -> tuple[list[list[Sam
 
 
 def share_one_prompt(samples: list[Sample]) -> bool:
-    """Whether ``samples`` are two or more text rows that begin with the same prompt."""
+    """Whether ``samples`` are two or more text rows that begin with the same prompt (of one token at least)."""
     first = samples[0]
     head = first.ids[:first.prompt_len]
-    return len(samples) > 1 and all(not s.images and s.prompt_len == first.prompt_len and
-                                    np.array_equal(s.ids[:s.prompt_len], head) for s in samples)
+    return len(samples) > 1 and first.prompt_len > 0 and all(
+        not s.images and s.prompt_len == first.prompt_len and np.array_equal(s.ids[:s.prompt_len], head)
+        for s in samples)
 
 
 @dataclass

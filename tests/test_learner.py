@@ -371,7 +371,8 @@ def test_micro_batches_put_samples_of_one_prompt_together_within_the_token_budge
 
     a, b, c = np.arange(40), np.arange(40) + 1, np.arange(30)
     samples = ([sample(a, n) for n in (4, 5, 6, 7, 8)] + [sample(b, 3)] +
-               [sample(c, 4, images=("img",)), sample(c, 4, images=("img",))])
+               [sample(c, 4, images=("img",)), sample(c, 4, images=("img",))] +
+               [sample(c[:0], 9), sample(c[:0], 9)])  # no prompt at all: nothing to share
     mbs = micro_batches(samples, max_tokens=64, share_prompts=True)
     assert sorted(id(s) for mb in mbs for s in mb) == sorted(id(s) for s in samples)
     shared = [mb for mb in mbs if share_one_prompt(mb)]
