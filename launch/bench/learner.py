@@ -37,7 +37,7 @@ def _groups(n_groups: int, group_size: int, prompt_len: int, output_len: int, vo
     out = []
     for k in range(n_groups):
         trajs = []
-        group_prompt = rng.integers(0, vocab, prompt_len).astype(np.int32)
+        group_prompt = rng.integers(0, vocab, prompt_len).astype(np.int32) if same_prompt else None
         for i in range(group_size):
             turn = P.TurnView(group_prompt if same_prompt else rng.integers(0, vocab, prompt_len).astype(np.int32),
                               rng.integers(0, vocab, output_len).astype(np.int32),
