@@ -281,9 +281,11 @@ class JobChannel:
         return Job(kind, meta, P.decode(frames, max_bytes=None) if frames else None)  # from rank 0: trusted
 
 
-def padding_micro_batch(pad_id: int) -> list[Any]:
-    """One sample with no loss token: a rank short of micro-batches runs these so collectives line up."""
+def padding_micro_batch(pad_id: int, rows: int = 1) -> list[Any]:
+    """Samples of one padding prompt token and one sampled token, none in the loss: a rank short of micro-batches
+    runs these so collectives line up. Two rows or more begin with the same prompt: a shared micro-batch's padding
+    (``learner.batch.share_one_prompt``)."""
     from learner.batch import Sample
 
     return [Sample(np.full(2, pad_id, np.int64), 1, np.zeros(1, np.float32), np.zeros(1, np.int64),
-                   np.zeros(1, np.float32), 0.0, "", "", 0)]
+                   np.zeros(1, np.float32), 0.0, "", "", 0) for _ in range(rows)]

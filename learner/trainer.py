@@ -299,10 +299,17 @@ class Trainer:
         # A layer under activation checkpointing drops the KV cache that a shared prompt's rows attend to.
         share = self.cfg.share_prompts and self.vision is None and not self.cfg.activation_checkpointing
         groups = micro_batches(samples, self.cfg.micro_batch_tokens, share_prompts=share)
-        n = dist.max_int(len(groups))
-        groups += [padding_micro_batch(pad) for _ in range(n - len(groups))]
-        return [self._with_vision(collate(mb, pad, self.device, share_prompt=share and share_one_prompt(mb)))
-                for mb in groups]
+        shared = [mb for mb in groups if share and share_one_prompt(mb)]
+        whole = [mb for mb in groups if not (share and share_one_prompt(mb))]
+        if dist.enabled:
+            # Every pass gathers each sharded layer on every rank, so the ranks run the same passes in the same
+            # order: a shared micro-batch is two (its prompt, then its rows), so the shared ones go first, and each
+            # kind is padded to the busiest rank's count.
+            n_shared, n_whole = (int(v) for v in dist.max([len(shared), len(whole)]))
+            shared += [padding_micro_batch(pad, rows=2) for _ in range(n_shared - len(shared))]
+            whole += [padding_micro_batch(pad) for _ in range(n_whole - len(whole))]
+        return [self._with_vision(collate(mb, pad, self.device, share_prompt=True)) for mb in shared] + \
+            [self._with_vision(collate(mb, pad, self.device)) for mb in whole]
 
     def _update(self, samples: list[Sample], terms: list[Term], updates: int, anchor: list[Sample] = (),
                 explored: list[Sample] = ()) -> dict | None:

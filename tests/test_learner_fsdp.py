@@ -19,7 +19,8 @@ from learner.config import LearnerConfig  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
 from tests.test_learner import TINY, groups_from  # noqa: E402
 
-# 9 samples of 26 tokens, 2 rows per micro-batch: rank 0 gets 5 samples (3 passes), rank 1 gets 4 (2 + 1 padding).
+# 9 samples of 26 tokens, 2 rows per micro-batch; the first group's 3 share their prompt: rank 0 gets 5 samples (one
+# shared micro-batch of 2 rows, then 2 whole ones), rank 1 gets 4 (a shared padding micro-batch, then 2 whole ones).
 CFG = LearnerConfig(lr=1e-3, micro_batch_tokens=60, keep_checkpoints=5)
 
 
@@ -74,8 +75,10 @@ def test_two_fsdp_ranks_train_like_one(tmp_path):
     import torch.multiprocessing as mp
 
     ref = Trainer(CFG, TINY)
-    # the second batch's groups each begin with one prompt: its passes share them (share_prompts), across two ranks
-    groups = groups_from(ref, n_groups=3, g=3, seed=1) + groups_from(ref, n_groups=2, g=4, seed=2, same_prompt=True)
+    # groups whose rollouts begin with one prompt, run once (share_prompts): in the first batch one rank has a shared
+    # micro-batch and the other none; in the second each rank has shared ones
+    groups = (groups_from(ref, n_groups=1, g=3, seed=3, same_prompt=True) + groups_from(ref, n_groups=2, g=3, seed=1) +
+              groups_from(ref, n_groups=2, g=4, seed=2, same_prompt=True))
     successes = P.SuccessBatch([P.SuccessSample(g.task_id, t) for g in groups[:2] for t in g.trajectories
                                 if t.success])
     with open(tmp_path / "inputs.pkl", "wb") as f:
@@ -91,7 +94,8 @@ def test_two_fsdp_ranks_train_like_one(tmp_path):
         assert m_two["tokens"] == m_ref["tokens"]
         assert _close(m_two["loss"], m_ref["loss"]) and _close(m_two["entropy"], m_ref["entropy"])
         assert _close(m_two["grad_norm"], m_ref["grad_norm"])
-    assert want[2]["prompt_tokens_shared"] > 0 and got["metrics"][2]["prompt_tokens_shared"] > 0
+    for k in (0, 2):
+        assert want[k]["prompt_tokens_shared"] > 0 and got["metrics"][k]["prompt_tokens_shared"] > 0
     assert ref.version == 4
     names = [n for n, _ in ref.model.named_parameters()]
     assert list(got["broadcast"]) == names, "the actors get every parameter, full size, in parameter order"
