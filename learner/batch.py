@@ -131,18 +131,11 @@ def turn_samples(traj: P.Trajectory, task_id: str, advantages: list[float] | Non
     return out
 
 
-def micro_batches(samples: list[Sample], max_tokens: int, share_prompts: bool = False) -> list[list[Sample]]:
-    """Group samples of similar length so that rows x longest row <= max_tokens (one row at least).
-
-    ``share_prompts``: samples with one prompt (a GRPO group's first turns: one task, one first screen) first go
-    together, as many as fit in ``max_tokens`` counting their prompt once (``prompt_shares``); such a micro-batch is
-    scored with one pass over its prompt (``collate(share_prompt=True)``). The rest are packed as above."""
+def micro_batches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
+    """Group samples of similar length so that rows x longest row <= max_tokens (one row at least)."""
     out: list[list[Sample]] = []
-    rest = samples
-    if share_prompts:
-        out, rest = prompt_shares(samples, max_tokens)
     cur: list[Sample] = []
-    for s in sorted(rest, key=lambda s: len(s.ids)):
+    for s in sorted(samples, key=lambda s: len(s.ids)):
         if cur and (len(cur) + 1) * len(s.ids) > max_tokens:
             out.append(cur)
             cur = []
@@ -153,9 +146,10 @@ def micro_batches(samples: list[Sample], max_tokens: int, share_prompts: bool = 
 
 
 def prompt_shares(samples: list[Sample], max_tokens: int) -> tuple[list[list[Sample]], list[Sample]]:
-    """Micro-batches of two or more samples with the same prompt (a VLM's images aside), each costing its prompt once
-    and its rows' continuations padded to the longest: prompt + rows x longest continuation <= max_tokens; and the
-    samples left over."""
+    """Micro-batches of two or more samples with the same prompt (a GRPO group's first turns: one task, one first
+    screen; a VLM's samples aside), each costing its prompt once and its rows' continuations padded to the longest:
+    prompt + rows x longest continuation <= max_tokens; and the samples left over, for ``micro_batches``. A shared
+    micro-batch is scored with one pass over its prompt (``collate(share_prompt=True)``)."""
     by_prompt: dict[bytes, list[Sample]] = {}
     rest = []
     for s in samples:

@@ -27,7 +27,7 @@ from common.group_rules import too_stale
 from policy.model import ModelConfig, build_model, build_tokenizer, freeze_vision, token_logprobs, torch_dtype
 from common.images import Image, ImageStore, ImageStoreError
 from learner import checkpoint as ckpt
-from learner.batch import (Sample, build_samples, collate, loglinear_prox, micro_batches, share_one_prompt,
+from learner.batch import (Sample, build_samples, collate, loglinear_prox, micro_batches, prompt_shares,
                            token_entropy, turn_samples)
 from learner.config import LearnerConfig
 from learner.distributed import DistContext, full_state, load_full_state, padding_micro_batch, shard_model
@@ -298,9 +298,8 @@ class Trainer:
             samples = sorted(samples, key=lambda s: len(s.ids))[dist.rank::dist.world_size]
         # A layer under activation checkpointing drops the KV cache that a shared prompt's rows attend to.
         share = self.cfg.share_prompts and self.vision is None and not self.cfg.activation_checkpointing
-        groups = micro_batches(samples, self.cfg.micro_batch_tokens, share_prompts=share)
-        shared = [mb for mb in groups if share and share_one_prompt(mb)]
-        whole = [mb for mb in groups if not (share and share_one_prompt(mb))]
+        shared, rest = prompt_shares(samples, self.cfg.micro_batch_tokens) if share else ([], samples)
+        whole = micro_batches(rest, self.cfg.micro_batch_tokens)
         if dist.enabled:
             # Every pass gathers each sharded layer on every rank, so the ranks run the same passes in the same
             # order: a shared micro-batch is two (its prompt, then its rows), so the shared ones go first, and each
