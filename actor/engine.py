@@ -164,7 +164,7 @@ class EngineConfig:
     prefill_tokens: int = 8192
     """most prompt tokens (padded) prefilled in one forward pass; a longer text prompt is prefilled in chunks"""
     prefix_reuse: bool = True
-    """a prompt that begins with what a free slot still holds (its episode's last turn) prefills only the rest"""
+    """prefill only what the cache lacks: a free slot's leftovers, another request's prompt (a VLM: only twins')"""
     sync_every: int = 0
     """decode steps between two looks from the host (stop checks, joins, swaps); 0 = 1 on CPU, 8 on CUDA"""
     cuda_graphs: bool = True

@@ -9,7 +9,8 @@ Every prompt submitted is a request. On the engine's own thread, a loop of windo
    earlier turn's prompt and output (the same episode's history) takes that slot and prefills only the rest; a
    prompt that begins with another request's prompt copies that prefix from its slot, and one that is the very
    prompt of a request admitted with it (a GRPO group's rollouts) also takes that request's first-token logits:
-   no prefill. The first tokens of every pass come to the host in one read at the end of the admission;
+   no prefill (a VLM takes only such twins, with the same images too). The first tokens of every pass come to the
+   host in one read at the end of the admission;
 3. every running request decodes together for ``sync_every`` tokens: the decode step (with ``compile``, fused
    by inductor, as a text model's prefill passes are: ``actor/compiled.py``) and the sampling
    (``actor/sampler.py``) stay on the device, tokens and log-probs go to a device buffer; on a GPU the whole
@@ -80,6 +81,7 @@ class Request:
     twins: list = field(default_factory=list)
     twin: bool = False
     ids: Any = None  # the prompt as an array (prefix matching, made on the submitting thread)
+    image_key: tuple = ()  # its images' content digests, in order: a twin has the same prompt and the same images
 
     @property
     def remaining(self) -> int:
@@ -147,7 +149,7 @@ class HFEngine:
         self.scratch = self.cache.scratch
         self.free_slots = list(range(S))  # a heap: the lowest slot first keeps decode batches dense
         self.slot_tokens: list[Any] = [None] * S  # token ids whose keys/values a free slot still holds
-        # a VLM's multimodal positions are computed over a whole prompt: it always prefills all of it
+        # a VLM's multimodal positions are computed over a whole prompt: it reuses none of one but a twin's (``_place``)
         self.reuse = cfg.prefix_reuse and self.vision is None
         self.tok_in = torch.zeros(S, dtype=torch.long, device=dev)  # each slot's last sampled token
         self.cache_pos = torch.full((S,), self.scratch, dtype=torch.long, device=dev)  # where it is written
@@ -246,7 +248,8 @@ class HFEngine:
                              f"fit a slot of actor.engine.max_seq_len={self.max_seq_len} tokens: raise it, or "
                              "shorten prompts (actor.prompt.max_prompt_tokens)")
         req = Request(list(prompt), params, list(images or ()), cf.Future(), StopWatch(self.tokenizer, params.stop),
-                      time.perf_counter(), ids=np.asarray(prompt) if self.reuse else None)
+                      time.perf_counter(), ids=np.asarray(prompt) if self.cfg.prefix_reuse else None,
+                      image_key=tuple(img.digest for img in images or ()))
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine is closed" + (f": its thread died of {self._died!r}"
@@ -458,9 +461,18 @@ class HFEngine:
                     # waiting for its own source: that source is the one to take them from)
                 if (common := longer(q.ids)) > shared:
                     free, shared, source = -1, common, q
+        elif self.cfg.prefix_reuse:
+            # A VLM's multimodal positions are computed over a whole prompt, so it takes no part of one from the cache
+            # but the whole, from a request admitted just before it on the very same prompt with the very same
+            # images (a GRPO group's first turns: one task, one first screenshot).
+            for q in admitted:
+                if (not q.twin and q.image_key == r.image_key and len(q.prompt) == len(r.prompt)
+                        and np.array_equal(q.ids, ids)):
+                    shared, source = len(r.prompt), q
+                    break
         # the very prompt of a request admitted just before it (not yet in _by_slot): a twin of that request
         r.twin = (source is not None and shared == len(r.prompt) == len(source.prompt)
-                  and source.slot not in self._by_slot)
+                  and source.image_key == r.image_key and source.slot not in self._by_slot)
         if not r.twin:
             shared = min(shared, len(r.prompt) - 1)  # one token at least is prefilled: its logits sample the first
         if shared >= MIN_REUSED_PREFIX and source is None:
@@ -539,6 +551,8 @@ class HFEngine:
         last = lens[idx] - 1
         logits = self._logits(hidden[idx, last])
         slots = slots[idx]
+        # a VLM's next multimodal position (all three axes): each row's last one + 1
+        next_rope = positions[:, idx, last] + 1 if self.vision is not None else None
         done_reqs = [reqs[i] for i in done]
         twins = [(j, t) for j, r in enumerate(done_reqs) for t in r.twins]
         if twins:  # each takes its source's columns and its logits, and samples its own first token from them
@@ -547,6 +561,8 @@ class HFEngine:
             self.cache.copy_prefixes(slots[rows], twin_slots, [len(t.prompt) for _, t in twins])
             self.stats.prefix_copies += len(twins)
             logits, slots = torch.cat([logits, logits[rows]]), torch.cat([slots, twin_slots])
+            if next_rope is not None:
+                next_rope = torch.cat([next_rope, next_rope[:, rows]], dim=1)
             for j, t in twins:
                 done_reqs[j].twins = []
                 t.twin = False  # its prompt is in its slot now: an ordinary request (and a source for later ones)
@@ -560,7 +576,7 @@ class HFEngine:
         if self.vision is not None:
             if self.rope_pos is None:
                 self.rope_pos = torch.zeros(positions.shape[0], self.slots, dtype=torch.long, device=dev)
-            self.rope_pos[:, slots] = positions[:, idx, last] + 1
+            self.rope_pos[:, slots] = next_rope
         return [(done_reqs, torch.stack([tokens.float(), logps.float()]))]
 
     def _trace_prefill(self) -> None:

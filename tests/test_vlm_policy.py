@@ -230,3 +230,47 @@ def test_the_image_processor_loads_where_transformers_top_level_name_demands_tor
     monkeypatch.undo()
     expected, expected_grid = VisionProcessor(vlm_dir, max_pixels=28 * 28 * 200).pixels(img)
     assert torch.equal(grid, expected_grid) and torch.equal(pixels, expected)
+
+
+def test_a_groups_first_turns_share_one_prefill_only_with_the_same_images(vlm_dir, engine):
+    """The G rollouts of a group begin with one prompt and one first screenshot: one prefill (vision tower included)
+    serves them all, the others take its columns, first-token logits and multimodal positions. The same prompt ids
+    with another image of the same size are prefilled on their own. Greedy tokens and log-probs equal an engine's
+    that prefills every request."""
+    import io
+
+    from PIL import Image as PILImage, ImageDraw
+
+    tok = engine.tokenizer
+    _, obs = screen()
+    prompt = EpisodePrompt(tok, PromptConfig(style="minimal", observation="screenshot"), obs["instruction"])
+    ids = prompt.build(obs)
+    shot = prompt.images[0]
+    with PILImage.open(io.BytesIO(shot.data)) as im:
+        changed = im.convert("RGB")
+    ImageDraw.Draw(changed).rectangle((0, 0, changed.width // 2, changed.height // 2), fill=(200, 30, 30))
+    buf = io.BytesIO()
+    changed.save(buf, format="PNG")
+    other = Image.of(buf.getvalue())
+    assert other.digest != shot.digest and tok.vision.tokens_for(other) == tok.vision.tokens_for(shot)
+    images = [[shot]] * 4 + [[other]] * 2
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+
+    def play(prefix_reuse: bool) -> tuple[list, HFEngine]:
+        eng = HFEngine(ModelConfig(path=str(vlm_dir)), EngineConfig(seed=1, prefix_reuse=prefix_reuse))
+        eng.pause()  # the group arrives in one window, as an actor submits it
+        futures = [eng.submit(ids, greedy, imgs) for imgs in images]
+        eng.resume()
+        gens = [f.result(120) for f in futures]
+        eng.close()
+        return gens, eng
+
+    shared, eng = play(True)
+    assert eng.stats.prompt_tokens == 2 * len(ids) and eng.stats.prefill_batches == 1, eng.stats
+    assert eng.stats.prefix_copies == 4 and eng.stats.prefix_reused_tokens == 4 * len(ids)
+    alone, eng = play(False)
+    assert eng.stats.prompt_tokens == 6 * len(ids) and eng.stats.prefix_copies == 0
+    for a, b in zip(shared, alone):
+        assert a.token_ids == b.token_ids and len(a.token_ids) > 1
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-5), (a.logprobs, b.logprobs)
+    assert shared[0].token_ids == shared[3].token_ids
