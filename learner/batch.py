@@ -147,16 +147,17 @@ def micro_batches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
 
 def prompt_shares(samples: list[Sample], max_tokens: int) -> tuple[list[list[Sample]], list[Sample]]:
     """Micro-batches of two or more samples with the same prompt (a GRPO group's first turns: one task, one first
-    screen; a VLM's samples aside), each costing its prompt once and its rows' continuations padded to the longest:
-    prompt + rows x longest continuation <= max_tokens; and the samples left over, for ``micro_batches``. A shared
-    micro-batch is scored with one pass over its prompt (``collate(share_prompt=True)``)."""
-    by_prompt: dict[bytes, list[Sample]] = {}
+    screen; a VLM's, the same ids and the same images), each costing its prompt once and its rows' continuations
+    padded to the longest: prompt + rows x longest continuation <= max_tokens; and the samples left over, for
+    ``micro_batches``. A shared micro-batch is scored with one pass over its prompt (``collate(share_prompt=True)``).
+    """
+    by_prompt: dict[tuple[bytes, tuple[str, ...]], list[Sample]] = {}
     rest = []
     for s in samples:
-        if s.images or s.prompt_len < 1:
+        if s.prompt_len < 1:
             rest.append(s)
         else:
-            by_prompt.setdefault(s.ids[:s.prompt_len].tobytes(), []).append(s)
+            by_prompt.setdefault((s.ids[:s.prompt_len].tobytes(), s.images), []).append(s)
     out: list[list[Sample]] = []
 
     def close(rows: list[Sample]) -> None:  # a row alone shares nothing: it is packed with the rest
@@ -179,11 +180,12 @@ def prompt_shares(samples: list[Sample], max_tokens: int) -> tuple[list[list[Sam
 
 
 def share_one_prompt(samples: list[Sample]) -> bool:
-    """Whether ``samples`` are two or more text rows that begin with the same prompt (of one token at least)."""
+    """Whether ``samples`` are two or more rows that begin with the same prompt (of one token at least, with the
+    same images)."""
     first = samples[0]
     head = first.ids[:first.prompt_len]
     return len(samples) > 1 and first.prompt_len > 0 and all(
-        not s.images and s.prompt_len == first.prompt_len and np.array_equal(s.ids[:s.prompt_len], head)
+        s.images == first.images and s.prompt_len == first.prompt_len and np.array_equal(s.ids[:s.prompt_len], head)
         for s in samples)
 
 
@@ -232,7 +234,7 @@ def collate(samples: list[Sample], pad_id: int, device: str = "cpu", share_promp
     shared = None
     if share_prompt:
         if not share_one_prompt(samples):
-            raise ValueError("share_prompt: the rows do not all begin with one prompt (or hold images)")
+            raise ValueError("share_prompt: the rows do not all begin with one prompt (and the same images)")
         p = samples[0].prompt_len
         rows, cols = np.divmod(loss_index, width - 1)
         # column p - 1 is the prompt's last position (index 0); column c >= p is the continuation's column c - p

@@ -104,7 +104,7 @@ class LearnerConfig:
     activation_checkpointing: bool = False
     """recompute decoder layers in backward: a third more compute, far less memory (long sequences)"""
     share_prompts: bool = True
-    """run a prompt several samples begin with (a group's first turns) once, not once a sample; exact (text models)"""
+    """run a prompt several samples begin with (a group's first turns; a VLM's: with its images) once; exact"""
     updates_per_batch: int = 1
     """optimizer steps per batch (mini-batches); above 1, pi_prox is recomputed or approximated"""
     prox: str = "recompute"

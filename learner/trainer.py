@@ -183,8 +183,9 @@ class Trainer:
 
         A text model's rows get no attention mask: they are right-padded (``collate``), so causal attention alone is
         exact for every real token, and the attention may take its causal kernels (flash attention on a GPU) rather
-        than those that read a mask. A VLM's keep theirs, with the positions its processor computed."""
-        mask = tb.attention_mask if tb.vision is not None else None
+        than those that read a mask. A VLM's keep theirs, with the positions its processor computed, but for rows that
+        share a prompt (they are right-padded too, and the masks would not fit the two passes)."""
+        mask = tb.attention_mask if tb.vision is not None and tb.shared is None else None
         return token_logprobs(model, tb.input_ids, mask, self.temperature, self.tokenizer.vocab_size, tb.vision,
                               self.banned, scored=tb.loss_index, shared=tb.shared)
 
@@ -203,6 +204,9 @@ class Trainer:
             rows = [[Image(d, self.images.get(d)) for d in row] for row in tb.images] if any(tb.images) else \
                 [[] for _ in tb.images]
             tb.vision = self.vision.model_inputs(self.model, tb.input_ids, tb.attention_mask, rows)
+            if tb.shared is not None and rows[0]:  # the prompt's pass takes its images alone: the first row's
+                patches = sum(int(self.vision.pixels(img)[1].prod()) for img in rows[0])  # (host grids, cached)
+                tb.shared = dataclasses.replace(tb.shared, images=len(rows[0]), patches=patches)
         return tb
 
     def _frozen_copy(self) -> Any:
@@ -297,7 +301,7 @@ class Trainer:
         if dist.enabled:
             samples = sorted(samples, key=lambda s: len(s.ids))[dist.rank::dist.world_size]
         # A layer under activation checkpointing drops the KV cache that a shared prompt's rows attend to.
-        share = self.cfg.share_prompts and self.vision is None and not self.cfg.activation_checkpointing
+        share = self.cfg.share_prompts and not self.cfg.activation_checkpointing
         shared, rest = prompt_shares(samples, self.cfg.micro_batch_tokens) if share else ([], samples)
         whole = micro_batches(rest, self.cfg.micro_batch_tokens)
         if dist.enabled:

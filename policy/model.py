@@ -255,9 +255,9 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, tempe
     ``[M, V]``: the scored positions, in that order. Indices, not a boolean mask: selecting by a mask makes the host
     wait for the device to count it.
 
-    ``shared`` (with ``scored``, a text model's unmasked rows): every row begins with the same prompt, which is then
-    run once rather than once a row (``shared_prompt_logits``). The log-probs and their gradients are those of the
-    rows run whole.
+    ``shared`` (with ``scored``, unmasked right-padded rows): every row begins with the same prompt (a VLM's: with the
+    same images), which is then run once rather than once a row (``shared_prompt_logits``). The log-probs and their
+    gradients are those of the rows run whole.
     """
     import torch
 
@@ -274,9 +274,9 @@ def token_logprobs(model: Any, input_ids: Any, attention_mask: Any = None, tempe
         # grid position r * (L - 1) + c is the hidden state at r * L + c, whose target is the token after it
         at = scored + torch.div(scored, input_ids.shape[1] - 1, rounding_mode="floor")
         if shared is not None:
-            if vision is not None or attention_mask is not None:
-                raise ValueError("a shared prompt is scored on a text model's unmasked, right-padded rows only")
-            logits = shared_prompt_logits(model, input_ids, shared)
+            if attention_mask is not None:
+                raise ValueError("a shared prompt is scored on unmasked, right-padded rows only")
+            logits = shared_prompt_logits(model, input_ids, shared, vision)
         else:
             with head_reads(model, lambda hidden: hidden.reshape(-1, hidden.shape[-1]).index_select(0, at)):
                 logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
@@ -302,9 +302,13 @@ class SharedPrompt:
     """int64 [M], one per scored position in ``scored``'s order: its row in [the prompt's last hidden state; the
     continuations' hidden states, row-major] (0 scores a row's first sampled token, which the prompt's last
     position predicts)"""
+    images: int = 0
+    """a VLM's: the prompt's images (the first of the batch's ``image_grid_thw`` rows)"""
+    patches: int = 0
+    """a VLM's: their rows of ``pixel_values`` (the first ones)"""
 
 
-def shared_prompt_logits(model: Any, input_ids: Any, shared: SharedPrompt) -> Any:
+def shared_prompt_logits(model: Any, input_ids: Any, shared: SharedPrompt, vision: dict | None = None) -> Any:
     """The output head's logits at ``shared.index`` for right-padded rows that all begin with the same
     ``shared.length`` tokens: one pass over that prompt as one row, its keys and values repeated for every row (a
     KV cache, as in generation), then one pass over all the rows' continuations, which attend to them.
@@ -314,11 +318,24 @@ def shared_prompt_logits(model: Any, input_ids: Any, shared: SharedPrompt) -> An
     in its row. Gradients reach the prompt's pass from every row through the repeated keys and values (the repeat's
     backward sums them). So a group of G rollouts pays for its prompt once instead of G times. The model's own
     forward runs both passes (FSDP2's hooks included); activation checkpointing drops a layer's cache in training,
-    so the trainer does not share prompts under it."""
+    so the trainer does not share prompts under it.
+
+    ``vision``: a VLM's inputs for all the rows (``token_logprobs``). The prompt's pass takes its images (the vision
+    tower runs once) and its slice of the multimodal positions; the rows' pass, their positions, which go on from
+    the prompt's."""
     import torch
 
     rows, length = input_ids.shape[0], shared.length
     keyword = cache_keyword(getattr(model, "module", model).forward)
+    first: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    if vision is not None:
+        positions = vision["position_ids"]  # [axes, rows, width]
+        first["position_ids"], rest["position_ids"] = positions[:, :1, :length], positions[:, :, length:]
+        if shared.images:
+            first.update(pixel_values=vision["pixel_values"][:shared.patches],
+                         image_grid_thw=vision["image_grid_thw"][:shared.images],
+                         mm_token_type_ids=vision["mm_token_type_ids"][:1, :length])
     last: list[Any] = []
 
     def keep_last(hidden: Any) -> Any:  # the prompt's last hidden state; the head's [1, V] of it is not used
@@ -326,12 +343,12 @@ def shared_prompt_logits(model: Any, input_ids: Any, shared: SharedPrompt) -> An
         return last[0]
 
     with head_reads(model, keep_last):
-        prompt_pass = model(input_ids=input_ids[:1, :length], use_cache=True)
+        prompt_pass = model(input_ids=input_ids[:1, :length], use_cache=True, **first)
     cache = getattr(prompt_pass, keyword)
     cache.batch_repeat_interleave(rows)
     with head_reads(model, lambda hidden: torch.cat([last[0], hidden.reshape(-1, hidden.shape[-1])])
                     .index_select(0, shared.index)):
-        return model(input_ids=input_ids[:, length:], use_cache=True, **{keyword: cache}).logits
+        return model(input_ids=input_ids[:, length:], use_cache=True, **{keyword: cache}, **rest).logits
 
 
 @contextlib.contextmanager

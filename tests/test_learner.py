@@ -364,9 +364,9 @@ def test_a_prompt_that_samples_share_runs_once_and_the_step_is_that_of_whole_row
 
 
 def test_samples_of_one_prompt_go_together_within_the_token_budget():
-    """Samples of one prompt go together, counting the prompt once; a lone one, or one whose group no longer
-    fits, is left for the length-sorted packing, as is a VLM's (its images are not compared), in the given order;
-    every sample is in exactly one micro-batch, and ``collate`` refuses to share a prompt the rows do not all begin
+    """Samples of one prompt go together, counting the prompt once (a VLM's: the same ids with the same images); a
+    lone one, or one whose group no longer fits, is left for the length-sorted packing, in the given order; every
+    sample is in exactly one micro-batch, and ``collate`` refuses to share a prompt the rows do not all begin
     with."""
     from learner.batch import Sample, collate, micro_batches, prompt_shares, share_one_prompt
 
@@ -378,22 +378,27 @@ def test_samples_of_one_prompt_go_together_within_the_token_budget():
 
     a, b, c = np.arange(40), np.arange(40) + 1, np.arange(30)
     samples = ([sample(a, n) for n in (4, 5, 6, 7, 8)] + [sample(b, 3)] +
-               [sample(c, 4, images=("img",)), sample(c, 4, images=("img",))] +
-               [sample(c[:0], 9), sample(c[:0], 9)])  # no prompt at all: nothing to share
+               # a VLM's: the same ids with other images (a screenshot of the same size) share nothing
+               [sample(c, 4, images=("img",)), sample(c, 4, images=("other",))] +
+               [sample(c[:0], 9), sample(c[:0], 9)] +  # no prompt at all: nothing to share
+               [sample(c, 5, images=("img",))])
     shared, rest = prompt_shares(samples, max_tokens=64)
     mbs = shared + micro_batches(rest, max_tokens=64)
     assert sorted(id(s) for mb in mbs for s in mb) == sorted(id(s) for s in samples)
-    assert [id(s) for s in rest] == [id(s) for s in samples[5:]], "the rest keep their given order"
+    assert [id(s) for s in rest] == [id(samples[i]) for i in (5, 7, 8, 9)], "the rest in given order"
     assert all(share_one_prompt(mb) for mb in shared)
     assert not any(share_one_prompt(mb) for mb in micro_batches(rest, 64))
-    # prompt a: 40 + 3 rows x 6 = 58 fits 64, a fourth row (x 7) does not; then 7 and 8 together: 40 + 2 x 8 = 56
-    assert [[len(s.ids) - 40 for s in mb] for mb in shared] == [[4, 5, 6], [7, 8]]
+    # prompt a: 40 + 3 rows x 6 = 58 fits 64, a fourth row (x 7) does not; then 7 and 8 together: 40 + 2 x 8 = 56;
+    # prompt c with image "img": 30 + 2 x 5
+    assert [[len(s.ids) - s.prompt_len for s in mb] for mb in shared] == [[4, 5, 6], [7, 8], [4, 5]]
     for mb in shared:
         tb = collate(mb, pad_id=0, share_prompt=True)
-        assert tb.shared.length == 40 and tb.shared.index.shape == tb.loss_index.shape
+        assert tb.shared.length == mb[0].prompt_len and tb.shared.index.shape == tb.loss_index.shape
         assert int(tb.shared.index[0]) == 0, "a row's first sampled token is scored by the prompt's last position"
     with pytest.raises(ValueError, match="one prompt"):
         collate([samples[0], samples[5]], pad_id=0, share_prompt=True)
+    with pytest.raises(ValueError, match="the same images"):
+        collate([samples[6], samples[7]], pad_id=0, share_prompt=True)
 
 
 def test_a_steps_reads_from_the_device_do_not_grow_with_its_micro_batches(monkeypatch):

@@ -274,3 +274,47 @@ def test_a_groups_first_turns_share_one_prefill_only_with_the_same_images(vlm_di
         assert a.token_ids == b.token_ids and len(a.token_ids) > 1
         assert np.allclose(a.logprobs, b.logprobs, atol=1e-5), (a.logprobs, b.logprobs)
     assert shared[0].token_ids == shared[3].token_ids
+
+
+def test_a_vlm_groups_first_prompt_runs_once_with_its_images_and_the_step_is_that_of_whole_rows(vlm_dir, engine,
+                                                                                                 tmp_path):
+    """The learner's side of the same sharing: a group's first turns (one prompt, one screenshot) are scored with one
+    pass over the prompt, the vision tower on its image once, in the policy's pass and the reference's; the two
+    steps equal those of running every row whole: loss, KL, entropy, gradient norm and weights."""
+    import dataclasses
+
+    from learner.config import LearnerConfig, LossConfig
+    from learner.trainer import Trainer
+
+    store = ImageStore(tmp_path / "images")
+    group = _group(_episodes(engine, store))
+    for i, t in enumerate(group.trajectories):  # rewards that differ: advantages, and so gradients, that do not vanish
+        t.reward = float(i)
+        t.turn_rewards[:] = float(i)
+    first = group.trajectories[0].turn(0)
+    assert all(np.array_equal(t.turn(0).prompt_ids, first.prompt_ids) and t.images[0] == group.trajectories[0].images[0]
+               for t in group.trajectories)
+    cfg = LearnerConfig(lr=1e-3, loss=LossConfig(kl_beta=0.1))
+    results = {}
+    for share in (False, True):
+        t = Trainer(dataclasses.replace(cfg, share_prompts=share), ModelConfig(path=str(vlm_dir)), seed=0,
+                    images=ImageStore(tmp_path / "images"))
+        seen: list[int] = []
+        for model in (t.net.module, t.ref_model):
+            model.model.visual.register_forward_hook(
+                lambda _m, args, kwargs, _out: seen.append(len(kwargs.get("grid_thw", args[1:2] and args[1]))),
+                with_kwargs=True)
+        steps = [t.train_step([P.decode(P.encode(group))]) for _ in range(2)]
+        results[share] = steps, seen, [(n, p.detach().clone()) for n, p in t.model.named_parameters()]
+    (whole, seen_whole, whole_params), (shared, seen_shared, shared_params) = results[False], results[True]
+    # the 4 first turns' screenshot: once a pass instead of 4 times, in 2 passes a step, 2 steps
+    assert sum(seen_whole) - sum(seen_shared) == 3 * 2 * 2, (seen_whole, seen_shared)
+    for m_whole, m_shared in zip(whole, shared):
+        assert m_whole["prompt_tokens_shared"] == 0 and m_shared["prompt_tokens_shared"] == 3 * len(first.prompt_ids)
+        assert m_shared["tokens"] == m_whole["tokens"] and m_whole["grad_norm"] > 0
+        for key in ("loss", "kl", "entropy", "grad_norm", "is_weight_mean"):
+            assert m_shared[key] == pytest.approx(m_whole[key], rel=1e-4, abs=1e-6), key
+    # (Adam divides each gradient by its own scale, so summation-order noise in a tiny gradient moves a weight by up
+    # to a few 1e-5 at this lr: a tenth of a step's move, where a wrong image or position shows in the loss above)
+    for (name, a), (_, b) in zip(whole_params, shared_params):
+        assert torch.allclose(a, b, atol=1e-4), (name, float((a - b).abs().max()))
