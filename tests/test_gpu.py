@@ -233,7 +233,8 @@ def test_a_window_graph_samples_inside_it_from_the_engines_generator_on_cuda():
 def test_a_vlm_decodes_through_window_graphs_on_cuda(tmp_path):
     """A VLM's decode windows are captured and replayed as a text model's are (its multimodal rotary positions are one
     more fixed tensor a window advances): screenshots in the prompts, more requests than slots so rows join and leave
-    between replays, and every token and log-prob equal to eager decoding of the same model."""
+    between replays, a twin (the first prompt again, with its screenshot: its columns and positions are copied), and
+    every token and log-prob equal to eager decoding of the same model."""
     from actor.prompt import EpisodePrompt, PromptConfig
     from env_server.sim.backend import SimBackend, SimConfig
     from launch.tiny_checkpoints import vlm_checkpoint
@@ -250,8 +251,18 @@ def test_a_vlm_decodes_through_window_graphs_on_cuda(tmp_path):
                                obs["instruction"])
         prompts.append(prompt.build(obs))
         images.append(prompt.images)
+    prompts.insert(1, prompts[0])
+    images.insert(1, images[0])
     params = SamplingParams(temperature=0, max_new_tokens=32, min_new_tokens=16)
-    captured, eager = (eng.generate(prompts, params, images) for eng in engines)
+
+    def play(eng):
+        eng.pause()  # every request waiting before the first admission: the twin is admitted with its source
+        futures = [eng.submit(p, params, imgs) for p, imgs in zip(prompts, images)]
+        eng.resume()
+        return [f.result(120) for f in futures]
+
+    captured, eager = (play(eng) for eng in engines)
+    assert all(eng.stats.prefix_copies == 1 for eng in engines), "the twin took its source's columns"
     assert engines[0].graphs.graphs and not engines[0].graphs.disabled, engines[0].graphs.disabled
     assert engines[1].graphs is None
     for a, b in zip(captured, eager):
