@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.exitcodes import EXIT_RESUMABLE
+
 ROLES = ("broker", "env_server", "actor", "learner")
 KILLS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM}
 
@@ -154,7 +156,13 @@ def run_chaos(config: str, run_dir: Path, steps: int, faults: list[Fault], overr
               resume_steps: int = 2, timeout_s: float = 1800.0, out: Any = None, fabric: Any = None) -> ChaosResult:
     """Run ``config`` for ``steps`` learner steps under ``faults`` (in step order, one at a time), then resume it
     for ``resume_steps`` more and reconcile the audit. With ``fabric`` (``launch/netns.py``, members named by
-    role label plus ``supervisor``) every role runs in its own network namespace: partitions need it."""
+    role label plus ``supervisor``) every role runs in its own network namespace: partitions need it.
+
+    Faults go one at a time and a partition or hang lasts its seconds however fast the learner steps, so a run of
+    exactly ``steps`` could end before the last faults had their turn (a faster learner made a CI run end one fault
+    short). The run is therefore started for up to twice ``steps`` and stopped as an operator stops one (SIGINT: the
+    learner checkpoints) once it has made ``steps`` steps and every fault has happened and training has come back
+    after it; the final resume continues from where it stopped."""
     out = out or sys.stderr  # progress; the result is the caller's to print
     run_dir = Path(run_dir).resolve()
     metrics = run_dir / "metrics" / "learner.jsonl"
@@ -184,11 +192,13 @@ def run_chaos(config: str, run_dir: Path, steps: int, faults: list[Fault], overr
         out.flush()
 
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    sup = start(steps, resume=False)
+    cap = 2 * steps  # faults still pending there never happen (reported with no pid)
+    sup = start(cap, resume=False)
     pending = list(faults)
     seen = 0  # the newest learner step looked at
     active: Fault | None = None  # a partition or hang in progress
     watching: list[Fault] = []
+    stopping = False  # asked the run to stop: every fault had its turn
     try:
         while True:
             if time.monotonic() > deadline:
@@ -236,7 +246,15 @@ def run_chaos(config: str, run_dir: Path, steps: int, faults: list[Fault], overr
                     f.restarted = f.pid not in role_pids(run_dir, f.role, f.rank)
                 if (f.role_back_s is not None or not f.signal) and f.training_back_s is not None:
                     watching.remove(f)
+            if not stopping and latest >= steps and not pending and active is None and not watching:
+                say(f"step {latest}: every fault has had its turn; stopping the run (SIGINT)")
+                os.kill(sup.pid, signal.SIGINT)
+                stopping = True
             rc = sup.poll()
+            if rc is not None and stopping:
+                if rc not in (0, EXIT_RESUMABLE):
+                    raise RuntimeError(f"the run exited with {rc} when asked to stop")
+                break
             if rc is not None:
                 if rc == 0:
                     if active is not None:  # the run finished inside a partition: the resume must not start cut off
@@ -248,11 +266,12 @@ def run_chaos(config: str, run_dir: Path, steps: int, faults: list[Fault], overr
                     break  # finished (a fault still pending never happened: reported with no pid)
                 result.resumes += 1  # the supervisor gave up (or finished early): continue the run
                 say(f"supervisor exited with {rc}; resuming the run")
-                sup = start(steps, resume=True)
+                sup = start(cap, resume=True)
             time.sleep(0.2)
         # Resume where the run ended, as an operator extending it would: the queued groups get their turn.
         if resume_steps > 0:
-            sup = start(steps + resume_steps, resume=True)
+            records = _learner_steps(metrics)
+            sup = start((records[-1][1] if records else 0) + resume_steps, resume=True)
             try:
                 sup.wait(max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

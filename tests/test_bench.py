@@ -86,6 +86,11 @@ def test_bench_learner_and_weights_print_ratio_json(tmp_path):
     # Both figures are printed to three significant digits: their rounding is the slack.
     assert r["mfu"] == pytest.approx(r["model_tflops_per_s"] / 0.5, rel=0.01) and r["mfu"] > 0
     assert abs(r["ratio"] - r["train_tokens_per_s"] / r["bare_tokens_per_s"]) < 0.01
+    # a VLM on screenshot prompts: its depth as built, prompts of an instruction and a screenshot's image tokens
+    v = _bench_json(tmp_path, "learner", "--vlm", "--hidden", "64", "--layers", "1", "--groups", "2", "--group-size",
+                    "2", "--output-len", "8", "--steps", "2", "--same-prompt")
+    assert v["shape"] == "tiny-qwen2-vl" and v["layers"] == 1 and v["hidden"] == 64 and v["prompt_len"] > 64
+    assert v["train_tokens_per_s"] > 0 and v["bare_tokens_per_s"] > 0 and v["unshared_tokens_per_s"] > 0
     w = _bench_json(tmp_path, "weights", "--params", "100000", "--receivers", "1", "--repeats", "2")
     assert w["seconds"] > 0 and w["raw_seconds"] > 0 and w["first_round_seconds"] > 0
     assert abs(w["ratio"] - w["raw_seconds"] / w["seconds"]) < 0.01

@@ -5,7 +5,9 @@ user would write for the same model and the same padded tensors (the body's forw
 rows being right-padded, the output head and a log-softmax gather on the sampled tokens alone, token-mean loss,
 backward, clip, AdamW step; on GPUs in pure bf16, the fastest such loop). ``ratio`` = ours / bare.
 ``--shape qwen2.5-0.5b|qwen2.5-1.5b`` builds those published shapes (vocabulary 151,936, scored over a
-151,665-token tokenizer) with random weights. On a GPU (``--device cuda``) it also reports MFU: model
+151,665-token tokenizer) with random weights. ``--vlm`` builds a tiny Qwen2-VL instead (``--hidden`` wide, ``--layers``
+deep, a frozen 64-wide vision tower, as ``configs/vlm-pixels.yaml``'s) and prompts it with the instruction and a
+screenshot of the sim desktop; both loops then take the image inputs from the checkpoint's own image processor. On a GPU (``--device cuda``) it also reports MFU: model
 FLOPs (6 x parameters + 12 x layers x width x sequence length, per processed token: prompt and output,
 forward and backward) per second over the device's dense bf16 peak (looked up by name, or ``--peak-tflops``).
 
@@ -43,6 +45,46 @@ def _groups(n_groups: int, group_size: int, prompt_len: int, output_len: int, vo
                               rng.integers(0, vocab, output_len).astype(np.int32),
                               np.full(output_len, -2.0, np.float32), np.zeros(output_len, np.int32),
                               np.ones(output_len, np.uint8), float(i % 2), False, "", "")
+            trajs.append(P.Trajectory.from_turns(uuid.uuid4().hex[:8], float(i % 2), bool(i % 2), [turn]))
+        out.append(P.TrajectoryGroup(group_id=uuid.uuid4().hex, ticket_id="t", task_id=f"sim:train/{k}",
+                                     actor_id="bench", trajectories=trajs, behavior_version_min=0,
+                                     behavior_version_max=0))
+    return out
+
+
+def _vlm_groups(n_groups: int, group_size: int, output_len: int, tokenizer, store, seed: int,
+                same_prompt: bool = False):
+    """Single-turn groups of a VLM: prompts of an instruction and a screenshot of the sim desktop (screenshot-only
+    observations, as ``configs/vlm-pixels.yaml`` has them; each a task of its own, or with ``same_prompt`` one a
+    group), their images put in ``store``; sampled ids drawn from the tokens a policy may sample."""
+    from actor.prompt import EpisodePrompt, PromptConfig
+    from common import protocol as P
+    from env_server.sim.backend import SimBackend, SimConfig
+
+    rng = np.random.default_rng(seed)
+    backend = SimBackend(SimConfig(screenshot="png"))
+    allowed = np.setdiff1d(np.arange(tokenizer.vocab_size),
+                           [*tokenizer.vision.banned_ids, *tokenizer.stop_ids, tokenizer.pad_id])
+    prompt_cfg = PromptConfig(style="minimal", observation="screenshot")
+
+    def prompt(task: int) -> tuple[np.ndarray, tuple[str, ...]]:
+        obs = backend.reset(f"sim:train:screen_click_marker/{task}")
+        built = EpisodePrompt(tokenizer, prompt_cfg, obs["instruction"])
+        ids = np.asarray(built.build(obs), np.int32)
+        for img in built.images:
+            store.put(img)
+        return ids, tuple(img.digest for img in built.images)
+
+    out = []
+    for k in range(n_groups):
+        trajs = []
+        first = seed * 100_000 + k * group_size
+        group_prompt = prompt(first) if same_prompt else None
+        for i in range(group_size):
+            ids, images = group_prompt or prompt(first + i)
+            turn = P.TurnView(ids, rng.choice(allowed, output_len).astype(np.int32),
+                              np.full(output_len, -2.0, np.float32), np.zeros(output_len, np.int32),
+                              np.ones(output_len, np.uint8), float(i % 2), False, "", "", images)
             trajs.append(P.Trajectory.from_turns(uuid.uuid4().hex[:8], float(i % 2), bool(i % 2), [turn]))
         out.append(P.TrajectoryGroup(group_id=uuid.uuid4().hex, ticket_id="t", task_id=f"sim:train/{k}",
                                      actor_id="bench", trajectories=trajs, behavior_version_min=0,
@@ -108,7 +150,7 @@ def model_config(shape: str, hidden: int, layers: int, tokenizer_dir: str = "") 
 def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, prompt_len: int, output_len: int,
                       steps: int, device: str = "cpu", peak: float = 0.0, shape: str = "",
                       micro_batch_tokens: int = 16384, activation_checkpointing: bool = False,
-                      same_prompt: bool = False) -> dict:
+                      same_prompt: bool = False, vlm: bool = False) -> dict:
     """Ours, then the bare loop, each alone on the device (the other's memory freed first).
 
     The bare loop is the fastest one a user writes by hand for the same model and tensors: parameters and
@@ -118,12 +160,33 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
     ``same_prompt``: a group's rollouts begin with one prompt (a GRPO group's first turns). Ours then also runs
     with ``share_prompts`` off, in the same run: ``unshared_tokens_per_s`` and ``share_speedup`` say what running
     each shared prompt once gave. The bare loop runs every row whole, as a hand-written loop does.
+
+    ``vlm``: a tiny Qwen2-VL on screenshot prompts (``_vlm_groups``; ``prompt_len`` is then theirs, reported as the
+    mean); the bare loop freezes its vision tower too and runs the image processor's inputs through the model.
     """
+    import shutil
+
+    if vlm and shape:
+        raise ValueError("--vlm builds a tiny Qwen2-VL of --hidden and --layers: not with --shape")
+    vlm_dir = tempfile.mkdtemp(prefix="bench-vlm-") if vlm else ""
+    try:
+        return _learner_bench(hidden, layers, groups, group_size, prompt_len, output_len, steps, device, peak, shape,
+                              micro_batch_tokens, activation_checkpointing, same_prompt, vlm_dir)
+    finally:
+        if vlm_dir:
+            shutil.rmtree(vlm_dir, ignore_errors=True)
+
+
+def _learner_bench(hidden: int, layers: int, groups: int, group_size: int, prompt_len: int, output_len: int,
+                   steps: int, device: str, peak: float, shape: str, micro_batch_tokens: int,
+                   activation_checkpointing: bool, same_prompt: bool, vlm_dir: str) -> dict:
+    """``run_learner_bench``'s work; ``vlm_dir``: where a VLM's checkpoint and image store go ("" for a text model)."""
     import gc
 
     import torch
 
-    from policy.model import build_model, torch_dtype
+    from common.images import Image, ImageStore
+    from policy.model import ModelConfig, build_model, build_tokenizer, freeze_vision, torch_dtype
     from learner.batch import build_samples, collate, micro_batches
     from learner.config import LearnerConfig
     from learner.trainer import Trainer
@@ -141,15 +204,33 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
 
     cfg = LearnerConfig(lr=1e-5, device=device, micro_batch_tokens=micro_batch_tokens, broadcast_weights=False,
                         activation_checkpointing=activation_checkpointing)
-    data = [_groups(groups, group_size, prompt_len, output_len, 256, s, same_prompt) for s in range(steps + 1)]
+    store = vision = vlm_cfg = None
+    if vlm_dir:
+        from launch.tiny_checkpoints import vlm_checkpoint
+
+        vlm_cfg = ModelConfig(path=str(vlm_checkpoint(f"{vlm_dir}/model", hidden_size=hidden, num_layers=layers,
+                                                      vision_dim=64, rope_theta=10.0, corpus_episodes=20)),
+                              train_vision=False)
+        store = ImageStore(f"{vlm_dir}/images")
+        vision = build_tokenizer(vlm_cfg).vision  # the bare loop's image processor (its own cache)
+        data = [_vlm_groups(groups, group_size, output_len, build_tokenizer(vlm_cfg), store, s, same_prompt)
+                for s in range(steps + 1)]
+        prompt_len = round(statistics.mean(len(t.prompt_ids) for d in data for g in d for t in g.trajectories))
+    else:
+        data = [_groups(groups, group_size, prompt_len, output_len, 256, s, same_prompt) for s in range(steps + 1)]
+
+    def model_cfg_for(tokenizer_dir: str) -> ModelConfig:
+        return vlm_cfg if vlm_dir else model_config(shape, hidden, layers, tokenizer_dir if shape else "")
 
     def time_ours(share_prompts: bool) -> tuple[float, int, float | None, dict]:
         """Seconds, loss tokens and peak memory of our timed steps, and the trainer's vocabulary, padding id and
         parameter count."""
         with tempfile.TemporaryDirectory(prefix="bench-tokenizer-") as tokenizer_dir:  # read once, by the Trainer
-            ours = Trainer(dataclasses.replace(cfg, share_prompts=share_prompts),
-                           model_config(shape, hidden, layers, tokenizer_dir if shape else ""))
-        about = {"vocab": ours.tokenizer.vocab_size, "pad": ours.tokenizer.pad_id,
+            ours = Trainer(dataclasses.replace(cfg, share_prompts=share_prompts), model_cfg_for(tokenizer_dir),
+                           images=store)
+        text = ours.model.config.get_text_config()  # (a checkpoint's, where the config's own fields are unused)
+        about = {"vocab": ours.tokenizer.vocab_size, "pad": ours.tokenizer.pad_id, "layers": text.num_hidden_layers,
+                 "hidden": text.hidden_size, "rows": text.vocab_size,
                  "params": sum(p.numel() for p in ours.model.parameters()), "model_cfg": ours.model_cfg}
         ours.train_step(data[0])  # warm-up (allocator, kernels)
         sync()
@@ -173,20 +254,25 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
     vocab, pad, params, model_cfg = about["vocab"], about["pad"], about["params"], about["model_cfg"]
 
     model = build_model(model_cfg, vocab, device).train()  # compute dtype throughout, as a bare loop has it
+    if vision is not None:
+        freeze_vision(model)  # as ours (model.train_vision false): the tower runs forward only
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     tensors = []
     for d in data:
-        samples, _ = build_samples(d, cfg.advantage, vocab, 0)
+        samples, _ = build_samples(d, cfg.advantage, vocab, 0, image_available=(lambda _dig: True) if store else None)
         tensors.append([collate(mb, pad, device) for mb in micro_batches(samples, cfg.micro_batch_tokens)])
 
     def bare_step(mbs) -> None:
         opt.zero_grad(set_to_none=True)
         n = sum(tb.num_tokens for tb in mbs)
         for tb in mbs:
+            # a VLM's image inputs and multimodal positions, from its image processor
+            extra = {} if vision is None else vision.model_inputs(
+                model, tb.input_ids, tb.attention_mask, [[Image(d, store.get(d)) for d in row] for row in tb.images])
             # rows are right-padded: causal attention alone is exact for their real tokens, so no mask
-            hidden = model.model(input_ids=tb.input_ids).last_hidden_state
+            hidden = model.model(input_ids=tb.input_ids, **extra).last_hidden_state
             loss_tokens = tb.mask > 0  # the head and its log-softmax on the sampled tokens alone
             logits = model.get_output_embeddings()(hidden[:, :-1][loss_tokens])
             lp = torch.log_softmax(logits[..., :vocab].float(), -1).gather(
@@ -207,11 +293,11 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
     bare_s = time.perf_counter() - t0
     bare_gb = peak_gb()
     seq = prompt_len + output_len
-    L, width = model_cfg.num_layers, model_cfg.hidden_size
+    L, width = about["layers"], about["hidden"]
     flops_per_step = groups * group_size * seq * (6 * params + 12 * L * width * seq)
     top = peak_tflops(device, peak)
-    return {"shape": shape or "custom", "params": params, "hidden": width, "layers": L,
-            "vocab": model_cfg.vocab_size or vocab, "dtype": str(torch_dtype(model_cfg, device)).removeprefix("torch."),
+    return {"shape": shape or ("tiny-qwen2-vl" if vlm_dir else "custom"), "params": params, "hidden": width, "layers": L,
+            "vocab": about["rows"], "dtype": str(torch_dtype(model_cfg, device)).removeprefix("torch."),
             "groups": groups, "group_size": group_size, "prompt_len": prompt_len, "output_len": output_len,
             "micro_batch_tokens": micro_batch_tokens, "activation_checkpointing": activation_checkpointing,
             "steps": steps, "device": device,

@@ -156,15 +156,18 @@ def bench_engine(device: str, shape: str, hidden: int, layers: int, batches: tup
 @click.option("--peak-tflops", default=0.0, help="device peak for MFU (default: looked up for known GPUs)")
 @click.option("--same-prompt", is_flag=True,
               help="a group's rollouts share one prompt; ours also runs without sharing it (share_speedup)")
+@click.option("--vlm", is_flag=True, help="a tiny Qwen2-VL (frozen vision tower) on screenshot prompts of the sim "
+              "desktop, not random tokens (--prompt-len is then theirs)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def bench_learner(hidden: int, layers: int, groups: int, group_size: int, prompt_len: int, output_len: int,
                   steps: int, device: str, shape: str, micro_batch_tokens: int, activation_checkpointing: bool,
-                  peak_tflops: float, same_prompt: bool, as_json: bool) -> None:
+                  peak_tflops: float, same_prompt: bool, vlm: bool, as_json: bool) -> None:
     """Learner train tokens/s vs a bare forward+backward+step of the same model and tensors (and MFU on GPUs)."""
     from launch.bench.learner import run_learner_bench
 
     emit(run_learner_bench(hidden, layers, groups, group_size, prompt_len, output_len, steps, device,
-                            peak_tflops, shape, micro_batch_tokens, activation_checkpointing, same_prompt), as_json)
+                            peak_tflops, shape, micro_batch_tokens, activation_checkpointing, same_prompt, vlm),
+         as_json)
 
 
 @bench.command("weights")
