@@ -168,7 +168,8 @@ def audit(run_dir: str, as_json: bool) -> None:
 @main.command()
 @click.option("--config", "-c", default="configs/local.yaml", show_default=True, type=click.Path(exists=True))
 @click.option("--run-dir", required=True, type=click.Path(file_okay=False), help="a new run directory")
-@click.option("--steps", default=16, show_default=True, help="learner steps of the run under fire (up to twice this while faults are pending)")
+@click.option("--steps", default=16, show_default=True,
+              help="learner steps of the run under fire (up to twice this while faults are pending)")
 @click.option("--kills", default=8, show_default=True, help="signals sent (every role is hit before any twice)")
 @click.option("--seed", default=0, show_default=True, help="seed of the schedule")
 @click.option("--sigterm-share", default=0.25, show_default=True, help="share of SIGTERM among the signals (rest SIGKILL)")
