@@ -250,6 +250,8 @@ class HFEngine:
         req = Request(list(prompt), params, list(images or ()), cf.Future(), StopWatch(self.tokenizer, params.stop),
                       time.perf_counter(), ids=np.asarray(prompt) if self.cfg.prefix_reuse else None,
                       image_key=tuple(img.digest for img in images or ()))
+        if images:  # processed on the image workers meanwhile: the engine's thread finds them done at its prefill
+            self.vision.prefetch(images)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine is closed" + (f": its thread died of {self._died!r}"

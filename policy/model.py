@@ -30,6 +30,8 @@ class ModelConfig:
     """a VLM's largest image area in pixels after resizing (0 = the checkpoint's; fewer = fewer image tokens)"""
     train_vision: bool = True
     """training updates a VLM's vision tower (with its merger); false: frozen, only the language model learns"""
+    image_workers: int = 4
+    """threads that turn a VLM's screenshots into model inputs ahead of use (0: on the thread that needs them)"""
     tokenizer: str = "auto"
     """auto (hf when the checkpoint has tokenizer files, else byte) | byte (no files needed) | hf"""
     tokenizer_path: str = ""
@@ -63,6 +65,8 @@ class ModelConfig:
                              "launch.tiny_checkpoints.vlm_checkpoint builds a tiny one)")
         if self.min_pixels < 0 or self.max_pixels < 0 or (self.max_pixels and self.min_pixels > self.max_pixels):
             raise ValueError("model.min_pixels and max_pixels must be >= 0 and min <= max")
+        if self.image_workers < 0:
+            raise ValueError("model.image_workers must be >= 0 (0: images are processed where they are needed)")
         if self.tokenizer not in ("auto", "byte", "hf"):
             raise ValueError("tokenizer must be auto, byte or hf")
         if self.arch not in ("llama", "qwen2"):
@@ -110,7 +114,7 @@ def build_tokenizer(cfg: ModelConfig):
         if not tok.chat_template:
             raise ValueError(f"model.kind vlm: the tokenizer at {cfg.tokenizer_path or cfg.path} has no chat template "
                              "(images enter prompts through the template's image placeholders)")
-        tok.vision = VisionProcessor(cfg.path, cfg.min_pixels, cfg.max_pixels)
+        tok.vision = VisionProcessor(cfg.path, cfg.min_pixels, cfg.max_pixels, workers=cfg.image_workers)
     return tok
 
 

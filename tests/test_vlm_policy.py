@@ -318,3 +318,43 @@ def test_a_vlm_groups_first_prompt_runs_once_with_its_images_and_the_step_is_tha
     # to a few 1e-5 at this lr: a tenth of a step's move, where a wrong image or position shows in the loss above)
     for (name, a), (_, b) in zip(whole_params, shared_params):
         assert torch.allclose(a, b, atol=1e-4), (name, float((a - b).abs().max()))
+
+
+def test_images_are_processed_ahead_on_worker_threads_and_a_bad_one_fails_where_it_is_needed(vlm_dir):
+    """``prefetch`` processes screenshots on the image workers (an actor's at submit, a batch's all at once); ``pixels``
+    then takes them, equal to processing on the calling thread. An image that cannot be decoded raises where it is
+    needed, once per use, and leaves nothing pending."""
+    import threading
+
+    from policy.vision import VisionProcessor
+
+    shots = [Image.of(screen(f"sim:train:{task}")[1]["screenshot"])
+             for task in ("screen_click_marker/1", "screen_click_marker/2", "screen_click_marker/3")]
+    assert len({img.digest for img in shots}) == 3
+    inline = VisionProcessor(vlm_dir, workers=0)
+    ahead = VisionProcessor(vlm_dir, workers=2)
+    where: list[str] = []
+    process = ahead.image_processor.__class__.__call__
+
+    def recording(self, *args, **kwargs):
+        where.append(threading.current_thread().name)
+        return process(self, *args, **kwargs)
+
+    ahead.image_processor.__class__.__call__ = recording
+    try:
+        ahead.prefetch(shots + shots[:1])
+        got = [ahead.pixels(img) for img in shots]
+    finally:
+        ahead.image_processor.__class__.__call__ = process
+    assert len(where) == 3 and all(name.startswith("image-processor") for name in where), where
+    for (pix, grid), img in zip(got, shots):
+        ref_pix, ref_grid = inline.pixels(img)
+        assert torch.equal(pix, ref_pix) and torch.equal(grid, ref_grid)
+    bad = Image.of(b"\x89PNG not an image at all")
+    ahead.prefetch([bad])
+    for _ in range(2):
+        with pytest.raises(Exception):
+            ahead.pixels(bad)
+    assert not ahead._pending
+    with pytest.raises(ValueError, match="image_workers"):
+        ModelConfig(image_workers=-1).validate()
