@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import io
+import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -58,6 +59,7 @@ class VisionProcessor:
         self.cache_items = cache_items
         self.workers = workers
         self._pool: cf.ThreadPoolExecutor | None = None  # started by the first prefetch
+        self._pool_pid = 0  # the process that started it: a forked child has none of its threads
         self._pending: dict[str, cf.Future] = {}  # digest -> its processing, under way on a worker
         self._lock = threading.Lock()  # the cache and the pending map: the caller's thread and the workers'
 
@@ -70,9 +72,13 @@ class VisionProcessor:
             for image in images:
                 if image.digest in self._cache or image.digest in self._pending:
                     continue
-                if self._pool is None:
+                if self._pool is None or self._pool_pid != os.getpid():
                     self._pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="image-processor")
-                self._pending[image.digest] = self._pool.submit(self._process, image)
+                    self._pool_pid, self._pending = os.getpid(), {}
+                try:
+                    self._pending[image.digest] = self._pool.submit(self._process, image)
+                except RuntimeError:  # the interpreter is shutting down: ``pixels`` processes it where it is needed
+                    return
 
     def _process(self, image: Image) -> tuple[Any, Any]:
         try:
