@@ -369,7 +369,7 @@ class HFEngine:
     def _admit(self) -> None:
         """Waiting requests into free slots, prefilled, each with its first token. For a text model nothing in here
         waits for the GPU but the one read of every first token at the end, so on a GPU the host queues pass after
-        pass while earlier ones run (a VLM's image inputs still wait: ``policy/vision.py``)."""
+        pass while earlier ones run (a VLM's vision tower, transformers' code, still reads from the device)."""
         dev = self.device
         with self._cv:
             new = []
@@ -536,9 +536,10 @@ class HFEngine:
         starts = to_device([r.prefilled for r in reqs] + [0] * pad_rows, dev)
         slots = to_device([r.slot for r in reqs] + [reqs[0].slot] * pad_rows, dev)
         extra: dict[str, Any] = {}
-        if self.vision is not None:  # image inputs and multimodal positions [axes, n, width]
-            real = torch.arange(width, device=dev)[None, :] < lens[:, None]
-            extra = self.vision.model_inputs(self.model, ids, real.long(), [r.images for r in reqs])
+        if self.vision is not None:  # image inputs and multimodal positions [axes, n, width], worked out on the host
+            host_ids = rows_to_device(parts + [[]] * pad_rows, width, self.tokenizer.pad_id, "cpu")
+            real = torch.arange(width)[None, :] < torch.tensor([len(p) for p in parts] + [0] * pad_rows)[:, None]
+            extra = self.vision.model_inputs(self.model, host_ids, real.long(), [r.images for r in reqs], dev)
             positions = extra["position_ids"]
         hidden = (self.compiled_prefill if compiled else self._prefill_forward)(ids, lens, starts, slots, columns,
                                                                                  causal, **extra)

@@ -118,26 +118,33 @@ class VisionProcessor:
         return int(count(height, width)) // (self.merge ** 2)
 
     def model_inputs(self, model: Any, input_ids: Any, attention_mask: Any,
-                     images: Sequence[Sequence[Image]]) -> dict[str, Any]:
+                     images: Sequence[Sequence[Image]], device: Any = None) -> dict[str, Any]:
         """Keyword inputs of the model's forward pass for a batch whose row r holds ``images[r]`` in order:
-        ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids`` and the multimodal ``position_ids``."""
+        ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids`` and the multimodal ``position_ids``, on ``device``
+        (default: the ids').
+
+        Worked out on the host, from host copies of the ids and mask (pass them so: counting image tokens and the
+        position index's per-row loops read values, which on a GPU would make the host wait for it), and put on a
+        GPU from pinned memory without waiting: an engine's VLM prefill then queues like a text model's."""
         import torch
 
+        device = torch.device(device if device is not None else input_ids.device)
+        ids, mask = input_ids.cpu(), attention_mask.cpu()
         flat = [img for row in images for img in row]
-        device = input_ids.device
-        mm = (input_ids == self.image_token_id).int()
+        mm = (ids == self.image_token_id).int()
         self.prefetch(flat)  # every image at once, then each as it is done
         parts = [self.pixels(img) for img in flat]
         expected = sum(int(g.prod()) // self.merge ** 2 for _, g in parts)
         if int(mm.sum()) != expected:
             raise ValueError(f"the prompt ids hold {int(mm.sum())} image tokens, their {len(flat)} images take "
                              f"{expected}")
-        grid = torch.stack([g for _, g in parts]).to(device) if parts else None
+        grid = torch.stack([g for _, g in parts]) if parts else None
         # Text positions count on across images (a vision_start/vision_end pair separates any two of them);
         # padding gets position 0. A sampled token continues at the row's last position + 1 on all three axes.
-        positions, _ = model.model.get_rope_index(input_ids, mm_token_type_ids=mm, image_grid_thw=grid,
-                                                  attention_mask=attention_mask)
-        if not parts:
-            return {"position_ids": positions}
-        return {"pixel_values": torch.cat([p for p, _ in parts]).to(device), "image_grid_thw": grid,
-                "mm_token_type_ids": mm, "position_ids": positions}
+        positions, _ = model.model.get_rope_index(ids, mm_token_type_ids=mm, image_grid_thw=grid, attention_mask=mask)
+        out = {"position_ids": positions}
+        if parts:
+            out.update(pixel_values=torch.cat([p for p, _ in parts]), image_grid_thw=grid, mm_token_type_ids=mm)
+        if device.type != "cuda":
+            return {k: v.to(device) for k, v in out.items()}
+        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in out.items()}

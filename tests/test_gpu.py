@@ -206,6 +206,55 @@ def test_the_host_waits_for_the_gpu_only_at_a_windows_read_and_an_admissions_rea
     eng.close()
 
 
+def test_a_vlm_admission_host_waits_in_our_code_only_at_its_reads_on_cuda(tmp_path):
+    """A VLM's image inputs and multimodal positions are worked out on the host and go to the GPU from pinned memory
+    (``policy/vision.py: model_inputs``), so in an admission of screenshot prompts (a twin among them) nothing of ours
+    makes the host wait for the GPU but the admission's one read and the windows' reads. transformers' vision tower
+    still reads its grids from the device (its waits are in its own files, let through here)."""
+    import warnings
+
+    from actor.prompt import EpisodePrompt, PromptConfig
+    from env_server.sim.backend import SimBackend, SimConfig
+    from launch.tiny_checkpoints import vlm_checkpoint
+
+    cfg = ModelConfig(path=str(vlm_checkpoint(tmp_path / "vlm", corpus_episodes=20)), dtype="float32")
+    eng = HFEngine(cfg, EngineConfig(device="cuda", seed=1, max_batch=8, sync_every=8))
+    tok = eng.tokenizer
+    greedy = SamplingParams(temperature=0, max_new_tokens=16)
+
+    def run(first: int):
+        prompts, images = [], []
+        for seed in range(first, first + 3):
+            obs = SimBackend(SimConfig(screenshot="png")).reset(f"sim:train:screen_click_marker/{seed}")
+            prompt = EpisodePrompt(tok, PromptConfig(style="minimal", observation="screenshot"), obs["instruction"])
+            prompts.append(prompt.build(obs))
+            images.append(prompt.images)
+        prompts.insert(1, prompts[0])
+        images.insert(1, images[0])
+        eng.pause()
+        futures = [eng.submit(p, greedy, imgs) for p, imgs in zip(prompts, images)]
+        eng.resume()
+        for f in futures:
+            f.result(timeout=120)
+
+    run(100)  # captures the window graphs
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run(200)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ours = {}
+    for w in caught:
+        if "synchroniz" in str(w.message) and "/transformers/" not in w.filename and "torch/cuda/" not in w.filename:
+            ours[(w.filename, w.lineno)] = ours.get((w.filename, w.lineno), 0) + 1
+    # the admission's read and the windows' read: two lines of the engine
+    assert len(ours) <= 2 and all(site[0].endswith("actor/hf_engine.py") for site in ours), ours
+    assert eng.stats.prefix_copies >= 1
+    eng.close()
+
+
 def test_a_window_graph_samples_inside_it_from_the_engines_generator_on_cuda():
     """A whole window (8 steps and their sampling) is one graph replay, the engine's generator registered with every
     graph: engines seeded alike draw the same tokens, engines seeded apart do not, and every replay moves the
