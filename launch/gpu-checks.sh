@@ -103,7 +103,8 @@ case "$what" in
     timeout "${RUN_TIMEOUT:-360}" "$py" -m launch.cli run configs/local.yaml --run-dir "$rd" model.path= $run_model \
       learner.device="$dev" actor.engine.device="$dev" \
       learner.anchor.suite= learner.total_steps=8 learner.checkpoint_every=0 local.eval_episodes=0 \
-      local.torch_threads=4 learner.advantage.drop_zero_variance=false weights.timeout_s=120 weights.join_window_s=30 \
+      local.torch_threads=4 actor.engine.threads=0 learner.advantage.drop_zero_variance=false weights.timeout_s=120 \
+      weights.join_window_s=30 \
       ${RUN_OVERRIDES:-} > "$out/run-stdout.txt" 2>&1
     echo "run exit: $?"
     tail -5 "$out/run-stdout.txt"
