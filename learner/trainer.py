@@ -204,9 +204,10 @@ class Trainer:
             rows = [[Image(d, self.images.get(d)) for d in row] for row in tb.images] if any(tb.images) else \
                 [[] for _ in tb.images]
             tb.vision = self.vision.model_inputs(self.model, tb.input_ids, tb.attention_mask, rows)
-            if tb.shared is not None and rows[0]:  # the prompt's pass takes its images alone: the first row's
-                patches = sum(int(self.vision.pixels(img)[1].prod()) for img in rows[0])  # (host grids, cached)
-                tb.shared = dataclasses.replace(tb.shared, images=len(rows[0]), patches=patches)
+            if tb.shared is not None:  # the prompt's own pass: the first row's prompt and its images
+                p = tb.shared.length
+                tb.shared = dataclasses.replace(tb.shared, vision=self.vision.model_inputs(
+                    self.model, tb.input_ids[:1, :p], tb.attention_mask[:1, :p], rows[:1]))
         return tb
 
     def _frozen_copy(self) -> Any:

@@ -306,10 +306,8 @@ class SharedPrompt:
     """int64 [M], one per scored position in ``scored``'s order: its row in [the prompt's last hidden state; the
     continuations' hidden states, row-major] (0 scores a row's first sampled token, which the prompt's last
     position predicts)"""
-    images: int = 0
-    """a VLM's: the prompt's images (the first of the batch's ``image_grid_thw`` rows)"""
-    patches: int = 0
-    """a VLM's: their rows of ``pixel_values`` (the first ones)"""
+    vision: dict | None = None
+    """a VLM's inputs for the prompt's own pass: its one row's images and positions (``model_inputs``)"""
 
 
 def shared_prompt_logits(model: Any, input_ids: Any, shared: SharedPrompt, vision: dict | None = None) -> Any:
@@ -324,22 +322,16 @@ def shared_prompt_logits(model: Any, input_ids: Any, shared: SharedPrompt, visio
     forward runs both passes (FSDP2's hooks included); activation checkpointing drops a layer's cache in training,
     so the trainer does not share prompts under it.
 
-    ``vision``: a VLM's inputs for all the rows (``token_logprobs``). The prompt's pass takes its images (the vision
-    tower runs once) and its slice of the multimodal positions; the rows' pass, their positions, which go on from
-    the prompt's."""
+    ``vision``: a VLM's inputs for all the rows (``token_logprobs``). The prompt's pass takes ``shared.vision``, its
+    own (the vision tower runs once); the rows' pass, the rows' multimodal positions past the prompt."""
     import torch
 
     rows, length = input_ids.shape[0], shared.length
     keyword = cache_keyword(getattr(model, "module", model).forward)
-    first: dict[str, Any] = {}
-    rest: dict[str, Any] = {}
-    if vision is not None:
-        positions = vision["position_ids"]  # [axes, rows, width]
-        first["position_ids"], rest["position_ids"] = positions[:, :1, :length], positions[:, :, length:]
-        if shared.images:
-            first.update(pixel_values=vision["pixel_values"][:shared.patches],
-                         image_grid_thw=vision["image_grid_thw"][:shared.images],
-                         mm_token_type_ids=vision["mm_token_type_ids"][:1, :length])
+    first = shared.vision or {}
+    rest = {"position_ids": vision["position_ids"][:, :, length:]} if vision is not None else {}
+    if (vision is None) != (shared.vision is None):
+        raise ValueError("a VLM's shared prompt needs its own inputs (SharedPrompt.vision) and the rows' positions")
     last: list[Any] = []
 
     def keep_last(hidden: Any) -> Any:  # the prompt's last hidden state; the head's [1, V] of it is not used
