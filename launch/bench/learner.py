@@ -5,9 +5,10 @@ user would write for the same model and the same padded tensors (the body's forw
 rows being right-padded, the output head and a log-softmax gather on the sampled tokens alone, token-mean loss,
 backward, clip, AdamW step; on GPUs in pure bf16, the fastest such loop). ``ratio`` = ours / bare.
 ``--shape qwen2.5-0.5b|qwen2.5-1.5b`` builds those published shapes (vocabulary 151,936, scored over a
-151,665-token tokenizer) with random weights. ``--vlm`` builds a tiny Qwen2-VL instead (``--hidden`` wide, ``--layers``
-deep, a frozen 64-wide vision tower, as ``configs/vlm-pixels.yaml``'s) and prompts it with the instruction and a
-screenshot of the sim desktop; both loops then take the image inputs from the checkpoint's own image processor. On a GPU (``--device cuda``) it also reports MFU: model
+151,665-token tokenizer) with random weights. ``--vlm`` builds a tiny Qwen2-VL instead (``--hidden`` wide,
+``--layers`` deep, a frozen 64-wide vision tower, as ``configs/vlm-pixels.yaml``'s) and prompts it with the instruction
+and a screenshot of the sim desktop; both loops then take the image inputs from the checkpoint's own image
+processor. On a GPU (``--device cuda``) it also reports MFU: model
 FLOPs (6 x parameters + 12 x layers x width x sequence length, per processed token: prompt and output,
 forward and backward) per second over the device's dense bf16 peak (looked up by name, or ``--peak-tflops``).
 
@@ -30,25 +31,30 @@ import numpy as np
 from launch.bench.procs import await_result, reap
 
 
+def _group(k: int, rollouts: list[tuple[np.ndarray, np.ndarray, tuple[str, ...]]]):
+    """Group ``k`` of single-turn rollouts, each (prompt ids, sampled ids, image digests); rewards alternate 0/1."""
+    from common import protocol as P
+
+    trajs = []
+    for i, (prompt, sampled, images) in enumerate(rollouts):
+        n = len(sampled)
+        turn = P.TurnView(prompt, sampled, np.full(n, -2.0, np.float32), np.zeros(n, np.int32), np.ones(n, np.uint8),
+                          float(i % 2), False, "", "", images)
+        trajs.append(P.Trajectory.from_turns(uuid.uuid4().hex[:8], float(i % 2), bool(i % 2), [turn]))
+    return P.TrajectoryGroup(group_id=uuid.uuid4().hex, ticket_id="t", task_id=f"sim:train/{k}", actor_id="bench",
+                             trajectories=trajs, behavior_version_min=0, behavior_version_max=0)
+
+
 def _groups(n_groups: int, group_size: int, prompt_len: int, output_len: int, vocab: int, seed: int,
             same_prompt: bool = False):
     """Single-turn groups of random tokens; ``same_prompt``: a group's rollouts begin with one prompt."""
-    from common import protocol as P
-
     rng = np.random.default_rng(seed)
     out = []
     for k in range(n_groups):
-        trajs = []
         group_prompt = rng.integers(0, vocab, prompt_len).astype(np.int32) if same_prompt else None
-        for i in range(group_size):
-            turn = P.TurnView(group_prompt if same_prompt else rng.integers(0, vocab, prompt_len).astype(np.int32),
-                              rng.integers(0, vocab, output_len).astype(np.int32),
-                              np.full(output_len, -2.0, np.float32), np.zeros(output_len, np.int32),
-                              np.ones(output_len, np.uint8), float(i % 2), False, "", "")
-            trajs.append(P.Trajectory.from_turns(uuid.uuid4().hex[:8], float(i % 2), bool(i % 2), [turn]))
-        out.append(P.TrajectoryGroup(group_id=uuid.uuid4().hex, ticket_id="t", task_id=f"sim:train/{k}",
-                                     actor_id="bench", trajectories=trajs, behavior_version_min=0,
-                                     behavior_version_max=0))
+        out.append(_group(k, [(group_prompt if same_prompt else rng.integers(0, vocab, prompt_len).astype(np.int32),
+                               rng.integers(0, vocab, output_len).astype(np.int32), ())
+                              for _ in range(group_size)]))
     return out
 
 
@@ -58,7 +64,6 @@ def _vlm_groups(n_groups: int, group_size: int, output_len: int, tokenizer, stor
     observations, as ``configs/vlm-pixels.yaml`` has them; each a task of its own, or with ``same_prompt`` one a
     group), their images put in ``store``; sampled ids drawn from the tokens a policy may sample."""
     from actor.prompt import EpisodePrompt, PromptConfig
-    from common import protocol as P
     from env_server.sim.backend import SimBackend, SimConfig
 
     rng = np.random.default_rng(seed)
@@ -77,18 +82,13 @@ def _vlm_groups(n_groups: int, group_size: int, output_len: int, tokenizer, stor
 
     out = []
     for k in range(n_groups):
-        trajs = []
         first = seed * 100_000 + k * group_size
         group_prompt = prompt(first) if same_prompt else None
+        rollouts = []
         for i in range(group_size):
             ids, images = group_prompt or prompt(first + i)
-            turn = P.TurnView(ids, rng.choice(allowed, output_len).astype(np.int32),
-                              np.full(output_len, -2.0, np.float32), np.zeros(output_len, np.int32),
-                              np.ones(output_len, np.uint8), float(i % 2), False, "", "", images)
-            trajs.append(P.Trajectory.from_turns(uuid.uuid4().hex[:8], float(i % 2), bool(i % 2), [turn]))
-        out.append(P.TrajectoryGroup(group_id=uuid.uuid4().hex, ticket_id="t", task_id=f"sim:train/{k}",
-                                     actor_id="bench", trajectories=trajs, behavior_version_min=0,
-                                     behavior_version_max=0))
+            rollouts.append((ids, rng.choice(allowed, output_len).astype(np.int32), images))
+        out.append(_group(k, rollouts))
     return out
 
 
@@ -212,9 +212,9 @@ def _learner_bench(hidden: int, layers: int, groups: int, group_size: int, promp
                                                       vision_dim=64, rope_theta=10.0, corpus_episodes=20)),
                               train_vision=False)
         store = ImageStore(f"{vlm_dir}/images")
-        vision = build_tokenizer(vlm_cfg).vision  # the bare loop's image processor (its own cache)
-        data = [_vlm_groups(groups, group_size, output_len, build_tokenizer(vlm_cfg), store, s, same_prompt)
-                for s in range(steps + 1)]
+        tokenizer = build_tokenizer(vlm_cfg)  # the prompts', and the bare loop's image processor (ours has its own)
+        vision = tokenizer.vision
+        data = [_vlm_groups(groups, group_size, output_len, tokenizer, store, s, same_prompt) for s in range(steps + 1)]
         prompt_len = round(statistics.mean(len(t.prompt_ids) for d in data for g in d for t in g.trajectories))
     else:
         data = [_groups(groups, group_size, prompt_len, output_len, 256, s, same_prompt) for s in range(steps + 1)]
@@ -296,7 +296,8 @@ def _learner_bench(hidden: int, layers: int, groups: int, group_size: int, promp
     L, width = about["layers"], about["hidden"]
     flops_per_step = groups * group_size * seq * (6 * params + 12 * L * width * seq)
     top = peak_tflops(device, peak)
-    return {"shape": shape or ("tiny-qwen2-vl" if vlm_dir else "custom"), "params": params, "hidden": width, "layers": L,
+    return {"shape": shape or ("tiny-qwen2-vl" if vlm_dir else "custom"), "params": params, "hidden": width,
+            "layers": L,
             "vocab": about["rows"], "dtype": str(torch_dtype(model_cfg, device)).removeprefix("torch."),
             "groups": groups, "group_size": group_size, "prompt_len": prompt_len, "output_len": output_len,
             "micro_batch_tokens": micro_batch_tokens, "activation_checkpointing": activation_checkpointing,
