@@ -51,8 +51,9 @@ class EngineStats:
     requests: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # running requests summed over decode steps (/ decode_steps = mean batch)
+    late_rows: int = 0  # rows decoded for requests that had already finished (hf, overlapped: its price)
     prefill_batches: int = 0
-    prefill_seconds: float = 0.0  # of ``seconds``, spent prefilling prompts (the rest decodes)
+    prefill_seconds: float = 0.0  # of ``seconds``, spent prefilling prompts (the rest decodes; overlapped: device time)
     prefix_reused_tokens: int = 0  # prompt tokens not prefilled: a slot already held them
     prefix_copies: int = 0  # requests whose reused prefix was copied from another request's slot
     first_token_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
@@ -73,10 +74,14 @@ class EngineStats:
         for it: the vllm engine times neither prefill passes nor decode steps): the mean decode batch, the share
         spent admitting and prefilling, milliseconds per decode step (the rest of the busy time: windows, their host
         read and bookkeeping) and per prefill pass, prompt tokens per pass, and the share of prompt tokens a slot
-        already held. Each phase ends in a host read of its results, so on a GPU these include the device's time."""
+        already held. In step, each phase ends in a host read of its results, so on a GPU these include the device's
+        time; overlapped, the prefill passes are timed on the device. ``late_row_share``: of the rows decoded, those
+        of requests already finished (overlapped windows' price)."""
         steps, passes = self.decode_steps, self.prefill_batches
         prompted = self.prompt_tokens + self.prefix_reused_tokens
+        rows = self.decode_rows + self.late_rows
         return {"mean_batch": round(self.decode_rows / steps, 2) if steps else None,
+                "late_row_share": round(self.late_rows / rows, 3) if rows else None,
                 "prefill_share": round(self.prefill_seconds / self.seconds, 3) if passes and self.seconds else None,
                 "decode_ms_per_step": (round(1000 * (self.seconds - self.prefill_seconds) / steps, 3)
                                        if steps else None),
@@ -167,6 +172,8 @@ class EngineConfig:
     """prefill only what the cache lacks: a free slot's leftovers, another request's prompt (a VLM: only twins')"""
     sync_every: int = 0
     """decode steps between two looks from the host (stop checks, joins, swaps); 0 = 1 on CPU, 8 on CUDA"""
+    overlap: str = "auto"
+    """hf: queue each decode window before reading the last (host work hidden): auto (on CUDA) | always | never"""
     cuda_graphs: bool = True
     """replay the decode step as captured CUDA graphs (CUDA only; a capture that fails falls back to eager)"""
     compile: bool = False
@@ -187,6 +194,8 @@ class EngineConfig:
             raise ValueError("max_batch must be >= 1")
         if self.max_seq_len < 0 or self.prefill_tokens < 1 or self.sync_every < 0:
             raise ValueError("engine: need max_seq_len >= 0, prefill_tokens >= 1, sync_every >= 0")
+        if self.overlap not in ("auto", "always", "never"):
+            raise ValueError(f"actor.engine.overlap must be auto, always or never, not {self.overlap!r}")
         self.vllm.validate()
 
     def fitted(self, max_prompt_tokens: int, max_new_tokens: int) -> "EngineConfig":

@@ -62,6 +62,21 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 @dataclass
+class QueuedReads:
+    """One window's results on their way to the host: the first tokens its admission sampled (of ``admitted``, in
+    order) and the tokens it decoded (of ``running``), copied behind it into host memory. With ``overlap`` the host
+    reads them while the next window runs."""
+
+    admitted: list
+    first: Any  # [2, len(admitted)] tokens and log-probs, or None
+    running: list
+    tokens: Any  # [2, slots, sync_every] tokens and log-probs, or None
+    version: int  # of the weights that sampled all of them
+    done: Any = None  # a CUDA event recorded after the copies (None on a CPU: they are done)
+    prefill: tuple = ()  # CUDA events around the admission's passes: its device time
+
+
+@dataclass
 class Request:
     """One generation in the engine: waiting for a slot, then running in it until it finishes."""
 
@@ -82,6 +97,9 @@ class Request:
     twin: bool = False
     ids: Any = None  # the prompt as an array (prefix matching, made on the submitting thread)
     image_key: tuple = ()  # its images' content digests, in order: a twin has the same prompt and the same images
+    # tokens the device was asked to sample for it so far (its first, and every window it ran in): what a window's
+    # columns are sized by, the host's count of them lagging a window behind when windows overlap
+    decoded: int = 0
 
     @property
     def remaining(self) -> int:
@@ -162,6 +180,10 @@ class HFEngine:
                               torch.zeros(S, dtype=torch.long, device=dev))
         self.sync_every = cfg.sync_every or (8 if self.cuda else 1)
         self.out = torch.zeros(2, S, self.sync_every, device=dev)  # tokens (exact in float32 below 2**24), log-probs
+        # the next window queued before the last one's results are read: the host's reading, stop checks and
+        # admissions run while the GPU decodes (a CPU runs a window before the host goes on: nothing to hide)
+        self.overlap = cfg.overlap == "always" or (cfg.overlap == "auto" and self.cuda)
+        self._pending: QueuedReads | None = None  # the window in flight whose results the host has not read
         self.compiled_step = Compiled(self._decode_step, "the decode step") if cfg.compile else None
         self.step = self.compiled_step or self._decode_step  # (rows, key columns) -> logits: a window's step per token
         # a VLM's prefill also runs its vision tower on images of any size: it stays eager
@@ -277,6 +299,23 @@ class HFEngine:
             self.free_slots = list(range(n))
             self.slot_tokens = [None] * self.slots
 
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Until nothing waits or runs and every window queued has been read: overlapped, the last window of a burst
+        (its rows all finished, as the host learns from the window before) is read after every request resolved,
+        and only then are the stats complete and the device free."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._closed or not (self._waiting or self._by_slot
+                                                                  or self._pending is not None), timeout):
+                raise TimeoutError(f"the engine was not idle within {timeout} s")
+
+    def use_overlap(self, on: bool) -> None:
+        """Overlap decode windows (``EngineConfig.overlap``) or not from now on (benchmarks compare both on one
+        engine); only while no request runs."""
+        with self._cv:
+            if self._by_slot:
+                raise ValueError("use_overlap: needs an idle engine")
+            self.overlap = on
+
     def close(self) -> None:
         """Stop the engine's thread; requests still waiting or running fail."""
         with self._cv:
@@ -304,19 +343,27 @@ class HFEngine:
             self.torch.cuda.set_device(self._cuda_index)
         with self.torch.no_grad():  # grad mode is per thread
             while True:
-                with self._cv:  # work: requests running or waiting, or weights to swap in
-                    while not self._closed and not (self._by_slot or self._waiting or self._staged is not None):
+                with self._cv:  # work: requests running or waiting, weights to swap in, results still to read
+                    while not self._closed and not (self._by_slot or self._waiting or self._staged is not None
+                                                    or self._pending is not None):
                         self._cv.wait()
                     if self._closed:
                         break
-                self._running.wait()
                 t0 = time.perf_counter()
                 try:
+                    if not self._running.is_set():
+                        self._read_pending()  # a paused engine has handed out every token it sampled
+                        self.stats.seconds += time.perf_counter() - t0
+                        self._running.wait()
+                        t0 = time.perf_counter()
                     self._window()
                 except Exception as exc:  # an engine failure fails the requests in flight, not the engine
                     log.exception("engine window failed")
+                    self._pending = None
                     self._fail(list(self._by_slot.values()), exc)
                 self.stats.seconds += time.perf_counter() - t0
+                with self._cv:
+                    self._cv.notify_all()  # (``wait_idle``)
         with self._cv:
             self._fail(list(self._by_slot.values()) + list(self._waiting), RuntimeError("the engine is closed"))
             self._waiting.clear()
@@ -326,16 +373,74 @@ class HFEngine:
         return self.cfg.interrupt or self._staged is None
 
     def _window(self) -> None:
+        """Swap, admit, decode a window, read. In step (``overlap`` off) the host reads an admission's first tokens
+        before the window and the window's tokens after it, so the GPU waits while the host checks them and queues
+        the next admission. Overlapped, both come back behind the window in one copy, and the host reads them only
+        after queueing the next window: the GPU always has a window queued. The price: a request that finished in
+        the window being read (its stop, its budget) still decodes in the next, its tokens there thrown away, and
+        its slot is free a window later."""
+        if not self.overlap:
+            self._read_pending()  # (left by windows overlapped before ``use_overlap(False)``)
         if self.cfg.interrupt or not self._by_slot:
             self._swap_if_staged()
+        sampled: list[tuple[list[Request], Any]] = []
+        prefill: tuple = ()
         if self._admitting():
             t0 = time.perf_counter()
-            self._admit()
-            self.stats.prefill_seconds += time.perf_counter() - t0
+            if self.overlap and self.cuda:  # the host does not wait for the passes: time them on the device
+                prefill = (self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True))
+                prefill[0].record()
+            sampled = self._admit()
+            if prefill:  # (its seconds are added once read)
+                prefill[1].record()
+            else:
+                if not self.overlap:
+                    self._take_first_tokens(sampled)
+                    sampled = []
+                self.stats.prefill_seconds += time.perf_counter() - t0
+        running, version = [], self.version
         if self._by_slot:
             if self.step_hook is not None:  # before the window: a request finishing in it is never seen as running
                 self.step_hook()
-            self._decode_window()
+            running = self._decode_window()
+        if not self.overlap:
+            if running:
+                self._take_window(running, self.out.tolist(), version)  # the window's one device-to-host copy
+            return
+        queued = self._queue_reads(sampled, running, version, prefill)
+        self._read_pending()
+        self._pending = queued if (queued.admitted or queued.running) else None
+
+    def _queue_reads(self, sampled: list[tuple[list[Request], Any]], running: list[Request], version: int,
+                     prefill: tuple) -> QueuedReads:
+        """This window's results copied to host memory behind it (pinned, not waited for) and an event after them."""
+        torch = self.torch
+        first = torch.cat([t for _, t in sampled], dim=1) if sampled else None
+
+        def to_host(t: Any) -> Any:  # (a CPU tensor is copied: the next window rewrites ``out``)
+            return t.to("cpu", non_blocking=True) if self.cuda else t.clone()
+
+        queued = QueuedReads([r for reqs, _ in sampled for r in reqs], None if first is None else to_host(first),
+                             running, to_host(self.out) if running else None, version, prefill=prefill)
+        if self.cuda:
+            queued.done = torch.cuda.Event()
+            queued.done.record()
+        return queued
+
+    def _read_pending(self) -> None:
+        """The window in flight's results, once its copies have landed: the overlapped engine's one wait per
+        window (an event's, so it waits for that window alone, not for the one queued after it)."""
+        queued, self._pending = self._pending, None
+        if queued is None:
+            return
+        if queued.done is not None:
+            queued.done.synchronize()
+        if queued.prefill:
+            self.stats.prefill_seconds += queued.prefill[0].elapsed_time(queued.prefill[1]) / 1000
+        if queued.admitted:
+            self._take_first(queued.admitted, queued.first.tolist(), queued.version)
+        if queued.running:
+            self._take_window(queued.running, queued.tokens.tolist(), queued.version)
 
     def _fail(self, reqs: list[Request], exc: BaseException) -> None:
         for r in reqs:
@@ -366,10 +471,11 @@ class HFEngine:
 
     # ----- prefill -------------------------------------------------------------------------------
 
-    def _admit(self) -> None:
-        """Waiting requests into free slots, prefilled, each with its first token. For a text model nothing in here
-        waits for the GPU but the one read of every first token at the end, so on a GPU the host queues pass after
-        pass while earlier ones run (a VLM's vision tower, transformers' code, still reads from the device)."""
+    def _admit(self) -> list[tuple[list[Request], Any]]:
+        """Waiting requests into free slots, prefilled, each with its first token: each pass's requests and their
+        first tokens, on the device. For a text model nothing in here waits for the GPU, so on a GPU the host queues
+        pass after pass while earlier ones run (a VLM's vision tower, transformers' code, still reads from the
+        device)."""
         dev = self.device
         with self._cv:
             new = []
@@ -380,7 +486,7 @@ class HFEngine:
             for r in new:
                 self._by_slot[r.slot] = r
         if not new:
-            return
+            return []
         slots = to_device([r.slot for r in new], dev)
         rows = self.rows
         rows.temperature.index_copy_(0, slots, to_device([r.params.temperature or 1.0 for r in new], dev))
@@ -398,7 +504,9 @@ class HFEngine:
         for reqs in (first, later):
             self._copy_prefixes([r for r in reqs if r.source >= 0])
             sampled += self._prefill_all(reqs)
-        self._take_first_tokens(sampled)
+        for r in new:
+            r.decoded = 1
+        return sampled
 
     def _prefill_all(self, reqs: list[Request]) -> list[tuple[list[Request], Any]]:
         """Prefill ``reqs``: in batches of at most ``prefill_tokens`` padded tokens, a longer prompt alone in chunks.
@@ -420,14 +528,17 @@ class HFEngine:
         return sampled
 
     def _take_first_tokens(self, sampled: list[tuple[list[Request], Any]]) -> None:
-        """Every pass's first tokens and log-probs in one read from the device: the admission's one wait."""
-        if not sampled:
-            return
-        host = self.torch.cat([t for _, t in sampled], dim=1).tolist()
-        now, version = time.perf_counter(), self.version
-        for j, r in enumerate(r for reqs, _ in sampled for r in reqs):
+        """Every pass's first tokens and log-probs in one read from the device: the admission's one wait (in step)."""
+        if sampled:
+            self._take_first([r for reqs, _ in sampled for r in reqs],
+                             self.torch.cat([t for _, t in sampled], dim=1).tolist(), self.version)
+
+    def _take_first(self, admitted: list[Request], host: list, version: int) -> None:
+        now = time.perf_counter()
+        for j, r in enumerate(admitted):
             self.stats.first_token_s.append(now - r.submitted)
-            self._take(r, [int(host[0][j])], [host[1][j]], version)
+            if r.slot >= 0:  # (not failed meanwhile)
+                self._take(r, [int(host[0][j])], [host[1][j]], version)
 
     def _place(self, r: Request, admitted: list[Request]) -> None:
         """A free slot for ``r``, and how much of its prompt need not be prefilled. The longest prefix of its
@@ -669,25 +780,36 @@ class HFEngine:
                           greedy=any(t == 0 for t in temps), sampled=any(t > 0 for t in temps),
                           min_new=any(r.params.min_new_tokens > len(r.gen.token_ids) for r in reqs))
 
-    def _decode_window(self) -> None:
+    def _decode_window(self) -> list[Request]:
+        """Queue a window for every running request (those the host has not yet seen finish, overlapped); they are
+        returned for ``_take_window``."""
         running = list(self._by_slot.values())
         window = self.sync_every
         top = max(self._by_slot) + 1
         # a row's last sampled token goes to cache column prompt + generated - 1, never past prompt + max_new - 1
-        longest = max(len(r.prompt) + min(len(r.gen.token_ids) - 1 + window, r.params.max_new_tokens - 1)
+        longest = max(len(r.prompt) + min(r.decoded - 1 + window, r.params.max_new_tokens - 1)
                       for r in running) + 1
         if self.graphs is not None and not self.graphs.disabled:  # few shapes: each is a captured graph
             rows, columns = row_bucket(top, self.slots), column_bucket(longest, self.max_seq_len)
         else:
             rows, columns = top, longest
-        version = self.version
         self.decode(rows, columns, self._kinds(running))
         self.stats.decode_steps += window
         self.stats.decode_rows += window * len(running)
         self.stats.batches += 1
-        host = self.out[:, :rows, :window].tolist()  # the window's one device-to-host copy
         for r in running:
-            n = min(window, r.remaining)
+            r.decoded += window
+        return running
+
+    def _take_window(self, running: list[Request], host: list, version: int) -> None:
+        """A window's tokens (``host``: ``out`` read back) for the requests it ran; one that finished before them
+        (overlapped: in the window before, or at its first token) has left its slot, and they are dropped."""
+        for r in running:
+            if r.slot < 0:
+                self.stats.decode_rows -= self.sync_every  # not a running request's: counted apart
+                self.stats.late_rows += self.sync_every
+                continue
+            n = min(self.sync_every, r.remaining)
             self._take(r, [int(t) for t in host[0][r.slot][:n]], host[1][r.slot][:n], version)
 
     def _take(self, r: Request, tokens: list[int], logps: list[float], version: int) -> None:

@@ -5,7 +5,8 @@
 # Uses the current python (torch + transformers with CUDA); pyzmq/structlog/... must be importable.
 # launch/gpu-rehearsal.sh plays these same checks on a CPU first, under the lent machines' torch and transformers,
 # through four variables (unset on a GPU): GPU_CHECKS_DEVICE (cuda), GPU_CHECKS_MODEL (the benches' model
-# arguments), GPU_CHECKS_RUN_MODEL (the run's model overrides), and GPU_CHECKS_SMALL (arguments that shrink a bench).
+# arguments), GPU_CHECKS_RUN_MODEL (the run's model overrides; the rehearsal's also overlaps
+# the engines' windows, as a GPU's engine does by default), and GPU_CHECKS_SMALL (arguments that shrink a bench).
 # RUN_OVERRIDES: more overrides for `run`, after its own (e.g. "local.actors=1 actor.max_groups=4", docs/gpu.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,17 +45,19 @@ case "$what" in
     # (steps and their sampling) as one graph each: their CUDA tests, then the engine bench compiled
     # (its ratio is against generate measured in the same run, as the uncompiled figures in docs/gpu.md are; the
     # compilations are paid in the bench's untimed warm-up). The mixed workload is played in groups of 8 rollouts
-    # from one first prompt, as the recipes' GRPO groups are (group_size 8). At most 590 s: one device call (600).
+    # from one first prompt, as the recipes' GRPO groups are (group_size 8). Each workload is played overlapped (the
+    # GPU's default) and once more in step (--overlap both: overlap_gain). At most 590 s: one device call (600).
     gpus
     # every test reports (no -x): a VLM capture that fails must not hide the text tests' outcome; -v names each
     # outcome as it comes, so a time limit that cuts the tests short still says which passed (durations: the next
     # plan's sizes)
     timeout 150 "$py" -m pytest -v --durations=0 -p no:cacheprovider tests/test_gpu.py -k "compiled or version_0 or window_graph or graphs_continuous or host_waits" 2>&1 | tee "$out/tests.txt" | tail -5
     timeout 330 "$py" -m launch.cli bench engine --device "$dev" "${model[@]}" "${small[@]}" --compile --group-size 8 \
-      --profile "$out/profile-compiled.txt" --json 2>>"$out/bench-err.txt" \
+      --overlap both --profile "$out/profile-compiled.txt" --json 2>>"$out/bench-err.txt" \
       | tee -a "$out/bench-engine-compiled.jsonl" || tail -20 "$out/bench-err.txt"
     # the same fixed batch of 128 uncompiled, same session: what compiling gave, per decode step and per prefill pass
-    timeout 110 "$py" -m launch.cli bench engine --device "$dev" "${model[@]}" "${small[@]}" --batch 128 --workload "" --json \
+    timeout 110 "$py" -m launch.cli bench engine --device "$dev" "${model[@]}" "${small[@]}" --batch 128 --workload "" \
+      --overlap both --json \
       2>>"$out/bench-err.txt" | tee -a "$out/bench-engine-eager.jsonl" || tail -20 "$out/bench-err.txt"
     ;;
   engine-library)
@@ -138,7 +141,7 @@ if actors:
     last = {}
     for r in actors: last[r.get("rank")] = r
     for key in ("engine_idle_ratio", "gen_tokens_per_s", "wall_s", "engine_prefill_share", "engine_decode_ms_per_step",
-                "engine_mean_batch"):  # each actor's last record: rate, wall time, its engine by phase
+                "engine_mean_batch", "engine_late_row_share"):  # each actor's last record: rate, wall time, engine by phase
         rep[f"actor_{key}"] = {k: v.get(key) for k, v in last.items()}
 print(json.dumps(rep, indent=1))
 (out / "run-report.json").write_text(json.dumps(rep, indent=1))

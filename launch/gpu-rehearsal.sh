@@ -59,7 +59,7 @@ for check in "$@"; do
   PYTHON="$venv/bin/python" GPU_CHECKS_DEVICE=cpu GPU_CHECKS_MODEL="--hidden 32 --layers 2" \
     GPU_CHECKS_SMALL="--prompt-len 64 --new-tokens 16 --mixed-episodes 16" \
     GPU_CHECKS_RUN_MODEL="model.arch=qwen2 model.hidden_size=64 model.num_layers=2 model.num_heads=4 \
-model.num_kv_heads=2 model.intermediate_size=128 model.vocab_size=1024" \
+model.num_kv_heads=2 model.intermediate_size=128 model.vocab_size=1024 actor.engine.overlap=always" \
     bash launch/gpu-checks.sh "$check" "$out/$check" > "$out/$check.txt" 2>&1 || true
   # what the check must have written (gpu-checks.sh goes on past a failing step, so its exit says little)
   if ! "$venv/bin/python" -m launch.rehearsal_outputs "$check" "$out/$check" 2>&1 | tee -a "$out/rehearsal.txt"; then

@@ -46,7 +46,12 @@ def engine_compile(out: Path) -> list[str]:
     for key in ("compile_disabled", "prefill_compile_disabled"):
         if compiled.get(key):
             problems.append(f"the compiled bench fell back to eager: {key} = {compiled[key]!r}")
-    problems += _workloads(_last_json(out / "bench-engine-eager.jsonl"), ("fixed_128",), "eager bench")
+    eager = _last_json(out / "bench-engine-eager.jsonl")
+    problems += _workloads(eager, ("fixed_128",), "eager bench")
+    for source, bench, names in (("compiled bench", compiled, WORKLOADS), ("eager bench", eager, ("fixed_128",))):
+        for name in names:
+            if not (bench.get(name) or {}).get("in_step_tokens_per_s"):
+                problems.append(f"{source}: workload {name} was not played in step too (--overlap both)")
     return problems + _file(out, "profile-compiled.txt") + _file(out, "profile-compiled-mixed.txt") + tests(out)
 
 

@@ -88,6 +88,9 @@ def test_every_episodes_first_turn_is_queued_before_the_engine_admits_any():
             self.submits.append(self.paused)
             return eng.submit(*args, **kwargs)
 
+        def wait_idle(self):
+            eng.wait_idle()
+
     tok = eng.tokenizer
     avoid = set(tok.stop_ids) | {tok.pad_id}
     episodes = [_episode(random.Random(i), [(12, 3, 0), (20, 2, 0)], tok.vocab_size, avoid) for i in range(4)]
@@ -186,3 +189,19 @@ def test_the_baselines_run_on_transformers_attention_with_their_padding_masks(mo
     torch.testing.assert_close(padded, alone, atol=1e-5, rtol=1e-5)
     assert eng.generate([prompts[0]], SamplingParams(max_new_tokens=3))[0].token_ids and ours, "the engine's own"
     eng.close()
+
+
+def test_overlap_both_plays_each_workload_overlapped_then_in_step_on_one_engine():
+    """``bench engine --overlap both``: the same episodes once with overlapped windows and once in step, each figure
+    from its own run (the overlapped one's late rows are its own)."""
+    from launch.bench.engine import run_bench
+
+    out = run_bench(hidden=16, layers=1, batches=(4,), prompt_len=16, new_tokens=8, mixed_batch=4, mixed_episodes=4,
+                    group_size=2, overlap="both")
+    assert out["overlap"] == "both"
+    for name in ("fixed_4", "mixed"):
+        w = out[name]
+        assert w["in_step_tokens_per_s"] > 0 and 0 < w["in_step_mean_batch"] <= 4, w
+        assert abs(w["overlap_gain"] - w["tokens_per_s"] / w["in_step_tokens_per_s"]) < 0.01, w
+        assert w["in_step_late_row_share"] == 0, "in step, no row decodes past its request's end"
+    assert out["fixed_4"]["late_row_share"] > 0 and out["mixed"]["late_row_share"] > 0

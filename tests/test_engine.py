@@ -34,8 +34,11 @@ def _agree(eng, prompts, gens, temperature=1.0):
 
 
 @pytest.mark.parametrize("cfg", [dict(max_batch=3, sync_every=1), dict(max_batch=4, sync_every=5, prefill_tokens=24),
-                                 dict(max_batch=8, sync_every=3, prefix_reuse=False)],
-                         ids=["per-token", "windows+chunked-prefill", "no-reuse"])
+                                 dict(max_batch=8, sync_every=3, prefix_reuse=False),
+                                 dict(max_batch=3, sync_every=1, overlap="always"),
+                                 dict(max_batch=4, sync_every=5, prefill_tokens=24, overlap="always")],
+                         ids=["per-token", "windows+chunked-prefill", "no-reuse", "per-token-overlapped",
+                              "windows+chunked-prefill-overlapped"])
 def test_more_requests_than_slots_of_mixed_lengths_and_params_agree_with_the_learner(cfg):
     eng = HFEngine(TINY, EngineConfig(seed=5, **cfg))
     tok = eng.tokenizer
@@ -56,8 +59,9 @@ def test_more_requests_than_slots_of_mixed_lengths_and_params_agree_with_the_lea
     eng.close()
 
 
-def test_a_short_request_leaves_while_a_long_one_decodes_and_a_late_one_joins():
-    eng = HFEngine(TINY, EngineConfig(seed=1, max_batch=4))
+@pytest.mark.parametrize("overlap", ["never", "always"])
+def test_a_short_request_leaves_while_a_long_one_decodes_and_a_late_one_joins(overlap):
+    eng = HFEngine(TINY, EngineConfig(seed=1, max_batch=4, overlap=overlap))
     tok = eng.tokenizer
     done_at: dict[str, float] = {}
     long = eng.submit(tok.encode("long"), SamplingParams(max_new_tokens=120, min_new_tokens=120))
@@ -73,8 +77,9 @@ def test_a_short_request_leaves_while_a_long_one_decodes_and_a_late_one_joins():
     eng.close()
 
 
-def test_a_later_turn_reuses_the_slot_holding_its_prefix():
-    eng = HFEngine(TINY, EngineConfig(seed=2, max_batch=4))
+@pytest.mark.parametrize("overlap", ["never", "always"])
+def test_a_later_turn_reuses_the_slot_holding_its_prefix(overlap):
+    eng = HFEngine(TINY, EngineConfig(seed=2, max_batch=4, overlap=overlap))
     tok = eng.tokenizer
     first = tok.encode("a long shared history of the episode " * 4)
     g1 = eng.generate([first], SamplingParams(max_new_tokens=10))[0]
@@ -105,11 +110,12 @@ def _submit_from_window(eng, when, prompt, params) -> dict:
     return out
 
 
-def test_a_groups_rollouts_prefill_their_shared_prompt_once_and_later_ones_copy_it_from_a_running_slot():
+@pytest.mark.parametrize("overlap", ["never", "always"])
+def test_a_groups_rollouts_prefill_their_shared_prompt_once_and_later_ones_copy_it_from_a_running_slot(overlap):
     """G rollouts of a group start from one prompt, admitted together: one forward pass prefills it, the others copy
     its columns and sample their first tokens from its logits; a turn that shares a running request's prompt
     copies it from that slot and prefills the rest; all agree with the teacher-forced pass."""
-    eng = HFEngine(TINY, EngineConfig(seed=4, max_batch=6, sync_every=2))
+    eng = HFEngine(TINY, EngineConfig(seed=4, max_batch=6, sync_every=2, overlap=overlap))
     tok = eng.tokenizer
     prompt = tok.encode("the task, its rules and the first screen of the desktop " * 2)
     eng.pause()  # the group arrives in one window, as an actor submits it
@@ -136,10 +142,11 @@ def test_a_groups_rollouts_prefill_their_shared_prompt_once_and_later_ones_copy_
     eng.close()
 
 
-def test_a_copy_whose_source_finished_at_its_own_prefill_still_copies_that_slot():
+@pytest.mark.parametrize("overlap", ["never", "always"])
+def test_a_copy_whose_source_finished_at_its_own_prefill_still_copies_that_slot(overlap):
     """Admitted together: the source's one token comes from its prefill, so it finishes in the admission that copies
     its prefix."""
-    eng = HFEngine(TINY, EngineConfig(seed=8, max_batch=4))
+    eng = HFEngine(TINY, EngineConfig(seed=8, max_batch=4, overlap=overlap))
     tok = eng.tokenizer
     prompt = tok.encode("one prompt for two requests admitted in the same window " * 2)
     eng.pause()
@@ -180,12 +187,13 @@ def test_the_host_reads_the_device_once_per_window_and_once_per_admission(monkey
     gens = [f.result(60) for f in futures]
     _agree(eng, prompts, gens)
     assert eng.stats.prefill_batches >= 4 and eng.stats.prefix_copies >= 3, eng.stats
-    assert reads == {"_take_first_tokens": 1, "_decode_window": eng.stats.batches}, reads
+    assert reads == {"_take_first_tokens": 1, "_window": eng.stats.batches}, reads
     eng.close()
 
 
-def test_a_request_placed_before_a_swap_is_no_source_for_one_placed_after():
-    eng = HFEngine(TINY, EngineConfig(seed=6, max_batch=4, sync_every=2))
+@pytest.mark.parametrize("overlap", ["never", "always"])
+def test_a_request_placed_before_a_swap_is_no_source_for_one_placed_after(overlap):
+    eng = HFEngine(TINY, EngineConfig(seed=6, max_batch=4, sync_every=2, overlap=overlap))
     tok = eng.tokenizer
     prompt = tok.encode("a prompt that a later request shares, whole " * 2)
     later = prompt + tok.encode(" and more")
@@ -208,10 +216,11 @@ def test_a_request_placed_before_a_swap_is_no_source_for_one_placed_after():
     eng.close()
 
 
-def test_a_request_that_straddled_a_swap_leaves_no_prefix_to_reuse():
+@pytest.mark.parametrize("overlap", ["never", "always"])
+def test_a_request_that_straddled_a_swap_leaves_no_prefix_to_reuse(overlap):
     """Its prompt's columns were written by the old weights and its last ones by the new: the next turn sharing
     that prompt prefills afresh (a lent H100 caught this: log-probs off the new weights' teacher-forced pass)."""
-    eng = HFEngine(TINY, EngineConfig(seed=3, max_batch=2, sync_every=2))
+    eng = HFEngine(TINY, EngineConfig(seed=3, max_batch=2, sync_every=2, overlap=overlap))
     tok = eng.tokenizer
     prompt = tok.encode("an episode's history, long enough to be worth reusing " * 2)
     newer = build_model(ModelConfig(**{**TINY.__dict__, "init_seed": 11}), tok.vocab_size)
@@ -224,6 +233,48 @@ def test_a_request_that_straddled_a_swap_leaves_no_prefix_to_reuse():
     assert eng.stats.prefix_reused_tokens == reused
     assert set(again.versions) == {4}
     _agree(eng, [prompt + mid.token_ids], [again])
+    eng.close()
+
+
+def test_overlapped_windows_sample_what_windows_in_step_sample_and_a_paused_engine_hands_back_the_last_one():
+    """Overlapped, the host reads a window's results while the next window runs, so a request that finished in the
+    first (at its first token, its stop string, its budget) still decodes in the second, thrown away. Every token
+    kept is still the in-step engine's (greedy), over a group's twins, copies, reused slots and chunked prompts, and
+    the late rows are counted apart from the mean batch. A pause hands back the window in flight."""
+    def play(overlap: str):
+        eng = HFEngine(TINY, EngineConfig(seed=9, max_batch=5, sync_every=3, prefill_tokens=40, overlap=overlap))
+        tok = eng.tokenizer
+        group = tok.encode("the task and the first screen the rollouts of a group share ")
+        firsts = [group] * 3 + [tok.encode("go " * 20), tok.encode("a shorter one")]
+        said = eng.generate([firsts[4]], SamplingParams(temperature=0, max_new_tokens=9))[0].text
+        budgets, stops = [1, 7, 12, 2, 9], [[], [], [], [], [said[3:5]]]  # the last one stops at its 5th token
+        greedy = [SamplingParams(temperature=0, max_new_tokens=n, stop=s) for n, s in zip(budgets, stops)]
+        eng.pause()  # one admission takes the first turns
+        futures = [eng.submit(p, s) for p, s in zip(firsts, greedy)]
+        eng.resume()
+        gens = [f.result(60) for f in futures]
+        seconds = [p + g.token_ids + tok.encode(" then the desktop answered") for p, g in zip(firsts, gens)]
+        gens += eng.generate(seconds, SamplingParams(temperature=0, max_new_tokens=10))
+        _agree(eng, firsts + seconds, gens, temperature=0)
+        stats = eng.stats
+        eng.close()
+        return gens, stats
+
+    (in_step, stepped), (overlapped, ahead) = play("never"), play("always")
+    assert [g.token_ids for g in overlapped] == [g.token_ids for g in in_step]
+    assert [g.finish for g in overlapped] == [g.finish for g in in_step]
+    assert [g.finish for g in in_step[:5]] == ["length"] * 4 + ["stop"], in_step
+    assert ahead.prefix_copies == stepped.prefix_copies >= 2 and ahead.prefix_reused_tokens > 0
+    assert stepped.late_rows == 0 < ahead.late_rows
+    assert ahead.decode_rows / ahead.decode_steps <= 5
+
+    eng = HFEngine(TINY, EngineConfig(seed=1, max_batch=2, sync_every=4, overlap="always"))
+    eng.step_hook = eng.pause  # paused as its first window is queued
+    g = eng.submit(eng.tokenizer.encode("paused"), SamplingParams(max_new_tokens=5, min_new_tokens=5))
+    assert len(g.result(30).token_ids) == 5, "its first token and its first window's four came back in the pause"
+    assert not eng._running.is_set()
+    eng.step_hook = None
+    eng.resume()
     eng.close()
 
 
@@ -242,8 +293,9 @@ def test_requests_that_cannot_fit_are_refused_clearly_and_the_engine_serves_on()
     eng.close()
 
 
-def test_a_failing_step_fails_its_requests_and_the_next_ones_are_served(monkeypatch):
-    eng = HFEngine(TINY, EngineConfig(seed=0, max_batch=4))
+@pytest.mark.parametrize("overlap", ["never", "always"])
+def test_a_failing_step_fails_its_requests_and_the_next_ones_are_served(monkeypatch, overlap):
+    eng = HFEngine(TINY, EngineConfig(seed=0, max_batch=4, overlap=overlap))
     tok = eng.tokenizer
     real = eng.step
     calls = {"n": 0}
@@ -267,8 +319,9 @@ def test_a_failing_step_fails_its_requests_and_the_next_ones_are_served(monkeypa
     eng.close()
 
 
-def test_without_interrupt_staged_weights_wait_until_nothing_runs():
-    eng = HFEngine(TINY, EngineConfig(seed=0, max_batch=2, interrupt=False))
+@pytest.mark.parametrize("overlap", ["never", "always"])
+def test_without_interrupt_staged_weights_wait_until_nothing_runs(overlap):
+    eng = HFEngine(TINY, EngineConfig(seed=0, max_batch=2, interrupt=False, overlap=overlap))
     tok = eng.tokenizer
     newer = dict(build_model(ModelConfig(**{**TINY.__dict__, "init_seed": 9}), tok.vocab_size).named_parameters())
     staged = threading.Event()
@@ -466,13 +519,13 @@ def test_engine_figures_cover_what_happened_since_and_say_none_for_a_phase_no_cl
                      prompt_tokens=300, prefix_reused_tokens=100, batches=5)
     st.first_token_s.extend([0.1, 0.2])
     before = copy.deepcopy(st)
-    st.seconds, st.prefill_seconds, st.decode_steps, st.decode_rows = 3.0, 1.25, 20, 120
+    st.seconds, st.prefill_seconds, st.decode_steps, st.decode_rows, st.late_rows = 3.0, 1.25, 20, 120, 20
     st.prefill_batches, st.prompt_tokens, st.batches = 4, 700, 7
     st.first_token_s.append(0.3)
     run = st.since(before)
     assert (run.seconds, run.decode_steps, run.batches, list(run.first_token_s)) == (2.0, 10, 2, [0.3])
-    assert run.figures() == {"mean_batch": 8.0, "prefill_share": 0.5, "decode_ms_per_step": 100.0,
-                             "prefill_ms_per_pass": 500.0, "prompt_tokens_per_pass": 200.0,
+    assert run.figures() == {"mean_batch": 8.0, "late_row_share": 0.2, "prefill_share": 0.5,
+                             "decode_ms_per_step": 100.0, "prefill_ms_per_pass": 500.0, "prompt_tokens_per_pass": 200.0,
                              "prefix_reused_share": 0.0}
     st.first_token_s.extend([1.0] * st.first_token_s.maxlen)
     assert not st.since(before).first_token_s, "a wrapped deque cannot say which times are new"

@@ -31,7 +31,9 @@ engine's prefix reuse finds only what an episode's own earlier turn left (``pref
 prompt tokens it did not prefill), and nothing on the fixed workload. ``prefill_share``: the share of the engine's
 busy time spent admitting and prefilling. Where that busy time went, per unit (``EngineStats.figures``): ``windows``
 (decode windows) and ``decode_ms_per_step``, ``prefill_passes``, ``prefill_ms_per_pass`` and
-``prompt_tokens_per_pass``.
+``prompt_tokens_per_pass``; with ``overlap`` (``--overlap``, on a GPU by default) ``late_row_share``, the share of rows
+decoded for requests that had already finished, each for one window. ``--overlap both`` plays each workload once
+more with windows in step, after the overlapped run and ``generate``'s: ``overlap_gain`` is the first over it.
 
 ``--library`` adds transformers' own continuous batching (``init_continuous_batching``: its scheduler, paged KV
 cache and ``paged|sdpa`` attention) playing the same episodes as ours, turn by turn, at the same batch
@@ -46,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import itertools
 import json
 import random
@@ -141,6 +144,7 @@ def _ours(engine: Any, episodes: list[list[Turn]]) -> dict:
     t0 = time.perf_counter()
     tokens = _play(submit, episodes, paused)
     seconds = time.perf_counter() - t0
+    engine.wait_idle()  # (overlapped: the last window's read, after the last request resolved, ends the run's stats)
     run = engine.stats.since(before)
     ttft = sorted(run.first_token_s)
     # where the engine's busy time went (EngineStats.figures), with its windows and prefill passes
@@ -379,7 +383,7 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
               prompt_len: int = 512, new_tokens: int = 128, workload: str = "broad-sim-turns",
               mixed_batch: int = 64, mixed_episodes: int = 256, sync_every: int = 0, cuda_graphs: bool = True,
               compile_step: bool = False, seed: int = 0, profile: str = "", shared_prefixes: bool = True,
-              group_size: int = 1, library: bool = False, prefill_tokens: int = 0,
+              group_size: int = 1, library: bool = False, prefill_tokens: int = 0, overlap: str = "auto",
               progress: Callable[[str, dict], None] | None = None) -> dict:
     """Every workload's figures; ``progress(workload, figures)`` as each is done (a run cut short by a time limit
     still leaves those)."""
@@ -395,14 +399,16 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
         model_cfg = model_config(shape, hidden, layers, tmp if shape else "")
         cfg = EngineConfig(device=device, max_batch=slots, max_seq_len=max(prompt_len + new_tokens, longest_turn) + 8,
                            sync_every=sync_every, cuda_graphs=cuda_graphs, compile=compile_step, seed=seed,
+                           overlap=overlap if overlap != "both" else "auto",
                            **({"prefill_tokens": prefill_tokens} if prefill_tokens else {}))
-        engine = HFEngine(model_cfg, cfg)
+        engine = HFEngine(model_cfg, dataclasses.replace(cfg, overlap="always") if overlap == "both" else cfg)
     tok, model = engine.tokenizer, engine.model
     avoid = set(tok.stop_ids) | {tok.pad_id}
     result: dict[str, Any] = {"device": device, "shape": shape or f"hidden {hidden} x {layers} layers",
                               "params": sum(p.numel() for p in model.parameters()),
                               "sync_every": engine.sync_every, "prefill_tokens": engine.cfg.prefill_tokens,
                               "cuda_graphs": engine.graphs is not None,
+                              "overlap": "both" if overlap == "both" else engine.overlap,
                               "compiled": compile_step}
     if device.startswith("cuda"):
         import torch
@@ -414,8 +420,23 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
         return {"tokens_per_s": round(mine, 1), "generate_tokens_per_s": round(theirs, 1),
                 "ratio": round(mine / theirs, 3), "mean_batch": ours["mean_batch"], "ttft_s": ours["ttft_s"],
                 "generate_ttft_s": base["ttft_s"], "tokens": ours["tokens"],
-                **{k: ours[k] for k in ("prefill_share", "prefix_reused_share", "windows", "decode_ms_per_step",
-                                        "prefill_passes", "prefill_ms_per_pass", "prompt_tokens_per_pass")}}
+                **{k: ours[k] for k in ("prefill_share", "late_row_share", "prefix_reused_share", "windows",
+                                        "decode_ms_per_step", "prefill_passes", "prefill_ms_per_pass",
+                                        "prompt_tokens_per_pass")}}
+
+    def in_step(ours: dict, episodes: list[list[Turn]], batch: int) -> dict:
+        """``--overlap both``: ours again on the same episodes with windows in step (``actor.engine.overlap never``),
+        after the overlapped run and generate's: what overlapping gave, as ``overlap_gain``."""
+        if overlap != "both":
+            return {}
+        engine.use_overlap(False)
+        engine.use_slots(batch)
+        stepped = _ours(engine, episodes)
+        engine.use_overlap(True)
+        mine, theirs = ours["tokens"] / ours["seconds"], stepped["tokens"] / stepped["seconds"]
+        return {"in_step_tokens_per_s": round(theirs, 1), "overlap_gain": round(mine / theirs, 3),
+                "in_step_decode_ms_per_step": stepped["decode_ms_per_step"],
+                "in_step_mean_batch": stepped["mean_batch"], "in_step_late_row_share": stepped["late_row_share"]}
 
     def libraries(ours: dict, episodes: list[list[Turn]], batch: int, warm_up: list[list[Turn]]) -> dict:
         """transformers' continuous batching on the same episodes: without its CUDA graphs, and on a GPU with them."""
@@ -441,7 +462,7 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
         _generate(model, tok, device, episodes, batch, warm_up=True)
         ours = _ours(engine, episodes)
         base = _generate(model, tok, device, episodes, batch)
-        result[f"fixed_{batch}"] = figures(ours, base)
+        result[f"fixed_{batch}"] = {**figures(ours, base), **in_step(ours, episodes, batch)}
         if library:
             result[f"fixed_{batch}"].update(libraries(ours, episodes, batch, [
                 _episode(rng, [(prompt_len, min(new_tokens, 8), 0)], tok.vocab_size, avoid) for _ in range(batch)]))
@@ -459,8 +480,8 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
         _generate(model, tok, device, episodes, mixed_batch, warm_up=True)
         ours = _ours(engine, episodes)
         base = _generate(model, tok, device, episodes, mixed_batch)
-        result["mixed"] = {**figures(ours, base), "workload": workload, "episodes": len(episodes),
-                           "turns": sum(len(e) for e in episodes), "batch": mixed_batch,
+        result["mixed"] = {**figures(ours, base), **in_step(ours, episodes, mixed_batch), "workload": workload,
+                           "episodes": len(episodes), "turns": sum(len(e) for e in episodes), "batch": mixed_batch,
                            "shared_prefixes": shared_prefixes, "group_size": group_size}
         if library:
             result["mixed"].update(libraries(ours, episodes, mixed_batch, _groups(

@@ -108,6 +108,8 @@ def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: i
 @click.option("--prefill-tokens", default=0, show_default=True,
               help="engine: most padded prompt tokens in one prefill pass (0: the engine's default)")
 @click.option("--no-graphs", is_flag=True, help="decode eagerly on CUDA (no captured graphs)")
+@click.option("--overlap", type=click.Choice(["auto", "always", "never", "both"]), default="auto", show_default=True,
+              help="queue each decode window before reading the last (auto: on CUDA; both: overlapped, then in step)")
 @click.option("--compile", "compile_step", is_flag=True,
               help="our decode step (before graphs capture it) and prefill pass compiled by torch.compile (inductor)")
 @click.option("--library", is_flag=True, help="also transformers' own continuous batching on the same work (paged "
@@ -121,7 +123,7 @@ def bench_actor(groups: int, group_size: int, max_groups: int, max_new_tokens: i
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def bench_engine(device: str, shape: str, hidden: int, layers: int, batches: tuple, prompt_len: int, new_tokens: int,
                  workload: str, mixed_batch: int, mixed_episodes: int, group_size: int, unshared: bool,
-                 sync_every: int, prefill_tokens: int, no_graphs: bool,
+                 sync_every: int, prefill_tokens: int, no_graphs: bool, overlap: str,
                  compile_step: bool, library: bool, profile: str, record: str, record_config: str, record_episodes: int,
                  as_json: bool) -> None:
     """Our engine vs transformers' generate (static cache), and with --library its continuous batching, on the same
@@ -138,7 +140,7 @@ def bench_engine(device: str, shape: str, hidden: int, layers: int, batches: tup
     emit(run_bench(device, shape, hidden, layers, tuple(b for b in batches if b > 0), prompt_len, new_tokens,
                     workload, mixed_batch, mixed_episodes, sync_every, not no_graphs, compile_step,
                     profile=profile, shared_prefixes=not unshared, group_size=group_size, library=library,
-                    prefill_tokens=prefill_tokens, progress=progress), as_json)
+                    prefill_tokens=prefill_tokens, overlap=overlap, progress=progress), as_json)
 
 
 @bench.command("learner")
