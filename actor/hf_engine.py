@@ -385,7 +385,7 @@ class HFEngine:
             self._swap_if_staged()
         sampled: list[tuple[list[Request], Any]] = []
         prefill: tuple = ()
-        if self._admitting():
+        if self._admitting() and self._waiting and self.free_slots:  # (one arriving meanwhile: at the next window)
             t0 = time.perf_counter()
             if self.overlap and self.cuda:  # the host does not wait for the passes: time them on the device
                 prefill = (self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True))
