@@ -429,7 +429,8 @@ class HFEngine:
 
     def _read_pending(self) -> None:
         """The window in flight's results, once its copies have landed: the overlapped engine's one wait per
-        window (an event's, so it waits for that window alone, not for the one queued after it)."""
+        window (an event's, so it waits for that window alone, not for the one queued after it; torch releases the
+        GIL while it waits, as it does in a read)."""
         queued, self._pending = self._pending, None
         if queued is None:
             return
