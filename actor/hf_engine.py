@@ -142,6 +142,9 @@ class HFEngine:
         self._running.set()
         self._setup_slots()
         self._cv = threading.Condition()
+        # set by the engine's thread once a window leaves nothing waiting, running or unread; cleared by a submit
+        self._idle = threading.Event()
+        self._idle.set()
         self._waiting: collections.deque[Request] = collections.deque()
         self._by_slot: dict[int, Request] = {}
         self._thread: threading.Thread | None = None
@@ -279,6 +282,7 @@ class HFEngine:
                 raise RuntimeError("the engine is closed" + (f": its thread died of {self._died!r}"
                                                              if self._died is not None else ""))
             self._waiting.append(req)
+            self._idle.clear()
             self.stats.requests += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="hf-engine", daemon=True)
@@ -303,10 +307,8 @@ class HFEngine:
         """Until nothing waits or runs and every window queued has been read: overlapped, the last window of a burst
         (its rows all finished, as the host learns from the window before) is read after every request resolved,
         and only then are the stats complete and the device free."""
-        with self._cv:
-            if not self._cv.wait_for(lambda: self._closed or not (self._waiting or self._by_slot
-                                                                  or self._pending is not None), timeout):
-                raise TimeoutError(f"the engine was not idle within {timeout} s")
+        if not self._idle.wait(timeout):
+            raise TimeoutError(f"the engine was not idle within {timeout} s")
 
     def use_overlap(self, on: bool) -> None:
         """Overlap decode windows (``EngineConfig.overlap``) or not from now on (benchmarks compare both on one
@@ -321,6 +323,7 @@ class HFEngine:
         with self._cv:
             self._closed = True
             self._cv.notify()
+        self._idle.set()  # (nothing more will be read)
         if self._thread is not None:
             self._thread.join(30)
 
@@ -337,6 +340,8 @@ class HFEngine:
                 self._closed, self._died = True, exc
                 self._fail(list(self._by_slot.values()) + list(self._waiting), exc)
                 self._waiting.clear()
+        finally:
+            self._idle.set()
 
     def _serve_windows(self) -> None:
         if self.cuda:  # streams and graphs on the engine's GPU ("cuda" alone: the one current at construction)
@@ -362,8 +367,9 @@ class HFEngine:
                     self._pending = None
                     self._fail(list(self._by_slot.values()), exc)
                 self.stats.seconds += time.perf_counter() - t0
-                with self._cv:
-                    self._cv.notify_all()  # (``wait_idle``)
+                with self._cv:  # (under the lock: a request submitted meanwhile is seen, or clears it after)
+                    if not (self._waiting or self._by_slot or self._pending is not None):
+                        self._idle.set()
         with self._cv:
             self._fail(list(self._by_slot.values()) + list(self._waiting), RuntimeError("the engine is closed"))
             self._waiting.clear()

@@ -277,6 +277,23 @@ def test_overlapped_windows_sample_what_windows_in_step_sample_and_a_paused_engi
     eng.resume()
     eng.close()
 
+    # its first token and one window of 4 end it; the host learns so while the second window runs, which it reads
+    # after the request resolved (here slowly): wait_idle returns once it has
+    eng = HFEngine(TINY, EngineConfig(seed=1, max_batch=2, sync_every=4, overlap="always"))
+    take_window = eng._take_window
+
+    def slowly(*args):
+        time.sleep(0.2)
+        take_window(*args)
+
+    eng._take_window = slowly
+    for _ in range(3):
+        before = (eng.stats.batches, eng.stats.late_rows)
+        eng.submit(eng.tokenizer.encode("one"), SamplingParams(max_new_tokens=5, min_new_tokens=5)).result(30)
+        eng.wait_idle(30)
+        assert eng._pending is None and (eng.stats.batches - before[0], eng.stats.late_rows - before[1]) == (2, 4)
+    eng.close()
+
 
 def test_requests_that_cannot_fit_are_refused_clearly_and_the_engine_serves_on():
     eng = HFEngine(TINY, EngineConfig(seed=0, max_batch=2, max_seq_len=64))
