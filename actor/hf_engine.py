@@ -230,16 +230,24 @@ class HFEngine:
 
     def _swap_if_staged(self) -> bool:
         with self._lock:
-            staged, self._staged = self._staged, None
+            staged = self._staged
         if staged is None:
             return False
         named, version = staged
         state = self.model.state_dict()
-        with self.torch.no_grad():  # in place: captured graphs keep reading the same parameters
-            for name, tensor in named.items():
-                if name not in state:
-                    raise KeyError(f"unknown parameter {name!r} in a weight update")
-                state[name].copy_(tensor.to(state[name].device, state[name].dtype))
+        try:
+            with self.torch.no_grad():  # in place: captured graphs keep reading the same parameters
+                for name, tensor in named.items():
+                    if name not in state:
+                        raise KeyError(f"unknown parameter {name!r} in a weight update")
+                    state[name].copy_(tensor.to(state[name].device, state[name].dtype))
+        finally:
+            # Staged until every copy is queued: the next round may reuse these buffers once ``has_staged`` says no,
+            # and its writes, queued on the same (default) stream from the weights thread, then run after the copies.
+            # (Weights staged meanwhile stay staged, for the next window.)
+            with self._lock:
+                if self._staged is staged:
+                    self._staged = None
         self.version = self.content_version = version
         self.stats.weight_swaps += 1
         self.slot_tokens = [None] * self.slots  # cached prefixes were computed by the old weights

@@ -295,6 +295,34 @@ def test_overlapped_windows_sample_what_windows_in_step_sample_and_a_paused_engi
     eng.close()
 
 
+@pytest.mark.parametrize("overlap", ["never", "always"])
+def test_weights_stay_staged_until_copied_in_and_a_bad_update_is_dropped_once_it_failed(overlap):
+    """``has_staged`` says yes until every copy of a swap is queued: a round may reuse its buffers once it says no
+    (on a GPU the copies may still be queued behind a window then, and that round's writes queue after them). An
+    update naming a parameter the model lacks fails the window it lands in, is dropped, and the engine serves on."""
+    eng = HFEngine(TINY, EngineConfig(seed=0, max_batch=2, overlap=overlap))
+    prompt = eng.tokenizer.encode("swap")
+    newer = dict(build_model(ModelConfig(**{**TINY.__dict__, "init_seed": 5}), eng.tokenizer.vocab_size)
+                 .named_parameters())
+    staged_while_copying = []
+
+    class Watched:  # a staged tensor that notes whether the weights were still staged as it was copied in
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def to(self, *args):
+            staged_while_copying.append(eng.has_staged())
+            return self.tensor.to(*args)
+
+    eng.load_weights({name: Watched(t) for name, t in newer.items()}, 3)
+    assert set(eng.generate([prompt], SamplingParams(max_new_tokens=4))[0].versions) == {3}
+    assert len(staged_while_copying) == len(newer) and all(staged_while_copying) and not eng.has_staged()
+    eng.load_weights({"no.such.weight": torch.zeros(1)}, 4)
+    g = eng.submit(prompt, SamplingParams(max_new_tokens=4))
+    assert set(g.result(30).versions) == {3} and not eng.has_staged(), "the bad update was dropped"
+    eng.close()
+
+
 def test_requests_that_cannot_fit_are_refused_clearly_and_the_engine_serves_on():
     eng = HFEngine(TINY, EngineConfig(seed=0, max_batch=2, max_seq_len=64))
     tok = eng.tokenizer
