@@ -16,7 +16,9 @@ Every prompt submitted is a request. On the engine's own thread, a loop of windo
    (``actor/sampler.py``) stay on the device, tokens and log-probs go to a device buffer; on a GPU the whole
    window is one CUDA graph replay (``actor/decode_graphs.py``);
 4. one copy to the host; each row's new tokens are checked for stop ids and stop strings; a finished request
-   leaves its slot, and the next waiting one takes it at step 2.
+   leaves its slot, and the next waiting one takes it at step 2. With ``overlap`` (on a GPU by default) the host
+   queues the next window before it reads this one's results, so the GPU does not wait while the host checks
+   them and admits (``_window``).
 
 A request never waits for another one's longest row, and a turn submitted while others decode joins them
 at the next window. Rows that finished inside a window decode on to its end (at most ``sync_every - 1``
