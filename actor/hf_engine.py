@@ -71,7 +71,7 @@ class QueuedReads:
 
     admitted: list
     first: Any  # [2, len(admitted)] tokens and log-probs, or None
-    running: list
+    running: list  # (request, the slot it decoded in)
     tokens: Any  # [2, slots, sync_every] tokens and log-probs, or None
     version: int  # of the weights that sampled all of them
     done: Any = None  # a CUDA event recorded after the copies (None on a CPU: they are done)
@@ -102,6 +102,10 @@ class Request:
     # tokens the device was asked to sample for it so far (its first, and every window it ran in): what a window's
     # columns are sized by, the host's count of them lagging a window behind when windows overlap
     decoded: int = 0
+    # overlapped: the slot it gave back once the device had been asked for its whole budget, before its last tokens
+    # were read (``_give_back_spent``); what it leaves there is known, and kept for reuse, only once they are
+    spent_slot: int = -1
+    done: bool = False  # finished or failed (its future may also have been cancelled by the caller: not this)
 
     @property
     def remaining(self) -> int:
@@ -189,6 +193,7 @@ class HFEngine:
         # admissions run while the GPU decodes (a CPU runs a window before the host goes on: nothing to hide)
         self.overlap = cfg.overlap == "always" or (cfg.overlap == "auto" and self.cuda)
         self._pending: QueuedReads | None = None  # the window in flight whose results the host has not read
+        self._spent: list[Request] = []  # requests that gave their slots back before their last tokens were read
         self.compiled_step = Compiled(self._decode_step, "the decode step") if cfg.compile else None
         self.step = self.compiled_step or self._decode_step  # (rows, key columns) -> logits: a window's step per token
         # a VLM's prefill also runs its vision tower on images of any size: it stays eager
@@ -348,7 +353,7 @@ class HFEngine:
             log.exception("engine thread died")
             with self._cv:
                 self._closed, self._died = True, exc
-                self._fail(list(self._by_slot.values()) + list(self._waiting), exc)
+                self._fail(self._in_flight() + list(self._waiting), exc)
                 self._waiting.clear()
         finally:
             self._idle.set()
@@ -375,13 +380,13 @@ class HFEngine:
                 except Exception as exc:  # an engine failure fails the requests in flight, not the engine
                     log.exception("engine window failed")
                     self._pending = None
-                    self._fail(list(self._by_slot.values()), exc)
+                    self._fail(self._in_flight(), exc)
                 self.stats.seconds += time.perf_counter() - t0
                 with self._cv:  # (under the lock: a request submitted meanwhile is seen, or clears it after)
                     if not (self._waiting or self._by_slot or self._pending is not None):
                         self._idle.set()
         with self._cv:
-            self._fail(list(self._by_slot.values()) + list(self._waiting), RuntimeError("the engine is closed"))
+            self._fail(self._in_flight() + list(self._waiting), RuntimeError("the engine is closed"))
             self._waiting.clear()
 
     def _admitting(self) -> bool:
@@ -401,6 +406,8 @@ class HFEngine:
             self._swap_if_staged()
         sampled: list[tuple[list[Request], Any]] = []
         prefill: tuple = ()
+        if self.overlap:
+            self._give_back_spent()
         if self._admitting() and self._waiting and self.free_slots:  # (one arriving meanwhile: at the next window)
             t0 = time.perf_counter()
             if self.overlap and self.cuda:  # the host does not wait for the passes: time them on the device
@@ -415,6 +422,8 @@ class HFEngine:
                     sampled = []
                 self.stats.prefill_seconds += time.perf_counter() - t0
         running, version = [], self.version
+        if self.overlap:
+            self._give_back_spent()  # (one just admitted whose budget is its first token)
         if self._by_slot:
             if self.step_hook is not None:  # before the window: a request finishing in it is never seen as running
                 self.step_hook()
@@ -459,14 +468,31 @@ class HFEngine:
         if queued.running:
             self._take_window(queued.running, queued.tokens.tolist(), queued.version)
 
+    def _in_flight(self) -> list[Request]:
+        """Every request admitted and not done: those in slots and those that gave theirs back early."""
+        return list(self._by_slot.values()) + self._spent
+
     def _fail(self, reqs: list[Request], exc: BaseException) -> None:
         for r in reqs:
-            if r.slot >= 0:
-                self._release(r)
+            self._release(r)
+            r.done = True
             if not r.future.done():
                 r.future.set_exception(exc)
+        self._spent = [r for r in self._spent if not r.done]
+
+    def _give_back_spent(self) -> None:
+        """Overlapped: a request whose whole budget the device has been asked for needs its slot no longer (its
+        last tokens are in windows already queued, whose reads name the slot they decoded in). The slot goes back
+        now, as in step it would at the read that finishes the request, not a window later; a request that ends at
+        a stop id or string is only known to the host when its window is read."""
+        for r in [r for r in self._by_slot.values() if r.decoded >= r.params.max_new_tokens]:
+            r.spent_slot = r.slot
+            self._release(r)
+            self._spent.append(r)
 
     def _release(self, r: Request) -> None:
+        if r.slot < 0:  # (never admitted, or gave its slot back already)
+            return
         self._by_slot.pop(r.slot, None)
         self.active[r.slot:r.slot + 1].fill_(0)  # (a kernel each: nothing here waits for the GPU)
         self.cache_pos[r.slot:r.slot + 1].fill_(self.scratch)
@@ -474,10 +500,16 @@ class HFEngine:
         r.slot = -1
 
     def _finish(self, r: Request, finish: str) -> None:
-        if self.reuse and r.swaps_at_placement == self.stats.weight_swaps:
+        slot = r.slot
+        if slot < 0 and r.spent_slot not in self._by_slot:  # given back early, and no request took it since
+            slot = r.spent_slot
+        if self.reuse and slot >= 0 and r.swaps_at_placement == self.stats.weight_swaps:
             # what the slot's columns now hold: the prompt and every kept token but the last (never fed back);
             # after a swap mid-request its first columns are the old weights' and cannot be reused
-            self.slot_tokens[r.slot] = np.asarray(r.prompt + r.gen.token_ids[:-1])
+            self.slot_tokens[slot] = np.asarray(r.prompt + r.gen.token_ids[:-1])
+        if r.slot < 0:
+            self._spent.remove(r)
+        r.done = True
         r.gen.finish = finish
         stops = self.tokenizer.stop_ids
         r.gen.text = self.tokenizer.decode([t for t in r.gen.token_ids if t not in stops])
@@ -554,7 +586,7 @@ class HFEngine:
         now = time.perf_counter()
         for j, r in enumerate(admitted):
             self.stats.first_token_s.append(now - r.submitted)
-            if r.slot >= 0:  # (not failed meanwhile)
+            if not r.done:  # (not failed meanwhile)
                 self._take(r, [int(host[0][j])], [host[1][j]], version)
 
     def _place(self, r: Request, admitted: list[Request]) -> None:
@@ -797,9 +829,9 @@ class HFEngine:
                           greedy=any(t == 0 for t in temps), sampled=any(t > 0 for t in temps),
                           min_new=any(r.params.min_new_tokens > len(r.gen.token_ids) for r in reqs))
 
-    def _decode_window(self) -> list[Request]:
+    def _decode_window(self) -> list[tuple[Request, int]]:
         """Queue a window for every running request (those the host has not yet seen finish, overlapped); they are
-        returned for ``_take_window``."""
+        returned, each with the slot it decodes in, for ``_take_window``."""
         running = list(self._by_slot.values())
         window = self.sync_every
         top = max(self._by_slot) + 1
@@ -816,18 +848,19 @@ class HFEngine:
         self.stats.batches += 1
         for r in running:
             r.decoded += window
-        return running
+        return [(r, r.slot) for r in running]
 
-    def _take_window(self, running: list[Request], host: list, version: int) -> None:
-        """A window's tokens (``host``: ``out`` read back) for the requests it ran; one that finished before them
-        (overlapped: in the window before, or at its first token) has left its slot, and they are dropped."""
-        for r in running:
-            if r.slot < 0:
+    def _take_window(self, running: list[tuple[Request, int]], host: list, version: int) -> None:
+        """A window's tokens (``host``: ``out`` read back) for the requests it ran, each from the slot it decoded in;
+        one that finished before them (overlapped: in the window before, at a stop, or at its first token) is done,
+        and they are dropped."""
+        for r, slot in running:
+            if r.done:
                 self.stats.decode_rows -= self.sync_every  # not a running request's: counted apart
                 self.stats.late_rows += self.sync_every
                 continue
             n = min(self.sync_every, r.remaining)
-            self._take(r, [int(t) for t in host[0][r.slot][:n]], host[1][r.slot][:n], version)
+            self._take(r, [int(t) for t in host[0][slot][:n]], host[1][slot][:n], version)
 
     def _take(self, r: Request, tokens: list[int], logps: list[float], version: int) -> None:
         """A row's new tokens, up to the first stop id or stop string; finishes the request when it ends."""

@@ -204,4 +204,5 @@ def test_overlap_both_plays_each_workload_overlapped_then_in_step_on_one_engine(
         assert w["in_step_tokens_per_s"] > 0 and 0 < w["in_step_mean_batch"] <= 4, w
         assert abs(w["overlap_gain"] - w["tokens_per_s"] / w["in_step_tokens_per_s"]) < 0.01, w
         assert w["in_step_late_row_share"] == 0, "in step, no row decodes past its request's end"
-    assert out["fixed_4"]["late_row_share"] > 0 and out["mixed"]["late_row_share"] > 0
+    # every bench turn ends at its budget (min_new_tokens): its slot goes back before its last window is read
+    assert out["fixed_4"]["late_row_share"] == 0 and out["mixed"]["late_row_share"] == 0

@@ -277,9 +277,13 @@ def test_overlapped_windows_sample_what_windows_in_step_sample_and_a_paused_engi
     eng.resume()
     eng.close()
 
-    # its first token and one window of 4 end it; the host learns so while the second window runs, which it reads
+    # a stop string in its first window ends it; the host learns so while the second window runs, which it reads
     # after the request resolved (here slowly): wait_idle returns once it has
     eng = HFEngine(TINY, EngineConfig(seed=1, max_batch=2, sync_every=4, overlap="always"))
+    prompt = eng.tokenizer.encode("one")
+    said = eng.generate([prompt], SamplingParams(temperature=0, max_new_tokens=9))[0].text
+    stopping = SamplingParams(temperature=0, max_new_tokens=9, stop=[said[2:4]])  # at its 4th token
+    eng.wait_idle(30)
     take_window = eng._take_window
 
     def slowly(*args):
@@ -289,10 +293,35 @@ def test_overlapped_windows_sample_what_windows_in_step_sample_and_a_paused_engi
     eng._take_window = slowly
     for _ in range(3):
         before = (eng.stats.batches, eng.stats.late_rows)
-        eng.submit(eng.tokenizer.encode("one"), SamplingParams(max_new_tokens=5, min_new_tokens=5)).result(30)
+        assert eng.submit(prompt, stopping).result(30).finish == "stop"
         eng.wait_idle(30)
         assert eng._pending is None and (eng.stats.batches - before[0], eng.stats.late_rows - before[1]) == (2, 4)
     eng.close()
+
+
+def test_overlapped_a_request_gives_its_slot_back_once_its_whole_budget_is_queued():
+    """The device has been asked for all of a request's tokens: its slot goes to the next request before they are
+    read, so requests that end at their budget take as many windows overlapped as in step, with no late rows; and
+    what one leaves in its slot is still reused by its next turn when the slot stayed free."""
+    def play(overlap: str):
+        eng = HFEngine(TINY, EngineConfig(seed=2, max_batch=1, sync_every=4, overlap=overlap))
+        tok = eng.tokenizer
+        greedy = SamplingParams(temperature=0, max_new_tokens=5, min_new_tokens=5)
+        prompts = [tok.encode(f"request number {i} of three, long enough to reuse") for i in range(3)]
+        eng.pause()  # all three queued for the one slot
+        futures = [eng.submit(p, greedy) for p in prompts]
+        eng.resume()
+        gens = [f.result(30) for f in futures]
+        later = prompts[2] + gens[2].token_ids + tok.encode(" then more")
+        gens.append(eng.generate([later], greedy)[0])
+        eng.wait_idle(30)
+        stats = eng.stats
+        eng.close()
+        return [g.token_ids for g in gens], (stats.batches, stats.late_rows, stats.prefix_reused_tokens)
+
+    in_step, overlapped = play("never"), play("always")
+    assert overlapped == in_step, (overlapped, in_step)
+    assert in_step[1][0] == 4 and in_step[1][1] == 0 and in_step[1][2] > 0
 
 
 @pytest.mark.parametrize("overlap", ["never", "always"])
