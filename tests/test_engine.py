@@ -237,10 +237,11 @@ def test_a_request_that_straddled_a_swap_leaves_no_prefix_to_reuse(overlap):
 
 
 def test_overlapped_windows_sample_what_windows_in_step_sample_and_a_paused_engine_hands_back_the_last_one():
-    """Overlapped, the host reads a window's results while the next window runs, so a request that finished in the
-    first (at its first token, its stop string, its budget) still decodes in the second, thrown away. Every token
-    kept is still the in-step engine's (greedy), over a group's twins, copies, reused slots and chunked prompts, and
-    the late rows are counted apart from the mean batch. A pause hands back the window in flight."""
+    """Overlapped, the host reads a window's results while the next window runs, so a request that ended at a stop
+    in the first still decodes in the second, thrown away (one at its budget gives its slot back before: the next
+    test). Every token kept is still the in-step engine's (greedy), over a group's twins, copies, reused slots,
+    chunked prompts and budgets of one token, and the late rows are counted apart from the mean batch. A pause hands
+    back the window in flight, and ``wait_idle`` waits for the last read."""
     def play(overlap: str):
         eng = HFEngine(TINY, EngineConfig(seed=9, max_batch=5, sync_every=3, prefill_tokens=40, overlap=overlap))
         tok = eng.tokenizer
