@@ -46,8 +46,8 @@ from actor.engine import EngineConfig, EngineStats, Generation, SamplingParams, 
 from actor.kv_cache import SlotKVCache
 from actor.sampler import BatchKinds, RowParams, sample
 from actor.slot_attention import use_slot_decode_attention
-from actor.staging import rows_to_device, to_device
 from policy.model import ModelConfig, ban, build_model, build_tokenizer, cache_keyword
+from policy.staging import copy_to_host, host_to_device, padded_rows, to_device
 
 log = logging.getLogger(__name__)
 
@@ -440,13 +440,10 @@ class HFEngine:
                      prefill: tuple) -> QueuedReads:
         """This window's results copied to host memory behind it (pinned, not waited for) and an event after them."""
         torch = self.torch
-        first = torch.cat([t for _, t in sampled], dim=1) if sampled else None
-
-        def to_host(t: Any) -> Any:  # (a CPU tensor is copied: the next window rewrites ``out``)
-            return t.to("cpu", non_blocking=True) if self.cuda else t.clone()
-
-        queued = QueuedReads([r for reqs, _ in sampled for r in reqs], None if first is None else to_host(first),
-                             running, to_host(self.out) if running else None, version, prefill=prefill)
+        first = copy_to_host(torch.cat([t for _, t in sampled], dim=1)) if sampled else None
+        # (a copy on a CPU too: the next window rewrites ``out``)
+        queued = QueuedReads([r for reqs, _ in sampled for r in reqs], first, running,
+                             copy_to_host(self.out) if running else None, version, prefill=prefill)
         if self.cuda:
             queued.done = torch.cuda.Event()
             queued.done.record()
@@ -691,13 +688,13 @@ class HFEngine:
         # transformers' own mask instead: it keeps ours.
         causal = self.slot_attention and all(r.prefilled == 0 for r in reqs)
         pad_rows = n - len(reqs)
-        ids = rows_to_device(parts + [[]] * pad_rows, width, self.tokenizer.pad_id, dev)
+        host_ids = padded_rows(parts + [[]] * pad_rows, width, self.tokenizer.pad_id, pin=self.cuda)
+        ids = host_to_device(host_ids, dev)
         lens = to_device([len(p) for p in parts] + [0] * pad_rows, dev)
         starts = to_device([r.prefilled for r in reqs] + [0] * pad_rows, dev)
         slots = to_device([r.slot for r in reqs] + [reqs[0].slot] * pad_rows, dev)
         extra: dict[str, Any] = {}
         if self.vision is not None:  # image inputs and multimodal positions [axes, n, width], worked out on the host
-            host_ids = rows_to_device(parts + [[]] * pad_rows, width, self.tokenizer.pad_id, "cpu")
             real = torch.arange(width)[None, :] < torch.tensor([len(p) for p in parts] + [0] * pad_rows)[:, None]
             extra = self.vision.model_inputs(self.model, host_ids, real.long(), [r.images for r in reqs], dev)
             positions = extra["position_ids"]

@@ -31,7 +31,7 @@ from typing import Any
 
 from transformers.cache_utils import Cache
 
-from actor.staging import to_device
+from policy.staging import to_device
 
 COLUMN_ALIGNMENT = 8  # cache columns attention reads at once, and its masks' row length, come in multiples of this
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from common.images import Image, decode_image
+from policy.staging import host_to_device
 
 SUPPORTED_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 """model types whose image tokens and RoPE index follow Qwen2-VL's interface"""
@@ -145,6 +146,4 @@ class VisionProcessor:
         out = {"position_ids": positions}
         if parts:
             out.update(pixel_values=torch.cat([p for p, _ in parts]), image_grid_thw=grid, mm_token_type_ids=mm)
-        if device.type != "cuda":
-            return {k: v.to(device) for k, v in out.items()}
-        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in out.items()}
+        return {k: host_to_device(v, device) for k, v in out.items()}
