@@ -841,7 +841,6 @@ class HFEngine:
             rows, columns = top, longest
         self.decode(rows, columns, self._kinds(running))
         self.stats.decode_steps += window
-        self.stats.decode_rows += window * len(running)
         self.stats.batches += 1
         for r in running:
             r.decoded += window
@@ -850,12 +849,12 @@ class HFEngine:
     def _take_window(self, running: list[tuple[Request, int]], host: list, version: int) -> None:
         """A window's tokens (``host``: ``out`` read back) for the requests it ran, each from the slot it decoded in;
         one that finished before them (overlapped: in the window before, at a stop, or at its first token) is done,
-        and they are dropped."""
+        and they are dropped: its rows count as late, not in the mean batch."""
         for r, slot in running:
             if r.done:
-                self.stats.decode_rows -= self.sync_every  # not a running request's: counted apart
                 self.stats.late_rows += self.sync_every
                 continue
+            self.stats.decode_rows += self.sync_every
             n = min(self.sync_every, r.remaining)
             self._take(r, [int(t) for t in host[0][slot][:n]], host[1][slot][:n], version)
 
