@@ -48,7 +48,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import dataclasses
 import itertools
 import json
 import random
@@ -399,9 +398,9 @@ def run_bench(device: str = "cpu", shape: str = "", hidden: int = 64, layers: in
         model_cfg = model_config(shape, hidden, layers, tmp if shape else "")
         cfg = EngineConfig(device=device, max_batch=slots, max_seq_len=max(prompt_len + new_tokens, longest_turn) + 8,
                            sync_every=sync_every, cuda_graphs=cuda_graphs, compile=compile_step, seed=seed,
-                           overlap=overlap if overlap != "both" else "auto",
+                           overlap="always" if overlap == "both" else overlap,
                            **({"prefill_tokens": prefill_tokens} if prefill_tokens else {}))
-        engine = HFEngine(model_cfg, dataclasses.replace(cfg, overlap="always") if overlap == "both" else cfg)
+        engine = HFEngine(model_cfg, cfg)
     tok, model = engine.tokenizer, engine.model
     avoid = set(tok.stop_ids) | {tok.pad_id}
     result: dict[str, Any] = {"device": device, "shape": shape or f"hidden {hidden} x {layers} layers",

@@ -19,6 +19,7 @@ bytes as one flat tensor over a gloo group built once. ``ratio`` = raw seconds /
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import statistics
@@ -164,17 +165,11 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
     ``vlm``: a tiny Qwen2-VL on screenshot prompts (``_vlm_groups``; ``prompt_len`` is then theirs, reported as the
     mean); the bare loop freezes its vision tower too and runs the image processor's inputs through the model.
     """
-    import shutil
-
     if vlm and shape:
         raise ValueError("--vlm builds a tiny Qwen2-VL of --hidden and --layers: not with --shape")
-    vlm_dir = tempfile.mkdtemp(prefix="bench-vlm-") if vlm else ""
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench-vlm-") if vlm else contextlib.nullcontext("") as vlm_dir:
         return _learner_bench(hidden, layers, groups, group_size, prompt_len, output_len, steps, device, peak, shape,
                               micro_batch_tokens, activation_checkpointing, same_prompt, vlm_dir)
-    finally:
-        if vlm_dir:
-            shutil.rmtree(vlm_dir, ignore_errors=True)
 
 
 def _learner_bench(hidden: int, layers: int, groups: int, group_size: int, prompt_len: int, output_len: int,
