@@ -241,7 +241,8 @@ def test_overlapped_windows_sample_what_windows_in_step_sample_and_a_paused_engi
     in the first still decodes in the second, thrown away (one at its budget gives its slot back before: the next
     test). Every token kept is still the in-step engine's (greedy), over a group's twins, copies, reused slots,
     chunked prompts and budgets of one token, and the late rows are counted apart from the mean batch. A pause hands
-    back the window in flight, and ``wait_idle`` waits for the last read."""
+    back the window in flight, ``wait_idle`` waits for the last read, and ``use_overlap(False)`` puts the engine back
+    in step (``bench engine --overlap both``'s switch)."""
     def play(overlap: str):
         eng = HFEngine(TINY, EngineConfig(seed=9, max_batch=5, sync_every=3, prefill_tokens=40, overlap=overlap))
         tok = eng.tokenizer
@@ -297,6 +298,11 @@ def test_overlapped_windows_sample_what_windows_in_step_sample_and_a_paused_engi
         assert eng.submit(prompt, stopping).result(30).finish == "stop"
         eng.wait_idle(30)
         assert eng._pending is None and (eng.stats.batches - before[0], eng.stats.late_rows - before[1]) == (2, 4)
+    eng.use_overlap(False)  # in step from here on: the stop is seen at its window's read, and no window follows
+    before = (eng.stats.batches, eng.stats.late_rows)
+    assert eng.submit(prompt, stopping).result(30).finish == "stop"
+    eng.wait_idle(30)
+    assert (eng.stats.batches - before[0], eng.stats.late_rows - before[1]) == (1, 0)
     eng.close()
 
 
