@@ -169,7 +169,7 @@ class EngineConfig:
     prefill_tokens: int = 8192
     """most prompt tokens (padded) prefilled in one forward pass; a longer text prompt is prefilled in chunks"""
     prefix_reuse: bool = True
-    """prefill only what the cache lacks: a free slot's leftovers, another request's prompt (a VLM: only twins')"""
+    """prefill only what the cache lacks: a free slot's leftovers, another request's prompt (a VLM: to its 1st image)"""
     sync_every: int = 0
     """decode steps between two looks from the host (stop checks, joins, swaps); 0 = 1 on CPU, 8 on CUDA"""
     overlap: str = "auto"

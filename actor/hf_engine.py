@@ -9,8 +9,8 @@ Every prompt submitted is a request. On the engine's own thread, a loop of windo
    earlier turn's prompt and output (the same episode's history) takes that slot and prefills only the rest; a
    prompt that begins with another request's prompt copies that prefix from its slot, and one that is the very
    prompt of a request admitted with it (a GRPO group's rollouts) also takes that request's first-token logits:
-   no prefill (a VLM takes only such twins, with the same images too). The first tokens of every pass come to the
-   host in one read at the end of the admission;
+   no prefill (a VLM reuses a prompt's text up to its first image, or the whole of a twin's with the same
+   images). The first tokens of every pass come to the host in one read at the end of the admission;
 3. every running request decodes together for ``sync_every`` tokens: the decode step (with ``compile``, fused
    by inductor, as a text model's prefill passes are: ``actor/compiled.py``) and the sampling
    (``actor/sampler.py``) stay on the device, tokens and log-probs go to a device buffer; on a GPU the whole
@@ -98,6 +98,9 @@ class Request:
     twins: list = field(default_factory=list)
     twin: bool = False
     ids: Any = None  # the prompt as an array (prefix matching, made on the submitting thread)
+    # how much of its prompt may come from the cache: a VLM's text up to its first image, whose positions are the
+    # plain token indices in any prompt that begins with it (past it they depend on the images)
+    reusable: int = 0
     image_key: tuple = ()  # its images' content digests, in order: a twin has the same prompt and the same images
     # tokens the device was asked to sample for it so far (its first, and every window it ran in): what a window's
     # columns are sized by, the host's count of them lagging a window behind when windows overlap
@@ -176,8 +179,6 @@ class HFEngine:
         self.scratch = self.cache.scratch
         self.free_slots = list(range(S))  # a heap: the lowest slot first keeps decode batches dense
         self.slot_tokens: list[Any] = [None] * S  # token ids whose keys/values a free slot still holds
-        # a VLM's multimodal positions are computed over a whole prompt: it reuses none of one but a twin's (``_place``)
-        self.reuse = cfg.prefix_reuse and self.vision is None
         self.tok_in = torch.zeros(S, dtype=torch.long, device=dev)  # each slot's last sampled token
         self.cache_pos = torch.full((S,), self.scratch, dtype=torch.long, device=dev)  # where it is written
         self.active = torch.zeros(S, dtype=torch.long, device=dev)
@@ -287,8 +288,13 @@ class HFEngine:
             raise ValueError(f"a prompt of {len(prompt)} tokens with max_new_tokens {params.max_new_tokens} does not "
                              f"fit a slot of actor.engine.max_seq_len={self.max_seq_len} tokens: raise it, or "
                              "shorten prompts (actor.prompt.max_prompt_tokens)")
+        ids = np.asarray(prompt) if self.cfg.prefix_reuse else None
+        reusable = len(prompt)
+        if ids is not None and self.vision is not None:
+            image_at = np.flatnonzero(ids == self.vision.image_token_id)
+            reusable = int(image_at[0]) if len(image_at) else reusable
         req = Request(list(prompt), params, list(images or ()), cf.Future(), StopWatch(self.tokenizer, params.stop),
-                      time.perf_counter(), ids=np.asarray(prompt) if self.cfg.prefix_reuse else None,
+                      time.perf_counter(), ids=ids, reusable=reusable,
                       image_key=tuple(img.digest for img in images or ()))
         if images:  # processed on the image workers meanwhile: the engine's thread finds them done at its prefill
             self.vision.prefetch(images)
@@ -500,7 +506,7 @@ class HFEngine:
         slot = r.slot
         if slot < 0 and r.spent_slot not in self._by_slot:  # given back early, and no request took it since
             slot = r.spent_slot
-        if self.reuse and slot >= 0 and r.swaps_at_placement == self.stats.weight_swaps:
+        if self.cfg.prefix_reuse and slot >= 0 and r.swaps_at_placement == self.stats.weight_swaps:
             # what the slot's columns now hold: the prompt and every kept token but the last (never fed back);
             # after a swap mid-request its first columns are the old weights' and cannot be reused
             self.slot_tokens[slot] = np.asarray(r.prompt + r.gen.token_ids[:-1])
@@ -588,18 +594,29 @@ class HFEngine:
 
     def _place(self, r: Request, admitted: list[Request]) -> None:
         """A free slot for ``r``, and how much of its prompt need not be prefilled. The longest prefix of its
-        prompt that the cache holds (at least ``MIN_REUSED_PREFIX`` tokens) comes from one of:
+        prompt that the cache holds (at least ``MIN_REUSED_PREFIX`` tokens; a VLM's no further than its first image)
+        comes from one of:
 
         - a free slot's leftover tokens (an episode's earlier turn): ``r`` takes that slot and prefills the rest;
         - a running request's prompt, or that of a request ``admitted`` before it in this window (the other
           rollouts of a group start from the same prompt): ``r`` takes the lowest free slot, the prefix is copied
           into it (``_copy_prefixes``) and the rest prefilled. A request admitted just before it on the very same
-          prompt makes it a twin: no prefill at all, the source's columns and first-token logits once its prefill
-          ends (``_prefill``).
+          prompt (and images) makes it a twin: no prefill at all, the source's columns and first-token logits once
+          its prefill ends (``_prefill``).
 
         Else the lowest free slot (decode batches stay dense). Only columns the current weights wrote count."""
         free, shared, source = -1, MIN_REUSED_PREFIX - 1, None
         ids = r.ids
+        if self.cfg.prefix_reuse and self.vision is not None:
+            # Past a VLM prompt's first image its multimodal positions depend on the images: the whole of it only
+            # from a request admitted just before it on the very same prompt with the very same images (a GRPO
+            # group's first turns: one task, one first screenshot), else only its text up to the first image.
+            for q in admitted:
+                if (not q.twin and q.image_key == r.image_key and len(q.prompt) == len(r.prompt)
+                        and np.array_equal(q.ids, ids)):
+                    shared, source = len(r.prompt), q
+                    break
+            ids = ids[:r.reusable]
 
         def longer(held: Any) -> int:
             """``held``'s common prefix with the prompt where it beats ``shared``, else 0. Most candidates share
@@ -609,7 +626,7 @@ class HFEngine:
                 return 0
             return common_prefix(held, ids)
 
-        if self.reuse:
+        if self.cfg.prefix_reuse and source is None:
             for slot in self.free_slots:
                 held = self.slot_tokens[slot]
                 if held is not None and (common := longer(held)) > shared:
@@ -620,15 +637,6 @@ class HFEngine:
                     # waiting for its own source: that source is the one to take them from)
                 if (common := longer(q.ids)) > shared:
                     free, shared, source = -1, common, q
-        elif self.cfg.prefix_reuse:
-            # A VLM's multimodal positions are computed over a whole prompt, so it takes no part of one from the cache
-            # but the whole, from a request admitted just before it on the very same prompt with the very same
-            # images (a GRPO group's first turns: one task, one first screenshot).
-            for q in admitted:
-                if (not q.twin and q.image_key == r.image_key and len(q.prompt) == len(r.prompt)
-                        and np.array_equal(q.ids, ids)):
-                    shared, source = len(r.prompt), q
-                    break
         # the very prompt of a request admitted just before it (not yet in _by_slot): a twin of that request
         r.twin = (source is not None and shared == len(r.prompt) == len(source.prompt)
                   and source.image_key == r.image_key and source.slot not in self._by_slot)
@@ -697,6 +705,10 @@ class HFEngine:
         if self.vision is not None:  # image inputs and multimodal positions [axes, n, width], worked out on the host
             real = torch.arange(width)[None, :] < torch.tensor([len(p) for p in parts] + [0] * pad_rows)[:, None]
             extra = self.vision.model_inputs(self.model, host_ids, real.long(), [r.images for r in reqs], dev)
+            if any(r.prefilled for r in reqs):
+                # a row's reused text (its first ``prefilled`` tokens, no image among them) had positions 0 ..
+                # prefilled - 1 on every axis, so its rest's positions are those of the rest alone, moved on by that
+                extra["position_ids"] = extra["position_ids"] + starts[None, :, None]
             positions = extra["position_ids"]
         hidden = (self.compiled_prefill if compiled else self._prefill_forward)(ids, lens, starts, slots, columns,
                                                                                  causal, **extra)

@@ -276,6 +276,58 @@ def test_a_groups_first_turns_share_one_prefill_only_with_the_same_images(vlm_di
     assert shared[0].token_ids == shared[3].token_ids
 
 
+def _recolored(shot: Image) -> Image:
+    """The same screenshot with its top-left quarter painted over: another image of the same size (same tokens)."""
+    import io
+
+    from PIL import Image as PILImage, ImageDraw
+
+    with PILImage.open(io.BytesIO(shot.data)) as im:
+        changed = im.convert("RGB")
+    ImageDraw.Draw(changed).rectangle((0, 0, changed.width // 2, changed.height // 2), fill=(200, 30, 30))
+    buf = io.BytesIO()
+    changed.save(buf, format="PNG")
+    return Image.of(buf.getvalue())
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_later_turn_reuses_its_text_up_to_the_first_image_from_the_cache(arch, tmp_path):
+    """An episode's next prompt begins with the text of the one before, up to where that one's screenshot stood. The
+    cache's columns for that text serve it (their positions are the plain indices on every axis), whether from the
+    slot the last turn left or copied from a request admitted beside it with the same text and another screenshot;
+    the rest, images and all, is prefilled at positions moved on by the text reused. Greedy tokens and log-probs
+    equal those of an engine that prefills every prompt whole. (A small rotary base: every axis's positions count.)"""
+    vlm_dir = vlm_checkpoint(tmp_path / arch, corpus_episodes=20, arch=arch, rope_theta=10.0)
+    backend, obs = screen()
+    greedy = SamplingParams(max_new_tokens=10, temperature=0)
+    reusing = HFEngine(ModelConfig(path=str(vlm_dir)), EngineConfig(seed=1))
+    tok = reusing.tokenizer
+    prompt = EpisodePrompt(tok, PromptConfig(style="minimal", observation="screenshot"), obs["instruction"])
+    turns, first = [], []  # per turn: (ids, [its screenshot], [the other screenshot]); the two generations
+    for _ in range(4):
+        ids = prompt.build(obs)
+        shot = prompt.images[0]
+        turns.append((ids, [shot], [_recolored(shot)]))
+        reusing.pause()  # both in one window: the second copies the first's text
+        futures = [reusing.submit(ids, greedy, imgs) for imgs in turns[-1][1:]]
+        reusing.resume()
+        first.append([f.result(120) for f in futures])
+        prompt.record(first[-1][0].token_ids, "no effect")
+    reusing.close()
+    reused, copies = reusing.stats.prefix_reused_tokens, reusing.stats.prefix_copies
+    text = [ids.index(tok.vision.image_token_id) for ids, _, _ in turns]
+    assert copies >= 3 and reused > sum(text[1:]), (reused, copies, text)  # from the slots and from the copies
+    assert reusing.stats.prompt_tokens + reused == 2 * sum(len(ids) for ids, _, _ in turns)
+    whole = HFEngine(ModelConfig(path=str(vlm_dir)), EngineConfig(seed=1, prefix_reuse=False))
+    for (ids, shot, other), gens in zip(turns, first):
+        for imgs, gen in zip((shot, other), gens):
+            alone = whole.generate([ids], greedy, [imgs])[0]
+            assert gen.token_ids == alone.token_ids and len(gen.token_ids) > 1
+            assert np.allclose(gen.logprobs, alone.logprobs, atol=1e-5), (gen.logprobs, alone.logprobs)
+    whole.close()
+    assert whole.stats.prefix_reused_tokens == 0
+
+
 def test_a_vlm_groups_first_prompt_runs_once_with_its_images_and_the_step_is_that_of_whole_rows(vlm_dir, engine,
                                                                                                  tmp_path):
     """The learner's side of the same sharing: a group's first turns (one prompt, one screenshot) are scored with one
