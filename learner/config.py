@@ -111,6 +111,8 @@ class LearnerConfig:
     """log pi_prox: recompute (a forward pass at step start) | loglinear (AReaL's approximation from versions)"""
     prefetch: int = 2
     """batches of credit kept outstanding at the broker"""
+    prefetch_images: str = "auto"
+    """process a VLM's next batch's screenshots while a step runs: auto (on a GPU; a CPU is busy training) | on | off"""
     loss: LossConfig = field(default_factory=LossConfig)
     """the policy loss"""
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
@@ -147,6 +149,8 @@ class LearnerConfig:
             raise ValueError("learner.dist_timeout_s must be > 0")
         if self.explored_coef < 0:
             raise ValueError("learner.explored_coef must be >= 0")
+        if self.prefetch_images not in ("auto", "on", "off"):
+            raise ValueError("learner.prefetch_images must be auto, on or off")
         self.loss.validate()
         self.advantage.validate()
         self.entropulse.validate()

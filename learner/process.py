@@ -65,6 +65,7 @@ class Learner:
         self._retry_round_at = 0.0  # monotonic time to send the current weights again after a failed round
         self._want_checkpoint = False
         self._checkpointed = -1  # version of the last checkpoint this process wrote
+        self._prefetched = ""  # the last waiting batch whose images were set processing (``_prefetch_next``)
         if resume:
             path = ckpt.latest(run_dir.checkpoints)
             if path is None:
@@ -185,6 +186,7 @@ class Learner:
                 c.poll(0.01 if job is not None else 0.05)  # a finished job is noticed within 10 ms
                 if job is not None:
                     if not job.done():
+                        self._prefetch_next()
                         continue
                     result, kind, job = job.result(), job_kind, None
                     self.clock.enter("bookkeeping" if kind in ("rl", "sft") else "wait")
@@ -230,6 +232,14 @@ class Learner:
             self.jobs.stop()
             self.close()
         return finished
+
+    def _prefetch_next(self) -> None:
+        """While a step runs, the next batch's images are processed beside it (a VLM's, ``Trainer.prefetch_images``):
+        once per batch, as it arrives."""
+        batches = self.client.batches
+        if batches and batches[0].batch_id != self._prefetched:
+            self._prefetched = batches[0].batch_id
+            self.trainer.prefetch_images(batches[0].groups)
 
     def _next_step(self) -> tuple[cf.Future, str] | None:
         """Start the step the phase asks for once its input is here: an RL batch from the broker, or in an SFT

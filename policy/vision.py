@@ -96,13 +96,18 @@ class VisionProcessor:
 
     def pixels(self, image: Image) -> tuple[Any, Any]:
         """(pixel_values [patches, dim], grid_thw [3]) of one image, cached by digest (a processing under way on a
-        worker is waited for; one that failed raises here, where the image is needed)."""
+        worker is waited for; one that failed raises here, where the image is needed). One still queued behind
+        others (a learner's next batch, set processing ahead) is taken back and processed here: what is needed now
+        never waits behind what is needed later."""
         with self._lock:
             hit = self._cache.get(image.digest)
             if hit is not None:
                 self._cache.move_to_end(image.digest)
                 return hit
             pending = self._pending.get(image.digest)
+            if pending is not None and pending.cancel():
+                del self._pending[image.digest]
+                pending = None
         return pending.result() if pending is not None else self._process(image)
 
     def tokens_for(self, image: Image) -> int:

@@ -91,6 +91,10 @@ def test_bench_learner_and_weights_print_ratio_json(tmp_path):
                     "2", "--output-len", "8", "--steps", "2", "--same-prompt")
     assert v["shape"] == "tiny-qwen2-vl" and v["layers"] == 1 and v["hidden"] == 64 and v["prompt_len"] > 64
     assert v["train_tokens_per_s"] > 0 and v["bare_tokens_per_s"] > 0 and v["unshared_tokens_per_s"] > 0
+    # ours also ran the other way round with the next step's screenshots (on a CPU: prefetched, not by default)
+    assert v["step_seconds"] == v["unprefetched_step_seconds"] and v["prefetched_step_seconds"] > 0
+    assert v["prefetch_speedup"] == pytest.approx(v["unprefetched_step_seconds"] / v["prefetched_step_seconds"],
+                                                  rel=0.01)
     w = _bench_json(tmp_path, "weights", "--params", "100000", "--receivers", "1", "--repeats", "2")
     assert w["seconds"] > 0 and w["raw_seconds"] > 0 and w["first_round_seconds"] > 0
     assert abs(w["ratio"] - w["raw_seconds"] / w["seconds"]) < 0.01

@@ -412,3 +412,85 @@ def test_images_are_processed_ahead_on_worker_threads_and_a_bad_one_fails_where_
     assert not ahead._pending
     with pytest.raises(ValueError, match="image_workers"):
         ModelConfig(image_workers=-1).validate()
+
+    # an image still queued behind others is taken back and processed where it is needed, not waited for
+    one = VisionProcessor(vlm_dir, workers=1)
+    release, where = threading.Event(), {}
+    process = one._process
+
+    def held(image):
+        where[image.digest] = threading.current_thread().name
+        if image.digest == shots[0].digest:
+            assert release.wait(30)
+        return process(image)
+
+    one._process = held
+    one.prefetch(shots)  # the one worker holds the first; the others wait in its queue
+    pix, grid = one.pixels(shots[2])
+    assert where[shots[2].digest] == threading.current_thread().name and shots[2].digest not in one._pending
+    assert torch.equal(pix, inline.pixels(shots[2])[0])
+    release.set()
+    assert torch.equal(one.pixels(shots[0])[0], inline.pixels(shots[0])[0])
+    assert where[shots[0].digest].startswith("image-processor")
+
+
+def test_a_waiting_batchs_images_are_processed_before_its_step_and_the_step_finds_them_done(vlm_dir, engine,
+                                                                                            tmp_path):
+    """While a step runs, the learner's loop sets the next batch's screenshots processing on the image workers
+    (``Trainer.prefetch_images``, once per batch as it arrives): its step then processes none itself. An image the
+    store lacks is left to the step; at most half the processor's cache is filled ahead. By default only on a GPU
+    (a CPU's cores are the step's)."""
+    import collections
+    import dataclasses
+    import threading
+    import types
+
+    from learner.config import LearnerConfig
+    from learner.process import Learner
+    from learner.trainer import Trainer
+
+    store = ImageStore(tmp_path / "images")
+    batch = [_group(_episodes(engine, store, n=2, task=f"sim:train:screen_click_marker/{i}")) for i in range(3)]
+    digests = {d for g in batch for t in g.trajectories for turn in t.images for d in turn}
+    cfg = LearnerConfig(prefetch_images="on")
+    cfg.advantage.drop_zero_variance = False
+    for mode in ("auto", "off"):  # (on this CPU)
+        assert Trainer(dataclasses.replace(cfg, prefetch_images=mode), ModelConfig(path=str(vlm_dir)), seed=0,
+                       images=store).prefetch_images(batch) == 0
+    trainer = Trainer(cfg, ModelConfig(path=str(vlm_dir)), seed=0, images=store)
+    vision = trainer.vision
+    processed: list[str] = []
+    process = vision._process
+
+    def counting(image):
+        processed.append(image.digest)
+        assert threading.current_thread().name.startswith("image-processor"), "processed where it was needed"
+        return process(image)
+
+    vision._process = counting
+    assert trainer.prefetch_images(batch) == len(digests) > 2
+    assert trainer.prefetch_images(batch) == len(digests)  # (asked again: each is cached or under way, not redone)
+    for d in digests:  # (the workers' results, as the step would wait for them)
+        vision.pixels(Image(d, store.get(d)))
+    assert sorted(processed) == sorted(digests)
+    out = trainer.train_step(batch)
+    assert out["samples"] > 0 and sorted(processed) == sorted(digests), "the step processed an image again"
+
+    missing = _group(_episodes(engine, ImageStore(tmp_path / "elsewhere"), n=2))  # not in the trainer's store
+    vision.cache_items = 4
+    assert trainer.prefetch_images([missing, *batch]) == 1  # the first two digests: one the store lacks, one it has
+
+    # the loop's side: once per waiting batch, the one next in line, only while a step runs
+    seen = []
+    loop = types.SimpleNamespace(client=types.SimpleNamespace(batches=collections.deque()), _prefetched="",
+                                 trainer=types.SimpleNamespace(prefetch_images=seen.append))
+    prefetch_next = Learner._prefetch_next.__get__(loop)
+    prefetch_next()
+    batches = [P.Batch(batch_id=f"b{i}", train_version=0, groups=[g]) for i, g in enumerate(batch[:2])]
+    loop.client.batches.extend(batches)
+    for _ in range(3):
+        prefetch_next()
+    loop.client.batches.popleft()
+    prefetch_next()
+    prefetch_next()
+    assert seen == [batches[0].groups, batches[1].groups]

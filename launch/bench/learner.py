@@ -163,7 +163,11 @@ def run_learner_bench(hidden: int, layers: int, groups: int, group_size: int, pr
     each shared prompt once gave. The bare loop runs every row whole, as a hand-written loop does.
 
     ``vlm``: a tiny Qwen2-VL on screenshot prompts (``_vlm_groups``; ``prompt_len`` is then theirs, reported as the
-    mean); the bare loop freezes its vision tower too and runs the image processor's inputs through the model.
+    mean); the bare loop freezes its vision tower too and runs the image processor's inputs through the model. On a
+    GPU both set the next step's screenshots processing before each step, as a learner does with a batch that waits
+    (``learner.prefetch_images`` auto) and a hand-written loop with a prefetching data loader would; on a CPU
+    neither does. Ours also runs the other way in the same run: ``prefetched_step_seconds``,
+    ``unprefetched_step_seconds`` and ``prefetch_speedup`` (the second over the first).
     """
     if vlm and shape:
         raise ValueError("--vlm builds a tiny Qwen2-VL of --hidden and --layers: not with --shape")
@@ -217,12 +221,12 @@ def _learner_bench(hidden: int, layers: int, groups: int, group_size: int, promp
     def model_cfg_for(tokenizer_dir: str) -> ModelConfig:
         return vlm_cfg if vlm_dir else model_config(shape, hidden, layers, tokenizer_dir if shape else "")
 
-    def time_ours(share_prompts: bool) -> tuple[float, int, float | None, dict]:
+    def time_ours(share_prompts: bool, prefetch: str = "auto") -> tuple[float, int, float | None, dict]:
         """Seconds, loss tokens and peak memory of our timed steps, and the trainer's vocabulary, padding id and
-        parameter count."""
+        parameter count. ``prefetch``: ``learner.prefetch_images``, each step's next batch offered before it."""
         with tempfile.TemporaryDirectory(prefix="bench-tokenizer-") as tokenizer_dir:  # read once, by the Trainer
-            ours = Trainer(dataclasses.replace(cfg, share_prompts=share_prompts), model_cfg_for(tokenizer_dir),
-                           images=store)
+            ours = Trainer(dataclasses.replace(cfg, share_prompts=share_prompts, prefetch_images=prefetch),
+                           model_cfg_for(tokenizer_dir), images=store)
         text = ours.model.config.get_text_config()  # (a checkpoint's, where the config's own fields are unused)
         about = {"vocab": ours.tokenizer.vocab_size, "pad": ours.tokenizer.pad_id, "layers": text.num_hidden_layers,
                  "hidden": text.hidden_size, "rows": text.vocab_size,
@@ -232,9 +236,11 @@ def _learner_bench(hidden: int, layers: int, groups: int, group_size: int, promp
         peak_gb()
         t0 = time.perf_counter()
         tokens = 0
-        for d in data[1:]:
+        for i in range(1, len(data)):
+            if i + 1 < len(data):
+                ours.prefetch_images(data[i + 1])
             ours.version = 0
-            tokens += ours.train_step(d)["tokens"]
+            tokens += ours.train_step(data[i])["tokens"]
         sync()
         seconds = time.perf_counter() - t0
         gb = peak_gb()
@@ -246,6 +252,9 @@ def _learner_bench(hidden: int, layers: int, groups: int, group_size: int, promp
 
     ours_s, tokens, ours_gb, about = time_ours(share_prompts=True)
     unshared = time_ours(share_prompts=False) if same_prompt else None
+    prefetching = device.startswith("cuda")  # (what auto does)
+    other = time_ours(share_prompts=True, prefetch="off" if prefetching else "on") if vlm_dir else None
+    prefetched_s, unprefetched_s = ((ours_s, other[0]) if prefetching else (other[0], ours_s)) if other else (0, 0)
     vocab, pad, params, model_cfg = about["vocab"], about["pad"], about["params"], about["model_cfg"]
 
     model = build_model(model_cfg, vocab, device).train()  # compute dtype throughout, as a bare loop has it
@@ -281,9 +290,12 @@ def _learner_bench(hidden: int, layers: int, groups: int, group_size: int, promp
     peak_gb()
     t0 = time.perf_counter()
     bare_tokens = 0
-    for mbs in tensors[1:]:
-        bare_step(mbs)
-        bare_tokens += sum(tb.num_tokens for tb in mbs)
+    for i in range(1, len(tensors)):
+        if prefetching and vision is not None and i + 1 < len(tensors):  # the next step's screenshots, meanwhile
+            vision.prefetch(Image(d, store.get(d)) for d in dict.fromkeys(
+                d for tb in tensors[i + 1] for row in tb.images for d in row))
+        bare_step(tensors[i])
+        bare_tokens += sum(tb.num_tokens for tb in tensors[i])
     sync()
     bare_s = time.perf_counter() - t0
     bare_gb = peak_gb()
@@ -304,6 +316,9 @@ def _learner_bench(hidden: int, layers: int, groups: int, group_size: int, promp
             "peak_memory_gb": ours_gb, "bare_peak_memory_gb": bare_gb, "same_prompt": same_prompt,
             "unshared_tokens_per_s": round(unshared[1] / unshared[0], 1) if unshared else None,
             "share_speedup": round(unshared[0] / ours_s, 3) if unshared else None,
+            "prefetched_step_seconds": round(prefetched_s / steps, 4) if other else None,
+            "unprefetched_step_seconds": round(unprefetched_s / steps, 4) if other else None,
+            "prefetch_speedup": round(unprefetched_s / prefetched_s, 3) if other else None,
             # Three significant digits, not four decimals: a tiny model on a slow CPU printed 0.0.
             "model_tflops_per_s": float(f"{flops_per_step * steps / ours_s / 1e12:.3g}"),
             "mfu": float(f"{flops_per_step * steps / ours_s / (top * 1e12):.3g}") if top else None,
