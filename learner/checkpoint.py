@@ -86,21 +86,26 @@ def latest(root: Path) -> Path | None:
     return path if (path / STATE_FILE).exists() else None
 
 
-def read(path: Path, model: Any, with_trainer: bool) -> tuple[dict, dict | None, dict]:
+def read(path: Path, model: Any, with_trainer: bool, weights: bool = True) -> tuple[dict, dict | None, dict]:
     """(full weights, optimizer/scheduler/RNG blob or None, trainer state) of a checkpoint, checked against
-    the model's parameter names (only weights tied to the embedding may be missing)."""
+    the model's parameter names (only weights tied to the embedding may be missing).
+
+    ``weights`` False (a learner rank other than 0, which receives its shards from rank 0): no weights are read, and
+    the blob is mapped rather than read (``torch.load(mmap=True)``), so its optimizer tensors, which the caller does
+    not touch, never take host memory; its scheduler and RNG states are read as usual."""
     from safetensors.torch import load_file
 
     tensors: dict[str, Any] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    expected = set(model.state_dict())
-    missing, unexpected = expected - set(tensors), set(tensors) - expected
-    tied = {n for n in missing if "lm_head" in n and getattr(model.config, "tie_word_embeddings", False)}
-    if missing - tied or unexpected:
-        raise ValueError(f"checkpoint {path} does not fit the model: missing {sorted(missing - tied)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]}")
-    blob = torch.load(path / TRAINER_FILE, weights_only=False) if with_trainer else None
+    if weights:
+        for f in sorted(path.glob("*.safetensors")):
+            tensors.update(load_file(str(f)))
+        expected = set(model.state_dict())
+        missing, unexpected = expected - set(tensors), set(tensors) - expected
+        tied = {n for n in missing if "lm_head" in n and getattr(model.config, "tie_word_embeddings", False)}
+        if missing - tied or unexpected:
+            raise ValueError(f"checkpoint {path} does not fit the model: missing {sorted(missing - tied)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")
+    blob = torch.load(path / TRAINER_FILE, weights_only=False, mmap=not weights) if with_trainer else None
     return tensors, blob, json.loads((path / STATE_FILE).read_text())
 
 

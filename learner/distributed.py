@@ -175,10 +175,13 @@ def full_state(model: Any, optimizer: Any | None = None) -> tuple[dict, dict | N
 
 
 def load_full_state(model: Any, optimizer: Any | None, weights: dict, optim: dict | None, sharded: bool) -> None:
-    """Every rank passes the full dicts read from the checkpoint; sharded models keep their own shard."""
+    """Collective when ``sharded``: rank 0 passes the full dicts read from the checkpoint, the other ranks empty ones,
+    and each rank receives its own shards from rank 0, one tensor at a time (``broadcast_from_rank0``). So only rank 0
+    ever holds a full copy of the weights and the optimizer state in host memory, not every rank of a node at once.
+    On one rank, the dicts are loaded as they are."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    opts = StateDictOptions(full_state_dict=sharded, strict=False)
+    opts = StateDictOptions(full_state_dict=sharded, broadcast_from_rank0=sharded, strict=False)
     set_model_state_dict(model, weights, options=opts)
     if optimizer is not None and optim is not None:
         set_optimizer_state_dict(model, optimizer, optim, options=opts)

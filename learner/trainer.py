@@ -524,9 +524,11 @@ class Trainer:
         return {**dataclasses.asdict(self.model_cfg), "path": ""}
 
     def load(self, path: Any) -> dict:
-        """Every rank reads the checkpoint (a path all ranks see) and keeps its shard."""
-        weights, blob, state = ckpt.read(Path(path), self.model, with_trainer=True)
-        load_full_state(self.model, self.optimizer, weights, blob["optimizer"], self.dist.enabled)
+        """Collective with several ranks: rank 0 reads the checkpoint's weights and optimizer state and sends each
+        rank its shards; every rank reads the small rest (a path all ranks see)."""
+        main = self.dist.is_main
+        weights, blob, state = ckpt.read(Path(path), self.model, with_trainer=True, weights=main)
+        load_full_state(self.model, self.optimizer, weights, blob["optimizer"] if main else {}, self.dist.enabled)
         self.scheduler.load_state_dict(blob["scheduler"])
         ckpt.restore_rng(blob)
         self.version = int(state["version"])

@@ -1,7 +1,7 @@
 """Two FSDP2 learner ranks on CPU (gloo) train exactly like one rank: same weights after RL and SFT steps
 (with uneven micro-batch counts, so padding passes run), rank 1 driven only through the job channel, and a
-checkpoint written by two ranks resumes on one with the identical next step. The ranks leave their groups
-without aborting at exit."""
+checkpoint written by two ranks resumes on two (rank 1 reading neither the weights nor the optimizer state: rank 0
+sends its shards) and on one with the identical next step. The ranks leave their groups without aborting at exit."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 from common import protocol as P  # noqa: E402
 from common.net import free_port  # noqa: E402
+from learner.checkpoint import TRAINER_FILE  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
 from tests.test_learner import TINY, groups_from  # noqa: E402
@@ -46,8 +47,26 @@ def _rank_main(rank: int, port: int, workdir: str) -> None:
     trainer = Trainer(CFG, TINY, dist=dist)
     jobs = JobChannel(dist, trainer)
     if rank == 1:
+        import safetensors.torch
+
+        # what this rank reads of the checkpoint it resumes from: its shards come from rank 0
+        reads = {"weights": 0, "mapped": []}
+        load_file, load = safetensors.torch.load_file, torch.load
+
+        def counting_load_file(*a, **kw):
+            reads["weights"] += 1
+            return load_file(*a, **kw)
+
+        def recording_load(f, *a, **kw):
+            if str(f).endswith(TRAINER_FILE):  # (torch.distributed's object collectives unpickle with it too)
+                reads["mapped"].append(bool(kw.get("mmap")))
+            return load(f, *a, **kw)
+
+        safetensors.torch.load_file, torch.load = counting_load_file, recording_load
         jobs.follow(L.get())  # everything below happens here too, announced by rank 0
         jobs.follow(L.get())  # second phase: load and one more step
+        with open(os.path.join(workdir, "rank1.pkl"), "wb") as f:
+            pickle.dump(reads, f)
         dist.close()
         return
     metrics = _script(jobs, groups, successes)
@@ -86,6 +105,10 @@ def test_two_fsdp_ranks_train_like_one(tmp_path):
     mp.spawn(_rank_main, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     with open(tmp_path / "rank0.pkl", "rb") as f:
         got = pickle.load(f)
+    with open(tmp_path / "rank1.pkl", "rb") as f:
+        rank1 = pickle.load(f)
+    # rank 1 resumed (the continuation below equals one rank's) without reading the weights or the optimizer state
+    assert rank1["weights"] == 0 and rank1["mapped"] == [True], rank1
 
     from learner.distributed import DistContext, JobChannel
 
