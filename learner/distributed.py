@@ -163,6 +163,35 @@ def shard_model(model: Any, ctx: DistContext, compute_dtype: Any = None, reshard
     return model
 
 
+def materialize_shards(model: Any, full: dict, ctx: DistContext, device: Any, buffers_from: Any = None) -> None:
+    """Collective: a sharded ``model`` whose parameters may still be on the meta device gets memory for its shards on
+    ``device`` and their values from rank 0's ``full`` weights (its state dict before sharding; the other ranks pass
+    an empty one), sent one tensor at a time. Buffers are not in a state dict (a rotary embedding's frequencies) and
+    not sharded: they are copied from ``buffers_from`` (default: the model itself) as rank 0 holds them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    def local(t: Any) -> Any:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    if any(local(t).is_meta for t in [*model.parameters(), *model.buffers()]):
+        model.to_empty(device=device)
+    if getattr(model.config, "tie_word_embeddings", False):
+        # ``to_empty`` kept a tied head tied on CPU (two gloo ranks: checked); on other devices, untried, tying again
+        # makes sure the head and the embedding stay one tensor rather than train apart
+        model.tie_weights()
+    # (a copy: the call fills the dict it is given with the model's own shards)
+    set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                     strict=False))
+    source = dict((buffers_from or model).named_buffers())
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if buffers_from is None or buffers_from is model:
+                torch.distributed.broadcast(buf, src=0, group=ctx.group)
+            else:
+                buf.copy_(source[name])
+
+
 def full_state(model: Any, optimizer: Any | None = None) -> tuple[dict, dict | None]:
     """Collective: the unsharded weights (and optimizer state, keyed by parameter name) on CPU at rank 0;
     the other ranks get empty dicts. On one rank it is the same dicts without any communication."""

@@ -30,7 +30,8 @@ from learner import checkpoint as ckpt
 from learner.batch import (Sample, build_samples, collate, loglinear_prox, micro_batches, prompt_shares,
                            token_entropy, turn_samples)
 from learner.config import LearnerConfig
-from learner.distributed import DistContext, full_state, load_full_state, padding_micro_batch, shard_model
+from learner.distributed import (DistContext, full_state, load_full_state, materialize_shards, padding_micro_batch,
+                                shard_model)
 from learner.entropulse import Entropulse
 from learner.advantages import get_estimator
 from learner.losses import LossInputs
@@ -146,14 +147,12 @@ class Trainer:
         # Master weights (what AdamW steps and checkpoints hold) are float32 whatever the compute dtype: at
         # fine-tuning learning rates (~1e-6) most bf16 updates would round away. ``net`` runs the passes.
         self.compute_dtype = torch_dtype(model_cfg, self.device)
-        # Several ranks: the full model (and the reference copy) stay in host memory until sharding, where FSDP2
-        # moves each rank's shard to its device; a GPU never holds more than its shards.
-        self.model = build_model(model_cfg, self.tokenizer.vocab_size, self.device, dtype=torch.float32,
-                                 keep_on_cpu=self.dist.enabled).train()
-        if not model_cfg.train_vision:
-            freeze_vision(self.model)  # before the optimizer, the reference copy and sharding see the parameters
-        if cfg.activation_checkpointing:  # before any copy (twin, reference): they share the setting
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Several ranks: rank 0 alone builds the model in host memory (from the checkpoint, or seeded); the other ranks,
+        # and every rank's reference copy, start on the meta device. Each is sharded (FSDP2 moves a rank's shards to
+        # its device) and then given its shards' values by rank 0 (``materialize_shards``): a GPU never holds more
+        # than its shards, and no rank but 0 ever holds a full copy in host memory.
+        sharded = self.dist.enabled
+        self.model = self._build(meta=sharded and not self.dist.is_main).train()
         # The objective's terms (learner/objective.py); a reference model exists because a term needs one.
         # Custom loss and estimator names are imported here, before the learner asks for any batch.
         self.objective = rl_objective(cfg)
@@ -163,10 +162,13 @@ class Trainer:
         self.anchor_samples = ([s for tr in anchor_demos or () for s in turn_samples(tr, "anchor")]
                                if cfg.anchor.enabled else [])
         self.ref_model = self._frozen_copy() if needs_reference(self.objective) else None
-        if self.dist.enabled:  # FSDP2 casts each unit's gathered parameters to the compute dtype
-            shard_model(self.model, self.dist, compute_dtype=self.compute_dtype)
-            if self.ref_model is not None:
-                shard_model(self.ref_model, self.dist, compute_dtype=self.compute_dtype)
+        if sharded:  # FSDP2 casts each unit's gathered parameters to the compute dtype
+            full = self.model.state_dict() if self.dist.is_main else {}  # (rank 0's values, before sharding)
+            for model in (self.model, self.ref_model):
+                if model is not None:
+                    shard_model(model, self.dist, compute_dtype=self.compute_dtype)
+                    materialize_shards(model, full, self.dist, self.device, buffers_from=self.model)
+            del full
         self.net = compute_model(self.model, self.compute_dtype, sharded=self.dist.enabled)
         self._gathered: list[tuple[str, torch.Tensor]] = []  # rank 0's full weights after the last update
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
@@ -231,10 +233,20 @@ class Trainer:
         vision.prefetch(images)
         return len(images)
 
+    def _build(self, meta: bool) -> Any:
+        """The policy's model as configured (float32 masters), or its shapes alone on the meta device."""
+        model = build_model(self.model_cfg, self.tokenizer.vocab_size, self.device, dtype=torch.float32,
+                            keep_on_cpu=self.dist.enabled, meta=meta)
+        if not self.model_cfg.train_vision:
+            freeze_vision(model)  # before the optimizer, the reference copy and sharding see the parameters
+        if self.cfg.activation_checkpointing:  # (the reference copy shares the setting)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
     def _frozen_copy(self) -> Any:
-        ref = copy.deepcopy(self.model).eval()
-        if not self.dist.enabled:  # sharded: the FSDP2 policy casts it
-            ref.to(self.compute_dtype)
+        """The reference model: a copy of the policy as it starts. Sharded, it starts on the meta device and gets its
+        values with the policy's (and FSDP2 casts it to the compute dtype as it gathers)."""
+        ref = (self._build(meta=True) if self.dist.enabled else copy.deepcopy(self.model).to(self.compute_dtype)).eval()
         for p in ref.parameters():
             p.requires_grad_(False)
         return ref

@@ -145,12 +145,14 @@ def cache_keyword(forward: Any) -> str:
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu", dtype: Any = None,
-                keep_on_cpu: bool = False) -> Any:
+                keep_on_cpu: bool = False, meta: bool = False) -> Any:
     """A causal LM: loaded from ``cfg.path``, or built from the architecture fields with seeded weights.
 
     ``dtype`` overrides the configured one (the learner keeps float32 master weights and computes in
     ``torch_dtype(cfg, device)``); attention is chosen for the compute dtype either way. ``keep_on_cpu``:
-    built for ``device`` but left in host memory (FSDP2 then moves only each rank's shard to the GPU).
+    built for ``device`` but left in host memory (FSDP2 then moves only each rank's shard to the GPU). ``meta``:
+    the same modules on the meta device, shapes without memory or values (a learner rank whose shards come from
+    rank 0).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -166,9 +168,24 @@ def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu", dtype: A
             raise FileNotFoundError(f"model.path {cfg.path!r}: no checkpoint there (a directory with config.json and "
                                     "*.safetensors; `computerrl pretrain --out DIR` makes one)")
         auto = AutoModelForImageTextToText if model_kind(cfg) == "vlm" else AutoModelForCausalLM
-        model = auto.from_pretrained(cfg.path, local_files_only=True, dtype=dtype, **extra)
-        if model.get_input_embeddings().num_embeddings < vocab_size:
-            model.resize_token_embeddings(vocab_size)  # role tokens added to the tokenizer
+        if meta:
+            from transformers import AutoConfig
+
+            with torch.device("meta"):
+                model = auto.from_config(AutoConfig.from_pretrained(cfg.path, local_files_only=True), dtype=dtype,
+                                         **extra)
+        else:
+            model = auto.from_pretrained(cfg.path, local_files_only=True, dtype=dtype, **extra)
+        if model.get_input_embeddings().num_embeddings < vocab_size:  # role tokens added to the tokenizer
+            if meta:  # (the new rows' values come with the rest: no mean of the old ones to take, on no values)
+                with torch.device("meta"):
+                    model.resize_token_embeddings(vocab_size, mean_resizing=False)
+            else:
+                model.resize_token_embeddings(vocab_size)
+    elif meta:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(_arch_config(cfg, vocab_size), dtype=dtype, **extra)
+        return model
     else:
         # drawn in float32 whatever the dtype, then rounded: the learner's float32 masters and an engine's bf16
         # copy are the same version-0 weights (an init drawn in bf16 need not be their rounding)
@@ -176,7 +193,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, device: str = "cpu", dtype: A
             torch.manual_seed(cfg.init_seed)
             model = AutoModelForCausalLM.from_config(_arch_config(cfg, vocab_size), dtype=torch.float32, **extra)
         model = model.to(dtype)
-    return model if keep_on_cpu else model.to(device)
+    return model if keep_on_cpu or meta else model.to(device)
 
 
 def _arch_config(cfg: ModelConfig, vocab_size: int) -> Any:

@@ -16,13 +16,14 @@ torch = pytest.importorskip("torch")
 from common import protocol as P  # noqa: E402
 from common.net import free_port  # noqa: E402
 from learner.checkpoint import TRAINER_FILE  # noqa: E402
-from learner.config import LearnerConfig  # noqa: E402
+from learner.config import LearnerConfig, LossConfig  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
 from tests.test_learner import TINY, groups_from  # noqa: E402
 
 # 9 samples of 26 tokens, 2 rows per micro-batch; the first group's 3 share their prompt: rank 0 gets 5 samples (one
 # shared micro-batch of 2 rows, then 2 whole ones), rank 1 gets 4 (a shared padding micro-batch, then 2 whole ones).
-CFG = LearnerConfig(lr=1e-3, micro_batch_tokens=60, keep_checkpoints=5)
+# A KL term: each rank's reference copy starts on the meta device and gets its shards from rank 0, as the policy does.
+CFG = LearnerConfig(lr=1e-3, micro_batch_tokens=60, keep_checkpoints=5, loss=LossConfig(kl_beta=0.1))
 
 
 def _script(jobs, groups: list, successes: P.SuccessBatch) -> list[dict]:
@@ -117,6 +118,8 @@ def test_two_fsdp_ranks_train_like_one(tmp_path):
         assert m_two["tokens"] == m_ref["tokens"]
         assert _close(m_two["loss"], m_ref["loss"]) and _close(m_two["entropy"], m_ref["entropy"])
         assert _close(m_two["grad_norm"], m_ref["grad_norm"])
+        assert ("kl" in m_ref) == ("kl" in m_two) and _close(m_two.get("kl", 0.0), m_ref.get("kl", 0.0))
+    assert want[2]["kl"] > 0, "after two updates the policy has moved from its reference"
     for k in (0, 2):
         assert want[k]["prompt_tokens_shared"] > 0 and got["metrics"][k]["prompt_tokens_shared"] > 0
     assert ref.version == 4
@@ -156,3 +159,27 @@ def test_closing_waits_until_gloo_lets_go_of_the_last_collectives_tensor(monkeyp
                         lambda: seen.setdefault("use_count_at_teardown", seen["tensor"]._use_count()))
     DistContext(rank=1, world_size=2).close()
     assert seen["use_count_at_teardown"] == 1
+
+
+def test_a_model_built_on_the_meta_device_has_the_real_ones_parameters_and_buffers(tmp_path):
+    """What a learner rank other than 0 builds (``build_model(meta=True)``) before rank 0 sends it its shards: every
+    parameter and buffer the real model has, with its shape and dtype, and no memory. From the architecture fields,
+    from a checkpoint whose embedding has fewer rows than the tokenizer (resized with no values to average), and a
+    VLM."""
+    from launch.tiny_checkpoints import vlm_checkpoint
+    from policy.model import ModelConfig, build_model
+
+    small = tmp_path / "small"
+    build_model(dataclasses.replace(TINY, vocab_size=0), 200).save_pretrained(small)
+    vlm = vlm_checkpoint(tmp_path / "vlm", corpus_episodes=5)
+    for cfg, vocab in ((TINY, 263), (ModelConfig(path=str(small)), 263), (ModelConfig(path=str(vlm)), 0)):
+        if not vocab:  # the VLM's own tokenizer
+            from policy.model import build_tokenizer
+            vocab = build_tokenizer(cfg).vocab_size
+        real = build_model(cfg, vocab, dtype=torch.float32, keep_on_cpu=True)
+        meta = build_model(cfg, vocab, dtype=torch.float32, keep_on_cpu=True, meta=True)
+        for named in ("named_parameters", "named_buffers"):
+            got = {n: (tuple(t.shape), t.dtype) for n, t in getattr(meta, named)()}
+            assert got == {n: (tuple(t.shape), t.dtype) for n, t in getattr(real, named)()}, (cfg, named)
+            assert all(t.is_meta for _, t in getattr(meta, named)())
+        assert type(meta) is type(real)
