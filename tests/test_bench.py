@@ -85,7 +85,8 @@ def test_bench_learner_and_weights_print_ratio_json(tmp_path):
     assert r["share_speedup"] == pytest.approx(r["train_tokens_per_s"] / r["unshared_tokens_per_s"], rel=0.01)
     # Both figures are printed to three significant digits: their rounding is the slack.
     assert r["mfu"] == pytest.approx(r["model_tflops_per_s"] / 0.5, rel=0.01) and r["mfu"] > 0
-    assert abs(r["ratio"] - r["train_tokens_per_s"] / r["bare_tokens_per_s"]) < 0.01
+    # (both rates are printed to 0.1 token/s: relative slack, as a loaded machine can make the ratio large)
+    assert r["ratio"] == pytest.approx(r["train_tokens_per_s"] / r["bare_tokens_per_s"], rel=0.01)
     # a VLM on screenshot prompts: its depth as built, prompts of an instruction and a screenshot's image tokens
     v = _bench_json(tmp_path, "learner", "--vlm", "--hidden", "64", "--layers", "1", "--groups", "2", "--group-size",
                     "2", "--output-len", "8", "--steps", "2", "--same-prompt")
