@@ -163,11 +163,11 @@ def shard_model(model: Any, ctx: DistContext, compute_dtype: Any = None, reshard
     return model
 
 
-def materialize_shards(model: Any, full: dict, ctx: DistContext, device: Any, buffers_from: Any = None) -> None:
+def materialize_shards(model: Any, full: dict, ctx: DistContext, device: Any, buffers: dict | None = None) -> None:
     """Collective: a sharded ``model`` whose parameters may still be on the meta device gets memory for its shards on
     ``device`` and their values from rank 0's ``full`` weights (its state dict before sharding; the other ranks pass
-    an empty one), sent one tensor at a time. Buffers are not in a state dict (a rotary embedding's frequencies) and
-    not sharded: they are copied from ``buffers_from`` (default: the model itself) as rank 0 holds them."""
+    an empty one), sent one tensor at a time. Buffers are in no state dict (a rotary embedding's frequencies) and are
+    not sharded: rank 0 broadcasts its own, or every rank copies them from ``buffers`` (name -> tensor)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.tensor import DTensor
 
@@ -183,13 +183,12 @@ def materialize_shards(model: Any, full: dict, ctx: DistContext, device: Any, bu
     # (a copy: the call fills the dict it is given with the model's own shards)
     set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
                                                                      strict=False))
-    source = dict((buffers_from or model).named_buffers())
     with torch.no_grad():
         for name, buf in model.named_buffers():
-            if buffers_from is None or buffers_from is model:
+            if buffers is None:
                 torch.distributed.broadcast(buf, src=0, group=ctx.group)
             else:
-                buf.copy_(source[name])
+                buf.copy_(buffers[name])
 
 
 def full_state(model: Any, optimizer: Any | None = None) -> tuple[dict, dict | None]:

@@ -164,10 +164,11 @@ class Trainer:
         self.ref_model = self._frozen_copy() if needs_reference(self.objective) else None
         if sharded:  # FSDP2 casts each unit's gathered parameters to the compute dtype
             full = self.model.state_dict() if self.dist.is_main else {}  # (rank 0's values, before sharding)
-            for model in (self.model, self.ref_model):
-                if model is not None:
-                    shard_model(model, self.dist, compute_dtype=self.compute_dtype)
-                    materialize_shards(model, full, self.dist, self.device, buffers_from=self.model)
+            shard_model(self.model, self.dist, compute_dtype=self.compute_dtype)
+            materialize_shards(self.model, full, self.dist, self.device)
+            if self.ref_model is not None:  # (its buffers: the policy's, now on every rank)
+                shard_model(self.ref_model, self.dist, compute_dtype=self.compute_dtype)
+                materialize_shards(self.ref_model, full, self.dist, self.device, dict(self.model.named_buffers()))
             del full
         self.net = compute_model(self.model, self.compute_dtype, sharded=self.dist.enabled)
         self._gathered: list[tuple[str, torch.Tensor]] = []  # rank 0's full weights after the last update
