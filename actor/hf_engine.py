@@ -98,8 +98,8 @@ class Request:
     twins: list = field(default_factory=list)
     twin: bool = False
     ids: Any = None  # the prompt as an array (prefix matching, made on the submitting thread)
-    # how much of its prompt may come from the cache: a VLM's text up to its first image, whose positions are the
-    # plain token indices in any prompt that begins with it (past it they depend on the images)
+    # how much of its prompt may come from the cache: a VLM's text up to its first image (its opening marker), whose
+    # positions are the plain token indices in any prompt that begins with it (past it they depend on the images)
     reusable: int = 0
     image_key: tuple = ()  # its images' content digests, in order: a twin has the same prompt and the same images
     # tokens the device was asked to sample for it so far (its first, and every window it ran in): what a window's
@@ -291,7 +291,8 @@ class HFEngine:
         ids = np.asarray(prompt) if self.cfg.prefix_reuse else None
         reusable = len(prompt)
         if ids is not None and self.vision is not None:
-            image_at = np.flatnonzero(ids == self.vision.image_token_id)
+            # (the image's opening marker too: the position index of the rest then sees every image whole)
+            image_at = np.flatnonzero(np.isin(ids, self.vision.banned_ids))
             reusable = int(image_at[0]) if len(image_at) else reusable
         req = Request(list(prompt), params, list(images or ()), cf.Future(), StopWatch(self.tokenizer, params.stop),
                       time.perf_counter(), ids=ids, reusable=reusable,
