@@ -106,7 +106,8 @@ class Request:
     # columns are sized by, the host's count of them lagging a window behind when windows overlap
     decoded: int = 0
     # overlapped: the slot it gave back once the device had been asked for its whole budget, before its last tokens
-    # were read (``_give_back_spent``); what it leaves there is known, and kept for reuse, only once they are
+    # were read (``_give_back_spent``); what it leaves there is known, and kept for reuse, only once they are, and
+    # only if no request took the slot meanwhile (-1 then)
     spent_slot: int = -1
     done: bool = False  # finished or failed (its future may also have been cancelled by the caller: not this)
 
@@ -504,9 +505,7 @@ class HFEngine:
         r.slot = -1
 
     def _finish(self, r: Request, finish: str) -> None:
-        slot = r.slot
-        if slot < 0 and r.spent_slot not in self._by_slot:  # given back early, and no request took it since
-            slot = r.spent_slot
+        slot = r.slot if r.slot >= 0 else r.spent_slot  # (given back early: -1 once another request took it)
         if self.cfg.prefix_reuse and slot >= 0 and r.swaps_at_placement == self.stats.weight_swaps:
             # what the slot's columns now hold: the prompt and every kept token but the last (never fed back);
             # after a swap mid-request its first columns are the old weights' and cannot be reused
@@ -658,6 +657,9 @@ class HFEngine:
             r.prefilled, r.source = shared, source.slot if source is not None else -1
         self.stats.prefix_reused_tokens += r.prefilled
         self.slot_tokens[r.slot] = None  # overwritten from here on
+        for q in self._spent:  # (nor will a request that gave it back early leave its tokens there, once read)
+            if q.spent_slot == r.slot:
+                q.spent_slot = -1
         r.swaps_at_placement = self.stats.weight_swaps
 
     def _copy_prefixes(self, reqs: list[Request]) -> None:

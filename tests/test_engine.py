@@ -331,6 +331,30 @@ def test_overlapped_a_request_gives_its_slot_back_once_its_whole_budget_is_queue
     assert in_step[1][0] == 4 and in_step[1][1] == 0 and in_step[1][2] > 0
 
 
+def test_overlapped_a_slot_taken_again_before_its_last_requests_tokens_are_read_is_not_reused_as_that_ones():
+    """Overlapped, a request that gave its slot back early is read after the next request took the slot. If that next
+    one ended at once (its budget its first token) and left the slot free again, the slot now holds the next one's
+    columns, not the first's: a later turn of the first request must not reuse them. Its log-probs equal those of an
+    engine that prefills it whole."""
+    greedy = SamplingParams(temperature=0, max_new_tokens=2, min_new_tokens=2)
+    fresh = HFEngine(TINY, EngineConfig(seed=2, prefix_reuse=False))
+    tok = fresh.tokenizer
+    first = tok.encode("the first request's prompt, long enough to be reused")
+    other = tok.encode("another prompt of about the same length, written over")
+    later = first + fresh.generate([first], greedy)[0].token_ids + tok.encode(" and its next turn")
+    want = fresh.generate([later], greedy)[0]
+    fresh.close()
+    eng = HFEngine(TINY, EngineConfig(seed=2, max_batch=1, overlap="always"))
+    eng.pause()  # one slot: the first takes it; the other takes it when the first gives it back; then the later turn
+    futures = [eng.submit(first, greedy), eng.submit(other, SamplingParams(temperature=0, max_new_tokens=1)),
+               eng.submit(later, greedy)]
+    eng.resume()
+    got = [f.result(30) for f in futures][2]
+    eng.close()
+    assert got.token_ids == want.token_ids
+    assert np.allclose(got.logprobs, want.logprobs, atol=1e-5), (got.logprobs, want.logprobs)
+
+
 @pytest.mark.parametrize("overlap", ["never", "always"])
 def test_weights_stay_staged_until_copied_in_and_a_bad_update_is_dropped_once_it_failed(overlap):
     """``has_staged`` says yes until every copy of a swap is queued: a round may reuse its buffers once it says no
