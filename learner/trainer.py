@@ -213,26 +213,20 @@ class Trainer:
                     self.model, tb.input_ids[:1, :p], tb.attention_mask[:1, :p], rows[:1]))
         return tb
 
-    def prefetch_images(self, groups: list[P.TrajectoryGroup]) -> int:
+    def prefetch_images(self, groups: list[P.TrajectoryGroup]) -> None:
         """Start processing the images of a batch still waiting for its step on the image workers, so that the step
         finds them done (a VLM's, with ``prefetch_images`` on: by default on a GPU, whose host is free while a step
-        runs; on a CPU the workers would take cores from the step). At most half the processor's cache: they and the
-        images of the step under way do not push each other out of it. An image the store lacks is left to the
-        step, which drops its group and counts it. With several ranks, none: each rank processes its own share of a
-        batch, which the step deals. How many were started."""
+        runs; on a CPU the workers would take cores from the step). The workers read them from the image store too,
+        so the caller (the learner's loop, which keeps the broker link polled) does no file reading. At most half the
+        processor's cache: they and the images of the step under way do not push each other out of it. An image the
+        store lacks is left to the step, which drops its group and counts it. With several ranks, none: each rank
+        processes its own share of a batch, which the step deals."""
         vision, mode = self.vision, self.cfg.prefetch_images
-        if (vision is None or self.images is None or not vision.workers or self.dist.enabled or mode == "off"
+        if (vision is None or self.images is None or self.dist.enabled or mode == "off"
                 or (mode == "auto" and not str(self.device).startswith("cuda"))):
-            return 0
+            return
         digests = dict.fromkeys(d for g in groups for t in g.trajectories for turn in t.images for d in turn)
-        images = []
-        for d in list(digests)[:vision.cache_items // 2]:
-            try:
-                images.append(Image(d, self.images.get(d)))
-            except ImageStoreError:
-                continue
-        vision.prefetch(images)
-        return len(images)
+        vision.prefetch_stored(list(digests)[:vision.cache_items // 2], self.images.get)
 
     def _build(self, meta: bool) -> Any:
         """The policy's model as configured (float32 masters), or its shapes alone on the meta device."""

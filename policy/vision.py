@@ -21,7 +21,7 @@ import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from common.images import Image, decode_image
 from policy.staging import host_to_device
@@ -67,32 +67,41 @@ class VisionProcessor:
     def prefetch(self, images: Iterable[Image]) -> None:
         """Start processing each of ``images`` not cached or under way, on the worker threads (none with
         ``workers`` 0); ``pixels`` then waits for it rather than processing it again."""
+        self._queue((image.digest, lambda image=image: image) for image in images)
+
+    def prefetch_stored(self, digests: Iterable[str], read: Callable[[str], bytes]) -> None:
+        """``prefetch`` for images known by their digests, each read with ``read`` (an image store's ``get``) on the
+        worker too, so the caller's thread does no file reading. One that cannot be read is left uncached: whoever
+        needs it reads it again, and reports it."""
+        self._queue((digest, lambda digest=digest: Image(digest, read(digest))) for digest in digests)
+
+    def _queue(self, loads: Iterable[tuple[str, Callable[[], Image]]]) -> None:
         if not self.workers:
             return
         with self._lock:
-            for image in images:
-                if image.digest in self._cache or image.digest in self._pending:
+            for digest, load in loads:
+                if digest in self._cache or digest in self._pending:
                     continue
                 if self._pool is None or self._pool_pid != os.getpid():
                     self._pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="image-processor")
                     self._pool_pid, self._pending = os.getpid(), {}
                 try:
-                    self._pending[image.digest] = self._pool.submit(self._process, image)
+                    self._pending[digest] = self._pool.submit(self._process, digest, load)
                 except RuntimeError:  # the interpreter is shutting down: ``pixels`` processes it where it is needed
                     return
 
-    def _process(self, image: Image) -> tuple[Any, Any]:
+    def _process(self, digest: str, load: Callable[[], Image]) -> tuple[Any, Any]:
         try:
-            out = self.image_processor(images=[decode_image(image.data)], return_tensors="pt")
+            out = self.image_processor(images=[decode_image(load().data)], return_tensors="pt")
             hit = (out["pixel_values"], out["image_grid_thw"][0])
             with self._lock:
-                self._cache[image.digest] = hit
+                self._cache[digest] = hit
                 while len(self._cache) > self.cache_items:
                     self._cache.popitem(last=False)
             return hit
         finally:
             with self._lock:
-                self._pending.pop(image.digest, None)
+                self._pending.pop(digest, None)
 
     def pixels(self, image: Image) -> tuple[Any, Any]:
         """(pixel_values [patches, dim], grid_thw [3]) of one image, cached by digest (a processing under way on a
@@ -108,7 +117,7 @@ class VisionProcessor:
             if pending is not None and pending.cancel():
                 del self._pending[image.digest]
                 pending = None
-        return pending.result() if pending is not None else self._process(image)
+        return pending.result() if pending is not None else self._process(image.digest, lambda: image)
 
     def tokens_for(self, image: Image) -> int:
         """Placeholder tokens the image takes in the prompt ids: from its size alone (read from the PNG/JPEG header)

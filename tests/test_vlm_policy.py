@@ -4,6 +4,7 @@ model inputs the engine used. The checkpoint is a tiny Qwen2-VL built here (``la
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import numpy as np
@@ -420,11 +421,11 @@ def test_images_are_processed_ahead_on_worker_threads_and_a_bad_one_fails_where_
     release, where = threading.Event(), {}
     process = one._process
 
-    def held(image):
-        where[image.digest] = threading.current_thread().name
-        if image.digest == shots[0].digest:
+    def held(digest, load):
+        where[digest] = threading.current_thread().name
+        if digest == shots[0].digest:
             assert release.wait(30)
-        return process(image)
+        return process(digest, load)
 
     one._process = held
     one.prefetch(shots)  # the one worker holds the first; the others wait in its queue
@@ -456,31 +457,44 @@ def test_a_waiting_batchs_images_are_processed_before_its_step_and_the_step_find
     digests = {d for g in batch for t in g.trajectories for turn in t.images for d in turn}
     cfg = LearnerConfig(prefetch_images="on")
     cfg.advantage.drop_zero_variance = False
-    for mode in ("auto", "off"):  # (on this CPU)
-        assert Trainer(dataclasses.replace(cfg, prefetch_images=mode), ModelConfig(path=str(vlm_dir)), seed=0,
-                       images=store).prefetch_images(batch) == 0
     trainer = Trainer(cfg, ModelConfig(path=str(vlm_dir)), seed=0, images=store)
     vision = trainer.vision
     processed: list[str] = []
     process = vision._process
 
-    def counting(image):
-        processed.append(image.digest)
+    def counting(digest, load):
+        processed.append(digest)
         assert threading.current_thread().name.startswith("image-processor"), "processed where it was needed"
-        return process(image)
+        return process(digest, load)
+
+    def settled() -> None:  # (what the workers were given, done)
+        deadline = time.monotonic() + 30
+        while vision._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not vision._pending
 
     vision._process = counting
-    assert trainer.prefetch_images(batch) == len(digests) > 2
-    assert trainer.prefetch_images(batch) == len(digests)  # (asked again: each is cached or under way, not redone)
-    for d in digests:  # (the workers' results, as the step would wait for them)
-        vision.pixels(Image(d, store.get(d)))
-    assert sorted(processed) == sorted(digests)
+    for mode in ("auto", "off"):  # (on this CPU)
+        Trainer(dataclasses.replace(cfg, prefetch_images=mode), ModelConfig(path=str(vlm_dir)), seed=0,
+                images=store).prefetch_images(batch)
+    assert not processed
+    trainer.prefetch_images(batch)
+    trainer.prefetch_images(batch)  # (asked again: each is cached or under way, not redone)
+    settled()
+    assert sorted(processed) == sorted(digests) and len(digests) > 2
     out = trainer.train_step(batch)
     assert out["samples"] > 0 and sorted(processed) == sorted(digests), "the step processed an image again"
 
     missing = _group(_episodes(engine, ImageStore(tmp_path / "elsewhere"), n=2))  # not in the trainer's store
+    lacking = [d for t in missing.trajectories for turn in t.images for d in turn][0]
     vision.cache_items = 4
-    assert trainer.prefetch_images([missing, *batch]) == 1  # the first two digests: one the store lacks, one it has
+    vision._cache.clear()
+    processed.clear()
+    trainer.prefetch_images([missing, *batch])
+    settled()
+    # the first two digests (half the cache): one the store lacks, left uncached, and one it has
+    first_held = next(d for g in batch for t in g.trajectories for turn in t.images for d in turn)
+    assert processed == [lacking, first_held] and list(vision._cache) == [first_held], processed
 
     # the loop's side: once per waiting batch, the one next in line, only while a step runs
     seen = []

@@ -292,8 +292,8 @@ def _learner_bench(hidden: int, layers: int, groups: int, group_size: int, promp
     bare_tokens = 0
     for i in range(1, len(tensors)):
         if prefetching and vision is not None and i + 1 < len(tensors):  # the next step's screenshots, meanwhile
-            vision.prefetch(Image(d, store.get(d)) for d in dict.fromkeys(
-                d for tb in tensors[i + 1] for row in tb.images for d in row))
+            vision.prefetch_stored(dict.fromkeys(d for tb in tensors[i + 1] for row in tb.images for d in row),
+                                   store.get)
         bare_step(tensors[i])
         bare_tokens += sum(tb.num_tokens for tb in tensors[i])
     sync()
