@@ -168,7 +168,6 @@ def materialize_shards(model: Any, full: dict, ctx: DistContext, device: Any, bu
     ``device`` and their values from rank 0's ``full`` weights (its state dict before sharding; the other ranks pass
     an empty one), sent one tensor at a time. Buffers are in no state dict (a rotary embedding's frequencies) and are
     not sharded: rank 0 broadcasts its own, or every rank copies them from ``buffers`` (name -> tensor)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.tensor import DTensor
 
     def local(t: Any) -> Any:
@@ -180,9 +179,7 @@ def materialize_shards(model: Any, full: dict, ctx: DistContext, device: Any, bu
         # ``to_empty`` kept a tied head tied on CPU (two gloo ranks: checked); on other devices, untried, tying again
         # makes sure the head and the embedding stay one tensor rather than train apart
         model.tie_weights()
-    # (a copy: the call fills the dict it is given with the model's own shards)
-    set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
-                                                                     strict=False))
+    load_full_state(model, None, dict(full), None, sharded=True)  # (a copy: the call fills it with the shards)
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if buffers is None:
