@@ -518,6 +518,26 @@ def test_the_cache_is_sized_for_the_longest_turn_the_prompt_settings_allow():
         ActorConfig(engine=EngineConfig(max_seq_len=500), prompt=PromptConfig(max_prompt_tokens=512)).validate()
 
 
+@pytest.mark.parametrize("overlap", ["never", "always"])
+def test_a_row_past_its_budget_writes_no_column_beyond_its_slots_last(overlap):
+    """A window runs its whole length for every row, so a row whose budget ends inside it decodes past it. Its cache
+    position must stay at its last column: in a slot with no spare column (``max_seq_len`` 95: 96 columns, the last
+    one scratch) a prompt of 70 tokens with 18 new ones takes two windows of 16, and a row that kept advancing would
+    write 6 columns past the cache's end (on a GPU, into whatever memory follows)."""
+    eng = HFEngine(TINY, EngineConfig(seed=3, max_batch=2, sync_every=16, max_seq_len=95, overlap=overlap))
+    roomy = HFEngine(TINY, EngineConfig(seed=3, max_batch=2, sync_every=1))
+    assert eng.cache.keys[0].shape[2] == 96
+    prompts = [eng.tokenizer.encode("x" * 70), eng.tokenizer.encode("y" * 40)]
+    params = SamplingParams(max_new_tokens=18, min_new_tokens=18, temperature=0)
+    gens, alone = eng.generate(prompts, params), roomy.generate(prompts, params)
+    assert [len(g.token_ids) for g in gens] == [18, 18]
+    for g, a in zip(gens, alone):
+        assert g.token_ids == a.token_ids
+        np.testing.assert_allclose(g.logprobs, a.logprobs, atol=3e-5)
+    eng.close()
+    roomy.close()
+
+
 def test_a_dead_engine_thread_fails_its_requests_and_refuses_new_ones(monkeypatch):
     eng = HFEngine(TINY, EngineConfig(seed=0))
 

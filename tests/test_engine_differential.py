@@ -4,7 +4,8 @@ Each seed draws an engine configuration (slots, window length, prefill chunking,
 interrupting swaps) and a workload of GRPO groups playing multi-turn episodes: the rollouts of a group share a first
 prompt, every prompt begins with the same rules, a later turn's prompt is the turn before's prompt, its output and
 an observation (sometimes with the history cut short). Turns arrive at random windows, as an actor's episodes send
-them; some are cancelled by their caller while they run; new weights arrive at random windows.
+them; some are cancelled by their caller while they run; new weights arrive at random windows, and so do relabels
+(a newer version of the same weights).
 
 Every token of every request must then be what one teacher-forced pass of the weights of its version gives for it
 alone: its log-prob (under its temperature, stop ids banned before ``min_new_tokens``), the argmax for a greedy row,
@@ -35,7 +36,7 @@ torch = pytest.importorskip("torch")
 from actor.engine import EngineConfig, Generation, SamplingParams  # noqa: E402
 from actor.hf_engine import HFEngine  # noqa: E402
 from common.images import Image  # noqa: E402
-from policy.model import BANNED_LOGIT, ModelConfig, ban  # noqa: E402
+from policy.model import BANNED_LOGIT, ModelConfig, ban, cache_keyword  # noqa: E402
 
 TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 SOAK = int(os.environ.get("COMPUTERRL_ENGINE_SEEDS", "0"))
@@ -91,6 +92,7 @@ class Workload:
         self.ready: list[Rollout] = []  # whose last turn finished: the next one is due
         self.lock = threading.Lock()
         self.swaps_left = rng.choice([0, 1, 2, 2])
+        self.relabels = 0
 
     def text(self, lo: int, hi: int) -> list[int]:
         return self.tok.encode("".join(self.rng.choice(ALPHABET) for _ in range(self.rng.randint(lo, hi))))
@@ -108,7 +110,7 @@ class Workload:
     def params(self) -> SamplingParams:
         rng = self.rng
         temperature = rng.choice([0.0, 0.7, 1.0, 1.0])
-        new = rng.choice([1, 2, 3, 5, 8, 13])
+        new = rng.choice([1, 2, 3, 5, 8, 13, 21])
         return SamplingParams(temperature=temperature, top_p=rng.choice([1.0, 1.0, 0.8]), max_new_tokens=new,
                               stop=[")"] if rng.random() < 0.4 else [],
                               min_new_tokens=rng.randint(1, new) if rng.random() < 0.25 else 0)
@@ -170,6 +172,11 @@ class Workload:
         running = [t for ro in self.rollouts if not ro.done for t in ro.turns[-1:] if t.gen is None]
         if running and rng.random() < 0.04:
             rng.choice(running).future.cancel()
+        if rng.random() < 0.05:  # the learner moved on without changing its latest weights (staged or swapped in)
+            version = max(self.versions) + 1
+            self.versions[version] = self.versions[version - 1]
+            self.eng.relabel(version)
+            self.relabels += 1
         if self.swaps_left and rng.random() < 0.12:
             self.swaps_left -= 1
             version = max(self.versions) + 1
@@ -195,6 +202,26 @@ def teacher_forced_logits(eng: HFEngine, model, turn: Turn) -> "torch.Tensor":
     return ban(logits, eng.banned)
 
 
+def stepwise_logits(eng: HFEngine, versions: dict, turn: Turn) -> "torch.Tensor":
+    """The logits at each of ``turn``'s sampled positions as the engine computed them across swaps: token ``i`` by
+    the weights of its version, attending over the columns the weights of their time wrote (the prompt's by token
+    0's weights, which prefilled it; each output token's by the weights that fed it back, those of the token after
+    it). A text model's: one token at a time on a cache that carries over between weights."""
+    from transformers import DynamicCache
+
+    g = turn.gen
+    cache, rows = DynamicCache(), []
+    with torch.no_grad():
+        for i, version in enumerate(g.versions):
+            fed = turn.prompt if i == 0 else [g.token_ids[i - 1]]
+            start = 0 if i == 0 else len(turn.prompt) + i - 1
+            model = versions[version]
+            out = model(input_ids=torch.tensor([fed]), position_ids=torch.arange(start, start + len(fed))[None],
+                        use_cache=True, **{cache_keyword(model.forward): cache})
+            rows.append(out.logits[0, -1, :eng.vocab].float())
+    return torch.stack(rows)
+
+
 def check_turn(eng: HFEngine, turn: Turn, versions: dict, where: str) -> int:
     """The checks of the module's docstring for one finished turn; how many tokens were compared with a pass."""
     g, p, tok = turn.gen, turn.params, eng.tokenizer
@@ -216,9 +243,16 @@ def check_turn(eng: HFEngine, turn: Turn, versions: dict, where: str) -> int:
     else:
         assert not hits, f"{where}: {g.finish} past a stop string"
     assert g.versions == sorted(g.versions), f"{where}: versions go back"
-    # tokens sampled before any swap landed in this request, every one over columns its own version wrote
-    same = next((i for i, v in enumerate(g.versions) if v != g.versions[0]), n)
-    logits = teacher_forced_logits(eng, versions[g.versions[0]], turn)[:same]
+    # One pass of one version's weights where they sampled every token (a relabel changes the version, not the
+    # weights); for a text model that a swap reached mid-request, the same weights in turn as the engine had them.
+    # (A VLM's tokens past such a swap are left unchecked: its multimodal positions make a stepwise pass a model of
+    # its own.)
+    model = versions[g.versions[0]]
+    same = next((i for i, v in enumerate(g.versions) if versions[v] is not model), n)
+    if same == n or eng.vision is not None:
+        logits = teacher_forced_logits(eng, model, turn)[:same]
+    else:
+        logits, same = stepwise_logits(eng, versions, turn), n
     early = torch.arange(same) < p.min_new_tokens
     stop_cols = torch.tensor(sorted(stops))
     logits[:, stop_cols] = torch.where(early[:, None], torch.full_like(logits[:, stop_cols], BANNED_LOGIT),
@@ -227,8 +261,8 @@ def check_turn(eng: HFEngine, turn: Turn, versions: dict, where: str) -> int:
     tokens = torch.tensor(g.token_ids[:same])
     ours = logp.gather(-1, tokens[:, None]).squeeze(-1)
     np.testing.assert_allclose(np.array(g.logprobs[:same]), ours.numpy(), atol=3e-5,
-                               err_msg=f"{where}: log-probs against a teacher-forced pass of version "
-                                       f"{g.versions[0]}")
+                               err_msg=f"{where}: log-probs against a teacher-forced pass of versions "
+                                       f"{g.versions[:same]}")
     top2 = logp.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 1e-3  # (a near tie may go either way between batch shapes)
     if p.temperature == 0:
@@ -246,7 +280,7 @@ def run_seed(seed: int, model: ModelConfig = TINY) -> dict:
     cfg = EngineConfig(seed=seed, max_batch=rng.choice([2, 3, 4, 6]), sync_every=rng.choice([1, 2, 3, 5, 8, 16]),
                        prefill_tokens=rng.choice([16, 40, 512]), prefix_reuse=rng.random() < 0.8,
                        overlap=rng.choice(["never", "always"]), interrupt=rng.random() < 0.7,
-                       max_seq_len=rng.choice([400, 120, 96]))  # (short: rows end near their slot's last column)
+                       max_seq_len=rng.choice([400, 127, 95]))  # (short ones: rows end at their slot's last column)
     eng = HFEngine(model, cfg)
     versions = {0: copy.deepcopy(eng.model)}
     work = Workload(rng, eng, versions)
@@ -273,7 +307,7 @@ def run_seed(seed: int, model: ModelConfig = TINY) -> dict:
                     continue
                 turns += 1
                 checked += check_turn(eng, turn, versions, f"{where}, rollout {i} turn {k}")
-        return {"turns": turns, "checked_tokens": checked, "swaps": eng.stats.weight_swaps,
+        return {"turns": turns, "checked_tokens": checked, "swaps": eng.stats.weight_swaps, "relabels": work.relabels,
                 "reused": eng.stats.prefix_reused_tokens, "copies": eng.stats.prefix_copies}
     finally:
         eng.close()
@@ -298,10 +332,10 @@ def test_every_token_of_a_vlm_under_random_load_is_what_its_version_gives_the_re
 
 
 def test_the_random_workloads_reach_what_they_are_meant_to_test(vlm):
-    """The workloads reuse prefixes, copy them between slots, swap weights mid-run and compare most tokens with a
-    pass, a VLM's too: a generator that stopped producing those cases would pass the tests above."""
+    """The workloads reuse prefixes, copy them between slots, swap and relabel weights mid-run and compare most tokens
+    with a pass, a VLM's too: a generator that stopped producing those cases would pass the tests above."""
     for model, seeds in ((TINY, range(6)), (vlm, range(1000, 1000 + VLM_SEEDS))):
         totals = [run_seed(seed, model) for seed in seeds]
         assert sum(t["reused"] for t in totals) > 0 and sum(t["copies"] for t in totals) > 0
-        assert sum(t["swaps"] for t in totals) > 0
+        assert sum(t["swaps"] for t in totals) > 0 and sum(t["relabels"] for t in totals) > 0
         assert sum(t["checked_tokens"] for t in totals) > 100
