@@ -5,7 +5,7 @@ interrupting swaps) and a workload of GRPO groups playing multi-turn episodes: t
 prompt, every prompt begins with the same rules, a later turn's prompt is the turn before's prompt, its output and
 an observation (sometimes with the history cut short). Turns arrive at random windows, as an actor's episodes send
 them; some are cancelled by their caller while they run; new weights arrive at random windows, and so do relabels
-(a newer version of the same weights).
+(a newer version of the same weights); in some seeds passes fail now and then, failing the requests in flight.
 
 Every token of every request must then be what one teacher-forced pass of the weights of its version gives for it
 alone: its log-prob (under its temperature, stop ids banned before ``min_new_tokens``), the argmax for a greedy row,
@@ -275,6 +275,33 @@ def check_turn(eng: HFEngine, turn: Turn, versions: dict, where: str) -> int:
     return same
 
 
+class InjectedFault(RuntimeError):
+    pass
+
+
+def inject_faults(eng: HFEngine, seed: int) -> dict:
+    """Make the engine's admissions and windows fail now and then, before or after they did their work (a device
+    error mid-pass): the requests in flight fail with it, and every later one must be served as if none had."""
+    draw = random.Random(seed ^ 0x5EED)  # (the engine's thread alone draws from it)
+    counts = {"raised": 0}
+
+    def failing(real):
+        def call(*args, **kwargs):
+            if draw.random() < 0.02:
+                counts["raised"] += 1
+                raise InjectedFault(f"before {real.__name__}")
+            out = real(*args, **kwargs)
+            if draw.random() < 0.02:
+                counts["raised"] += 1
+                raise InjectedFault(f"after {real.__name__}")
+            return out
+        return call
+
+    for name in ("_prefill", "_copy_prefixes", "_decode_window"):
+        setattr(eng, name, failing(getattr(eng, name)))
+    return counts
+
+
 def run_seed(seed: int, model: ModelConfig = TINY) -> dict:
     rng = random.Random(seed)
     cfg = EngineConfig(seed=seed, max_batch=rng.choice([2, 3, 4, 6]), sync_every=rng.choice([1, 2, 3, 5, 8, 16]),
@@ -284,7 +311,8 @@ def run_seed(seed: int, model: ModelConfig = TINY) -> dict:
     eng = HFEngine(model, cfg)
     versions = {0: copy.deepcopy(eng.model)}
     work = Workload(rng, eng, versions)
-    where = f"seed {seed}, {cfg}"
+    faults = inject_faults(eng, seed) if rng.random() < 0.25 else None
+    where = f"seed {seed}, {cfg}" + (", faults injected" if faults else "")
     eng.step_hook = lambda: work.act(everything=False)
     try:
         for _ in range(400):
@@ -302,13 +330,17 @@ def run_seed(seed: int, model: ModelConfig = TINY) -> dict:
         checked = turns = 0
         for i, ro in enumerate(work.rollouts):
             for k, turn in enumerate(ro.turns):
-                assert turn.failed is None, f"{where}, rollout {i} turn {k}: {turn.failed!r}"
+                assert turn.failed is None or (faults and isinstance(turn.failed, InjectedFault)), \
+                    f"{where}, rollout {i} turn {k}: {turn.failed!r}"
+                if turn.failed is not None:
+                    continue
                 if turn.cancelled:
                     continue
                 turns += 1
                 checked += check_turn(eng, turn, versions, f"{where}, rollout {i} turn {k}")
         return {"turns": turns, "checked_tokens": checked, "swaps": eng.stats.weight_swaps, "relabels": work.relabels,
-                "reused": eng.stats.prefix_reused_tokens, "copies": eng.stats.prefix_copies}
+                "reused": eng.stats.prefix_reused_tokens, "copies": eng.stats.prefix_copies,
+                "faults": faults["raised"] if faults else 0}
     finally:
         eng.close()
 
@@ -332,10 +364,11 @@ def test_every_token_of_a_vlm_under_random_load_is_what_its_version_gives_the_re
 
 
 def test_the_random_workloads_reach_what_they_are_meant_to_test(vlm):
-    """The workloads reuse prefixes, copy them between slots, swap and relabel weights mid-run and compare most tokens
-    with a pass, a VLM's too: a generator that stopped producing those cases would pass the tests above."""
+    """The workloads reuse prefixes, copy them between slots, swap and relabel weights mid-run, meet failing passes and
+    compare most tokens with a pass, a VLM's too: a generator that stopped producing those cases would pass the tests above."""
     for model, seeds in ((TINY, range(6)), (vlm, range(1000, 1000 + VLM_SEEDS))):
         totals = [run_seed(seed, model) for seed in seeds]
         assert sum(t["reused"] for t in totals) > 0 and sum(t["copies"] for t in totals) > 0
         assert sum(t["swaps"] for t in totals) > 0 and sum(t["relabels"] for t in totals) > 0
+        assert sum(t["faults"] for t in totals) > 0
         assert sum(t["checked_tokens"] for t in totals) > 100
