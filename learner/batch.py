@@ -114,7 +114,7 @@ def weigh_trajectories_equally(per_traj: list[list[Sample]]) -> None:
         return
     mean = sum(counted) / len(counted)
     for traj, n in zip(per_traj, tokens):
-        for s in traj:
+        for s in traj if n > 0 else ():  # (a trajectory with every token masked has no weight to scale)
             s.advantage *= mean / n
 
 

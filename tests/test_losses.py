@@ -187,6 +187,13 @@ def test_trajectory_weighting_gives_every_trajectory_the_same_weight():
     assert sum(per_traj) == pytest.approx(0, abs=1e-6), "the group's advantages cancel on shared tokens again"
     with pytest.raises(ValueError, match="weighting"):
         ADV.AdvantageConfig(weighting="sample").validate()
+    # A trajectory whose every token is masked out of the loss (the wire allows it) counts for nothing, and the
+    # others are weighed among themselves: no division by its zero tokens (it took the learner down, found by
+    # tests/test_learner_differential.py).
+    trajs[2].loss_mask[:] = 0
+    masked = weight_per_traj("trajectory")
+    mean_tokens = (5 + 36) / 2
+    assert masked == pytest.approx([base[0][0] * mean_tokens, base[1][0] * mean_tokens, 0.0])
 
 
 
