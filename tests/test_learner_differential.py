@@ -3,7 +3,8 @@
 Each seed draws an objective (loss, KL term, importance-weight mode and level, temperature, advantage estimator and
 weighting, gradient clip) and batches of GRPO groups: multi-turn rollouts of random lengths and loss masks whose
 first turns share their group's prompt, and whose later turns share a prompt where rollouts took the same actions;
-behaviour log-probs near the policy's, some far off (masked or clamped). Three trainers with the same weights take
+behaviour log-probs near the policy's, some far off (masked or clamped); now and then a workflow explorer's
+episode, trained by its own term. Three trainers with the same weights take
 the same two steps: every row in one pass, rows cut into small micro-batches, and small micro-batches with prompts
 that several rows begin with run once (``share_prompts``). Their metrics and weights must agree: the token-mean loss
 does not see where passes begin, and a shared prompt's states are those of every row's.
@@ -76,6 +77,12 @@ def draw_groups(rng: random.Random, policy, version: int) -> list[P.TrajectoryGr
                 history = history + action + [rng.randrange(1, 256) for _ in range(rng.randint(1, 8))]
             trajs.append(P.Trajectory.from_turns(uuid.uuid4().hex[:8], turns[-1].reward, turns[-1].reward == 1.0,
                                                  turns))
+        if rng.random() < 0.35:  # the workflow explorer's episode (no model sampled it), trained by its own term
+            i, success = rng.randrange(len(trajs)), rng.random() < 0.7
+            t = trajs[i]
+            trajs[i] = dataclasses.replace(t, sampled=False, success=success, reward=float(success),
+                                           turn_rewards=np.full_like(t.turn_rewards, float(success)),
+                                           logprobs=np.zeros_like(t.logprobs))
         groups.append(P.TrajectoryGroup(group_id=uuid.uuid4().hex, ticket_id="t", task_id=f"sim:train/{k}",
                                         actor_id="a", trajectories=trajs, behavior_version_min=version,
                                         behavior_version_max=version))
@@ -94,7 +101,7 @@ def run_seed(seed: int) -> dict:
     batches = [draw_groups(rng, start, 0) for _ in range(2)]
     where = f"seed {seed}, micro_batch_tokens {small}, temperature {temperature}, {cfg.loss}, {cfg.advantage}, " \
             f"grad_clip {cfg.grad_clip}"
-    shared = passes = 0
+    shared = passes = explored = 0
     for step, groups in enumerate(batches):
         results = {name: t.train_step(groups) for name, t in trainers.items()}
         base = results["one pass"]
@@ -103,7 +110,7 @@ def run_seed(seed: int) -> dict:
             continue
         for name, r in results.items():
             assert r["outcomes"] == base["outcomes"], f"{where}, step {step}, {name}"
-            for key in COMPARED:
+            for key in [*COMPARED, *(k for k in base if k.startswith("explored_"))]:
                 if key in base:
                     a, b = float(base[key]), float(r[key])
                     assert math.isclose(a, b, rel_tol=2e-4, abs_tol=2e-5), \
@@ -115,6 +122,7 @@ def run_seed(seed: int) -> dict:
         for name, g in grads.items():
             off = float((g - grads["one pass"]).norm() / grads["one pass"].norm())
             assert off < 1e-4, f"{where}, step {step}, {name}: the gradient differs by {off:.2e} of its norm"
+        explored += int(base.get("explored_tokens", 0))
         shared += results["shared prompts"]["prompt_tokens_shared"]
         passes += results["micro-batches"]["micro_batches"]
     params = {name: [p.detach() for p in t.model.parameters()] for name, t in trainers.items()}
@@ -122,7 +130,7 @@ def run_seed(seed: int) -> dict:
         for a, b in zip(params["one pass"], ps):
             assert torch.allclose(a, b, atol=0.1 * cfg.lr), \
                 f"{where}: {name}'s weights differ by {(a - b).abs().max():.2e}"
-    return {"prompt_tokens_shared": shared, "micro_batches": passes}
+    return {"prompt_tokens_shared": shared, "micro_batches": passes, "explored_tokens": explored}
 
 
 @pytest.mark.parametrize("seed", range(SEEDS))
@@ -131,7 +139,8 @@ def test_a_step_is_the_same_whatever_passes_its_batch_is_cut_into(seed):
 
 
 def test_the_random_batches_share_prompts_and_take_several_passes():
-    """The batches drawn share prompts and take several micro-batches (the test above would pass without them)."""
-    totals = [run_seed(seed) for seed in range(2)]
-    assert sum(t["prompt_tokens_shared"] for t in totals) > 0
+    """The batches drawn share prompts, take several micro-batches and train explored episodes (the test above would
+    pass without them)."""
+    totals = [run_seed(seed) for seed in range(3)]
+    assert sum(t["prompt_tokens_shared"] for t in totals) > 0 and sum(t["explored_tokens"] for t in totals) > 0
     assert sum(t["micro_batches"] for t in totals) > 4
