@@ -149,8 +149,13 @@ class Ledger:
 
     def set_version(self, version: int) -> None:
         if version < self.version:
-            # The learner resumed from an older checkpoint: its version sequence is the truth.
+            # The learner resumed from an older checkpoint: its version sequence is the truth. The train versions
+            # handed out past it went with the batches its death sent back to the queue: the next batch trains at
+            # this version again. (Kept, they made the broker form batches for versions the learner was not at,
+            # dropping its requeued groups as stale, and count phantom untrained batches against admission: once
+            # more versions than η were lost, no ticket was ever granted again.)
             self.counters["version_rewound"] += 1
+            self.last_train_version = max([version - 1] + [b.train_version for b in self.delivered.values()])
         self.version = version
         if self.last_train_version < version - 1:
             self.last_train_version = version - 1

@@ -653,6 +653,44 @@ def test_learner_restart_gets_uncommitted_groups_again_and_never_committed_ones(
     learner2.close()
 
 
+def test_a_learner_resumed_more_than_eta_versions_back_trains_its_groups_again_and_tickets_flow(start_broker,
+                                                                                                quiet_log):
+    """A learner killed four steps after its last checkpoint (η = 1) resumes at version 0. The broker delivers the
+    groups it had trained again, for version 0 on (none dropped as stale: the learner is where they were sampled),
+    and as it trains them admission reopens. (Before, the broker kept counting the lost versions' batches: it formed
+    the next batch for version 4, dropped the older groups as stale, and granted no ticket again.)"""
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=1))
+    actor, learner = clients(tb, quiet_log)
+    saved = learner.checkpoint_state()  # its checkpoint at version 0
+    delivered = []
+    for version in range(4):
+        learner.set_control(version)
+        for t in take_tickets(actor, 1, expect=1):
+            actor.submit(make_group(t))
+        pump([actor], WAIT_S, until=lambda: len(actor.acks) == version + 1)
+        learner.grant(1)
+        delivered.append(learner.next_batch(WAIT_S))
+        assert delivered[-1].train_version == version
+    learner.set_control(4)
+    pump([learner], WAIT_S, until=lambda: tb.broker.ledger.version == 4)
+    learner.close()  # killed: nothing committed since version 0
+    learner2 = LearnerBrokerClient(tb.net, None, quiet_log, learner_id=learner.learner_id)
+    learner2.load_state(saved, 0)
+    learner2.connect(5)
+    learner2.set_control(0)
+    learner2.grant(4)
+    again = [learner2.next_batch(WAIT_S) for _ in range(4)]
+    assert [b.train_version for b in again] == [0, 1, 2, 3]
+    assert sorted(g.group_id for b in again for g in b.groups) == sorted(g.group_id for b in delivered
+                                                                          for g in b.groups)
+    assert stat(tb, "dropped_stale") == 0
+    for version in range(1, 5):  # it trains them: the versions it lost come back, and with them admission
+        learner2.set_control(version)
+    assert len(take_tickets(actor, 1, expect=1)) == 1 and stat(tb, "tickets_issued") == 5
+    actor.close()
+    learner2.close()
+
+
 def test_control_subscriber_ignores_garbage(quiet_log):
     net = make_net()
     ctx = zmq.Context()
