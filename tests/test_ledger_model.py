@@ -4,7 +4,8 @@ Each seed draws B, η and the learner's prefetch, then a few thousand events: ac
 is capacity, their rollouts end at random (their groups arrive, stale ones are dropped at intake), actors die and
 leases run out (tickets reclaimed; a rollout may still arrive), the learner takes batches, trains them one version
 at a time and commits what it trained at its checkpoints, dies (it resumes from its last checkpoint: everything
-uncommitted goes back to the queue, the version rewinds), or loses its link and comes back holding what it had.
+uncommitted goes back to the queue, the version rewinds), or loses its link and comes back holding what it had;
+the broker restarts from its spill log.
 
 After every event, by group id: each group that arrived is in exactly one place (queued, in a batch the learner
 holds, committed, or dropped with a reason); the learner holds exactly the groups the ledger says it does; no
@@ -55,6 +56,7 @@ class Model:
         self.arrived: set[str] = set()
         self.place: dict[str, str] = {}  # group id -> dropped_intake | dropped_batch | committed (else: ledger's)
         self.learner_stale = 0
+        self.broker_starts = 1
         self.where = f"seed {seed}, B {self.led.groups_per_batch}, eta {self.eta}, prefetch {self.prefetch}"
 
     # ----- actors --------------------------------------------------------------------------------
@@ -137,6 +139,25 @@ class Model:
         batch, missing = self.led.hold(LEARNER, sorted(self.learner.held()), len(self.learner.inbox))
         assert missing == 0, f"{self.where}: held groups went elsewhere meanwhile"
 
+    def broker_restarts(self) -> None:
+        """A new broker from the spill log: every group not consumed back in the queue (their grant order and the
+        running tickets lost), the last version it heard; the learner re-handshakes holding what it had."""
+        old = self.led
+        self.broker_starts += 1
+        kept = [*old.queue, *(g for b in old.delivered.values() for g in b.groups
+                               if g.group_id not in b.committed)]
+        self.led = Ledger(groups_per_batch=old.groups_per_batch, eta=old.eta)
+        self.led.counters.update(old.counters)  # (durable, as the broker's are)
+        for g in kept:
+            self.led.queue.push(g)
+        self.led.set_version(old.version)
+        self.led.requeue_delivered(LEARNER)  # (its Hello: nothing delivered yet)
+        self.led.set_version(self.learner.version)
+        if self.rng.random() < 0.5:  # its checkpoint's commit may come first: those groups leave from the queue
+            self.checkpoint()
+        batch, missing = self.led.hold(LEARNER, sorted(self.learner.held()), len(self.learner.inbox))
+        assert missing == 0, f"{self.where}: a held group was not recovered"
+
     # ----- invariants ----------------------------------------------------------------------------
 
     def check(self) -> None:
@@ -161,7 +182,7 @@ class Model:
         events = [(0.30, self.grant), (0.55, self.arrive), (0.68, self.take), (0.82, self.train),
                   (0.90, self.checkpoint), (0.93, self.leases_expire), (0.95, self.actor_dies)]
         if self.failures:
-            events += [(0.975, self.learner_dies), (1.0, self.link_flaps)]
+            events += [(0.97, self.learner_dies), (0.985, self.link_flaps), (1.0, self.broker_restarts)]
         for edge, event in events:
             if r < edge:
                 event()
@@ -210,4 +231,5 @@ def test_the_random_runs_drop_requeue_and_commit():
     assert "dropped_batch" in places and "dropped_intake" in places
     counters = sum((m.led.counters for m in runs), start=type(runs[0].led.counters)())
     assert counters["groups_requeued"] > 0 and counters["groups_held_again"] > 0 and counters["version_rewound"] > 0
+    assert sum(m.broker_starts for m in runs) > len(runs)
     assert counters["tickets_reclaimed"] > 0 and counters["groups_without_running_ticket"] > 0
