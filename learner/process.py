@@ -10,6 +10,7 @@ import concurrent.futures as cf
 import signal
 import threading
 import time
+import traceback
 from typing import Any
 
 from common import protocol as P
@@ -32,6 +33,10 @@ ROUND_RETRY_MAX_S = 30.0
 
 EPISODE_LOG_BYTES = 50_000_000
 """the learner's share of the episode log: a few hundred bytes per recorded group"""
+
+FAILED_STEPS_IN_A_ROW_MAX = 3
+"""RL steps that raised, one after another, before the learner stops with the error: one batch that breaks a step
+is dropped (restarting would only get it delivered again), but a learner that can train no batch is broken"""
 
 
 class Learner:
@@ -66,6 +71,7 @@ class Learner:
         self._want_checkpoint = False
         self._checkpointed = -1  # version of the last checkpoint this process wrote
         self._prefetched = ""  # the last waiting batch whose images were set processing (``_prefetch_next``)
+        self._failed_in_a_row = 0  # RL steps that raised since the last that did not (``_rl_step``)
         if resume:
             path = ckpt.latest(run_dir.checkpoints)
             if path is None:
@@ -270,7 +276,23 @@ class Learner:
         return self._worker.submit(self.jobs.run, "sft", {"lr": e.sft_lr}, successes), "sft"
 
     def _rl_step(self, batch: P.Batch) -> dict:
-        m = self.jobs.run("rl", {"eta": self.eta}, batch)
+        try:
+            m = self.jobs.run("rl", {"eta": self.eta}, batch)
+        except Exception as exc:
+            # A batch that makes the step raise (a bug its data reaches) would come back after a restart, and take
+            # the learner down again: it is dropped instead, every group counted under ``step_failed``, the error
+            # logged. Not with several ranks: one rank's failure leaves the others inside the step's collectives.
+            self._failed_in_a_row += 1
+            if self.trainer.dist.enabled or self._failed_in_a_row >= FAILED_STEPS_IN_A_ROW_MAX:
+                raise
+            self.trainer.drop_gradients()
+            self.trainer._count("steps_failed")
+            self.trainer._count("groups_dropped_step_failed", len(batch.groups))
+            self.log.error("step_failed", batch=batch.batch_id, groups=len(batch.groups), error=repr(exc),
+                           in_a_row=self._failed_in_a_row, traceback=traceback.format_exc())
+            return {"empty": f"the step raised {exc!r}", "outcomes": dict.fromkeys(
+                (g.group_id for g in batch.groups), "step_failed")}
+        self._failed_in_a_row = 0
         if "empty" not in m:
             m.update(broker_max_lag=batch.max_lag, dropped_stale=batch.dropped_stale)
         return m

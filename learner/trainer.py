@@ -501,6 +501,13 @@ class Trainer:
         self.version += 1
         self._count("empty_steps")
 
+    def drop_gradients(self) -> None:
+        """Forget the gradients a step that raised midway left behind, the compute copy's too (a bf16 twin keeps
+        its own until they move to the masters, and the next step's backward would add to them)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.net.module.parameters():
+            p.grad = None
+
     def reset_reference(self) -> None:
         if self.ref_model is not None:
             self.ref_model.load_state_dict(self.model.state_dict())  # load_state_dict casts to its dtype

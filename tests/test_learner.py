@@ -674,6 +674,109 @@ def test_untrainable_batches_still_advance_the_version_without_new_weights(start
     assert tb.broker.control.content_version == 0
 
 
+def _feed_until_done(runner: threading.Thread, actor, feeder: Trainer, deadline_s: float = 90.0) -> None:
+    """Tickets answered with groups from ``feeder`` (version-0 tokens) until the learner's thread ends."""
+    deadline = time.monotonic() + deadline_s
+    fed = 0
+    while runner.is_alive():
+        assert time.monotonic() < deadline, "the learner stalled"
+        if actor.outstanding_ticket_requests < 2:
+            actor.request_ticket()
+        actor.poll(0.05)
+        while actor.tickets:
+            t = actor.tickets.popleft()
+            fed += 1
+            g = groups_from(feeder, n_groups=1, seed=fed)[0]
+            actor.submit(dataclasses.replace(g, ticket_id=t.ticket_id, task_id=t.task_id))
+    runner.join(10)
+
+
+def test_a_batch_that_makes_a_step_raise_is_dropped_and_three_in_a_row_stop_the_learner(start_broker, quiet_log):
+    """A batch whose step raises (a bug its data reaches) is dropped, its groups settled as ``step_failed`` and
+    counted, and training goes on: restarting would only get it delivered again, and fail again. Three steps in a
+    row that raise stop the learner with the error: nothing can be trained."""
+    import json
+
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=4, eta=2, persist=False))
+    learner = Learner(LearnerConfig(total_steps=3, checkpoint_every=0), TINY, None, tb.net, tb.run_dir, quiet_log)
+    real, calls = learner.trainer.train_step, []
+
+    def second_one_raises(groups, eta=None):
+        calls.append([g.group_id for g in groups])
+        if len(calls) == 2:
+            raise ZeroDivisionError("float division by zero")
+        return real(groups, eta)
+
+    learner.trainer.train_step = second_one_raises
+    actor = ActorBrokerClient(tb.net, None, quiet_log)
+    actor.connect(10)
+    runner = threading.Thread(target=learner.run, daemon=True)
+    runner.start()
+    try:
+        _feed_until_done(runner, actor, Trainer(LearnerConfig(), TINY))
+    finally:
+        actor.close()
+    assert learner.trainer.version == 3 and len(calls) == 3
+    counters = learner.trainer.counters
+    assert counters["steps_failed"] == 1 and counters["groups_dropped_step_failed"] == 1
+    audit = [json.loads(x) for x in (tb.run_dir.audit / "learner.jsonl").read_text().splitlines()]
+    assert [e["g"] for e in audit if e["e"] == "dropped" and e["r"] == "step_failed"] == calls[1]
+    assert [g for e in audit if e["e"] == "trained" for g in e["gs"]] == calls[0] + calls[2]
+
+    tb2 = start_broker(BrokerConfig(groups_per_batch=1, group_size=4, eta=2, persist=False))
+    learner = Learner(LearnerConfig(total_steps=5, checkpoint_every=0), TINY, None, tb2.net, tb2.run_dir, quiet_log)
+
+    def always_raises(groups, eta=None):
+        raise ValueError("a broken device")
+
+    learner.trainer.train_step = always_raises
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            learner.run()
+        except BaseException as exc:  # (what the process would exit with)
+            failure.append(exc)
+
+    actor = ActorBrokerClient(tb2.net, None, quiet_log)
+    actor.connect(10)
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    try:
+        _feed_until_done(runner, actor, Trainer(LearnerConfig(), TINY))
+    finally:
+        actor.close()
+    assert [type(e) for e in failure] == [ValueError] and learner.trainer.counters["steps_failed"] == 2
+
+
+def test_a_step_that_raised_midway_leaves_no_gradient_to_the_next():
+    """With a bf16 compute copy the gradients of a pass stay on the copy until the update moves them: a step that
+    raised after a backward must not leave them for the next step's backward to add to."""
+    cfg = LearnerConfig(lr=1e-3, micro_batch_tokens=64)
+    bf16 = ModelConfig(**{**TINY.__dict__, "dtype": "bfloat16"})
+    broken, clean = Trainer(cfg, bf16), Trainer(cfg, bf16)
+    first, second = groups_from(broken, seed=1), groups_from(broken, seed=2)
+    passes = []
+    real = broken._loss_inputs
+
+    def raising_at_the_second_pass(*args, **kwargs):
+        passes.append(1)
+        if len(passes) == 2:
+            raise RuntimeError("out of memory")
+        return real(*args, **kwargs)
+
+    broken._loss_inputs = raising_at_the_second_pass
+    with pytest.raises(RuntimeError, match="out of memory"):
+        broken.train_step(first)
+    assert any(p.grad is not None for p in broken.net.module.parameters()), "the first pass's gradients are left"
+    broken.drop_gradients()
+    broken._loss_inputs = real
+    m_broken, m_clean = broken.train_step(second), clean.train_step(second)
+    assert m_broken["grad_norm"] == pytest.approx(m_clean["grad_norm"], rel=1e-6)
+    for a, b in zip(broken.model.parameters(), clean.model.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_bf16_compute_keeps_float32_master_weights_so_small_updates_are_not_rounded_away(tmp_path):
     # At lr 1e-6 a bf16 weight (8 mantissa bits) cannot move: 1e-6 is far below half its spacing. The
     # masters are float32 and take the update; the bf16 copy the passes run on follows them.
