@@ -674,21 +674,45 @@ def test_untrainable_batches_still_advance_the_version_without_new_weights(start
     assert tb.broker.control.content_version == 0
 
 
-def _feed_until_done(runner: threading.Thread, actor, feeder: Trainer, deadline_s: float = 90.0) -> None:
-    """Tickets answered with groups from ``feeder`` (version-0 tokens) until the learner's thread ends."""
-    deadline = time.monotonic() + deadline_s
-    fed = 0
-    while runner.is_alive():
-        assert time.monotonic() < deadline, "the learner stalled"
+def feed_until(actor, done, seconds: float = 240.0) -> None:
+    """Answer ``actor``'s tickets with groups sampled by the learner's initial weights (version-0 tokens, so within
+    any η for a few steps) until ``done()``."""
+    feeder = Trainer(LearnerConfig(), TINY)
+    deadline = time.monotonic() + seconds
+    n = 0
+    while not done():
+        assert time.monotonic() < deadline, "condition not met"
         if actor.outstanding_ticket_requests < 2:
             actor.request_ticket()
         actor.poll(0.05)
         while actor.tickets:
             t = actor.tickets.popleft()
-            fed += 1
-            g = groups_from(feeder, n_groups=1, seed=fed)[0]
+            n += 1
+            g = groups_from(feeder, n_groups=1, seed=n)[0]
             actor.submit(dataclasses.replace(g, ticket_id=t.ticket_id, task_id=t.task_id))
-    runner.join(10)
+
+
+def _run_fed(learner: Learner, tb, log) -> list[BaseException]:
+    """``learner``'s loop on a thread, an actor feeding it, until it ends; what it raised (what the process would
+    exit with)."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            learner.run()
+        except BaseException as exc:
+            failure.append(exc)
+
+    actor = ActorBrokerClient(tb.net, None, log)
+    actor.connect(10)
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    try:
+        feed_until(actor, lambda: not runner.is_alive(), 90)
+        runner.join(10)
+    finally:
+        actor.close()
+    return failure
 
 
 def test_a_batch_that_makes_a_step_raise_is_dropped_and_three_in_a_row_stop_the_learner(start_broker, quiet_log):
@@ -708,14 +732,7 @@ def test_a_batch_that_makes_a_step_raise_is_dropped_and_three_in_a_row_stop_the_
         return real(groups, eta)
 
     learner.trainer.train_step = second_one_raises
-    actor = ActorBrokerClient(tb.net, None, quiet_log)
-    actor.connect(10)
-    runner = threading.Thread(target=learner.run, daemon=True)
-    runner.start()
-    try:
-        _feed_until_done(runner, actor, Trainer(LearnerConfig(), TINY))
-    finally:
-        actor.close()
+    assert _run_fed(learner, tb, quiet_log) == []
     assert learner.trainer.version == 3 and len(calls) == 3
     counters = learner.trainer.counters
     assert counters["steps_failed"] == 1 and counters["groups_dropped_step_failed"] == 1
@@ -730,22 +747,7 @@ def test_a_batch_that_makes_a_step_raise_is_dropped_and_three_in_a_row_stop_the_
         raise ValueError("a broken device")
 
     learner.trainer.train_step = always_raises
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            learner.run()
-        except BaseException as exc:  # (what the process would exit with)
-            failure.append(exc)
-
-    actor = ActorBrokerClient(tb2.net, None, quiet_log)
-    actor.connect(10)
-    runner = threading.Thread(target=run, daemon=True)
-    runner.start()
-    try:
-        _feed_until_done(runner, actor, Trainer(LearnerConfig(), TINY))
-    finally:
-        actor.close()
+    failure = _run_fed(learner, tb2, quiet_log)
     assert [type(e) for e in failure] == [ValueError] and learner.trainer.counters["steps_failed"] == 2
 
 

@@ -20,6 +20,8 @@ pytestmark = pytest.mark.slow
 
 pytest.importorskip("torch")
 
+from tests.test_learner import feed_until  # noqa: E402  (a feeder with the learner's initial weights)
+
 
 def _learner(run_dir, net, *extra, resume=False) -> subprocess.Popen:
     # Its weight-round port is a free one too: the default (25559) may be held by a local run on this machine.
@@ -33,29 +35,6 @@ def _learner(run_dir, net, *extra, resume=False) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def _feed_until(actor, cond, seconds=240):
-    import dataclasses
-
-    from learner.config import LearnerConfig
-    from learner.trainer import Trainer
-    from tests.test_learner import TINY, groups_from  # a feeder with the learner's initial weights
-
-    feeder = Trainer(LearnerConfig(), TINY)
-    deadline = time.monotonic() + seconds
-    n = 0
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met"
-        if actor.outstanding_ticket_requests < 2:
-            actor.request_ticket()
-        actor.poll(0.2)
-        while actor.tickets:
-            t = actor.tickets.popleft()
-            n += 1
-            g = groups_from(feeder, n_groups=1, seed=n)[0]
-            actor.submit(dataclasses.replace(g, ticket_id=t.ticket_id, task_id=t.task_id))
-        actor.poll(0.05)
-
-
 def test_sigterm_checkpoints_and_resume_continues_versions(tmp_path, quiet_log):
     net = make_net()
     run_dir = tmp_path / "run"
@@ -65,7 +44,7 @@ def test_sigterm_checkpoints_and_resume_continues_versions(tmp_path, quiet_log):
     learner = _learner(run_dir, net)
     try:
         actor.connect(60)
-        _feed_until(actor, lambda: actor.version >= 3)
+        feed_until(actor, lambda: actor.version >= 3)
         learner.send_signal(signal.SIGTERM)
         # Stopped before its total_steps: a clean, resumable exit (EX_TEMPFAIL), not "finished".
         assert learner.wait(60) == EXIT_RESUMABLE, learner.stderr.read().decode()[-2000:]
@@ -86,7 +65,7 @@ def test_sigterm_checkpoints_and_resume_continues_versions(tmp_path, quiet_log):
         assert "learner_leaving" in names and "learner_left" in names and "learner_dead" not in names, names
         assert names.index("learner_leaving") < names.index("learner_left")
         learner = _learner(run_dir, net, f"learner.total_steps={saved + 2}", resume=True)
-        _feed_until(actor, lambda: learner.poll() is not None)
+        feed_until(actor, lambda: learner.poll() is not None)
         assert learner.returncode == 0, learner.stderr.read().decode()[-2000:]
         final = json.loads((ck / (ck / "latest").read_text() / "state.json").read_text())["version"]
         assert final == saved + 2, "the resumed learner continued the version sequence"
