@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Sequence
 
 from common import protocol as P
 from common.audit import AuditLog
@@ -35,7 +35,7 @@ EPISODE_LOG_BYTES = 50_000_000
 """the learner's share of the episode log: a few hundred bytes per recorded group"""
 
 FAILED_STEPS_IN_A_ROW_MAX = 3
-"""RL steps that raised, one after another, before the learner stops with the error: one batch that breaks a step
+"""training steps that raised, one after another, before the learner stops with the error: one batch that breaks a step
 is dropped (restarting would only get it delivered again), but a learner that can train no batch is broken"""
 
 
@@ -71,7 +71,7 @@ class Learner:
         self._want_checkpoint = False
         self._checkpointed = -1  # version of the last checkpoint this process wrote
         self._prefetched = ""  # the last waiting batch whose images were set processing (``_prefetch_next``)
-        self._failed_in_a_row = 0  # RL steps that raised since the last that did not (``_rl_step``)
+        self._failed_in_a_row = 0  # training steps that raised since the last that did not (``_step``)
         if resume:
             path = ckpt.latest(run_dir.checkpoints)
             if path is None:
@@ -273,28 +273,32 @@ class Learner:
             self.publish()
             return None
         self.clock.enter("train")
-        return self._worker.submit(self.jobs.run, "sft", {"lr": e.sft_lr}, successes), "sft"
+        return self._worker.submit(self._step, "sft", {"lr": e.sft_lr}, successes), "sft"
 
     def _rl_step(self, batch: P.Batch) -> dict:
+        m = self._step("rl", {"eta": self.eta}, batch, [g.group_id for g in batch.groups])
+        if "empty" not in m:
+            m.update(broker_max_lag=batch.max_lag, dropped_stale=batch.dropped_stale)
+        return m
+
+    def _step(self, kind: str, meta: dict, message: P.Message, group_ids: Sequence[str] = ()) -> dict:
+        """A training step (``kind`` rl or sft) on the training thread. One that raises (a bug its batch's data
+        reaches) would meet the same batch again after a restart, and fail again: on one rank it is dropped instead,
+        its groups (``group_ids``) settled as ``step_failed``, the error counted and logged. Not with several ranks:
+        one rank's failure leaves the others inside the step's collectives."""
         try:
-            m = self.jobs.run("rl", {"eta": self.eta}, batch)
+            m = self.jobs.run(kind, meta, message)
         except Exception as exc:
-            # A batch that makes the step raise (a bug its data reaches) would come back after a restart, and take
-            # the learner down again: it is dropped instead, every group counted under ``step_failed``, the error
-            # logged. Not with several ranks: one rank's failure leaves the others inside the step's collectives.
             self._failed_in_a_row += 1
             if self.trainer.dist.enabled or self._failed_in_a_row >= FAILED_STEPS_IN_A_ROW_MAX:
                 raise
             self.trainer.drop_gradients()
             self.trainer._count("steps_failed")
-            self.trainer._count("groups_dropped_step_failed", len(batch.groups))
-            self.log.error("step_failed", batch=batch.batch_id, groups=len(batch.groups), error=repr(exc),
+            self.trainer._count("groups_dropped_step_failed", len(group_ids))
+            self.log.error("step_failed", kind=kind, groups=len(group_ids), error=repr(exc),
                            in_a_row=self._failed_in_a_row, traceback=traceback.format_exc())
-            return {"empty": f"the step raised {exc!r}", "outcomes": dict.fromkeys(
-                (g.group_id for g in batch.groups), "step_failed")}
+            return {"empty": f"the step raised {exc!r}", "outcomes": dict.fromkeys(group_ids, "step_failed")}
         self._failed_in_a_row = 0
-        if "empty" not in m:
-            m.update(broker_max_lag=batch.max_lag, dropped_stale=batch.dropped_stale)
         return m
 
     def _settle(self, outcomes: dict[str, str]) -> None:
