@@ -365,7 +365,8 @@ def test_every_token_of_a_vlm_under_random_load_is_what_its_version_gives_the_re
 
 def test_the_random_workloads_reach_what_they_are_meant_to_test(vlm):
     """The workloads reuse prefixes, copy them between slots, swap and relabel weights mid-run, meet failing passes and
-    compare most tokens with a pass, a VLM's too: a generator that stopped producing those cases would pass the tests above."""
+    compare most tokens with a pass, a VLM's too: a generator that stopped producing those cases would pass the tests
+    above."""
     for model, seeds in ((TINY, range(6)), (vlm, range(1000, 1000 + VLM_SEEDS))):
         totals = [run_seed(seed, model) for seed in seeds]
         assert sum(t["reused"] for t in totals) > 0 and sum(t["copies"] for t in totals) > 0

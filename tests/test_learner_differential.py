@@ -41,8 +41,9 @@ def draw_config(rng: random.Random) -> tuple[LearnerConfig, float]:
                       w_mode=rng.choice(["mask", "clamp", "off"]), w_level=rng.choice(["token", "sequence"]),
                       w_max=rng.choice([2.0, 5.0]))
     name = rng.choice(["group", "rloo"])
-    advantage = AdvantageConfig(name=name, level=rng.choice(["trajectory", "step"]) if name == "group" else "trajectory",
-                                std=rng.random() < 0.5, weighting=rng.choice(["token", "trajectory"]))
+    level = rng.choice(["trajectory", "step"]) if name == "group" else "trajectory"  # (step: group's alone)
+    advantage = AdvantageConfig(name=name, level=level, std=rng.random() < 0.5,
+                                weighting=rng.choice(["token", "trajectory"]))
     cfg = LearnerConfig(lr=1e-3, grad_clip=rng.choice([0.0, 1.0, 0.05]), loss=loss, advantage=advantage,
                         broadcast_weights=False)
     return cfg, rng.choice([1.0, 0.7])

@@ -161,7 +161,7 @@ def test_a_learner_that_stops_is_counted_as_leaving_not_dead(tmp_path, monkeypat
     from learner.process import Learner
     from learner.trainer import Trainer
     from tests.test_learner import TINY
-    from tests.test_learner_process import _feed_until
+    from tests.test_learner import feed_until
 
     tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=4, eta=1000, persist=False))
     dead_after = tb.net.dead_after_s
@@ -171,7 +171,7 @@ def test_a_learner_that_stops_is_counted_as_leaving_not_dead(tmp_path, monkeypat
     actor = ActorBrokerClient(tb.net, None, quiet_log)
     try:
         actor.connect(30)
-        _feed_until(actor, lambda: actor.version >= 1)
+        feed_until(actor, lambda: actor.version >= 1)
         save = Trainer.save
 
         def slow_save(self, *a, **kw):  # the checkpoint of a model far larger than this one
