@@ -286,11 +286,14 @@ class Learner:
         reaches) would meet the same batch again after a restart, and fail again: on one rank it is dropped instead,
         its groups (``group_ids``) settled as ``step_failed``, the error counted and logged. Not with several ranks:
         one rank's failure leaves the others inside the step's collectives."""
+        version = self.trainer.version
         try:
             m = self.jobs.run(kind, meta, message)
         except Exception as exc:
             self._failed_in_a_row += 1
-            if self.trainer.dist.enabled or self._failed_in_a_row >= FAILED_STEPS_IN_A_ROW_MAX:
+            # (a step that failed after its update trained its groups: they cannot be reported as dropped)
+            if (self.trainer.dist.enabled or self._failed_in_a_row >= FAILED_STEPS_IN_A_ROW_MAX
+                    or self.trainer.version != version):
                 raise
             self.trainer.drop_gradients()
             self.trainer._count("steps_failed")

@@ -751,6 +751,24 @@ def test_a_batch_that_makes_a_step_raise_is_dropped_and_three_in_a_row_stop_the_
     assert [type(e) for e in failure] == [ValueError] and learner.trainer.counters["steps_failed"] == 2
 
 
+def test_a_step_that_raises_after_its_update_stops_the_learner(start_broker, quiet_log):
+    """A step that raised once its update was made (here in gathering the weights for the actors) trained its groups:
+    they cannot be settled as dropped, so the error stops the learner, as before."""
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=4, eta=2, persist=False))
+    learner = Learner(LearnerConfig(), TINY, None, tb.net, tb.run_dir, quiet_log)
+    groups = groups_from(learner.trainer, n_groups=1)
+    batch = P.Batch(batch_id="b0", train_version=0, groups=groups, max_lag=0, mean_lag=0.0, dropped_stale=0)
+
+    def broken_gather():
+        raise RuntimeError("NCCL error")
+
+    learner.trainer.gather_weights = broken_gather
+    with pytest.raises(RuntimeError, match="NCCL error"):
+        learner._step("rl", {"eta": 2}, batch, [g.group_id for g in groups])
+    assert learner.trainer.version == 1 and "steps_failed" not in learner.trainer.counters
+    learner.close()
+
+
 def test_a_step_that_raised_midway_leaves_no_gradient_to_the_next():
     """With a bf16 compute copy the gradients of a pass stay on the copy until the update moves them: a step that
     raised after a backward must not leave them for the next step's backward to add to."""
