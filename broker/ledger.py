@@ -148,17 +148,23 @@ class Ledger:
         return admission_capacity(self.version, self.groups_per_batch, self.eta, self.accepted, len(self.running))
 
     def set_version(self, version: int) -> None:
-        if version < self.version:
+        rewound = version < self.version
+        self.version = version
+        if rewound:
             # The learner resumed from an older checkpoint: its version sequence is the truth. The train versions
             # handed out past it went with the batches its death sent back to the queue: the next batch trains at
             # this version again. (Kept, they made the broker form batches for versions the learner was not at,
             # dropping its requeued groups as stale, and count phantom untrained batches against admission: once
             # more versions than η were lost, no ticket was ever granted again.)
             self.counters["version_rewound"] += 1
-            self.last_train_version = max([version - 1] + [b.train_version for b in self.delivered.values()])
-        self.version = version
+            self._recount_train_versions()
         if self.last_train_version < version - 1:
             self.last_train_version = version - 1
+
+    def _recount_train_versions(self) -> None:
+        """The last train version handed out, from what is still handed out: the batches still delivered, else none
+        past the current version (after a requeue or a rewind took the others back)."""
+        self.last_train_version = max([self.version - 1] + [b.train_version for b in self.delivered.values()])
 
     # ----- tickets and leases ----------------------------------------------------------------
 
@@ -270,7 +276,7 @@ class Ledger:
                     back.append(g)
             self.counters["batches_requeued"] += 1
         if back:
-            self.last_train_version = max([self.version - 1] + [b.train_version for b in self.delivered.values()])
+            self._recount_train_versions()
             self.counters["groups_requeued"] += len(back)
         return back
 
