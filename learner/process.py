@@ -297,7 +297,8 @@ class Learner:
                 raise
             self.trainer.drop_gradients()
             self.trainer._count("steps_failed")
-            self.trainer._count("groups_dropped_step_failed", len(group_ids))
+            if group_ids:  # (an SFT step's stored successes are no broker groups)
+                self.trainer._count("groups_dropped_step_failed", len(group_ids))
             self.log.error("step_failed", kind=kind, groups=len(group_ids), error=repr(exc),
                            in_a_row=self._failed_in_a_row, traceback=traceback.format_exc())
             return {"empty": f"the step raised {exc!r}", "outcomes": dict.fromkeys(group_ids, "step_failed")}

@@ -769,6 +769,27 @@ def test_a_step_that_raises_after_its_update_stops_the_learner(start_broker, qui
     learner.close()
 
 
+def test_an_sft_step_that_raises_is_skipped_like_an_rl_steps_batch(start_broker, quiet_log):
+    """An SFT step on stored successes that raises before its update is skipped, counted and logged; it settles no
+    group (stored successes are no broker groups); the next step goes on."""
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=4, eta=2, persist=False))
+    learner = Learner(LearnerConfig(), TINY, None, tb.net, tb.run_dir, quiet_log)
+    successes = P.SuccessBatch(samples=[P.SuccessSample(task_id="t", trajectory=groups_from(learner.trainer)[0]
+                                                        .trajectories[0])])
+    real = learner.trainer.sft_step
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    learner.trainer.sft_step = out_of_memory
+    m = learner._step("sft", {"lr": 1e-3}, successes)
+    assert "empty" in m and m["outcomes"] == {} and learner.trainer.counters["steps_failed"] == 1
+    assert "groups_dropped_step_failed" not in learner.trainer.counters
+    learner.trainer.sft_step = real
+    assert "empty" not in learner._step("sft", {"lr": 1e-3}, successes) and learner.trainer.version == 1
+    learner.close()
+
+
 def test_a_step_that_raised_midway_leaves_no_gradient_to_the_next():
     """With a bf16 compute copy the gradients of a pass stay on the copy until the update moves them: a step that
     raised after a backward must not leave them for the next step's backward to add to."""
