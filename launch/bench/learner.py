@@ -105,6 +105,13 @@ SHAPES = {
 }
 
 
+def sig3(x: float) -> float:
+    """``x`` to three significant digits: ratios and rates that span orders of magnitude (a tiny model on a slow CPU
+    printed an MFU of 0.0 at four decimals; a step stalled on a loaded machine, a share speed-up of 0.006 that had
+    lost a tenth of itself to rounding)."""
+    return float(f"{x:.3g}")
+
+
 def peak_tflops(device: str, given: float) -> float | None:
     if given > 0:
         return given
@@ -311,18 +318,17 @@ def _learner_bench(hidden: int, layers: int, groups: int, group_size: int, promp
             "steps": steps, "device": device,
             "device_name": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu",
             "train_tokens_per_s": round(tokens / ours_s, 1), "bare_tokens_per_s": round(bare_tokens / bare_s, 1),
-            "ratio": round((tokens / ours_s) / (bare_tokens / bare_s), 3),
+            "ratio": sig3((tokens / ours_s) / (bare_tokens / bare_s)),
             "step_seconds": round(ours_s / steps, 4), "bare_step_seconds": round(bare_s / steps, 4),
             "peak_memory_gb": ours_gb, "bare_peak_memory_gb": bare_gb, "same_prompt": same_prompt,
             "unshared_tokens_per_s": round(unshared[1] / unshared[0], 1) if unshared else None,
-            "share_speedup": round(unshared[0] / ours_s, 3) if unshared else None,
+            "share_speedup": sig3(unshared[0] / ours_s) if unshared else None,
             "prefetched_step_seconds": round(prefetched_s / steps, 4) if other else None,
             "unprefetched_step_seconds": round(unprefetched_s / steps, 4) if other else None,
-            "prefetch_speedup": round(unprefetched_s / prefetched_s, 3) if other else None,
-            # Three significant digits, not four decimals: a tiny model on a slow CPU printed 0.0.
-            "model_tflops_per_s": float(f"{flops_per_step * steps / ours_s / 1e12:.3g}"),
-            "mfu": float(f"{flops_per_step * steps / ours_s / (top * 1e12):.3g}") if top else None,
-            "bare_mfu": float(f"{flops_per_step * steps / bare_s / (top * 1e12):.3g}") if top else None}
+            "prefetch_speedup": sig3(unprefetched_s / prefetched_s) if other else None,
+            "model_tflops_per_s": sig3(flops_per_step * steps / ours_s / 1e12),
+            "mfu": sig3(flops_per_step * steps / ours_s / (top * 1e12)) if top else None,
+            "bare_mfu": sig3(flops_per_step * steps / bare_s / (top * 1e12)) if top else None}
 
 
 # ----- weights -----------------------------------------------------------------------------------------
