@@ -99,6 +99,30 @@ def test_a_cross_policy_rollout_is_trained_but_kept_out_of_the_policys_rates_and
     assert m["max_lag"] == 3, "the cross-policy rollout's age is not the policy's lag"
 
 
+def test_a_turn_whose_weights_were_swapped_midway_is_left_out_of_the_numerics_mismatch():
+    """Tokens sampled at the learner's version after a swap mid-turn attended over a cache older weights wrote:
+    their log-probs differ by what a step changed, not by numerics. The mismatch metric leaves them out (it once
+    read 1.42e-4 in a whole run for this reason) and counts them; a turn the current weights sampled whole stays in."""
+    t = Trainer(LearnerConfig(), TINY)
+    t.train_step(groups_from(t, seed=0))  # version 1
+    groups = groups_from(t, seed=1, version=1)
+    swapped = groups[0].trajectories[1]
+    swapped.versions[:2] = 0  # its first two tokens came from version 0's weights; the swap came after them
+    swapped.logprobs[2:] -= 0.01  # what the stale cache did to the rest (exaggerated)
+    stale_tokens = len(swapped.versions) - 2
+    m = t.train_step(groups)
+    assert m["mismatch_tokens_swapped_midturn"] == stale_tokens
+    assert m["mismatch_tokens"] == sum(len(tr.versions) for g in groups for tr in g.trajectories) - len(
+        swapped.versions)
+    assert m["mismatch_abs_max"] < 1e-5, "every turn sampled whole by the current weights scores as the engine did"
+    t2 = Trainer(LearnerConfig(), TINY)
+    t2.train_step(groups_from(t2, seed=0))
+    whole = groups_from(t2, seed=1, version=1)
+    whole[0].trajectories[1].logprobs[2:] -= 0.01  # the same error on a turn sampled whole at version 1
+    m2 = t2.train_step(whole)
+    assert "mismatch_tokens_swapped_midturn" not in m2 and m2["mismatch_abs_max"] == pytest.approx(0.01, rel=1e-3)
+
+
 def _explored(traj: P.Trajectory, success: bool) -> P.Trajectory:
     """``traj`` as the workflow explorer's: no model sampled it (behaviour log-probs 0)."""
     return dataclasses.replace(traj, sampled=False, success=success, reward=float(success),
