@@ -246,6 +246,9 @@ class Broker(ActorSide, GroupIntake, LearnerSide):
             "turn_ms_hist": self.turn_hist.as_dict(),  # a ticket or ack can wait a whole turn of other work
             "ticket_parked_s_hist": self.parked_hist.as_dict(),
             "fsyncs": self.spill.fsyncs,
+            # a full or failing disk: writes cut back and fdatasyncs failed (nothing of them acked)
+            "spill_write_failures": self.spill.write_failures,
+            "spill_sync_failures": self.spill.sync_failures,
             "phase": self.control.phase,
             "loop_stalled_s": round(self.actors.deaf_s, 2),  # own stalls credited to peers' liveness
             "dropped_in_a_row": sum(self._dropped_in_a_row.values()),  # since the last admitted group

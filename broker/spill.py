@@ -12,6 +12,13 @@ commit). Recovery replays the segments in order; a torn record at the tail of a 
 mid-write) is cut off, which is safe because its group was never acked. Segments are deleted oldest first,
 once every group in them is consumed, so a CONSUMED record can never outlive the GROUP it cancels.
 With ``persist`` off the log is only where groups wait when memory is full; it is wiped on start.
+
+A full or failing disk loses nothing acked. A write that fails (``ENOSPC`` halfway through a record) is cut back
+off the file, so the next record follows the last whole one. A failed fdatasync leaves the segment's unsynced bytes
+unknown (the kernel may have dropped them, and a later fdatasync can report success all the same), so the segment
+takes no more writes: the next is refused until the broker's loop rotates to a fresh segment. A record counts as
+durable only up to the bytes of its segment that a successful fdatasync covered (``durable``), and the commit
+thread acks nothing beyond them.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ MAGIC = b"CRL1"
 _HDR = struct.Struct("<4sBQI")
 _U32 = struct.Struct("<I")
 KIND_GROUP, KIND_CONSUMED, KIND_SNAPSHOT = 1, 2, 3
+_KINDS = (KIND_GROUP, KIND_CONSUMED, KIND_SNAPSHOT)
 _IOV_MAX = 512
 
 
@@ -51,6 +59,14 @@ class Location:
     segment: int
     offset: int  # of the record header
     length: int  # of the payload
+
+
+@dataclass(frozen=True)
+class Written:
+    """Where a record (a consumed one: no group to locate) ends: durable once its segment's synced bytes reach it."""
+
+    segment: int
+    end: int
 
 
 @dataclass
@@ -74,6 +90,10 @@ class SpillLog:
         self._fd: int | None = None
         self._active = 0
         self._size = 0
+        self.synced: dict[int, int] = {}  # segment -> bytes of it a successful fdatasync covered
+        self.broken: set[int] = set()  # segments whose unsynced bytes are unknown after a failure: no more writes
+        self.write_failures = 0
+        self.sync_failures = 0
         self.fsyncs = 0
         self.bytes_written = 0
         self.lock = threading.RLock()  # the commit thread appends while the loop reads and marks
@@ -93,10 +113,14 @@ class SpillLog:
 
     def _rotate(self, recent_ids: Sequence[str], state: dict) -> None:
         if self._fd is not None:
-            if self.persist:
+            if self.persist and self._active not in self.broken:
                 # The commit thread may have written a round it has not synced yet (write and sync overlap).
-                os.fdatasync(self._fd)
+                try:
+                    self._sync()
+                except OSError:
+                    pass  # (counted, and the segment is broken: its rounds not yet synced are not acked)
             os.close(self._fd)
+            self._fd = None
         self._active = (self.segments[-1] + 1) if self.segments else 1
         self.segments.append(self._active)
         self._fd = os.open(self._path(self._active), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -107,10 +131,15 @@ class SpillLog:
 
     def close(self) -> None:
         if self._fd is not None:
-            if self.persist:
-                os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
+            try:
+                if self.persist and self._active not in self.broken:
+                    self._synced_or_broken(self._fd, self._active, self._size)
+            except OSError as exc:  # (what it would have covered was never acked)
+                if self.log is not None:
+                    self.log.error("spill_close_sync_failed", segment=self._active, error=repr(exc))
+            finally:
+                os.close(self._fd)
+                self._fd = None
 
     # ----- writing ---------------------------------------------------------------------------
 
@@ -124,21 +153,38 @@ class SpillLog:
         return [_HDR.pack(MAGIC, kind, length, crc), *parts]
 
     def _write(self, records: list[list[Any]]) -> list[int]:
-        """Append records; returns each record's offset in the active segment."""
+        """Append records, all or none; returns each record's offset in the active segment."""
+        if self._fd is None or self._active in self.broken:
+            raise OSError(f"spill segment {self._active} is broken after a failed write or sync: waiting to rotate")
         offsets = []
         iov: list[Any] = []
+        size = self._size
         for rec in records:
-            offsets.append(self._size)
-            self._size += sum(frame_nbytes(p) for p in rec)
+            offsets.append(size)
+            size += sum(frame_nbytes(p) for p in rec)
             iov.extend(rec)
-        for i in range(0, len(iov), _IOV_MAX):
-            chunk = iov[i:i + _IOV_MAX]
-            want = sum(frame_nbytes(p) for p in chunk)
-            done = os.writev(self._fd, chunk)
-            if done < want:
-                self._finish_short_write(chunk, done)
-            self.bytes_written += want
+        try:
+            for i in range(0, len(iov), _IOV_MAX):
+                chunk = iov[i:i + _IOV_MAX]
+                want = sum(frame_nbytes(p) for p in chunk)
+                done = os.writev(self._fd, chunk)
+                if done < want:
+                    self._finish_short_write(chunk, done)
+                self.bytes_written += want
+        except BaseException:
+            self.write_failures += 1
+            self._cut_back()
+            raise
+        self._size = size
         return offsets
+
+    def _cut_back(self) -> None:
+        """After a failed write, the file ends at the last whole record again (a truncation needs no free space);
+        if even that fails, the segment is broken."""
+        try:
+            os.ftruncate(self._fd, self._size)
+        except OSError:
+            self.broken.add(self._active)
 
     def _finish_short_write(self, parts: list[Any], done: int) -> None:
         """writev may stop early (signals, odd filesystems): write what is left, part by part."""
@@ -153,23 +199,52 @@ class SpillLog:
                 view = view[os.write(self._fd, view):]
 
     def _sync(self, dir_too: bool = False) -> None:
-        # fdatasync also flushes the file size, which is all a reader of appended records needs.
-        os.fdatasync(self._fd)
-        self.fsyncs += 1
-        if dir_too:
-            dfd = os.open(self.dir, os.O_RDONLY)
+        if dir_too:  # (a new segment's records are durable only once its directory entry is)
             try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+                dfd = os.open(self.dir, os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+            except OSError:
+                self.sync_failures += 1
+                self.broken.add(self._active)
+                raise
+        # fdatasync also flushes the file size, which is all a reader of appended records needs.
+        self._synced_or_broken(self._fd, self._active, self._size)
+
+    def _synced_or_broken(self, fd: int, segment: int, size: int) -> None:
+        """fdatasync ``fd`` (``segment``, ``size`` bytes written): on success those bytes are durable; on failure
+        the segment is broken (what it held unsynced may be gone, whatever a later fdatasync says)."""
+        try:
+            os.fdatasync(fd)
+        except OSError:
+            self.sync_failures += 1
+            self.broken.add(segment)
+            raise
+        self.fsyncs += 1
+        if segment not in self.broken:
+            self.synced[segment] = max(self.synced.get(segment, 0), size)
+
+    def durable(self, written: Sequence[Location | Written]) -> bool:
+        """Whether a successful fdatasync has covered every one of these records."""
+        with self.lock:
+            return all(self.synced.get(w.segment, 0) >= (w.end if isinstance(w, Written) else
+                                                         w.offset + _HDR.size + w.length) for w in written)
 
     def maybe_rotate(self, snapshot: Callable[[], tuple[Sequence[str], dict]]) -> None:
-        """Start a new segment once the active one is full (called from the broker's loop). ``snapshot`` gives the
-        recent group ids and state the new segment starts with; it is called only then (it copies the dedupe
-        window, up to hundreds of thousands of ids, which every loop turn could not afford)."""
+        """Start a new segment once the active one is full or broken (called from the broker's loop). ``snapshot``
+        gives the recent group ids and state the new segment starts with; it is called only then (it copies the
+        dedupe window, up to hundreds of thousands of ids, which every loop turn could not afford). A rotation
+        that fails (a full disk) leaves the log refusing writes until a later call succeeds."""
         with self.lock:
-            if self._size >= self.segment_bytes:
-                self._rotate(*snapshot())
+            if self._size >= self.segment_bytes or self._active in self.broken or self._fd is None:
+                try:
+                    self._rotate(*snapshot())
+                except OSError as exc:
+                    self.broken.add(self._active)
+                    if self.log is not None:
+                        self.log.error("spill_rotate_failed", segment=self._active, error=repr(exc))
 
     def append_groups(self, items: Sequence[tuple[str, Sequence[Any]]], sync: bool | None = None) -> list[Location]:
         """Append groups (id, frames); durable on return when persisting (one fdatasync for all)."""
@@ -177,6 +252,8 @@ class SpillLog:
             return self._append_groups(items, sync)
 
     def _append_groups(self, items, sync) -> list[Location]:
+        # (on a failed fdatasync the groups' records stay in the file, not counted live: never acked, they are
+        # recovered at a restart only if the actor's retry did not land, and the dedupe keeps one copy)
         records = []
         lengths = []
         for group_id, frames in items:
@@ -192,11 +269,18 @@ class SpillLog:
         return [Location(self._active, off, n) for off, n in zip(offsets, lengths)]
 
     def mark_consumed(self, group_ids: Sequence[str], locations: Sequence[Location | None], state: dict,
-                      sync: bool = True) -> None:
+                      sync: bool = True) -> Written | None:
         """Record that these groups are gone for good (delivered or dropped), then free their segments; with none,
-        record the state alone."""
+        record the state alone. Returns where the record ends (None when not persisting)."""
         with self.lock:
-            self._mark_consumed(group_ids, locations, state, sync)
+            return self._mark_consumed(group_ids, locations, state, sync)
+
+    def forget(self, locations: Sequence[Location]) -> None:
+        """Groups written but never acked (their round failed): their segments need not wait for them."""
+        with self.lock:
+            for loc in locations:
+                self.live[loc.segment] -= 1
+            self._delete_consumed_prefix()
 
     def sync(self) -> None:
         with self.lock:
@@ -209,23 +293,25 @@ class SpillLog:
         file open if the loop rotates segments during the flush; rotation syncs the old segment itself.
         """
         with self.lock:
-            fd = os.dup(self._fd)
+            fd, segment, size = os.dup(self._fd), self._active, self._size
         try:
-            os.fdatasync(fd)
-            self.fsyncs += 1
+            self._synced_or_broken(fd, segment, size)
         finally:
             os.close(fd)
 
-    def _mark_consumed(self, group_ids, locations, state, sync) -> None:
+    def _mark_consumed(self, group_ids, locations, state, sync) -> Written | None:
         # With no group the record carries the state alone (a new learner version), so a restart resumes from it.
+        written = None
         if self.persist:
             self._write([self._record(KIND_CONSUMED, [msgpack.packb({"ids": list(group_ids), "state": state})])])
+            written = Written(self._active, self._size)
             if sync:
                 self._sync()
         for loc in locations:
             if loc is not None:
                 self.live[loc.segment] -= 1
         self._delete_consumed_prefix()
+        return written
 
     def _delete_consumed_prefix(self) -> None:
         while len(self.segments) > 1 and self.live[self.segments[0]] <= 0:
@@ -243,8 +329,9 @@ class SpillLog:
         with self.lock, open(self._path(loc.segment), "rb") as f:
             f.seek(loc.offset)
             hdr = f.read(_HDR.size)
-            magic, kind, length, crc = _HDR.unpack(hdr)
-            payload = f.read(length)
+            magic, kind, length, crc = _HDR.unpack(hdr) if len(hdr) == _HDR.size else (b"", 0, 0, 0)
+            # (the header is checked before its length is trusted: a damaged one could ask for any size)
+            payload = f.read(length) if (magic, kind, length) == (MAGIC, KIND_GROUP, loc.length) else b""
         if magic != MAGIC or kind != KIND_GROUP or len(payload) != length or zlib.crc32(payload) != crc:
             raise OSError(f"spill record at {loc} is damaged")
         return self._split_group(payload)[1]
@@ -274,6 +361,26 @@ class SpillLog:
         """What ``recover`` would find, read-only (``computerrl audit`` on a live or stopped run)."""
         return cls._replay(Path(directory), None, truncate=False)
 
+    @staticmethod
+    def _replay_record(kind: int, payload: bytes, loc: Location, out: Recovered, groups: dict, consumed: set,
+                       recent: dict) -> None:
+        if kind == KIND_GROUP:
+            (meta_len,) = _U32.unpack_from(payload, 0)
+            group_id, _ = msgpack.unpackb(payload[4:4 + meta_len])
+            groups[str(group_id)] = loc
+            recent[str(group_id)] = None
+        elif kind == KIND_CONSUMED:
+            body = msgpack.unpackb(payload)
+            ids, state = list(body["ids"]), dict(body.get("state", {}))
+            consumed.update(ids)
+            out.state.update(state)
+        else:
+            body = msgpack.unpackb(payload)
+            ids, state = list(body.get("recent_ids", [])), dict(body.get("state", {}))
+            for gid in ids:
+                recent[gid] = None
+            out.state.update(state)
+
     @classmethod
     def _replay(cls, directory: Path, log: Any, truncate: bool) -> Recovered:
         out = Recovered()
@@ -293,23 +400,16 @@ class SpillLog:
                     break
                 magic, kind, length, crc = _HDR.unpack_from(data, pos)
                 end = pos + _HDR.size + length
-                if magic != MAGIC or end > len(data) or zlib.crc32(data[pos + _HDR.size:end]) != crc:
+                # The CRC covers the payload alone, and an empty payload's is 0: a header zeroed past its magic (a
+                # hole a crash left in unsynced bytes) would pass. No record is empty, nor of another kind.
+                if (magic != MAGIC or kind not in _KINDS or length == 0 or end > len(data)
+                        or zlib.crc32(data[pos + _HDR.size:end]) != crc):
                     break
-                payload = data[pos + _HDR.size:end]
-                if kind == KIND_GROUP:
-                    (meta_len,) = _U32.unpack_from(payload, 0)
-                    group_id, _ = msgpack.unpackb(payload[4:4 + meta_len])
-                    groups[group_id] = Location(seg, pos, length)
-                    recent[group_id] = None
-                elif kind == KIND_CONSUMED:
-                    body = msgpack.unpackb(payload)
-                    consumed.update(body["ids"])
-                    out.state.update(body.get("state", {}))
-                elif kind == KIND_SNAPSHOT:
-                    body = msgpack.unpackb(payload)
-                    for gid in body.get("recent_ids", []):
-                        recent[gid] = None
-                    out.state.update(body.get("state", {}))
+                try:
+                    cls._replay_record(kind, data[pos + _HDR.size:end], Location(seg, pos, length), out, groups,
+                                       consumed, recent)
+                except (ValueError, TypeError, KeyError, AttributeError, struct.error, msgpack.UnpackException):
+                    break  # (damage the CRC did not see: the record ends the segment's replay like a torn one)
                 pos = end
             if pos < len(data):
                 # A torn tail: the write was never acknowledged. Cut it so later appends stay readable.
@@ -346,7 +446,9 @@ class CommitThread:
         self._wake.connect(wake_addr)
         self.pending = 0
         self.error: BaseException | None = None
-        self._written: list[tuple[list, list[Location] | None]] = []  # rounds awaiting the sync stage
+        self._written: list[list] = []  # rounds awaiting the sync stage, each its jobs
+        self._carried: list[tuple[list, list]] = []  # consumed records to write again (the writer's own)
+        self._recarry: queue.SimpleQueue = queue.SimpleQueue()  # from the sync stage: written but not made durable
         self._cond = threading.Condition()
         self._writing_done = False
         self._writer = threading.Thread(target=self._write_rounds, name="spill-write", daemon=True)
@@ -385,23 +487,47 @@ class CommitThread:
             batch, stop = self._next_round()
             if not batch:
                 break
-            group_jobs = [(items if kind == "groups" else [], token) for kind, items, token in batch
-                          if kind == "groups" or token is not None]
-            items = [it for its, _ in group_jobs for it in its]
+            items = [it for kind, its, _ in batch if kind == "groups" for it in its]
             locs: list[Location] | None
             try:
                 locs = self.spill.append_groups(items, sync=False) if items else []
-                for kind, (ids, locations, state), _ in (j for j in batch if j[0] == "consumed"):
-                    self.spill.mark_consumed(ids, locations, state, sync=False)
-            except BaseException as exc:  # a full or failing disk: the loop must stop acking
+            except BaseException as exc:  # a full or failing disk: nothing of it is acked
                 self.error = exc
                 locs = None
+            jobs: list[tuple[Any, list | None, list | None]] = []  # (token, records written or None, consumed ids)
+            pos = 0
+            for kind, payload, token in batch:
+                if kind == "groups":
+                    jobs.append((token, None if locs is None else locs[pos:pos + len(payload)], None))
+                    pos += len(payload)
+                else:
+                    jobs.append(self._write_consumed(*payload, token))
             with self._cond:
-                self._written.append((group_jobs, locs))
+                self._written.append(jobs)
                 self._cond.notify()
         with self._cond:
             self._writing_done = True
             self._cond.notify()
+
+    def _write_consumed(self, ids: list, locations: list, state: dict, token: Any) -> tuple:
+        """A consumed record, carrying the ids of every earlier one that failed or was not made durable: a group
+        whose consumed record is lost would be delivered again after a restart (and a committed one trained
+        twice). Their locations were counted off their segments already, or ride along until written."""
+        while True:
+            try:
+                self._carried.append(self._recarry.get_nowait())
+            except queue.Empty:
+                break
+        for old_ids, old_locations in self._carried:
+            ids, locations = old_ids + ids, old_locations + locations
+        self._carried = []
+        try:
+            written = self.spill.mark_consumed(ids, locations, state, sync=False)
+        except BaseException as exc:
+            self.error = exc
+            self._carried.append((ids, locations))  # (not counted off: the write failed before that)
+            return token, None, ids
+        return token, [written] if written else [], ids
 
     def _sync_rounds(self) -> None:
         while True:
@@ -411,27 +537,33 @@ class CommitThread:
                 rounds, self._written = self._written, []
                 finished = self._writing_done
             if rounds:
-                # A failed round is not acked; the actor's retry writes it again, into a later round.
-                synced = True
                 try:
                     self.spill.sync_written()  # one fdatasync for every round written so far
                 except BaseException as exc:
                     self.error = exc
-                    synced = False
-                self._complete(rounds, synced)
+                self._complete(rounds)
             if finished and not rounds:
                 break
         self._wake.close(0)
 
-    def _complete(self, rounds: list, synced: bool) -> None:
+    def _complete(self, rounds: list) -> None:
+        """Each job of these rounds, acked only if every record of it is durable. A failed group job is not acked;
+        the actor's retry writes it again, into a later round. A consumed record not durable rides on the next."""
         woke = False
-        for group_jobs, locs in rounds:
-            pos = 0
-            for job_items, token in group_jobs:
-                n = len(job_items)
-                ok = synced and locs is not None
-                self.done.put((token, locs[pos:pos + n] if ok else None))
-                pos += n
+        for jobs in rounds:
+            for token, written, consumed_ids in jobs:
+                ok = written is not None and self.spill.durable(written)
+                if consumed_ids is not None:
+                    if written is not None and not ok:
+                        self._recarry.put((consumed_ids, []))
+                        woke = True  # (the loop rotates away from a broken segment when woken)
+                    if token is None:
+                        continue
+                    self.done.put((token, [] if ok else None))
+                else:
+                    if written is not None and not ok:
+                        self.spill.forget(written)
+                    self.done.put((token, written if ok else None))
                 woke = True
         if woke:
             self._wake.send(b"", copy=True)
