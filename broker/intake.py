@@ -119,7 +119,8 @@ class GroupIntake:
             if locations is None:
                 # The disk failed: nothing here is durable. Forget the ids so the actors' retries count.
                 self.counters["commit_failed_groups"] += len(items)
-                self.log.error("spill_commit_failed", groups=len(items), error=repr(self.commit.error))
+                self.disk_log.error("spill_commit_failed", (), groups=len(items), error=repr(self.commit.error),
+                                    failed_groups_total=self.counters["commit_failed_groups"])
                 for _, g, _ in items:
                     self.recent.pop(g.group_id, None)
                 self._send_acks([r for r in replies if not r[1].accepted or r[1].duplicate])

@@ -100,6 +100,7 @@ class Broker(ActorSide, GroupIntake, LearnerSide):
         self.metrics = MetricsWriter(run_dir.metrics / "broker.jsonl", cfg.prometheus, "broker")
         self._dropped_in_a_row: dict[str, int] = {}  # reason -> groups dropped since the last admitted one
         self.no_batch_log = RateLimitedLog(log, interval_s=60.0)
+        self.disk_log = RateLimitedLog(log, interval_s=10.0)  # a full disk fails every round until space returns
         now = time.monotonic()
         self._next_publish = now  # every publish is due by a time: a heartbeat after the last, sooner when asked
         self._last_publish = 0.0
@@ -240,6 +241,7 @@ class Broker(ActorSide, GroupIntake, LearnerSide):
             "learners_alive": len(self.learners.peers),
             "success_store_trajectories": len(self.store),
             "success_store_tasks": len(self.store.tasks),
+            "success_store_write_failures": self.store.write_failures,
             "bytes_in": self.front.bytes_in + self.back.bytes_in,
             "bytes_out": self.front.bytes_out + self.back.bytes_out,
             "lag_hist": self.lag_hist.as_dict(),
@@ -249,6 +251,7 @@ class Broker(ActorSide, GroupIntake, LearnerSide):
             # a full or failing disk: writes cut back and fdatasyncs failed (nothing of them acked)
             "spill_write_failures": self.spill.write_failures,
             "spill_sync_failures": self.spill.sync_failures,
+            "spill_rotate_failures": self.spill.rotate_failures,
             "phase": self.control.phase,
             "loop_stalled_s": round(self.actors.deaf_s, 2),  # own stalls credited to peers' liveness
             "dropped_in_a_row": sum(self._dropped_in_a_row.values()),  # since the last admitted group

@@ -28,6 +28,7 @@ import os
 import queue
 import struct
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ _U32 = struct.Struct("<I")
 KIND_GROUP, KIND_CONSUMED, KIND_SNAPSHOT = 1, 2, 3
 _KINDS = (KIND_GROUP, KIND_CONSUMED, KIND_SNAPSHOT)
 _IOV_MAX = 512
+ROTATE_RETRY_S = 1.0  # after a failed rotation (a full disk), the least wait before the next try
 
 
 def _segment_name(seg: int) -> str:
@@ -94,6 +96,8 @@ class SpillLog:
         self.broken: set[int] = set()  # segments whose unsynced bytes are unknown after a failure: no more writes
         self.write_failures = 0
         self.sync_failures = 0
+        self.rotate_failures = 0
+        self._rotate_retry_at = self._rotate_logged_at = -1e18
         self.fsyncs = 0
         self.bytes_written = 0
         self.lock = threading.RLock()  # the commit thread appends while the loop reads and marks
@@ -121,13 +125,28 @@ class SpillLog:
                     pass  # (counted, and the segment is broken: its rounds not yet synced are not acked)
             os.close(self._fd)
             self._fd = None
-        self._active = (self.segments[-1] + 1) if self.segments else 1
-        self.segments.append(self._active)
-        self._fd = os.open(self._path(self._active), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._size = 0
-        self._write([self._record(KIND_SNAPSHOT, [msgpack.packb({"recent_ids": list(recent_ids), "state": state})])])
-        if self.persist:
-            self._sync(dir_too=True)
+        new = (self.segments[-1] + 1) if self.segments else 1
+        fd = os.open(self._path(new), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._active, self._fd, self._size = new, fd, 0
+        self.segments.append(new)
+        try:
+            self._write([self._record(KIND_SNAPSHOT, [msgpack.packb({"recent_ids": list(recent_ids),
+                                                                      "state": state})])])
+            if self.persist:
+                self._sync(dir_too=True)
+        except OSError:
+            # The fresh segment holds nothing yet: it goes, so a retry takes its name again instead of leaving an
+            # empty file behind on every try while the disk is full.
+            self.segments.pop()
+            self.broken.discard(new)
+            self.synced.pop(new, None)
+            os.close(fd)
+            self._fd = None
+            try:
+                os.unlink(self._path(new))
+            except OSError:
+                pass
+            raise
 
     def close(self) -> None:
         if self._fd is not None:
@@ -236,15 +255,23 @@ class SpillLog:
         """Start a new segment once the active one is full or broken (called from the broker's loop). ``snapshot``
         gives the recent group ids and state the new segment starts with; it is called only then (it copies the
         dedupe window, up to hundreds of thousands of ids, which every loop turn could not afford). A rotation
-        that fails (a full disk) leaves the log refusing writes until a later call succeeds."""
+        that fails (a full disk) leaves the log refusing writes until a later call, at least ``ROTATE_RETRY_S``
+        on, succeeds."""
         with self.lock:
-            if self._size >= self.segment_bytes or self._active in self.broken or self._fd is None:
-                try:
-                    self._rotate(*snapshot())
-                except OSError as exc:
-                    self.broken.add(self._active)
-                    if self.log is not None:
-                        self.log.error("spill_rotate_failed", segment=self._active, error=repr(exc))
+            if self._size < self.segment_bytes and self._active not in self.broken and self._fd is not None:
+                return
+            now = time.monotonic()
+            if now < self._rotate_retry_at:
+                return
+            try:
+                self._rotate(*snapshot())
+            except OSError as exc:  # (the old segment is closed by then: no write goes anywhere until a retry)
+                self._rotate_retry_at = now + ROTATE_RETRY_S
+                self.rotate_failures += 1
+                if self.log is not None and now >= self._rotate_logged_at + 10.0:
+                    self._rotate_logged_at = now
+                    self.log.error("spill_rotate_failed", error=repr(exc), failures=self.rotate_failures,
+                                   retry_in_s=ROTATE_RETRY_S)
 
     def append_groups(self, items: Sequence[tuple[str, Sequence[Any]]], sync: bool | None = None) -> list[Location]:
         """Append groups (id, frames); durable on return when persisting (one fdatasync for all)."""

@@ -3,7 +3,9 @@
 De-duplicated per task by the sampled tokens (two identical solutions teach nothing twice). Bounded:
 ``per_task`` newest solutions per task, ``max_tasks`` tasks (the task least recently added to goes first).
 With persistence on, additions are appended to ``success.log`` and reloaded on restart; the file is
-rewritten compactly when it grows past twice its live content.
+rewritten compactly when it grows past twice its live content. The store is best-effort (acked groups live in the
+spill log): a write that fails (a full disk) is counted and logged, the file is let go, and the whole store is
+rewritten from memory once a retry succeeds, so no record follows a torn one.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import os
 import random
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ from typing import Any
 from common import protocol as P
 
 _LEN = struct.Struct("<II")  # header length, number of frames
+REWRITE_RETRY_S = 10.0  # after a failed write, how often the rewrite from memory is tried again
 
 
 def solution_key(traj: P.Trajectory) -> bytes:
@@ -37,11 +41,12 @@ class SuccessStore:
         self._count = 0  # trajectories held: kept as they come and go, since every append compares against it
         self._file_records = 0
         self._f = None
+        self.write_failures = 0
+        self._rewrite_at: float | None = None  # set after a failed write: when to try rewriting the file
         if self.path is not None:
             if self.path.exists():
                 self._load()
-                self._compact()
-            self._f = open(self.path, "ab", buffering=1 << 20)
+            self._guarded(self._compact)
 
     def __len__(self) -> int:
         return self._count
@@ -67,7 +72,9 @@ class SuccessStore:
             self._count -= len(self.tasks.popitem(last=False)[1])
         self.added += 1
         if persist and self._f is not None:
-            self._append(task_id, sols[key])
+            self._guarded(lambda: self._append(task_id, sols[key]))
+        elif persist and self._rewrite_at is not None and time.monotonic() >= self._rewrite_at:
+            self._guarded(self._compact)  # (holds this addition too)
         return True
 
     def sample(self, k_per_task: int, max_tasks: int, seed: int) -> list[P.SuccessSample]:
@@ -150,8 +157,7 @@ class SuccessStore:
         self.log.info("success_store_loaded", trajectories=len(self), tasks=len(self.tasks), records=loaded)
 
     def _compact(self) -> None:
-        if self._f is not None:
-            self._f.close()
+        self._let_go()
         tmp = self.path.with_suffix(".tmp")
         self._f = open(tmp, "wb")
         self._file_records = 0
@@ -161,16 +167,36 @@ class SuccessStore:
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
+        self._f = None
         os.replace(tmp, self.path)
         self._f = open(self.path, "ab", buffering=1 << 20)
+
+    def _guarded(self, write) -> None:
+        """``write`` to the file; on failure, let the file go and rewrite it whole later."""
+        try:
+            write()
+            self._rewrite_at = None
+        except OSError as exc:
+            self.write_failures += 1
+            self._let_go()
+            self._rewrite_at = time.monotonic() + REWRITE_RETRY_S
+            self.log.error("success_store_write_failed", path=str(self.path), error=repr(exc),
+                           retry_in_s=REWRITE_RETRY_S, failures=self.write_failures)
+
+    def _let_go(self) -> None:
+        f, self._f = self._f, None
+        if f is not None:
+            try:
+                f.close()  # (flushes what its buffer holds: it may fail the same way)
+            except OSError:
+                pass
 
     def flush(self) -> None:
         """The store is best-effort state (acked groups live in the spill log): flushed per loop turn."""
         if self._f is not None:
-            self._f.flush()
+            self._guarded(self._f.flush)
 
     def close(self) -> None:
         if self._f is not None:
-            self._f.close()
-            self._f = None
+            self._guarded(self._let_go)
 

@@ -36,15 +36,20 @@ def _write_dir(final: Path, model: Any, weights: dict, state: dict, trainer: dic
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-    if trainer is not None:
-        torch.save(trainer, tmp / TRAINER_FILE)
-    if hasattr(tokenizer, "save_pretrained"):  # the byte tokenizer has no files
-        tokenizer.save_pretrained(tmp)
-    (tmp / STATE_FILE).write_text(json.dumps(state))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    try:
+        model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        if trainer is not None:
+            torch.save(trainer, tmp / TRAINER_FILE)
+        if hasattr(tokenizer, "save_pretrained"):  # the byte tokenizer has no files
+            tokenizer.save_pretrained(tmp)
+        (tmp / STATE_FILE).write_text(json.dumps(state))
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    except BaseException:
+        # A half-written checkpoint (a full disk) would hold the space the next try needs.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -39,6 +39,10 @@ FAILED_STEPS_IN_A_ROW_MAX = 3
 is dropped (restarting would only get it delivered again), but a learner that can train no batch is broken"""
 
 
+class CheckpointFailed(RuntimeError):
+    """The checkpoint a stopping learner takes could not be written: the steps since the last one are not durable."""
+
+
 class Learner:
     """The learner process: a Trainer plus the broker link, weight rounds, metrics and checkpoints.
 
@@ -88,19 +92,31 @@ class Learner:
         self._want_checkpoint = checkpoint
         self._stop.set()
 
-    def checkpoint(self) -> None:
+    def checkpoint(self) -> bool:
         """Save; once durable, the groups it covers are committed to the broker (which then forgets them).
 
         The save runs on the training thread while this one keeps the broker link polled: a checkpoint of a large
-        model takes minutes, and a learner that stops heartbeating for that long is taken for dead."""
+        model takes minutes, and a learner that stops heartbeating for that long is taken for dead.
+
+        A save the file system refuses (a full disk, a quota) is counted and logged, and training goes on: nothing
+        is committed, so the groups of the steps since the last checkpoint stay the broker's (a restart trains them
+        again), and the next checkpoint tries again. Returns whether this one is durable."""
         version = self.trainer.version
         extra = {"broker_client": self.client.checkpoint_state()}
-        path = self._polled(self._worker.submit(self.jobs.run, "save", {"root": str(self.run_dir.checkpoints)},
-                                                extra=extra))
+        try:
+            path = self._polled(self._worker.submit(self.jobs.run, "save", {"root": str(self.run_dir.checkpoints)},
+                                                    extra=extra))
+        except OSError as exc:
+            self.trainer._count("checkpoints_failed")
+            self.log.error("checkpoint_failed", version=version, error=repr(exc),
+                           last_durable=self._checkpointed if self._checkpointed >= 0 else None,
+                           hint="nothing committed: the groups since the last checkpoint stay the broker's")
+            return False
         self.audit.write("checkpoint", v=version)
         self.client.checkpoint_durable(version)
         self._checkpointed = version
         self.log.info("checkpoint_written", path=str(path), version=version)
+        return True
 
     def _polled(self, job: Any) -> Any:
         """``job``'s result (a future of the training thread), the broker link polled while it runs."""
@@ -184,6 +200,7 @@ class Learner:
             job, job_kind = self._start_broadcast(), "broadcast"
         c.grant(self.cfg.prefetch)
         finished = False
+        last_saved = True  # the checkpoint taken on the way out, where one is
         try:
             while not self._stop.is_set():
                 if signalled.requested:
@@ -225,9 +242,9 @@ class Learner:
                 # metrics record, audit events and settlements are written like any other step's.
                 self._after_step(job_kind, self._polled(job))
             if (finished or self._want_checkpoint) and self._checkpointed != t.version:
-                self.checkpoint()
+                last_saved = self.checkpoint()
             worker.shutdown(wait=True)
-            if finished:
+            if finished and last_saved:  # (else the run stays up for a restarted learner to finish it durably)
                 self.publish(stop=True)
             # Give the broker a moment to confirm our last commits (a resumed learner would re-send them).
             deadline = time.monotonic() + (5.0 if finished or self._want_checkpoint else 0.0)
@@ -237,6 +254,10 @@ class Learner:
                 c.poll(1.0)
             self.jobs.stop()
             self.close()
+        if not last_saved:
+            raise CheckpointFailed(f"the checkpoint at version {t.version}, taken on the way out, could not be written "
+                                   "(checkpoint_failed in the log): its steps are not durable. A restarted learner "
+                                   "resumes from the last checkpoint and trains them again.")
         return finished
 
     def _prefetch_next(self) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-
+import os
 import socket
 import struct
 import time
@@ -733,6 +733,66 @@ def test_failing_disk_never_acks_and_retries_succeed_later(start_broker, quiet_l
     assert learner.next_batch(WAIT_S).groups[0].group_id == g.group_id
     actor.close()
     learner.close()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 32 KiB tmpfs mounted at ``<tmp>/run/spill`` (root only), grown by ``grow()``; unmounted after the test."""
+    import subprocess
+
+    spill = tmp_path / "run" / "spill"
+    spill.mkdir(parents=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(spill)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+
+    def grow() -> None:
+        subprocess.run(["mount", "-o", "remount,size=16m", str(spill)], check=True)
+
+    yield tmp_path / "run", grow
+    subprocess.run(["umount", "-l", str(spill)], check=False)
+
+
+def test_a_full_disk_acks_nothing_it_cannot_keep_and_the_broker_goes_on_once_space_returns(start_broker, quiet_log,
+                                                                                           small_disk):
+    """On a real full file system: groups that do not fit are not acked (their actor retries), the success store's
+    failed writes do not break the broker's loop, and once space returns every group is acked, delivered, and found
+    in the spill log by id, each once (``docs/reliability.md``, "A full or failing disk")."""
+    from broker.spill import SpillLog
+    from tests.conftest import make_traj
+
+    run_dir, grow = small_disk
+    tb = start_broker(BrokerConfig(groups_per_batch=8, group_size=2, eta=3, persist=True, segment_bytes=8192),
+                      run_dir=run_dir)
+    actor, learner = clients(tb, quiet_log)
+    groups = []
+    for i, t in enumerate(take_tickets(actor, 32, expect=32)):  # each with a success of its own for the store
+        g = make_group(t)
+        g.trajectories = [make_traj(t.policy_version, 1.0, seed=2 * i + 100), make_traj(t.policy_version, 0.0)]
+        groups.append(g)
+        actor.submit(g)
+    pump([actor], WAIT_S, until=lambda: stat(tb, "commit_failed_groups") > 0 and len(actor.acks) + actor.unacked
+         == len(groups))
+    assert 0 < len(actor.acks) < len(groups) and actor.unacked, "the disk filled: some acked, the rest waiting"
+    assert tb.broker.spill.write_failures > 0 and tb.broker.store.write_failures > 0
+    assert stat(tb, "internal_errors") == 0, "a full disk is not an error in the broker's loop"
+    grow()
+    pump([actor], 60.0, until=lambda: actor.unacked == 0)  # the actor's retries, every request timeout
+    assert sorted(a.group_id for a in actor.acks if a.accepted) == sorted(g.group_id for g in groups)
+    learner.grant(4)
+    delivered = []
+    while len(delivered) < len(groups):
+        batch = learner.next_batch(WAIT_S)
+        assert batch is not None, f"only {len(delivered)} of {len(groups)} groups delivered"
+        delivered += [g.group_id for g in batch.groups]
+        learner.grant(1)
+    assert sorted(delivered) == sorted(g.group_id for g in groups), "every group delivered once"
+    assert stat(tb, "internal_errors") == 0
+    actor.close()
+    learner.close()
+    tb.stop()
+    on_disk = [gid for gid, _ in SpillLog.scan(run_dir / "spill").groups]
+    assert sorted(on_disk) == sorted(g.group_id for g in groups), "every acked group in the log (uncommitted), once"
 
 
 def test_stale_drops_while_no_batch_forms_are_reported_on_the_next_batch(start_broker, quiet_log):

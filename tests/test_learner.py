@@ -739,6 +739,59 @@ def _run_fed(learner: Learner, tb, log) -> list[BaseException]:
     return failure
 
 
+def _consumed_at_broker(tb) -> list[str]:
+    import json
+
+    lines = (tb.run_dir.audit / "broker.jsonl").read_text().splitlines()
+    return [g for r in map(json.loads, lines) if r.get("e", r.get("event")) == "consumed" for g in r["gs"]]
+
+
+def test_a_checkpoint_the_disk_refuses_commits_nothing_and_training_goes_on(start_broker, quiet_log, monkeypatch):
+    """A save that fails (a full disk, a quota) is counted and logged; the learner trains on; nothing is committed
+    for it, so its groups stay the broker's until the next checkpoint, which covers them and commits them all."""
+    import learner.checkpoint as ckpt
+
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=4, eta=2, persist=True))
+    learner = Learner(LearnerConfig(total_steps=3, checkpoint_every=1), TINY, None, tb.net, tb.run_dir, quiet_log)
+    real_save, saves, committed = ckpt.save, [], []
+
+    def second_fails(root, version, *args, **kw):
+        saves.append(version)
+        if len(saves) == 2:
+            raise OSError(28, "No space left on device")
+        return real_save(root, version, *args, **kw)
+
+    monkeypatch.setattr(ckpt, "save", second_fails)
+    real_durable = learner.client.checkpoint_durable
+    learner.client.checkpoint_durable = lambda v: (committed.append(v), real_durable(v))[1]
+    assert _run_fed(learner, tb, quiet_log) == []
+    assert saves == [1, 2, 3] and committed == [1, 3], "the failed checkpoint committed nothing"
+    assert learner.trainer.counters["checkpoints_failed"] == 1
+    assert len(_consumed_at_broker(tb)) == 3, "step 2's group committed with step 3's checkpoint"
+    assert not list(tb.run_dir.checkpoints.glob(".tmp-*")), "no half-written checkpoint left holding space"
+
+
+def test_a_final_checkpoint_the_disk_refuses_ends_the_learner_with_an_error_and_leaves_the_run_up(
+        start_broker, quiet_log, monkeypatch):
+    """The checkpoint taken on the way out cannot be skipped: the learner stops with ``CheckpointFailed`` (a
+    supervisor restarts it, and it trains the lost steps again), and it does not tell the run to stop."""
+    import learner.checkpoint as ckpt
+    from learner.process import CheckpointFailed
+
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=4, eta=2, persist=True))
+    learner = Learner(LearnerConfig(total_steps=2, checkpoint_every=0), TINY, None, tb.net, tb.run_dir, quiet_log)
+
+    def full_disk(*args, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "save", full_disk)
+    (failure,) = _run_fed(learner, tb, quiet_log)
+    assert isinstance(failure, CheckpointFailed) and "version 2" in str(failure)
+    assert learner.trainer.counters["checkpoints_failed"] == 1
+    assert not tb.broker.control.stop, "the run stays up for a restarted learner"
+    assert _consumed_at_broker(tb) == [], "nothing committed"
+
+
 def test_a_batch_that_makes_a_step_raise_is_dropped_and_three_in_a_row_stop_the_learner(start_broker, quiet_log):
     """A batch whose step raises (a bug its data reaches) is dropped, its groups settled as ``step_failed`` and
     counted, and training goes on: restarting would only get it delivered again, and fail again. Three steps in a

@@ -226,3 +226,27 @@ def test_a_write_that_fails_halfway_is_cut_back_and_the_next_record_reads_and_re
     s.close()
     _, rec = _open(tmp_path, quiet_log)
     assert [gid for gid, _ in rec.groups] == [g0.group_id, g2.group_id] and rec.truncated_bytes == 0
+
+
+def test_a_success_store_whose_write_failed_rewrites_itself_whole_once_a_retry_succeeds(tmp_path, quiet_log):
+    """A failed write (a full disk) lets the file go, counted; the next addition after the retry interval rewrites
+    the whole store from memory, so the file holds every success again and none after a torn record."""
+    class FullDisk:
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+        flush = close = lambda self: FullDisk.write(self, b"")
+
+    path = tmp_path / "success.log"
+    st = SuccessStore(per_task=4, max_tasks=10, path=path, log=quiet_log)
+    st.add("a", make_traj(seed=1))
+    st.flush()
+    st._f.close()
+    st._f = FullDisk()
+    st.add("a", make_traj(seed=2))  # fails: let go, counted
+    assert st.write_failures == 1 and st._f is None
+    st._rewrite_at = 0.0  # (the retry interval is over)
+    st.add("b", make_traj(seed=3))  # the retry: the whole store rewritten, this one with it
+    st.close()
+    again = SuccessStore(per_task=4, max_tasks=10, path=path, log=quiet_log)
+    assert len(again) == 3 and sorted(again.tasks) == ["a", "b"]

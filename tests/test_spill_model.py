@@ -109,6 +109,12 @@ class FailingDisk:
         if flags & REAL_OS.O_CREAT and self._fail("open"):
             del self.armed["open"]
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        if flags & REAL_OS.O_CREAT and not REAL_OS.path.exists(path):
+            # a new file, though perhaps under the name of one deleted before: nothing of that one carries over
+            name = Path(path).name
+            self.durable.pop(name, None)
+            self.poisoned.discard(name)
+            self.entry_durable.discard(name)
         return REAL_OS.open(path, flags, mode, **kw)
 
     def crash(self, choose) -> None:
@@ -142,8 +148,9 @@ class SpillRun(RuleBasedStateMachine):
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="spill-model-"))
         self.disk = FailingDisk(self.dir)
-        self.saved_os = spill_mod.os
+        self.saved_os, self.saved_retry = spill_mod.os, spill_mod.ROTATE_RETRY_S
         spill_mod.os = self.disk
+        spill_mod.ROTATE_RETRY_S = 0.0  # (the loop's next turn retries a failed rotation: here, the next job's)
         self.log = L.setup("test", "test", 0, None, "critical", quiet=True)
         self.ctx = zmq.Context.instance()
         self.frames: dict[str, list[bytes]] = {}  # every group submitted, by id
@@ -266,7 +273,7 @@ class SpillRun(RuleBasedStateMachine):
             if self.commit is not None:
                 self._close()
         finally:
-            spill_mod.os = self.saved_os
+            spill_mod.os, spill_mod.ROTATE_RETRY_S = self.saved_os, self.saved_retry
             shutil.rmtree(self.dir, ignore_errors=True)
 
 

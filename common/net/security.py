@@ -149,7 +149,7 @@ def limit_size(sock: zmq.Socket, net: NetConfig) -> None:
 
 
 class RateLimitedLog:
-    """Repeated identical warnings (same event and key) are logged once per ``interval_s`` with the number
+    """Repeated identical warnings or errors (same event and key) are logged once per ``interval_s`` with the number
     suppressed in between; the caller's counters stay exact."""
 
     def __init__(self, log: Any, interval_s: float = 10.0):
@@ -157,6 +157,12 @@ class RateLimitedLog:
         self._last: dict[tuple, tuple[float, int]] = {}
 
     def warning(self, event: str, key: tuple, **fields: Any) -> None:
+        self._emit(self.log.warning, event, key, fields)
+
+    def error(self, event: str, key: tuple, **fields: Any) -> None:
+        self._emit(self.log.error, event, key, fields)
+
+    def _emit(self, write: Any, event: str, key: tuple, fields: dict) -> None:
         now = time.monotonic()
         if len(self._last) > 4096:  # many peers: forget keys quiet for a whole interval (they log afresh)
             self._last = {k: v for k, v in self._last.items() if now - v[0] < self.interval_s}
@@ -165,4 +171,4 @@ class RateLimitedLog:
             self._last[(event, key)] = (last, suppressed + 1)
             return
         self._last[(event, key)] = (now, 0)
-        self.log.warning(event, **fields, **({"suppressed_since_last": suppressed} if suppressed else {}))
+        write(event, **fields, **({"suppressed_since_last": suppressed} if suppressed else {}))
