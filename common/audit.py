@@ -36,12 +36,24 @@ from typing import Any, Iterable, Iterator
 from common.jsonl import read_jsonl
 
 
+AUDIT_PENDING_MAX_BYTES = 256 << 20  # events held while the disk is full; past this the role stops (see write_many)
+AUDIT_RETRY_S = 1.0  # while events are held, how often writing them is tried again
+
+
 class AuditLog:
-    """Appends events for one role; ``None`` path makes every call a no-op (auditing is off)."""
+    """Appends events for one role; ``None`` path makes every call a no-op (auditing is off).
+
+    The trail is what proves a run lost nothing, so a full disk must not drop events: those a write could not take
+    are held in memory, in order, and written ahead of the next ones once the disk takes them again (tried at most
+    every ``AUDIT_RETRY_S``). Past ``AUDIT_PENDING_MAX_BYTES`` held, the write raises: a role that cannot keep its
+    trail stops, and its restart resumes from durable state."""
 
     def __init__(self, path: str | Path | None):
         self.path = Path(path) if path is not None else None
         self._fd: int | None = None
+        self._pending = b""  # events not yet written (a full disk), oldest first
+        self._retry_at = 0.0
+        self.write_failures = 0
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -56,14 +68,36 @@ class AuditLog:
         now = round(time.time(), 3)
         data = "".join(json.dumps({"e": e, "t": now, **f}, separators=(",", ":")) + "\n" for e, f in events)
         if data:
-            view = memoryview(data.encode())
-            while view:
-                view = view[os.write(self._fd, view):]
+            self._pending += data.encode()
+        if self._pending and time.monotonic() >= self._retry_at:
+            self._write_pending()
+
+    def _write_pending(self, final: bool = False) -> None:
+        pending = self._pending
+        try:
+            while pending:
+                pending = pending[os.write(self._fd, pending):]
+        except OSError as exc:
+            self.write_failures += 1
+            self._retry_at = time.monotonic() + AUDIT_RETRY_S
+            if final or len(pending) > AUDIT_PENDING_MAX_BYTES:
+                raise OSError(exc.errno, f"{len(pending)} bytes of audit events could not be written to "
+                                         f"{self.path}: {exc.strerror}") from exc
+        finally:
+            self._pending = pending
+
+    @property
+    def pending_bytes(self) -> int:
+        return len(self._pending)
 
     def close(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+            try:
+                if self._pending:
+                    self._write_pending(final=True)
+            finally:
+                os.close(self._fd)
+                self._fd = None
 
 
 def read_events(path: Path) -> Iterator[dict]:

@@ -14,25 +14,27 @@ from typing import Any, TextIO
 
 import structlog
 
-_FILE: TextIO | None = None
+from common.appendfile import BestEffortAppender
+
+_FILE: BestEffortAppender | None = None
 
 
 class _Sink:
-    """Final processor: JSON line to the process's log file; console text or JSON to stderr."""
+    """Final processor: JSON line to the process's log file (best-effort: a full disk drops lines, and the next line
+    written says how many, as ``log_lines_dropped``); console text or JSON to stderr."""
 
-    def __init__(self, file: TextIO | None, stream: TextIO | None, console: bool):
+    def __init__(self, file: BestEffortAppender | None, stream: TextIO | None, console: bool):
         self.file, self.stream = file, stream
         self.json = structlog.processors.JSONRenderer()
         self.pretty = structlog.dev.ConsoleRenderer(colors=False) if console else None
 
     def __call__(self, logger: Any, name: str, event_dict: dict) -> str:
-        line = self.json(logger, name, dict(event_dict))
         if self.file is not None:
-            self.file.write(line + "\n")
-            self.file.flush()
+            dropped = {"log_lines_dropped": self.file.dropped} if self.file.dropped else {}
+            self.file.write(self.json(logger, name, {**event_dict, **dropped}) + "\n")
         if self.stream is None:
             raise structlog.DropEvent
-        return self.pretty(logger, name, event_dict) if self.pretty else line
+        return self.pretty(logger, name, event_dict) if self.pretty else self.json(logger, name, dict(event_dict))
 
 
 def setup(role: str, run_id: str = "", rank: int = 0, log_dir: str | Path | None = None,
@@ -49,7 +51,7 @@ def setup(role: str, run_id: str = "", rank: int = 0, log_dir: str | Path | None
         _FILE = None
     if log_dir is not None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        _FILE = open(Path(log_dir) / f"{role}-{rank}.jsonl", "a", buffering=1)
+        _FILE = BestEffortAppender(Path(log_dir) / f"{role}-{rank}.jsonl")
     if console is None:
         console = sys.stderr.isatty()
     levelno = logging.getLevelName(level.upper())

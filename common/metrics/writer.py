@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from common.appendfile import BestEffortAppender
+
 
 class MetricsWriter:
     """Appends one JSON object per line to ``<dir>/<name>.jsonl``; a ``None`` path discards. With ``prometheus``
@@ -19,10 +21,10 @@ class MetricsWriter:
 
     def __init__(self, path: str | Path | None, prometheus: str = "", role: str = "", rank: int = 0):
         self.path = Path(path) if path is not None else None
-        self._f = None
+        self._f: BestEffortAppender | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.path, "a", buffering=1)
+            self._f = BestEffortAppender(self.path)  # a full disk drops records (counted), it stops no role
         self.exposed = None
         if prometheus:
             from common.metrics.prometheus import serve
@@ -31,7 +33,8 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         if self._f is None and self.exposed is None:
             return
-        line = json.dumps({"time": time.time(), **record, **process_memory()}, default=_jsonable)
+        dropped = {"records_dropped": self._f.dropped} if self._f is not None and self._f.dropped else {}
+        line = json.dumps({"time": time.time(), **record, **process_memory(), **dropped}, default=_jsonable)
         if self.exposed is not None:
             self.exposed.update(json.loads(line))  # plain types, as a reader of the file would get them
         if self._f is not None:

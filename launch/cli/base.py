@@ -48,8 +48,15 @@ def start_role(role: str, config: str | None, run_dir: str | None, overrides: tu
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     cfg = load_config(config, overrides)
     rd = resolve_run_dir(cfg, run_dir)
-    configlib.dump(cfg, rd.root / f"config.{role}-{rank}.yaml")
-    return cfg, rd, L.setup(role, cfg.run.run_id, rank, rd.logs, cfg.run.log_level)
+    try:
+        configlib.dump(cfg, rd.root / f"config.{role}-{rank}.yaml")
+        unrecorded = None
+    except OSError as exc:  # a full disk: the record of what it runs with is not worth not running
+        unrecorded = exc
+    log = L.setup(role, cfg.run.run_id, rank, rd.logs, cfg.run.log_level)
+    if unrecorded is not None:
+        log.warning("config_not_recorded", path=str(rd.root / f"config.{role}-{rank}.yaml"), error=repr(unrecorded))
+    return cfg, rd, log
 
 
 def prepare_run(cfg: RunConfig, run_dir: str | None) -> Any:

@@ -1,0 +1,66 @@
+"""A text file that lines are appended to, best-effort: a full disk (a quota reached) drops lines, counted, instead
+of raising out of whatever was logging or recording metrics, and the file is taken up again once it can be.
+
+For what may be lost while the disk is full: log lines and metrics records. (What may not be lost has its own
+rules: the spill log's, the audit log's, the checkpoints'.)"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TextIO
+
+REOPEN_AFTER_S = 5.0  # after a failed write, how long lines are dropped before the file is tried again
+
+
+class BestEffortAppender:
+    """``write(text)`` appends (flushed at once); after a failure the file is let go, lines are dropped for
+    ``REOPEN_AFTER_S``, and then it is reopened and begins with a newline, so a line the failure cut short stays
+    apart from the next (readers skip a garbled line). ``dropped`` counts the writes lost since the last success,
+    ``failures`` every failed write."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.failures = 0
+        self.dropped = 0
+        self._retry_at = 0.0
+        self._f: TextIO | None = open(self.path, "a", buffering=1)
+
+    def write(self, text: str) -> bool:
+        """Whether ``text`` reached the file."""
+        if self._f is None:
+            if time.monotonic() < self._retry_at:
+                self.dropped += 1
+                return False
+            try:
+                self._f = open(self.path, "a", buffering=1)
+                self._f.write("\n")  # (after a torn line)
+            except OSError:
+                return self._failed()
+        try:
+            self._f.write(text)
+            self._f.flush()
+        except OSError:
+            return self._failed()
+        self.dropped = 0
+        return True
+
+    def _failed(self) -> bool:
+        self.failures += 1
+        self.dropped += 1
+        self._retry_at = time.monotonic() + REOPEN_AFTER_S
+        f, self._f = self._f, None
+        if f is not None:
+            try:
+                f.close()  # (flushes what its buffer holds: it may fail the same way)
+            except OSError:
+                pass
+        return False
+
+    def close(self) -> None:
+        f, self._f = self._f, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                self.failures += 1
