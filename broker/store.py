@@ -21,6 +21,7 @@ from typing import Any
 
 
 from common import protocol as P
+from common.appendfile import close_quietly
 
 _LEN = struct.Struct("<II")  # header length, number of frames
 REWRITE_RETRY_S = 10.0  # after a failed write, how often the rewrite from memory is tried again
@@ -185,11 +186,7 @@ class SuccessStore:
 
     def _let_go(self) -> None:
         f, self._f = self._f, None
-        if f is not None:
-            try:
-                f.close()  # (flushes what its buffer holds: it may fail the same way)
-            except OSError:
-                pass
+        close_quietly(f)
 
     def flush(self) -> None:
         """The store is best-effort state (acked groups live in the spill log): flushed per loop turn."""

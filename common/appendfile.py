@@ -8,9 +8,21 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import IO, TextIO
 
 REOPEN_AFTER_S = 5.0  # after a failed write, how long lines are dropped before the file is tried again
+
+
+def close_quietly(f: IO | None) -> bool:
+    """Close a file whose writes failed (its close flushes what its buffer holds, which may fail the same way);
+    whether it closed cleanly."""
+    if f is None:
+        return True
+    try:
+        f.close()
+        return True
+    except OSError:
+        return False
 
 
 class BestEffortAppender:
@@ -50,17 +62,10 @@ class BestEffortAppender:
         self.dropped += 1
         self._retry_at = time.monotonic() + REOPEN_AFTER_S
         f, self._f = self._f, None
-        if f is not None:
-            try:
-                f.close()  # (flushes what its buffer holds: it may fail the same way)
-            except OSError:
-                pass
+        close_quietly(f)
         return False
 
     def close(self) -> None:
         f, self._f = self._f, None
-        if f is not None:
-            try:
-                f.close()
-            except OSError:
-                self.failures += 1
+        if not close_quietly(f):
+            self.failures += 1
