@@ -773,7 +773,8 @@ def test_a_full_disk_acks_nothing_it_cannot_keep_and_the_broker_goes_on_once_spa
         actor.submit(g)
     pump([actor], WAIT_S, until=lambda: stat(tb, "commit_failed_groups") > 0 and len(actor.acks) + actor.unacked
          == len(groups))
-    assert 0 < len(actor.acks) < len(groups) and actor.unacked, "the disk filled: some acked, the rest waiting"
+    # (how many fit before it filled depends on how the submissions fell into commit rounds: none, when all in one)
+    assert len(actor.acks) < len(groups) and actor.unacked, "the disk filled: what did not fit waits, not acked"
     assert tb.broker.spill.write_failures > 0 and tb.broker.store.write_failures > 0
     assert stat(tb, "internal_errors") == 0, "a full disk is not an error in the broker's loop"
     grow()
