@@ -432,11 +432,13 @@ class Supervisor:
             lines = out.read_text(errors="replace").strip().splitlines() if out.exists() else []
             try:
                 result = json.loads(lines[-1])
+                self._event(f"held-out eval at step {self.eval_step}: success {result['success_rate']:.3f}")
                 with open(self.run_dir.metrics / "eval.jsonl", "a") as f:
                     f.write(json.dumps({"step": self.eval_step, **result}) + "\n")
-                self._event(f"held-out eval at step {self.eval_step}: success {result['success_rate']:.3f}")
             except (ValueError, IndexError, KeyError):
                 self._event(f"held-out eval at step {self.eval_step} failed (see {out} and eval.stderr)")
+            except OSError as exc:  # a full disk: the result is lost to the curve, the run goes on
+                self._event(f"held-out eval at step {self.eval_step} not recorded: {exc!r}")
             self.eval_proc = None
         if self.stopping and not final:
             return
@@ -458,9 +460,13 @@ class Supervisor:
                 self.local.eval_suite, "--episodes", str(self.local.eval_episodes), "--config",
                 str(self.config_path), "--record", str(self.run_dir.episodes), "--json"]
         env = {**os.environ, "OMP_NUM_THREADS": str(self.local.torch_threads)}
-        with open(out, "w") as f, open(self.run_dir.logs / "eval.stderr", "ab") as err:
-            self.eval_proc = subprocess.Popen(args, stdout=f, stderr=err, env=env,
-                                              start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            with open(out, "w") as f, open(self.run_dir.logs / "eval.stderr", "ab") as err:
+                self.eval_proc = subprocess.Popen(args, stdout=f, stderr=err, env=env,
+                                                  start_new_session=True, preexec_fn=_die_with_parent)
+        except OSError as exc:  # (a full disk: this checkpoint goes unevaluated, the run goes on)
+            self._event(f"held-out eval at step {step} not started: {exc!r}")
+            return
         self.eval_deadline = time.monotonic() + self.local.eval_timeout_s
 
     def _curve(self) -> bool:
@@ -476,17 +482,21 @@ class Supervisor:
 
     def _event(self, text: str) -> None:
         self._view_lines = 0
-        self.out.write(f"[computerrl] {text}\n")
-        self.out.flush()
+        self._say(f"[computerrl] {text}\n")
+
+    def _say(self, text: str) -> None:
+        """To the terminal, or to the file a batch system put there: on a full disk that is lost, not the run."""
+        try:
+            self.out.write(text)
+            self.out.flush()
+        except OSError:
+            pass
 
     def _view(self, final: bool = False) -> None:
         lines = render_view(self.run_dir, self.cfg, time.monotonic() - self.t0,
                             {r.label: (r.proc is not None and r.proc.poll() is None, r.restarts) for r in self.roles})
         if self.tty and not final:
-            if self._view_lines:
-                self.out.write(f"\x1b[{self._view_lines}F\x1b[J")
-            self.out.write("\n".join(lines) + "\n")
+            self._say((f"\x1b[{self._view_lines}F\x1b[J" if self._view_lines else "") + "\n".join(lines) + "\n")
             self._view_lines = len(lines)
         elif final or int(time.monotonic() - self.t0) % 10 < self.local.view_interval_s:
-            self.out.write(" | ".join(lines) + "\n")
-        self.out.flush()
+            self._say(" | ".join(lines) + "\n")

@@ -111,3 +111,38 @@ def test_a_role_that_will_not_stop_leaves_its_stacks_and_one_that_outlives_sigki
     assert f"still there 10 s after SIGKILL (pid {outlives.pid}), left behind" in said
     assert "actor-0 killed" in said and "left behind" not in said.split("actor-1 killed")[0]
     assert roles[0].proc.poll() == -9 and real_wait(5) == -9, "both killed"
+
+
+def test_an_evaluation_the_disk_cannot_take_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
+    """On a full disk the evaluation's output file cannot be opened, nor its result appended to eval.jsonl: each
+    is said in the run's events, and the supervisor (the whole run's parent) carries on."""
+    import builtins
+
+    cfg = load_run_config(REPO / "configs" / "local.yaml", ["local.eval_episodes=1", "local.eval_start=false"])
+    rd = RunDir.create(tmp_path / "run")
+    out = io.StringIO()
+    sup = Supervisor(cfg, REPO / "configs" / "local.yaml", rd, resume=False, out=out, roles=[])
+    (rd.checkpoints / "step-00000001").mkdir()
+    (rd.checkpoints / "latest").write_text("step-00000001")
+    real_open = builtins.open
+
+    def full_disk(path, mode="r", *args, **kw):
+        if any(m in mode for m in "wa"):
+            raise OSError(28, "No space left on device")
+        return real_open(path, mode, *args, **kw)
+
+    monkeypatch.setattr(builtins, "open", full_disk)
+    sup._poll_eval()
+    assert sup.eval_proc is None and "held-out eval at step 1 not started" in out.getvalue()
+
+    class Finished:  # an evaluation that ended, its result printed, with the disk full again for eval.jsonl
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(builtins, "open", real_open)
+    (rd.logs / "eval.out").write_text('{"success_rate": 0.5, "episodes": 1}\n')
+    monkeypatch.setattr(builtins, "open", full_disk)
+    sup.eval_proc, sup.eval_deadline = Finished(), time.monotonic() + 60
+    sup._poll_eval()
+    assert "held-out eval at step 1: success 0.500" in out.getvalue()
+    assert "held-out eval at step 1 not recorded" in out.getvalue() and sup.eval_proc is None
