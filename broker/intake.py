@@ -186,7 +186,12 @@ class GroupIntake:
             if g.frames is None:
                 continue
             if g.location is None:  # not persisted: write it now, without fsync
-                (g.location,) = self.spill.append_groups([(g.group_id, g.frames)], sync=False)
+                try:
+                    (g.location,) = self.spill.append_groups([(g.group_id, g.frames)], sync=False)
+                except OSError as exc:  # a full disk: the rest stay in memory, past the bound, until it takes them
+                    self.counters["spill_to_disk_failed"] += 1
+                    self.disk_log.error("spill_to_disk_failed", (), error=repr(exc), memory_bytes=self.mem_bytes)
+                    break
             g.frames = None
             self.mem_bytes -= g.nbytes
             self.counters["groups_spilled_to_disk"] += 1

@@ -17,7 +17,7 @@ from broker.client import ActorBrokerClient, ControlSubscriber, LearnerBrokerCli
 from broker.config import BrokerConfig
 from common import protocol as P
 from common.net import Security, ensure_keys
-from tests.conftest import make_group, make_net, pump, vanish
+from tests.conftest import make_group, make_net, make_traj, pump, vanish
 
 
 # How long a test waits for something that should happen at once: every wait ends as soon as it does, so only a
@@ -759,7 +759,6 @@ def test_a_full_disk_acks_nothing_it_cannot_keep_and_the_broker_goes_on_once_spa
     failed writes do not break the broker's loop, and once space returns every group is acked, delivered, and found
     in the spill log by id, each once (``docs/reliability.md``, "A full or failing disk")."""
     from broker.spill import SpillLog
-    from tests.conftest import make_traj
 
     run_dir, grow = small_disk
     tb = start_broker(BrokerConfig(groups_per_batch=8, group_size=2, eta=3, persist=True, segment_bytes=8192),
@@ -794,6 +793,27 @@ def test_a_full_disk_acks_nothing_it_cannot_keep_and_the_broker_goes_on_once_spa
     tb.stop()
     on_disk = [gid for gid, _ in SpillLog.scan(run_dir / "spill").groups]
     assert sorted(on_disk) == sorted(g.group_id for g in groups), "every acked group in the log (uncommitted), once"
+
+
+def test_without_persistence_groups_the_full_disk_cannot_take_wait_in_memory(start_broker, quiet_log, small_disk):
+    """Past ``memory_bytes`` the newest groups wait on disk; a full one keeps them in memory (counted, past the
+    bound) instead of failing the loop's turn, and every group is still delivered."""
+    run_dir, _ = small_disk
+    tb = start_broker(BrokerConfig(groups_per_batch=4, group_size=2, eta=5, persist=False, memory_bytes=1),
+                      run_dir=run_dir)
+    actor, learner = clients(tb, quiet_log)
+    sent = [make_group(t) for t in take_tickets(actor, 24, expect=24)]
+    for g in sent:
+        g.trajectories = [make_traj(0, 1.0, seed=7, out_len=400), make_traj(0, 0.0, seed=8, out_len=400)]
+        actor.submit(g)
+    pump([actor], WAIT_S, until=lambda: len(actor.acks) == len(sent))
+    assert stat(tb, "groups_spilled_to_disk") > 0 and stat(tb, "spill_to_disk_failed") > 0
+    assert stat(tb, "internal_errors") == 0 and tb.broker.mem_bytes > 1, "the rest wait in memory"
+    learner.grant(6)
+    got = [g.group_id for _ in range(6) for g in learner.next_batch(WAIT_S).groups]
+    assert sorted(got) == sorted(g.group_id for g in sent)
+    actor.close()
+    learner.close()
 
 
 def test_stale_drops_while_no_batch_forms_are_reported_on_the_next_batch(start_broker, quiet_log):
