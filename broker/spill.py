@@ -320,6 +320,8 @@ class SpillLog:
         file open if the loop rotates segments during the flush; rotation syncs the old segment itself.
         """
         with self.lock:
+            if self._fd is None:  # a rotation failed: rounds written before it were synced by it (or not acked)
+                return
             fd, segment, size = os.dup(self._fd), self._active, self._size
         try:
             self._synced_or_broken(fd, segment, size)
