@@ -147,6 +147,7 @@ def broker_process(run_dir: Path, net: NetConfig, *overrides: str) -> subprocess
     args = [sys.executable, "-m", "launch.cli", "broker", "--run-dir", str(run_dir),
             f"net.broker_front_port={net.broker_front_port}", f"net.broker_back_port={net.broker_back_port}",
             f"net.broker_control_port={net.broker_control_port}", f"net.heartbeat_s={net.heartbeat_s}",
+            f"net.liveness={net.liveness}",
             f"net.curve={net.curve}", *overrides]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -20,7 +20,8 @@ BROKER = ("broker.groups_per_batch=1", "broker.group_size=2", "broker.eta=8", "b
 
 def _role(args: list[str], run_dir, net) -> subprocess.Popen:
     ports = [f"net.broker_front_port={net.broker_front_port}", f"net.broker_back_port={net.broker_back_port}",
-             f"net.broker_control_port={net.broker_control_port}", f"net.heartbeat_s={net.heartbeat_s}"]
+             f"net.broker_control_port={net.broker_control_port}", f"net.heartbeat_s={net.heartbeat_s}",
+             f"net.liveness={net.liveness}"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen([sys.executable, "-m", "launch.cli", *args, "--run-dir", str(run_dir), *ports],
                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -29,6 +29,7 @@ def _learner(run_dir, net, *extra, resume=False) -> subprocess.Popen:
             *(["--resume"] if resume else []),
             f"net.broker_front_port={net.broker_front_port}", f"net.broker_back_port={net.broker_back_port}",
             f"net.broker_control_port={net.broker_control_port}", f"net.heartbeat_s={net.heartbeat_s}",
+            f"net.liveness={net.liveness}",
             "model.hidden_size=32", "model.intermediate_size=64", "learner.checkpoint_every=0",
             f"weights.port={free_port()}", "weights.join_window_s=0.05", *extra]
     return subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
