@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 import msgpack
 
+from common.net import RateLimitedLog
 from common.protocol import frame_buffer, frame_nbytes
 
 MAGIC = b"CRL1"
@@ -61,6 +62,11 @@ class Location:
     segment: int
     offset: int  # of the record header
     length: int  # of the payload
+
+    @property
+    def end(self) -> int:
+        """Where the record ends in its segment."""
+        return self.offset + _HDR.size + self.length
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,8 @@ class SpillLog:
         self.write_failures = 0
         self.sync_failures = 0
         self.rotate_failures = 0
-        self._rotate_retry_at = self._rotate_logged_at = -1e18
+        self._rotate_retry_at = -1e18
+        self._rotate_log = RateLimitedLog(log, interval_s=10.0) if log is not None else None
         self.fsyncs = 0
         self.bytes_written = 0
         self.lock = threading.RLock()  # the commit thread appends while the loop reads and marks
@@ -171,9 +178,14 @@ class SpillLog:
             length += frame_nbytes(p)
         return [_HDR.pack(MAGIC, kind, length, crc), *parts]
 
+    @property
+    def writable(self) -> bool:
+        """Whether a segment is open that takes writes (none after a failed rotation; not a broken one)."""
+        return self._fd is not None and self._active not in self.broken
+
     def _write(self, records: list[list[Any]]) -> list[int]:
         """Append records, all or none; returns each record's offset in the active segment."""
-        if self._fd is None or self._active in self.broken:
+        if not self.writable:
             raise OSError(f"spill segment {self._active} is broken after a failed write or sync: waiting to rotate")
         offsets = []
         iov: list[Any] = []
@@ -248,8 +260,7 @@ class SpillLog:
     def durable(self, written: Sequence[Location | Written]) -> bool:
         """Whether a successful fdatasync has covered every one of these records."""
         with self.lock:
-            return all(self.synced.get(w.segment, 0) >= (w.end if isinstance(w, Written) else
-                                                         w.offset + _HDR.size + w.length) for w in written)
+            return all(self.synced.get(w.segment, 0) >= w.end for w in written)
 
     def maybe_rotate(self, snapshot: Callable[[], tuple[Sequence[str], dict]]) -> None:
         """Start a new segment once the active one is full or broken (called from the broker's loop). ``snapshot``
@@ -258,7 +269,7 @@ class SpillLog:
         that fails (a full disk) leaves the log refusing writes until a later call, at least ``ROTATE_RETRY_S``
         on, succeeds."""
         with self.lock:
-            if self._size < self.segment_bytes and self._active not in self.broken and self._fd is not None:
+            if self._size < self.segment_bytes and self.writable:
                 return
             now = time.monotonic()
             if now < self._rotate_retry_at:
@@ -268,10 +279,9 @@ class SpillLog:
             except OSError as exc:  # (the old segment is closed by then: no write goes anywhere until a retry)
                 self._rotate_retry_at = now + ROTATE_RETRY_S
                 self.rotate_failures += 1
-                if self.log is not None and now >= self._rotate_logged_at + 10.0:
-                    self._rotate_logged_at = now
-                    self.log.error("spill_rotate_failed", error=repr(exc), failures=self.rotate_failures,
-                                   retry_in_s=ROTATE_RETRY_S)
+                if self._rotate_log is not None:
+                    self._rotate_log.error("spill_rotate_failed", (), error=repr(exc), failures=self.rotate_failures,
+                                           retry_in_s=ROTATE_RETRY_S)
 
     def append_groups(self, items: Sequence[tuple[str, Sequence[Any]]], sync: bool | None = None) -> list[Location]:
         """Append groups (id, frames); durable on return when persisting (one fdatasync for all)."""

@@ -191,7 +191,7 @@ class SpillRun(RuleBasedStateMachine):
         token = self.tokens
         # with no fault armed, a job on a log that is not broken is acked, and the loop's rotation then leaves it
         # unbroken (a log broken by an earlier fault is rotated away from after the job that found it so)
-        must_ack = not self.disk.armed and self.spill._active not in self.spill.broken and self.spill._fd is not None
+        must_ack = not self.disk.armed and self.spill.writable
         faults_armed = bool(self.disk.armed)
         submit(token)
         deadline = time.monotonic() + 10
@@ -207,7 +207,7 @@ class SpillRun(RuleBasedStateMachine):
             assert result is not None, "with no fault armed, a job on an unbroken log is acked"
         self.spill.maybe_rotate(lambda: (list(self.frames), {"tokens": self.tokens}))
         if not faults_armed:
-            assert self.spill._active not in self.spill.broken and self.spill._fd is not None, "the log goes on"
+            assert self.spill.writable, "the log goes on"
         return result
 
     @rule(n=st.integers(1, 3), size=st.integers(1, 300), fault=FAULTS)
