@@ -194,6 +194,6 @@ class SuccessStore:
             self._guarded(self._f.flush)
 
     def close(self) -> None:
-        if self._f is not None:
-            self._guarded(self._let_go)
+        self.flush()  # (a failure is counted and logged like any other write's)
+        self._let_go()
 
