@@ -29,12 +29,15 @@ class _Sink:
         self.pretty = structlog.dev.ConsoleRenderer(colors=False) if console else None
 
     def __call__(self, logger: Any, name: str, event_dict: dict) -> str:
+        line = self.json(logger, name, dict(event_dict))
         if self.file is not None:
-            dropped = {"log_lines_dropped": self.file.dropped} if self.file.dropped else {}
-            self.file.write(self.json(logger, name, {**event_dict, **dropped}) + "\n")
+            if self.file.dropped:  # (rare: rendered again, with the count)
+                self.file.write(self.json(logger, name, {**event_dict, "log_lines_dropped": self.file.dropped}) + "\n")
+            else:
+                self.file.write(line + "\n")
         if self.stream is None:
             raise structlog.DropEvent
-        return self.pretty(logger, name, event_dict) if self.pretty else self.json(logger, name, dict(event_dict))
+        return self.pretty(logger, name, event_dict) if self.pretty else line
 
 
 def setup(role: str, run_id: str = "", rank: int = 0, log_dir: str | Path | None = None,
