@@ -36,30 +36,37 @@ class BestEffortAppender:
         self.failures = 0
         self.dropped = 0
         self._retry_at = 0.0
-        self._f: TextIO | None = open(self.path, "a", buffering=1)
+        self._torn = False  # a write failed since the file was last open: it may end in a partial line
+        self._f: TextIO | None = None
+        self._open()  # (on a full disk even creating it may fail: then at the first write past the wait)
+
+    def _open(self) -> bool:
+        try:
+            self._f = open(self.path, "a", buffering=1)
+            if self._torn:
+                self._f.write("\n")  # (after a line the failure cut short)
+        except OSError:
+            return self._failed()
+        self._torn = False
+        return True
 
     def write(self, text: str) -> bool:
         """Whether ``text`` reached the file."""
-        if self._f is None:
-            if time.monotonic() < self._retry_at:
-                self.dropped += 1
-                return False
-            try:
-                self._f = open(self.path, "a", buffering=1)
-                self._f.write("\n")  # (after a torn line)
-            except OSError:
-                return self._failed()
+        if self._f is None and (time.monotonic() < self._retry_at or not self._open()):
+            self.dropped += 1
+            return False
         try:
             self._f.write(text)
             self._f.flush()
         except OSError:
+            self.dropped += 1
             return self._failed()
         self.dropped = 0
         return True
 
     def _failed(self) -> bool:
         self.failures += 1
-        self.dropped += 1
+        self._torn = True
         self._retry_at = time.monotonic() + REOPEN_AFTER_S
         f, self._f = self._f, None
         close_quietly(f)

@@ -122,3 +122,20 @@ def test_an_audit_that_cannot_be_kept_stops_its_role(tmp_path, monkeypatch):
         trail.write("trained", gs=["b" * 32] * 6, v=2)
     with pytest.raises(OSError, match="audit events could not be written"):
         trail.close()
+
+
+def test_a_best_effort_file_that_cannot_even_be_created_waits_and_loses_no_count(tmp_path, monkeypatch):
+    """On a full disk a new log file may not be creatable at all: the role starts anyway (the old writer raised
+    out of its start-up), the lines meanwhile are counted as dropped, and the file is made once it can be."""
+    monkeypatch.setattr(appendfile, "REOPEN_AFTER_S", 0.0)
+    blocked = tmp_path / "not-yet"
+    blocked.write_text("")  # a file where the log's directory should be: creating the log fails
+    path = blocked / "actor-0.jsonl"
+    f = appendfile.BestEffortAppender(path)
+    assert f.failures == 1 and f.dropped == 0, "nothing was lost yet"
+    assert not f.write("a\n") and f.dropped == 1
+    blocked.unlink()
+    blocked.mkdir()
+    assert f.write("b\n") and f.dropped == 0
+    f.close()
+    assert path.read_text() == "\nb\n"
