@@ -62,6 +62,12 @@ class RunDir:
         return self.root / "demos" / f"{name}.msgpack"
 
     @property
+    def quarantine(self) -> Path:
+        """groups whose training steps killed the learner, set aside, and the counts that found them
+        (``learner/quarantine.py``)"""
+        return self.root / "quarantine"
+
+    @property
     def keys(self) -> Path:
         """CURVE keypairs of this run"""
         return self.root / "keys"

@@ -7,6 +7,7 @@ The training step itself, free of sockets, is ``learner.trainer.Trainer``.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import signal
 import threading
 import time
@@ -25,6 +26,7 @@ from common.rundir import RunDir
 from learner import checkpoint as ckpt
 from learner.config import LearnerConfig
 from learner.distributed import DistContext, JobChannel, from_environment
+from learner.quarantine import CrashedSteps
 from learner.trainer import Trainer
 
 ROUND_RETRY_MAX_S = 30.0
@@ -87,6 +89,10 @@ class Learner:
                          phase=self.trainer.entropulse.phase)
         # Whatever this process's predecessors settled after the checkpoint it starts from is forgotten.
         self.audit.write("resume", v=self.trainer.version)
+        # A predecessor that died inside a step (a crash no step can catch) left its groups counted here.
+        self.crashes = CrashedSteps(run_dir.quarantine, cfg.max_step_crashes, log)
+        if self.crashes.found:
+            self.trainer._count("steps_crashed")
 
     def request_stop(self, checkpoint: bool = True) -> None:
         self._want_checkpoint = checkpoint
@@ -297,17 +303,30 @@ class Learner:
         return self._worker.submit(self._step, "sft", {"lr": e.sft_lr}, successes), "sft"
 
     def _rl_step(self, batch: P.Batch) -> dict:
-        m = self._step("rl", {"eta": self.eta}, batch, [g.group_id for g in batch.groups])
+        aside = {g.group_id for g in self.crashes.set_aside(batch.groups)}
+        if aside:  # counted in as many steps that killed the learner: trained again, they would kill it again
+            batch = dataclasses.replace(batch, groups=[g for g in batch.groups if g.group_id not in aside])
+            self.trainer._count("groups_dropped_step_crashed", len(aside))
+            self.log.error("groups_set_aside", groups=sorted(aside), reason="step_crashed",
+                           dir=str(self.run_dir.quarantine), max_crashes=self.cfg.max_step_crashes)
+        if batch.groups:
+            m = self._step("rl", {"eta": self.eta}, batch, [g.group_id for g in batch.groups])
+        else:
+            m = {"empty": "every group of the batch was set aside (step_crashed)"}
         if "empty" not in m:
             m.update(broker_max_lag=batch.max_lag, dropped_stale=batch.dropped_stale)
+        if aside:
+            m["outcomes"] = {**(m.get("outcomes") or {}), **dict.fromkeys(sorted(aside), "step_crashed")}
         return m
 
     def _step(self, kind: str, meta: dict, message: P.Message, group_ids: Sequence[str] = ()) -> dict:
         """A training step (``kind`` rl or sft) on the training thread. One that raises (a bug its batch's data
         reaches) would meet the same batch again after a restart, and fail again: on one rank it is dropped instead,
         its groups (``group_ids``) settled as ``step_failed``, the error counted and logged. Not with several ranks:
-        one rank's failure leaves the others inside the step's collectives."""
+        one rank's failure leaves the others inside the step's collectives. Those, and a crash no step can catch,
+        kill the process inside the step: ``self.crashes`` counts it against the groups at the next start."""
         version = self.trainer.version
+        self.crashes.begin(getattr(message, "batch_id", ""), version, group_ids)
         try:
             m = self.jobs.run(kind, meta, message)
         except Exception as exc:
@@ -316,6 +335,7 @@ class Learner:
             if (self.trainer.dist.enabled or self._failed_in_a_row >= FAILED_STEPS_IN_A_ROW_MAX
                     or self.trainer.version != version):
                 raise
+            self.crashes.end()
             self.trainer.drop_gradients()
             self.trainer._count("steps_failed")
             if group_ids:  # (an SFT step's stored successes are no broker groups)
@@ -323,6 +343,7 @@ class Learner:
             self.log.error("step_failed", kind=kind, groups=len(group_ids), error=repr(exc),
                            in_a_row=self._failed_in_a_row, traceback=traceback.format_exc())
             return {"empty": f"the step raised {exc!r}", "outcomes": dict.fromkeys(group_ids, "step_failed")}
+        self.crashes.end()
         self._failed_in_a_row = 0
         return m
 
@@ -334,6 +355,7 @@ class Learner:
         events += [("dropped", {"g": g, "r": o, "v": v}) for g, o in outcomes.items() if o != "trained"]
         self.audit.write_many(events)
         self.client.settle(list(outcomes))
+        self.crashes.settled(outcomes)
 
     def _after_step(self, kind: str, m: dict | None) -> bool:
         """Main thread, after a step: metrics, phase logic, Control; True when weights should go out."""

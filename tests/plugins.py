@@ -1,9 +1,11 @@
-"""Backends the env_server tests select by import path, as any outside environment is (one module, so the test
-and the server see the same classes)."""
+"""Plug-ins the tests select by import path, as any outside one is: env_server backends (one module, so the test and
+the server see the same classes) and a learner loss."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 
 from env_server.backend_registry import Plugin
 from env_server.sim.backend import SimBackend, SimConfig
@@ -40,3 +42,17 @@ class NeverDoneBackend(SimBackend):
 
 
 NEVER_DONE = Plugin(make=lambda options, seed: NeverDoneBackend(SimConfig(), seed), tasks=SIM_TASKS)
+
+
+POISON_LOGPROB = -77.0
+"""a behaviour log-prob no model records: a test plants it in one group to make that group's step kill the learner"""
+
+
+def killing_grpo_loss(inp, cfg):
+    """The GRPO loss, except that a micro-batch holding the planted log-prob kills its process with SIGKILL (as the
+    kernel's OOM killer, or a segfault in a kernel, would): with several ranks, the rank that got that group."""
+    from learner.losses import grpo_loss
+
+    if bool((inp.behav_logprobs == POISON_LOGPROB).any()):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return grpo_loss(inp, cfg)

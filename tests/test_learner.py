@@ -698,9 +698,9 @@ def test_untrainable_batches_still_advance_the_version_without_new_weights(start
     assert tb.broker.control.content_version == 0
 
 
-def feed_until(actor, done, seconds: float = 240.0) -> None:
+def feed_until(actor, done, seconds: float = 240.0, alter=None) -> None:
     """Answer ``actor``'s tickets with groups sampled by the learner's initial weights (version-0 tokens, so within
-    any η for a few steps) until ``done()``."""
+    any η for a few steps) until ``done()``; ``alter(n, group)``, where given, changes the ``n``-th group sent."""
     feeder = Trainer(LearnerConfig(), TINY)
     deadline = time.monotonic() + seconds
     n = 0
@@ -713,6 +713,8 @@ def feed_until(actor, done, seconds: float = 240.0) -> None:
             t = actor.tickets.popleft()
             n += 1
             g = groups_from(feeder, n_groups=1, seed=n)[0]
+            if alter is not None:
+                alter(n, g)
             actor.submit(dataclasses.replace(g, ticket_id=t.ticket_id, task_id=t.task_id))
 
 

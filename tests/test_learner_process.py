@@ -20,10 +20,11 @@ pytestmark = pytest.mark.slow
 
 pytest.importorskip("torch")
 
+from tests.plugins import POISON_LOGPROB  # noqa: E402
 from tests.test_learner import feed_until  # noqa: E402  (a feeder with the learner's initial weights)
 
 
-def _learner(run_dir, net, *extra, resume=False) -> subprocess.Popen:
+def _learner(run_dir, net, *extra, resume=False, env=None) -> subprocess.Popen:
     # Its weight-round port is a free one too: the default (25559) may be held by a local run on this machine.
     args = [sys.executable, "-m", "launch.cli", "learner", "--run-dir", str(run_dir),
             *(["--resume"] if resume else []),
@@ -32,7 +33,7 @@ def _learner(run_dir, net, *extra, resume=False) -> subprocess.Popen:
             f"net.liveness={net.liveness}",
             "model.hidden_size=32", "model.intermediate_size=64", "learner.checkpoint_every=0",
             f"weights.port={free_port()}", "weights.join_window_s=0.05", *extra]
-    return subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    return subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -78,3 +79,60 @@ def test_sigterm_checkpoints_and_resume_continues_versions(tmp_path, quiet_log):
             if p.poll() is None:
                 p.terminate()
                 p.wait(20)
+
+
+def test_a_group_whose_step_kills_a_learner_rank_is_set_aside_after_two_crashes(tmp_path, quiet_log):
+    """Two learner ranks; one group makes the rank that trains it die by SIGKILL inside the step (a kernel's segfault,
+    the OOM killer), and the other rank's collectives fail with it. Restarted twice (as the supervisor would), the
+    learner has counted two crashes against that group: at its third delivery it is set aside, kept on disk, and
+    settled as dropped (``step_crashed``); the run finishes, and the audit finds nothing acked lost."""
+    net = make_net()
+    run_dir = tmp_path / "run"
+    broker = broker_process(run_dir, net, "broker.groups_per_batch=2", "broker.group_size=4", "broker.eta=1000")
+    actor = ActorBrokerClient(net, None, quiet_log)
+    steps = 4
+
+    def ranks(resume: bool) -> list[subprocess.Popen]:
+        port = free_port()
+        return [_learner(run_dir, net, "learner.loss.name=tests.plugins:killing_grpo_loss", "learner.checkpoint_every=1",
+                         f"learner.total_steps={steps}", resume=resume,
+                         env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": str(port)}) for r in (0, 1)]
+
+    poison: list[str] = []
+
+    def plant(n, g) -> None:
+        if n == 3:  # after a step or so has trained: the crash is not the first step's
+            g.trajectories[0].logprobs[0] = POISON_LOGPROB
+            poison.append(g.group_id)
+
+    learners = ranks(False)
+    try:
+        actor.connect(60)
+        for crash in (1, 2):
+            feed_until(actor, lambda: all(p.poll() is not None for p in learners), alter=plant)
+            codes = sorted(p.returncode for p in learners)
+            assert codes[0] == -signal.SIGKILL and codes[1] != 0, (crash, codes)
+            learners = ranks(True)
+        feed_until(actor, lambda: all(p.poll() is not None for p in learners), alter=plant)
+        assert [p.returncode for p in learners] == [0, 0], learners[0].stderr.read().decode()[-3000:]
+    finally:
+        actor.close()
+        for p in [*learners, broker]:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(20)
+    log = [json.loads(x) for x in (run_dir / "logs" / "learner-0.jsonl").read_text().splitlines()]
+    crashed = [r for r in log if r["event"] == "step_crashed"]
+    assert len(crashed) == 2 and all(poison[0] in r["crashes"] for r in crashed), crashed
+    assert [r["crashes"][poison[0]] for r in crashed] == [1, 2]
+    aside = [r for r in log if r["event"] == "groups_set_aside"]
+    assert len(aside) == 1 and poison[0] in aside[0]["groups"], aside
+    kept = run_dir / "quarantine" / f"{poison[0]}.msgpack"
+    from learner.quarantine import load
+    assert load(kept).trajectories[0].logprobs[0] == POISON_LOGPROB
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(run_dir), "--json"], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    audit = json.loads(out.stdout)
+    assert audit["ok"] and audit["lost"] == 0 and audit["trained_twice"] == 0, audit
+    assert audit["dropped"].get("step_crashed", 0) >= 1, audit

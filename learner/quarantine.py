@@ -1,0 +1,140 @@
+"""Groups whose training steps killed the learner process, remembered across its restarts and set aside.
+
+A step that raises is caught where it raises (``Learner._step``: its batch is dropped as ``step_failed``). Some
+failures cannot be caught there: a segfault or an abort in a kernel, the kernel's OOM killer, and with several
+learner ranks any failure at all (one rank's error leaves the others inside the step's collectives, and the whole
+group dies). The groups of such a step were never committed, so the restarted learner gets them again from the
+broker, and dies again: a crash loop until the supervisor gives the run up.
+
+So rank 0 writes the ids of the groups a step trains to ``step-in-flight.json`` before the step and removes the file
+once the step's groups are settled. A learner that finds the file at its start knows its predecessor died inside that
+step, and counts one crash against each of its groups (``crashes.json``). A group counted ``max_crashes`` times is not
+trained again: at its next delivery it is settled as dropped (``step_crashed``) and its data written beside, as
+``<group_id>.msgpack`` (the wire codec's ``TrajectoryGroup``, framed as a demonstrations file is: ``load``), for
+whoever looks into the crash.
+
+Which of a batch's groups broke its step cannot be told without training them apart, so every group of that step is
+counted; the others of the batch are set aside with it (all of them counted in ``groups_dropped_step_crashed``).
+
+The files are written without fsync: what they guard against is the learner process dying, not the machine (a node
+that loses its page cache loses at most one crash's count). A file system that refuses them costs the count, not the
+run: the failure is logged and training goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import msgpack
+
+from common import protocol as P
+from common.net.security import RateLimitedLog
+
+IN_FLIGHT = "step-in-flight.json"
+CRASHES = "crashes.json"
+
+
+class CrashedSteps:
+    """The crash counts of groups, the step in flight, and the groups set aside, in one directory (see the module)."""
+
+    def __init__(self, root: Path, max_crashes: int, log: Any):
+        self.root, self.max_crashes, self.log = Path(root), max_crashes, log
+        self._rate_limited = RateLimitedLog(log, 60.0)
+        self.crashes: dict[str, int] = self._read(self.root / CRASHES, {})
+        self._in_flight = False
+        self.found: list[str] = []
+        """the groups of the step a predecessor died in (found at this start), each counted once more"""
+        previous = self._read(self.root / IN_FLIGHT, None)
+        if previous is not None:
+            self.found = [str(g) for g in previous.get("groups", [])]
+            for g in self.found:
+                self.crashes[g] = self.crashes.get(g, 0) + 1
+            if self._write(CRASHES, self.crashes):
+                self._remove(IN_FLIGHT)
+            log.error("step_crashed", batch=previous.get("batch", ""), version=previous.get("version"),
+                      groups=len(self.found), crashes={g: self.crashes[g] for g in self.found},
+                      max_crashes=self.max_crashes,
+                      hint="the learner died inside this step (a crash no step can catch, or a rank's failure); "
+                           f"its groups are set aside once counted {self.max_crashes} times")
+
+    def set_aside(self, groups: Sequence[P.TrajectoryGroup]) -> list[P.TrajectoryGroup]:
+        """Of ``groups``, those counted ``max_crashes`` times, written out for inspection; they are not to be
+        trained. None with ``max_crashes`` 0 (off)."""
+        if self.max_crashes <= 0:
+            return []
+        out = [g for g in groups if self.crashes.get(g.group_id, 0) >= self.max_crashes]
+        for g in out:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                save(self.root / f"{g.group_id}.msgpack", g)
+            except OSError as exc:
+                self._rate_limited.error("quarantine_write_failed", ("group",), group=g.group_id, error=repr(exc))
+        return out
+
+    def begin(self, batch_id: str, version: int, group_ids: Sequence[str]) -> None:
+        """A step over these groups starts."""
+        if self.max_crashes > 0 and group_ids:
+            self._in_flight = self._write(IN_FLIGHT, {"batch": batch_id, "version": version, "groups": list(group_ids)})
+
+    def end(self) -> None:
+        """The step in flight ended in this process (its groups trained, or dropped where it raised)."""
+        if self._in_flight:
+            self._in_flight = not self._remove(IN_FLIGHT)
+
+    def settled(self, group_ids: Iterable[str]) -> None:
+        """These groups are settled (trained or dropped): their counts are no longer needed."""
+        gone = [g for g in group_ids if g in self.crashes]
+        if gone:
+            for g in gone:
+                del self.crashes[g]
+            self._write(CRASHES, self.crashes)
+
+    def _write(self, name: str, value: Any) -> bool:
+        path = self.root / name
+        tmp = path.with_name(name + ".tmp")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(value))
+            os.replace(tmp, path)  # a reader sees the old file or the whole new one
+            return True
+        except OSError as exc:
+            self._rate_limited.error("crash_record_failed", (name,), file=str(path), error=repr(exc),
+                                     hint="a crash in this step may go uncounted")
+            return False
+
+    def _remove(self, name: str) -> bool:
+        try:
+            (self.root / name).unlink(missing_ok=True)
+            return True
+        except OSError as exc:
+            self._rate_limited.error("crash_record_failed", (name,), file=str(self.root / name), error=repr(exc))
+            return False
+
+    def _read(self, path: Path, default: Any) -> Any:
+        try:
+            value = json.loads(path.read_text())
+        except FileNotFoundError:
+            return default
+        except (OSError, ValueError) as exc:
+            self.log.error("crash_record_unreadable", file=str(path), error=repr(exc),
+                           hint="counts start afresh: a group that crashed the learner is counted from now")
+            return default
+        return value if isinstance(value, dict) else default
+
+
+def save(path: Path, group: P.TrajectoryGroup) -> None:
+    """One group, as the wire codec frames it, packed in one msgpack array (the demonstrations files' form)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(msgpack.packb([bytes(f) for f in P.encode(group)], use_bin_type=True))
+    os.replace(tmp, path)
+
+
+def load(path: Path) -> P.TrajectoryGroup:
+    """A group set aside by ``CrashedSteps`` (to replay its step under a debugger, or read its episodes)."""
+    group = P.decode(msgpack.unpackb(Path(path).read_bytes(), raw=False), max_bytes=None)
+    if not isinstance(group, P.TrajectoryGroup):
+        raise ValueError(f"{path} holds a {type(group).__name__}, not a TrajectoryGroup")
+    return group

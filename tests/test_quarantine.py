@@ -1,0 +1,112 @@
+"""Groups whose steps killed the learner: counted across its restarts, set aside once counted enough, the rest of
+their batch trained (``learner/quarantine.py``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from common import protocol as P  # noqa: E402
+from common.rundir import RunDir  # noqa: E402
+from learner.config import LearnerConfig  # noqa: E402
+from learner.process import Learner  # noqa: E402
+from learner.quarantine import CRASHES, IN_FLIGHT, CrashedSteps, load  # noqa: E402
+from learner.trainer import Trainer  # noqa: E402
+from tests.test_learner import TINY, groups_from  # noqa: E402
+
+
+def test_a_step_that_never_ended_counts_against_its_groups_and_twice_sets_them_aside(tmp_path, quiet_log):
+    groups = {g.group_id: g for g in groups_from(Trainer(LearnerConfig(), TINY), n_groups=2)}
+    a, b = list(groups)
+    first = CrashedSteps(tmp_path, 2, quiet_log)
+    assert first.found == [] and first.crashes == {}
+    first.begin("batch-1", 3, [a, b])  # ... and the process dies inside the step
+
+    second = CrashedSteps(tmp_path, 2, quiet_log)
+    assert second.found == [a, b] and second.crashes == {a: 1, b: 1}
+    assert not (tmp_path / IN_FLIGHT).exists(), "counted once: a third start must not count that step again"
+    assert second.set_aside(list(groups.values())) == []
+    second.begin("batch-2", 3, [a])  # dies again, with a alone
+
+    third = CrashedSteps(tmp_path, 2, quiet_log)
+    assert third.found == [a] and third.crashes == {a: 2, b: 1}
+    aside = third.set_aside(list(groups.values()))
+    assert [g.group_id for g in aside] == [a]
+    kept = load(tmp_path / f"{a}.msgpack")
+    assert kept.group_id == a and len(kept.trajectories) == len(groups[a].trajectories)
+    assert (kept.trajectories[0].logprobs == groups[a].trajectories[0].logprobs).all()
+    third.begin("batch-3", 4, [b])
+    third.end()  # a step that ended in this process is no crash
+    third.settled([a, b])
+    assert json.loads((tmp_path / CRASHES).read_text()) == {}
+
+    fourth = CrashedSteps(tmp_path, 2, quiet_log)
+    assert fourth.found == [] and fourth.crashes == {}
+
+
+def test_off_writes_nothing_and_a_refusing_file_system_costs_the_count_not_the_learner(tmp_path, quiet_log):
+    groups = groups_from(Trainer(LearnerConfig(), TINY), n_groups=1)
+    off = CrashedSteps(tmp_path / "off", 0, quiet_log)
+    off.begin("b", 0, [groups[0].group_id])
+    assert not (tmp_path / "off").exists()
+    off.crashes[groups[0].group_id] = 5
+    assert off.set_aside(groups) == []
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    broken = CrashedSteps(blocker / "quarantine", 1, quiet_log)  # under a file: every write fails
+    broken.begin("b", 0, [groups[0].group_id])
+    broken.end()
+    broken.settled([groups[0].group_id])
+    broken.crashes[groups[0].group_id] = 1
+    assert [g.group_id for g in broken.set_aside(groups)] == [groups[0].group_id], "set aside even if not saved"
+
+    garbled = tmp_path / "garbled"
+    garbled.mkdir()
+    (garbled / CRASHES).write_text("{not json")
+    (garbled / IN_FLIGHT).write_text("[1, 2]")
+    fresh = CrashedSteps(garbled, 2, quiet_log)
+    assert fresh.crashes == {} and fresh.found == []
+
+
+def test_the_learner_sets_aside_what_crashed_it_trains_the_rest_and_settles_both(start_broker, quiet_log):
+    """A predecessor died in a step over groups a and b, twice over a: at its delivery, a is settled as dropped
+    (``step_crashed``, audited, counted) and kept on disk, b is trained; a step that dies leaves its groups counted."""
+    tb = start_broker()
+    trainer = Trainer(LearnerConfig(), TINY)
+    a, b = groups_from(trainer, n_groups=2)
+    RunDir(tb.run_dir.root).quarantine.mkdir()
+    (tb.run_dir.quarantine / CRASHES).write_text(json.dumps({a.group_id: 1}))
+    (tb.run_dir.quarantine / IN_FLIGHT).write_text(json.dumps({"batch": "x", "groups": [a.group_id, b.group_id]}))
+    learner = Learner(LearnerConfig(checkpoint_every=0), TINY, None, tb.net, tb.run_dir, quiet_log)
+    assert learner.trainer.counters["steps_crashed"] == 1
+    m = learner._rl_step(P.Batch(batch_id="y", train_version=0, groups=[a, b]))
+    assert m["outcomes"] == {a.group_id: "step_crashed", b.group_id: "trained"} and "empty" not in m
+    assert learner.trainer.counters["groups_dropped_step_crashed"] == 1
+    assert load(tb.run_dir.quarantine / f"{a.group_id}.msgpack").group_id == a.group_id
+    assert not (tb.run_dir.quarantine / IN_FLIGHT).exists()
+    learner._settle(m["outcomes"])
+    assert json.loads((tb.run_dir.quarantine / CRASHES).read_text()) == {}
+    learner.audit.close()
+    audit = [json.loads(x) for x in (tb.run_dir.audit / "learner.jsonl").read_text().splitlines()]
+    assert {"e": "dropped", "g": a.group_id, "r": "step_crashed", "v": 1}.items() <= next(
+        e for e in audit if e["e"] == "dropped").items()
+    assert [e["gs"] for e in audit if e["e"] == "trained"] == [[b.group_id]]
+
+    # A batch of set-aside groups alone makes an empty step; one that dies (what no ``except Exception`` catches
+    # stands in for a SIGKILL here) leaves its groups counted for the next start.
+    learner.crashes.crashes[b.group_id] = 2
+    m = learner._rl_step(P.Batch(batch_id="z", train_version=1, groups=[b]))
+    assert "empty" in m and m["outcomes"] == {b.group_id: "step_crashed"}
+
+    def dies(groups, eta=None):
+        raise KeyboardInterrupt
+
+    learner.trainer.train_step = dies
+    c = groups_from(trainer, n_groups=1, seed=7)[0]
+    with pytest.raises(KeyboardInterrupt):
+        learner._rl_step(P.Batch(batch_id="w", train_version=1, groups=[c]))
+    assert CrashedSteps(tb.run_dir.quarantine, 2, quiet_log).crashes[c.group_id] == 1
