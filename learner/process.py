@@ -26,7 +26,7 @@ from common.rundir import RunDir
 from learner import checkpoint as ckpt
 from learner.config import LearnerConfig
 from learner.distributed import DistContext, JobChannel, from_environment
-from learner.quarantine import CrashedSteps
+from learner.quarantine import CrashedSteps, success_group, success_key
 from learner.trainer import Trainer
 
 ROUND_RETRY_MAX_S = 30.0
@@ -300,11 +300,34 @@ class Learner:
             self.publish()
             return None
         self.clock.enter("train")
-        return self._worker.submit(self._step, "sft", {"lr": e.sft_lr}, successes), "sft"
+        return self._worker.submit(self._sft_step, e.sft_lr, successes), "sft"
+
+    def _sft_step(self, lr: float, successes: P.SuccessBatch) -> dict:
+        """An SFT step on stored successes, less those counted in as many steps that killed the learner."""
+        keys = [success_key(s) for s in successes.samples]
+        aside = set(self.crashes.counted_out(keys))
+        if aside:
+            for s, k in zip(successes.samples, keys):
+                if k in aside:
+                    self.crashes.keep(k, success_group(s))
+            self.trainer._count("successes_set_aside_step_crashed", len(aside))
+            self.log.error("successes_set_aside", trajectories=sorted(aside), reason="step_crashed",
+                           dir=str(self.run_dir.quarantine), max_crashes=self.cfg.max_step_crashes)
+            successes = dataclasses.replace(successes, samples=[s for s, k in zip(successes.samples, keys)
+                                                                if k not in aside])
+            keys = [k for k in keys if k not in aside]
+        if not successes.samples:
+            return {"empty": "every stored success sampled was set aside (step_crashed)"}
+        m = self._step("sft", {"lr": lr}, successes, crash_keys=keys)
+        self.crashes.settled(keys)
+        return m
 
     def _rl_step(self, batch: P.Batch) -> dict:
-        aside = {g.group_id for g in self.crashes.set_aside(batch.groups)}
+        aside = set(self.crashes.counted_out(g.group_id for g in batch.groups))
         if aside:  # counted in as many steps that killed the learner: trained again, they would kill it again
+            for g in batch.groups:
+                if g.group_id in aside:
+                    self.crashes.keep(g.group_id, g)
             batch = dataclasses.replace(batch, groups=[g for g in batch.groups if g.group_id not in aside])
             self.trainer._count("groups_dropped_step_crashed", len(aside))
             self.log.error("groups_set_aside", groups=sorted(aside), reason="step_crashed",
@@ -319,14 +342,16 @@ class Learner:
             m["outcomes"] = {**(m.get("outcomes") or {}), **dict.fromkeys(sorted(aside), "step_crashed")}
         return m
 
-    def _step(self, kind: str, meta: dict, message: P.Message, group_ids: Sequence[str] = ()) -> dict:
+    def _step(self, kind: str, meta: dict, message: P.Message, group_ids: Sequence[str] = (),
+              crash_keys: Sequence[str] | None = None) -> dict:
         """A training step (``kind`` rl or sft) on the training thread. One that raises (a bug its batch's data
         reaches) would meet the same batch again after a restart, and fail again: on one rank it is dropped instead,
         its groups (``group_ids``) settled as ``step_failed``, the error counted and logged. Not with several ranks:
         one rank's failure leaves the others inside the step's collectives. Those, and a crash no step can catch,
-        kill the process inside the step: ``self.crashes`` counts it against the groups at the next start."""
+        kill the process inside the step: ``self.crashes`` counts it at the next start against the groups, or against
+        ``crash_keys`` where given (an SFT step's stored successes)."""
         version = self.trainer.version
-        self.crashes.begin(getattr(message, "batch_id", ""), version, group_ids)
+        self.crashes.begin(getattr(message, "batch_id", ""), version, group_ids if crash_keys is None else crash_keys)
         try:
             m = self.jobs.run(kind, meta, message)
         except Exception as exc:

@@ -4,14 +4,16 @@ A step that raises is caught where it raises (``Learner._step``: its batch is dr
 failures cannot be caught there: a segfault or an abort in a kernel, the kernel's OOM killer, and with several
 learner ranks any failure at all (one rank's error leaves the others inside the step's collectives, and the whole
 group dies). The groups of such a step were never committed, so the restarted learner gets them again from the
-broker, and dies again: a crash loop until the supervisor gives the run up.
+broker, and dies again: a crash loop until the supervisor gives the run up. (An SFT step's stored successes come back
+too: the restarted learner asks the store with the same seed, its version.)
 
-So rank 0 writes the ids of the groups a step trains to ``step-in-flight.json`` before the step and removes the file
-once the step's groups are settled. A learner that finds the file at its start knows its predecessor died inside that
-step, and counts one crash against each of its groups (``crashes.json``). A group counted ``max_crashes`` times is not
-trained again: at its next delivery it is settled as dropped (``step_crashed``) and its data written beside, as
-``<group_id>.msgpack`` (the wire codec's ``TrajectoryGroup``, framed as a demonstrations file is: ``load``), for
-whoever looks into the crash.
+So rank 0 writes the ids of what a step trains to ``step-in-flight.json`` before the step, and removes the file once
+the step has ended in this process. A learner that finds the file at its start knows its predecessor died inside that
+step, and counts one crash against each of the step's groups (``crashes.json``; an SFT step's stored successes by
+``success_key``). A group counted ``max_crashes`` times is not trained again: at its next delivery it is settled as
+dropped (``step_crashed``) and its data written beside, as ``<group_id>.msgpack`` (the wire codec's
+``TrajectoryGroup``, framed as a demonstrations file is: ``load``), for whoever looks into the crash; a stored success
+is left out of its SFT step and written the same way.
 
 Which of a batch's groups broke its step cannot be told without training them apart, so every group of that step is
 counted; the others of the batch are set aside with it (all of them counted in ``groups_dropped_step_crashed``).
@@ -60,19 +62,20 @@ class CrashedSteps:
                       hint="the learner died inside this step (a crash no step can catch, or a rank's failure); "
                            f"its groups are set aside once counted {self.max_crashes} times")
 
-    def set_aside(self, groups: Sequence[P.TrajectoryGroup]) -> list[P.TrajectoryGroup]:
-        """Of ``groups``, those counted ``max_crashes`` times, written out for inspection; they are not to be
-        trained. None with ``max_crashes`` 0 (off)."""
+    def counted_out(self, keys: Iterable[str]) -> list[str]:
+        """Of ``keys`` (group ids, or ``success_key``s), those counted ``max_crashes`` times: not to be trained. None
+        with ``max_crashes`` 0 (off)."""
         if self.max_crashes <= 0:
             return []
-        out = [g for g in groups if self.crashes.get(g.group_id, 0) >= self.max_crashes]
-        for g in out:
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)
-                save(self.root / f"{g.group_id}.msgpack", g)
-            except OSError as exc:
-                self._rate_limited.error("quarantine_write_failed", ("group",), group=g.group_id, error=repr(exc))
-        return out
+        return [k for k in keys if self.crashes.get(k, 0) >= self.max_crashes]
+
+    def keep(self, key: str, group: P.TrajectoryGroup) -> None:
+        """Write what was set aside under ``key`` to ``<key>.msgpack``, for whoever looks into the crash."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            save(self.root / f"{key}.msgpack", group)
+        except OSError as exc:
+            self._rate_limited.error("quarantine_write_failed", ("group",), name=key, error=repr(exc))
 
     def begin(self, batch_id: str, version: int, group_ids: Sequence[str]) -> None:
         """A step over these groups starts."""
@@ -123,6 +126,17 @@ class CrashedSteps:
                            hint="counts start afresh: a group that crashed the learner is counted from now")
             return default
         return value if isinstance(value, dict) else default
+
+
+def success_key(sample: P.SuccessSample) -> str:
+    """What a stored success (an SFT step's sample) is counted under: its trajectory's id, apart from group ids."""
+    return f"success-{sample.trajectory.traj_id}"
+
+
+def success_group(sample: P.SuccessSample) -> P.TrajectoryGroup:
+    """A stored success as a group of one, the form ``keep`` writes."""
+    return P.TrajectoryGroup(group_id=success_key(sample), ticket_id="", task_id=sample.task_id, actor_id="",
+                             trajectories=[sample.trajectory], behavior_version_min=0, behavior_version_max=0)
 
 
 def save(path: Path, group: P.TrajectoryGroup) -> None:

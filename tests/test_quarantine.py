@@ -10,10 +10,9 @@ import pytest
 pytest.importorskip("torch")
 
 from common import protocol as P  # noqa: E402
-from common.rundir import RunDir  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.process import Learner  # noqa: E402
-from learner.quarantine import CRASHES, IN_FLIGHT, CrashedSteps, load  # noqa: E402
+from learner.quarantine import CRASHES, IN_FLIGHT, CrashedSteps, load, success_key  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
 from tests.test_learner import TINY, groups_from  # noqa: E402
 
@@ -28,13 +27,13 @@ def test_a_step_that_never_ended_counts_against_its_groups_and_twice_sets_them_a
     second = CrashedSteps(tmp_path, 2, quiet_log)
     assert second.found == [a, b] and second.crashes == {a: 1, b: 1}
     assert not (tmp_path / IN_FLIGHT).exists(), "counted once: a third start must not count that step again"
-    assert second.set_aside(list(groups.values())) == []
+    assert second.counted_out(groups) == []
     second.begin("batch-2", 3, [a])  # dies again, with a alone
 
     third = CrashedSteps(tmp_path, 2, quiet_log)
     assert third.found == [a] and third.crashes == {a: 2, b: 1}
-    aside = third.set_aside(list(groups.values()))
-    assert [g.group_id for g in aside] == [a]
+    assert third.counted_out(groups) == [a]
+    third.keep(a, groups[a])
     kept = load(tmp_path / f"{a}.msgpack")
     assert kept.group_id == a and len(kept.trajectories) == len(groups[a].trajectories)
     assert (kept.trajectories[0].logprobs == groups[a].trajectories[0].logprobs).all()
@@ -53,7 +52,7 @@ def test_off_writes_nothing_and_a_refusing_file_system_costs_the_count_not_the_l
     off.begin("b", 0, [groups[0].group_id])
     assert not (tmp_path / "off").exists()
     off.crashes[groups[0].group_id] = 5
-    assert off.set_aside(groups) == []
+    assert off.counted_out([groups[0].group_id]) == []
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -62,7 +61,8 @@ def test_off_writes_nothing_and_a_refusing_file_system_costs_the_count_not_the_l
     broken.end()
     broken.settled([groups[0].group_id])
     broken.crashes[groups[0].group_id] = 1
-    assert [g.group_id for g in broken.set_aside(groups)] == [groups[0].group_id], "set aside even if not saved"
+    assert broken.counted_out([groups[0].group_id]) == [groups[0].group_id]
+    broken.keep(groups[0].group_id, groups[0])  # set aside even where it cannot be kept: logged, not raised
 
     garbled = tmp_path / "garbled"
     garbled.mkdir()
@@ -78,7 +78,7 @@ def test_the_learner_sets_aside_what_crashed_it_trains_the_rest_and_settles_both
     tb = start_broker()
     trainer = Trainer(LearnerConfig(), TINY)
     a, b = groups_from(trainer, n_groups=2)
-    RunDir(tb.run_dir.root).quarantine.mkdir()
+    tb.run_dir.quarantine.mkdir()
     (tb.run_dir.quarantine / CRASHES).write_text(json.dumps({a.group_id: 1}))
     (tb.run_dir.quarantine / IN_FLIGHT).write_text(json.dumps({"batch": "x", "groups": [a.group_id, b.group_id]}))
     learner = Learner(LearnerConfig(checkpoint_every=0), TINY, None, tb.net, tb.run_dir, quiet_log)
@@ -110,3 +110,39 @@ def test_the_learner_sets_aside_what_crashed_it_trains_the_rest_and_settles_both
     with pytest.raises(KeyboardInterrupt):
         learner._rl_step(P.Batch(batch_id="w", train_version=1, groups=[c]))
     assert CrashedSteps(tb.run_dir.quarantine, 2, quiet_log).crashes[c.group_id] == 1
+
+
+def test_an_sft_step_leaves_out_stored_successes_that_killed_the_learner_and_counts_those_it_dies_in(
+        start_broker, quiet_log):
+    tb = start_broker()
+    trainer = Trainer(LearnerConfig(), TINY)
+    trajs = [t for g in groups_from(trainer, n_groups=1) for t in g.trajectories if t.success]
+    samples = [P.SuccessSample(task_id=f"sim:train/{i}", trajectory=t) for i, t in enumerate(trajs)]
+    bad, good = success_key(samples[0]), success_key(samples[1])
+    tb.run_dir.quarantine.mkdir()
+    (tb.run_dir.quarantine / CRASHES).write_text(json.dumps({bad: 2, good: 1}))
+    learner = Learner(LearnerConfig(checkpoint_every=0), TINY, None, tb.net, tb.run_dir, quiet_log)
+    trained: list[list[str]] = []
+    real = learner.trainer.sft_step
+
+    def sft_step(trajectories, lr):
+        trained.append([t.traj_id for t in trajectories])
+        return real(trajectories, lr)
+
+    learner.trainer.sft_step = sft_step
+    m = learner._sft_step(1e-4, P.SuccessBatch(samples=samples))
+    assert "empty" not in m and trained == [[samples[1].trajectory.traj_id]]
+    assert learner.trainer.counters["successes_set_aside_step_crashed"] == 1
+    kept = load(tb.run_dir.quarantine / f"{bad}.msgpack")
+    assert kept.task_id == "sim:train/0" and kept.trajectories[0].traj_id == samples[0].trajectory.traj_id
+    assert learner.crashes.crashes == {bad: 2}, "a success trained is settled"
+
+    def dies(trajectories, lr):
+        raise KeyboardInterrupt
+
+    learner.trainer.sft_step = dies
+    with pytest.raises(KeyboardInterrupt):
+        learner._sft_step(1e-4, P.SuccessBatch(samples=samples[1:]))
+    assert CrashedSteps(tb.run_dir.quarantine, 2, quiet_log).crashes == {bad: 2, good: 1}
+    assert "empty" in Learner(LearnerConfig(checkpoint_every=0), TINY, None, tb.net, tb.run_dir, quiet_log)._sft_step(
+        1e-4, P.SuccessBatch(samples=samples[:1]))
