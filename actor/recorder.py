@@ -81,3 +81,23 @@ def episode_record(ep: Any, episode_id: str, source: str, **extra: Any) -> dict:
             "reward": float(ev.get("reward", 0.0)), "success": bool(ev.get("success", False)),
             "finish": ep.finish_reason, "steps": len(ep.turns), "format_errors": ep.format_errors,
             "t": round(time.time(), 3), "turns": turns, **extra}
+
+
+def trajectory_record(group: Any, index: int, source: str, **extra: Any) -> dict:
+    """A record of a group's ``index``-th trajectory from what the wire carries (a ``P.TrajectoryGroup``: one the
+    learner set aside, ``learner/quarantine.py``). Per turn: the observation, the sampled text, tokens, mean log-prob
+    and version; the desktop's answers, the instruction and how the episode ended are not carried, so left empty."""
+    tr = group.trajectories[index]
+    turns = []
+    for i in range(tr.num_turns):
+        t = tr.turn(i)
+        n = len(t.output_ids)
+        turns.append({"obs": t.observation, "images": list(t.images), "text": t.action, "result": "",
+                      "format_error": t.format_error, "tokens": n,
+                      "logprob": round(float(t.logprobs.mean()), 4) if n else None,
+                      "version": int(t.versions.max()) if n else None, "seconds": None})
+    return {"v": RECORD_VERSION, "id": tr.traj_id, "source": source, "task": group.task_id, "family": "",
+            "split": split_of(group.task_id), "instruction": "", "reward": float(tr.reward), "success": bool(tr.success),
+            "finish": "", "steps": len(turns), "format_errors": int(tr.format_errors.sum()), "t": 0.0, "turns": turns,
+            "group": group.group_id, "index": index, "group_rewards": [float(x.reward) for x in group.trajectories],
+            "version": [int(group.behavior_version_min), int(group.behavior_version_max)], **extra}

@@ -100,6 +100,46 @@ def test_a_directory_without_episodes_says_why(tmp_path):
     assert out.returncode == 1 and "no recorded episodes" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_the_groups_the_learner_set_aside_are_shown_whether_recorded_or_not(tmp_path):
+    """A group whose steps killed the learner (``learner/quarantine.py``) is the one to read: its episodes are shown
+    from the file the learner kept, beside the recorded ones, once each, with the learner's verdict."""
+    from learner.quarantine import CRASHES, save
+    from tests.conftest import make_group
+
+    rd = RunDir.create(tmp_path / "run")
+    group = make_group(rewards=(1.0, 0.0, 0.0), group_id="gpoison")
+    rd.quarantine.mkdir()
+    save(rd.quarantine / "gpoison.msgpack", group)
+    (rd.quarantine / CRASHES).write_text("{}")
+    (rd.quarantine / "torn.msgpack").write_bytes(b"\x93\xc4")
+    rd.episodes.mkdir()
+    recorded = {**_episode(0, "files_move", True, 0, group="gpoison"), "id": group.trajectories[0].traj_id}
+    (rd.episodes / "actor-0.jsonl").write_text(json.dumps(recorded) + "\n")
+    broker, learner = AuditLog(rd.audit / "broker.jsonl"), AuditLog(rd.audit / "learner.jsonl")
+    broker.write("acked", gs=["gpoison"])
+    learner.write("dropped", g="gpoison", r="step_crashed", v=3)
+    broker.close()
+    learner.close()
+    eps = load(rd.root)
+    assert sorted(e["id"] for e in eps.episodes) == sorted(t.traj_id for t in group.trajectories)
+    by = {e["id"]: e for e in eps.episodes}
+    assert by[group.trajectories[0].traj_id]["source"] == "train", "a recorded episode is shown as recorded"
+    aside = by[group.trajectories[1].traj_id]
+    assert aside["source"] == "set aside" and aside["fate"] == "dropped by the learner (step_crashed)"
+    assert [t["text"] for t in aside["turns"]] == ["click(0)", "click(1)"] and aside["turns"][0]["obs"] == "obs 0"
+    assert aside["group_rewards"] == [1.0, 0.0, 0.0] and aside["steps"] == 2
+    assert eps.skipped == {"unreadable_set_aside": 1}
+    text = render_text(aside, eps.images)
+    assert "click(1)" in text and "step_crashed" in text
+    index = write_site(eps, tmp_path / "site")
+    assert "set aside" in index.read_text() and (index.parent / page_name(aside)).exists()
+
+    only = RunDir.create(tmp_path / "crashed-early")  # nothing recorded yet, one group set aside
+    only.quarantine.mkdir()
+    save(only.quarantine / "gpoison.msgpack", group)
+    assert len(load(only.root).episodes) == 3
+
+
 def test_the_writer_keeps_a_group_whole_within_its_budget_and_never_blocks(tmp_path, monkeypatch):
     group = [_episode(i, "files_move", True, 1) for i in range(3)]
     size = sum(len(json.dumps(r, separators=(",", ":"))) + 1 for r in group)

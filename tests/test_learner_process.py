@@ -94,8 +94,8 @@ def test_a_group_whose_step_kills_a_learner_rank_is_set_aside_after_two_crashes(
 
     def ranks(resume: bool) -> list[subprocess.Popen]:
         port = free_port()
-        return [_learner(run_dir, net, "learner.loss.name=tests.plugins:killing_grpo_loss", "learner.checkpoint_every=1",
-                         f"learner.total_steps={steps}", resume=resume,
+        return [_learner(run_dir, net, "learner.loss.name=tests.plugins:killing_grpo_loss",
+                         "learner.checkpoint_every=1", f"learner.total_steps={steps}", resume=resume,
                          env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
                               "MASTER_PORT": str(port)}) for r in (0, 1)]
 

@@ -1,5 +1,7 @@
 """A run's recorded episodes, joined with what became of them: the episode log (``common/episode_log.py``) gives
-the episodes and the learner's advantages, the audit trail what the learner did with each group."""
+the episodes and the learner's advantages, the audit trail what the learner did with each group. The groups the
+learner set aside because their steps killed it (``learner/quarantine.py``) are shown too, recorded or not: they are
+the episodes someone will want to read."""
 
 from __future__ import annotations
 
@@ -7,10 +9,17 @@ import collections
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgpack
+
+from actor.recorder import trajectory_record
 from common.audit import group_fates, read_events
 from common.episode_log import LEARNER_FILE, read_records
 from common.images import ImageStore
 from common.rundir import RunDir
+from learner import quarantine
+
+SET_ASIDE = "set aside"
+"""the source of an episode of a group the learner set aside (``learner/quarantine.py``)"""
 
 
 class NoEpisodes(Exception):
@@ -50,7 +59,8 @@ def load(run_dir: str | Path) -> EpisodeSet:
         raise NoEpisodes(f"{root} is not a directory")
     rd = RunDir(root.resolve())
     files = sorted(rd.episodes.glob("*.jsonl")) if rd.episodes.is_dir() else []
-    if not files:
+    aside = sorted(rd.quarantine.glob("*.msgpack")) if rd.quarantine.is_dir() else []
+    if not files and not aside:
         what = ("a run directory" if (rd.root / "config.yaml").exists() or rd.metrics.is_dir()
                 else "not a run directory (no config.yaml, no metrics/)")
         raise NoEpisodes(f"no recorded episodes in {rd.root} ({what}): runs record a sample of their training "
@@ -67,6 +77,15 @@ def load(run_dir: str | Path) -> EpisodeSet:
                 episodes.append(rec)
             else:
                 skipped["malformed"] += 1
+    recorded = {ep["id"] for ep in episodes}
+    for path in aside:
+        try:
+            group = quarantine.load(path)
+        except (OSError, ValueError, msgpack.UnpackException):  # a torn or foreign file: counted like a torn line
+            skipped["unreadable_set_aside"] += 1
+            continue
+        episodes += [rec for i in range(len(group.trajectories))
+                     if (rec := trajectory_record(group, i, SET_ASIDE))["id"] not in recorded]
     fates = group_fates(read_events(rd.audit / "broker.jsonl"), read_events(rd.audit / "learner.jsonl"))
     for ep in episodes:
         g = ep.get("group", "")

@@ -14,7 +14,7 @@ import html
 import os
 from pathlib import Path
 
-from launch.episodes.collect import EpisodeSet, version_of
+from launch.episodes.collect import SET_ASIDE, EpisodeSet, version_of
 
 STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 1.5em; color: #1d1f24; }
@@ -85,7 +85,7 @@ def plot_success(eps: EpisodeSet, out: Path) -> bool:
     series: dict[str, dict[int, list[int]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     for ep in eps.episodes:
         v = version_of(ep)
-        if v is None:
+        if v is None or ep.get("source") == SET_ASIDE:  # chosen for crashing the learner: no sample of success
             continue
         key = "evaluation (all families)" if ep.get("source") == "eval" else str(ep.get("family", "?"))
         series[key][int(v)].append(int(bool(ep.get("success"))))
