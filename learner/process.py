@@ -120,6 +120,7 @@ class Learner:
             return False
         self.audit.write("checkpoint", v=version)
         self.client.checkpoint_durable(version)
+        self.crashes.committed()
         self._checkpointed = version
         self.log.info("checkpoint_written", path=str(path), version=version)
         return True

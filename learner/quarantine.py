@@ -47,6 +47,7 @@ class CrashedSteps:
         self._rate_limited = RateLimitedLog(log, 60.0)
         self.crashes: dict[str, int] = self._read(self.root / CRASHES, {})
         self._in_flight = False
+        self._settled: list[str] = []  # keys settled since the last checkpoint (``settled``)
         self.found: list[str] = []
         """the groups of the step a predecessor died in (found at this start), each counted once more"""
         previous = self._read(self.root / IN_FLIGHT, None)
@@ -87,12 +88,17 @@ class CrashedSteps:
         if self._in_flight:
             self._in_flight = not self._remove(IN_FLIGHT)
 
-    def settled(self, group_ids: Iterable[str]) -> None:
-        """These groups are settled (trained or dropped): their counts are no longer needed."""
-        gone = [g for g in group_ids if g in self.crashes]
+    def settled(self, keys: Iterable[str]) -> None:
+        """These groups (or stored successes) are settled, trained or dropped: their counts go at the next
+        ``committed``. Not before: a learner that dies before its checkpoint gets them delivered again, and one set
+        aside must then be set aside again rather than crash the learner twice more."""
+        self._settled += [k for k in keys if k in self.crashes]
+
+    def committed(self) -> None:
+        """A checkpoint made the settlements so far durable: forget the counts of what they settled."""
+        gone = [k for k in self._settled if self.crashes.pop(k, None) is not None]
+        self._settled = []
         if gone:
-            for g in gone:
-                del self.crashes[g]
             self._write(CRASHES, self.crashes)
 
     def _write(self, name: str, value: Any) -> bool:

@@ -40,6 +40,8 @@ def test_a_step_that_never_ended_counts_against_its_groups_and_twice_sets_them_a
     third.begin("batch-3", 4, [b])
     third.end()  # a step that ended in this process is no crash
     third.settled([a, b])
+    assert CrashedSteps(tmp_path, 2, quiet_log).crashes == {a: 2, b: 1}, "kept until a checkpoint commits them"
+    third.committed()
     assert json.loads((tmp_path / CRASHES).read_text()) == {}
 
     fourth = CrashedSteps(tmp_path, 2, quiet_log)
@@ -89,6 +91,8 @@ def test_the_learner_sets_aside_what_crashed_it_trains_the_rest_and_settles_both
     assert load(tb.run_dir.quarantine / f"{a.group_id}.msgpack").group_id == a.group_id
     assert not (tb.run_dir.quarantine / IN_FLIGHT).exists()
     learner._settle(m["outcomes"])
+    assert json.loads((tb.run_dir.quarantine / CRASHES).read_text()) == {a.group_id: 2, b.group_id: 1}
+    assert learner.checkpoint()
     assert json.loads((tb.run_dir.quarantine / CRASHES).read_text()) == {}
     learner.audit.close()
     audit = [json.loads(x) for x in (tb.run_dir.audit / "learner.jsonl").read_text().splitlines()]
@@ -135,6 +139,7 @@ def test_an_sft_step_leaves_out_stored_successes_that_killed_the_learner_and_cou
     assert learner.trainer.counters["successes_set_aside_step_crashed"] == 1
     kept = load(tb.run_dir.quarantine / f"{bad}.msgpack")
     assert kept.task_id == "sim:train/0" and kept.trajectories[0].traj_id == samples[0].trajectory.traj_id
+    learner.crashes.committed()
     assert learner.crashes.crashes == {bad: 2}, "a success trained is settled"
 
     def dies(trajectories, lr):
