@@ -151,3 +151,60 @@ def test_an_sft_step_leaves_out_stored_successes_that_killed_the_learner_and_cou
     assert CrashedSteps(tb.run_dir.quarantine, 2, quiet_log).crashes == {bad: 2, good: 1}
     assert "empty" in Learner(LearnerConfig(checkpoint_every=0), TINY, None, tb.net, tb.run_dir, quiet_log)._sft_step(
         1e-4, P.SuccessBatch(samples=samples[:1]))
+
+
+def _run_with_a_group_set_aside(tmp_path, poisoned: bool = False):
+    """A run directory (tiny model, the default config otherwise) with one group set aside and no checkpoint."""
+    from common import config as configlib
+    from common.rundir import RunDir
+    from launch.config import load_run_config
+    from learner.quarantine import save
+    from tests.plugins import POISON_LOGPROB
+
+    rd = RunDir.create(tmp_path / "run")
+    configlib.dump(load_run_config(None, TINY_OVERRIDES), rd.config)
+    group = groups_from(Trainer(LearnerConfig(), TINY), n_groups=1)[0]
+    if poisoned:
+        group.trajectories[0].logprobs[0] = POISON_LOGPROB
+    rd.quarantine.mkdir()
+    save(rd.quarantine / f"{group.group_id}.msgpack", group)
+    return rd, group
+
+
+TINY_OVERRIDES = ("model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "model.num_heads=4",
+                  "model.num_kv_heads=2")
+
+
+def test_replay_step_trains_a_set_aside_group_alone_and_names_those_there_are(tmp_path):
+    from click.testing import CliRunner
+
+    from launch.cli import main
+
+    rd, group = _run_with_a_group_set_aside(tmp_path)
+    before = sorted(str(p.relative_to(rd.root)) for p in rd.root.rglob("*"))
+    out = CliRunner().invoke(main, ["replay-step", str(rd.root), group.group_id, "--json"])
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.output.strip().splitlines()[-1])
+    assert result["outcomes"] == {group.group_id: "trained"} and result["checkpoint"] is None
+    assert result["from_version"] == 0 and result["loss"] == result["loss"]  # a number, not NaN
+    assert sorted(str(p.relative_to(rd.root)) for p in rd.root.rglob("*")) == before, "nothing written"
+    out = CliRunner().invoke(main, ["replay-step", str(rd.root), "nope"])
+    assert out.exit_code == 1 and f"those set aside are {group.group_id}" in out.output
+
+
+@pytest.mark.slow
+def test_replay_step_crashes_as_the_learner_did(tmp_path):
+    """The planted group that killed the learner's rank kills the replay the same way, in one process."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    rd, group = _run_with_a_group_set_aside(tmp_path, poisoned=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "replay-step", str(rd.root), group.group_id,
+                          "learner.loss.name=tests.plugins:killing_grpo_loss"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == -signal.SIGKILL, out.stdout + out.stderr

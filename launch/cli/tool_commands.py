@@ -196,3 +196,40 @@ def episodes_cmd(run_dir: str, out: str | None, episode_id: str | None, open_bro
 
         if not webbrowser.open(index.as_uri()):
             click.echo("no browser found here: open the address above on a machine that sees this file system")
+
+
+@main.command("replay-step")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("group")
+@click.argument("overrides", nargs=-1)
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False),
+              help="the checkpoint (step-N) to start from (default: the run's latest; its initial weights without one)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def replay_step_cmd(run_dir: str, group: str, overrides: tuple[str, ...], checkpoint: str | None,
+                    as_json: bool) -> None:
+    """Train a group the learner set aside (its id in RUN_DIR/quarantine/, or its file) alone, in this process, as
+    the run's learner would: to see why its steps killed the learner. OVERRIDES change the run's config (e.g.
+    learner.device=cpu). Nothing is written."""
+    import faulthandler
+
+    from actor.demos import load_run_demos
+    from common import demofile
+    from common.rundir import RunDir
+    from learner.replay import find_group, replay_step
+
+    try:
+        faulthandler.enable()  # a segfault or abort in a kernel prints every thread's Python stack
+    except (ValueError, OSError):  # (a stderr with no file descriptor: the command called from Python)
+        pass
+    rd = RunDir(Path(run_dir).resolve())
+    recorded = [p for p in (rd.root / "config.learner-0.yaml", rd.config) if p.exists()]
+    if not recorded:
+        raise click.ClickException(f"{rd.root} holds no run config (config.learner-0.yaml, config.yaml): not a run "
+                                   "directory")
+    cfg = load_config(str(recorded[0]), overrides)
+    try:
+        found = find_group(rd, group)
+        anchor = load_run_demos(cfg, rd, "anchor")
+    except (FileNotFoundError, demofile.DemoFileError) as exc:
+        raise click.ClickException(str(exc)) from None
+    emit(replay_step(cfg, rd, found, anchor, Path(checkpoint) if checkpoint else None), as_json)
