@@ -42,9 +42,11 @@ class LocalConfig:
     actors: int = 2
     """actor processes"""
     max_restarts: int = 5
-    """restarts allowed per actor or env_server before the run gives up"""
+    """restarts of one role in a row (see restart_reset_s) before the run gives up"""
     restart_backoff_s: float = 1.0
     """first restart delay; doubles per restart of the same role, up to 30 s"""
+    restart_reset_s: float = 600.0
+    """a role that ran this long before it exited starts its count of restarts (and back-off) afresh; 0 = never"""
     ready_timeout_s: float = 120.0
     """how long the broker and env_server may take to answer their first Hello"""
     stop_timeout_s: float = 30.0
@@ -79,6 +81,8 @@ class LocalConfig:
             raise ValueError(f"local.port_base must be 0 or within 1024..{65535 - len(PORT_KEYS)}")
         if self.stop_timeout_s <= 0 or self.learner_stop_timeout_s <= 0 or self.eval_timeout_s <= 0:
             raise ValueError("local.stop_timeout_s, local.learner_stop_timeout_s and local.eval_timeout_s must be > 0")
+        if self.max_restarts < 0 or self.restart_reset_s < 0:
+            raise ValueError("local.max_restarts and local.restart_reset_s must be >= 0")
         if self.netns:
             from launch.netns import Fabric
             Fabric.load(self.netns)
@@ -311,13 +315,21 @@ class Supervisor:
                 # does; the learner's own exit (next passes) decides the outcome.
                 role.done = True
                 continue
+            # The learner's ranks live and die together: all restart from the latest checkpoint.
+            group = [r for r in self.roles if r.name == "learner"] if role.name == "learner" else [role]
+            reset = self.local.restart_reset_s
+            if reset and role.restarts and now - role.started_at >= reset:
+                # max_restarts stops a crash loop; a role that ran this long was not in one, and a long run's rare
+                # crashes (a day apart) must not add up to giving the run up.
+                self._event(f"{role.label} ran {now - role.started_at:.0f} s before it exited: its "
+                            f"{role.restarts} earlier restarts no longer count")
+                for r in group:
+                    r.restarts = 0
             if role.restarts >= self.local.max_restarts:
                 self.stop(f"{role.label} exited {role.restarts + 1} times (last exit code {rc}); giving up; the "
                           f"run is resumable with --resume\n{self._stderr_tail(role)}")
                 return False
             delay = min(30.0, self.local.restart_backoff_s * 2 ** role.restarts)
-            # The learner's ranks live and die together: all restart from the latest checkpoint.
-            group = [r for r in self.roles if r.name == "learner"] if role.name == "learner" else [role]
             for r in group:
                 if r is not role and r.proc is not None and r.proc.poll() is None:
                     self._kill(r, f"restarts with {role.label}")

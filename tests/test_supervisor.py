@@ -146,3 +146,38 @@ def test_an_evaluation_the_disk_cannot_take_is_reported_and_the_run_goes_on(tmp_
     sup._poll_eval()
     assert "held-out eval at step 1: success 0.500" in out.getvalue()
     assert "held-out eval at step 1 not recorded" in out.getvalue() and sup.eval_proc is None
+
+
+def test_restarts_count_a_crash_loop_not_a_long_runs_rare_crashes(tmp_path, monkeypatch):
+    """``max_restarts`` in a row gives the run up; a role that had run ``restart_reset_s`` before it exited starts
+    its count afresh, however many crashes a long run has had."""
+    from launch.placement import Role
+
+    def supervised(ran_s: float):
+        cfg = load_run_config(REPO / "configs" / "local.yaml", ["local.max_restarts=2", "local.restart_backoff_s=0",
+                                                                 "local.restart_reset_s=60"])
+        role = Role("actor", 0, [], True)
+        out = io.StringIO()
+        sup = Supervisor(cfg, REPO / "configs" / "local.yaml", RunDir.create(tmp_path / f"run-{ran_s}"),
+                         resume=False, out=out, roles=[role])
+        spawned = []
+
+        def crashes(r):  # a role that exits with 3 after it ran ``ran_s``
+            r.stderr_path = tmp_path / "actor-0.stderr"
+            r.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+            r.proc.wait(30)
+            r.started_at = time.monotonic() - ran_s
+            spawned.append(r.proc)
+
+        monkeypatch.setattr(sup, "_spawn", crashes)
+        crashes(role)
+        passes = 0
+        while passes < 40 and sup._check():
+            passes += 1
+        return len(spawned), out.getvalue() + sup.outcome
+
+    starts, said = supervised(0.0)
+    assert starts == 3 and "actor-0 exited 3 times (last exit code 3); giving up" in said, said
+    starts, said = supervised(120.0)
+    assert starts > 10 and "giving up" not in said, said
+    assert "actor-0 ran 120 s before it exited: its 1 earlier restarts no longer count" in said
