@@ -214,7 +214,7 @@ def load_full_state(model: Any, optimizer: Any | None, weights: dict, optim: dic
 
 # ----- the job channel ---------------------------------------------------------------------------
 
-JOBS = ("rl", "sft", "advance", "gather", "save", "load", "reset_reference", "stop")
+JOBS = ("rl", "probe", "sft", "advance", "gather", "save", "load", "reset_reference", "stop")
 
 
 @dataclass
@@ -266,6 +266,9 @@ class JobChannel:
         if job.kind == "rl":
             assert isinstance(job.message, P.Batch)
             return t.train_step(job.message.groups, meta.get("eta"))
+        if job.kind == "probe":
+            assert isinstance(job.message, P.Batch)
+            return t.probe_step(job.message.groups, meta.get("eta"))
         if job.kind == "sft":
             assert isinstance(job.message, P.SuccessBatch)
             return t.sft_step([s.trajectory for s in job.message.samples], float(meta["lr"]))

@@ -333,6 +333,11 @@ class Learner:
             self.trainer._count("groups_dropped_step_crashed", len(aside))
             self.log.error("groups_set_aside", groups=sorted(aside), reason="step_crashed",
                            dir=str(self.run_dir.quarantine), max_crashes=self.cfg.max_step_crashes)
+        if len(batch.groups) > 1:  # (a step over one group is its own probe)
+            suspects = set(self.crashes.suspects(g.group_id for g in batch.groups))
+            for g in batch.groups:
+                if g.group_id in suspects:
+                    self._probe(batch, g)
         if batch.groups:
             m = self._step("rl", {"eta": self.eta}, batch, [g.group_id for g in batch.groups])
         else:
@@ -342,6 +347,21 @@ class Learner:
         if aside:
             m["outcomes"] = {**(m.get("outcomes") or {}), **dict.fromkeys(sorted(aside), "step_crashed")}
         return m
+
+    def _probe(self, batch: P.Batch, group: P.TrajectoryGroup) -> None:
+        """A group counted in a step that killed the learner, tried alone before its batch's step: should it kill the
+        learner again, the crash is counted against it alone, not its batch partners (``learner/quarantine.py``). An
+        error it raises is left to the batch's step, which meets it again (``step_failed``)."""
+        self.crashes.begin(batch.batch_id, self.trainer.version, [group.group_id])
+        try:
+            self.jobs.run("probe", {"eta": self.eta}, dataclasses.replace(batch, groups=[group]))
+        except Exception as exc:
+            if self.trainer.dist.enabled:  # the other ranks are inside the probe's collectives
+                raise
+            self.trainer.drop_gradients()
+            self.log.warning("probe_raised", group=group.group_id, error=repr(exc))
+        self.crashes.end()
+        self.trainer._count("groups_probed")
 
     def _step(self, kind: str, meta: dict, message: P.Message, group_ids: Sequence[str] = (),
               crash_keys: Sequence[str] | None = None) -> dict:

@@ -15,8 +15,12 @@ dropped (``step_crashed``) and its data written beside, as ``<group_id>.msgpack`
 ``TrajectoryGroup``, framed as a demonstrations file is: ``load``), for whoever looks into the crash; a stored success
 is left out of its SFT step and written the same way.
 
-Which of a batch's groups broke its step cannot be told without training them apart, so every group of that step is
-counted; the others of the batch are set aside with it (all of them counted in ``groups_dropped_step_crashed``).
+Which of a batch's groups broke its step cannot be told from the crash, so every group of that step is counted. To
+tell them apart, a batch that holds groups counted before is preceded by a probe of each of them alone: the step's
+passes over that group without its update (``Trainer.probe_step``), under a record of its own. A group that kills
+the learner again in its probe is counted alone, and set aside alone; its batch partners pass their probes and are
+trained. A crash that only a whole batch causes (its size, say) kills the batch's step again, and all its groups are
+counted, and then set aside, together.
 
 The files are written without fsync: what they guard against is the learner process dying, not the machine (a node
 that loses its page cache loses at most one crash's count). A file system that refuses them costs the count, not the
@@ -69,6 +73,13 @@ class CrashedSteps:
         if self.max_crashes <= 0:
             return []
         return [k for k in keys if self.crashes.get(k, 0) >= self.max_crashes]
+
+    def suspects(self, keys: Iterable[str]) -> list[str]:
+        """Of ``keys``, those counted in a step that killed the learner but not yet set aside: tried alone before
+        their batch's step (``Learner._probe``), so that a crash they cause again is counted against them alone."""
+        if self.max_crashes <= 0:
+            return []
+        return [k for k in keys if 0 < self.crashes.get(k, 0) < self.max_crashes]
 
     def keep(self, key: str, group: P.TrajectoryGroup) -> None:
         """Write what was set aside under ``key`` to ``<key>.msgpack``, for whoever looks into the crash."""

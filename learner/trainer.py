@@ -271,11 +271,11 @@ class Trainer:
 
     # ----- RL step -------------------------------------------------------------------------------
 
-    def train_step(self, groups: list[P.TrajectoryGroup], eta: int | None = None) -> dict:
+    def train_step(self, groups: list[P.TrajectoryGroup], eta: int | None = None, update: bool = True) -> dict:
         """One update from a batch of groups, none of them trained further than ``eta`` versions behind the policy
         that sampled its oldest token (the broker's bound; None: no bound). ``outcomes`` says what became of every
         group: "trained" or the counted reason it was dropped; ``empty`` is set when nothing was trained (the
-        caller still advances)."""
+        caller still advances). ``update`` False: the step's passes without its update (``probe_step``)."""
         t0 = time.perf_counter()
         outcomes: dict[str, str] = {}
         fresh = []
@@ -304,7 +304,7 @@ class Trainer:
         # The draw is a function of the version: the same on every rank, and the same again after a resume.
         draw = random.Random(f"{self.cfg.anchor.seed}/{self.version}")
         anchor = draw.sample(self.anchor_samples, min(self.cfg.anchor.samples, len(self.anchor_samples)))
-        out = self._update(samples, self.objective, self.cfg.updates_per_batch, anchor, explored)
+        out = self._update(samples, self.objective, self.cfg.updates_per_batch, anchor, explored, update)
         if out is None:
             outcomes.update(dict.fromkeys(stats["kept"], "nonfinite_step"))
             return {"empty": "non-finite step skipped", "outcomes": outcomes}
@@ -355,7 +355,7 @@ class Trainer:
             [self._with_vision(collate(mb, pad, self.device)) for mb in whole]
 
     def _update(self, samples: list[Sample], terms: list[Term], updates: int, anchor: list[Sample] = (),
-                explored: list[Sample] = ()) -> dict | None:
+                explored: list[Sample] = (), update: bool = True) -> dict | None:
         """``updates`` optimizer steps on ``samples`` (and the anchor's demo turns, and the explored successes'
         turns) minimising ``terms``; None when a non-finite loss or gradient made every rank skip the step."""
         cfg, dist = self.cfg, self.dist
@@ -406,6 +406,8 @@ class Trainer:
             if dist.any(not ok):
                 self._count("steps_skipped_nonfinite")
                 self.optimizer.zero_grad(set_to_none=True)
+                return None
+            if not update:  # a probe: the first update's passes and gradient norm, then nothing
                 return None
             self.optimizer.step()
             self.net.master_to_compute()
@@ -511,6 +513,18 @@ class Trainer:
         versions) while the weights, and so ``content_version``, stay as they are."""
         self.version += 1
         self._count("empty_steps")
+
+    def probe_step(self, groups: list[P.TrajectoryGroup], eta: int | None = None) -> None:
+        """The passes a step over ``groups`` would run (forward, loss, backward, the gradient's norm), without its
+        update: weights, version and counters stay as they were, gradients are dropped. What a group suspected of
+        killing the learner is tried alone with (``learner/quarantine.py``)."""
+        counters = dict(self.counters)
+        try:
+            self.train_step(groups, eta, update=False)
+        finally:
+            self.drop_gradients()
+            self.counters.clear()
+            self.counters.update(counters)
 
     def drop_gradients(self) -> None:
         """Forget the gradients a step that raised midway left behind, the compute copy's too (a bf16 twin keeps

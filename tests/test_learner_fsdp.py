@@ -1,5 +1,6 @@
 """Two FSDP2 learner ranks on CPU (gloo) train exactly like one rank: same weights after RL and SFT steps
-(with uneven micro-batch counts, so padding passes run), rank 1 driven only through the job channel, and a
+(with uneven micro-batch counts, so padding passes run; the two ranks first probe a batch, which changes nothing),
+rank 1 driven only through the job channel, and a
 checkpoint written by two ranks resumes on two (rank 1 reading neither the weights nor the optimizer state: rank 0
 sends its shards) and on one with the identical next step. The ranks leave their groups without aborting at exit."""
 
@@ -26,8 +27,11 @@ from tests.test_learner import TINY, groups_from  # noqa: E402
 CFG = LearnerConfig(lr=1e-3, micro_batch_tokens=60, keep_checkpoints=5, loss=LossConfig(kl_beta=0.1))
 
 
-def _script(jobs, groups: list, successes: P.SuccessBatch) -> list[dict]:
-    """The steps every run takes, through the job channel (one rank: it just runs them)."""
+def _script(jobs, groups: list, successes: P.SuccessBatch, probe: bool = False) -> list[dict]:
+    """The steps every run takes, through the job channel (one rank: it just runs them). ``probe``: first a probe of
+    the first batch's groups (``Trainer.probe_step``), which must change nothing the steps after it show."""
+    if probe:
+        jobs.run("probe", {"eta": None}, P.Batch("b0", 0, groups[:3]))
     out = [jobs.run("rl", {"eta": None}, P.Batch("b1", 0, groups[:3])),
            jobs.run("sft", {"lr": 5e-4}, successes)]
     jobs.run("advance")
@@ -70,7 +74,7 @@ def _rank_main(rank: int, port: int, workdir: str) -> None:
             pickle.dump(reads, f)
         dist.close()
         return
-    metrics = _script(jobs, groups, successes)
+    metrics = _script(jobs, groups, successes, probe=True)  # the one-rank reference probes nothing
     jobs.run("gather")
     broadcast = {n: t.clone() for n, t in trainer.weights_for_broadcast()}
     path = jobs.run("save", {"root": os.path.join(workdir, "ck")})

@@ -208,3 +208,45 @@ def test_replay_step_crashes_as_the_learner_did(tmp_path):
                           "learner.loss.name=tests.plugins:killing_grpo_loss"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == -signal.SIGKILL, out.stdout + out.stderr
+
+
+def test_a_group_counted_before_is_probed_alone_first_and_a_crash_there_counts_against_it_alone(start_broker,
+                                                                                                quiet_log):
+    """A probe runs the step's passes over one group without its update; a batch holding a group counted in an earlier
+    crash probes that group alone first, under a record naming it alone."""
+    import torch
+
+    tb = start_broker()
+    a, b = groups_from(Trainer(LearnerConfig(), TINY), n_groups=2)
+    tb.run_dir.quarantine.mkdir()
+    (tb.run_dir.quarantine / CRASHES).write_text(json.dumps({a.group_id: 1}))
+    learner = Learner(LearnerConfig(checkpoint_every=0), TINY, None, tb.net, tb.run_dir, quiet_log)
+    t = learner.trainer
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    counters = dict(t.counters)
+    t.probe_step([a, b])
+    assert t.version == 0 and t.counters == counters
+    assert all(torch.equal(before[n], p) for n, p in t.model.named_parameters()), "no update"
+    assert all(p.grad is None for p in t.model.parameters()), "no gradient left for the next step"
+
+    probed, real = [], t.probe_step
+    t.probe_step = lambda groups, eta=None: (probed.append([g.group_id for g in groups]), real(groups, eta))[1]
+    m = learner._rl_step(P.Batch(batch_id="y", train_version=0, groups=[a, b]))
+    assert probed == [[a.group_id]] and m["outcomes"] == {a.group_id: "trained", b.group_id: "trained"}
+    assert t.version == 1 and t.counters["groups_probed"] == 1
+
+    def dies(groups, eta=None):
+        raise KeyboardInterrupt
+
+    t.probe_step = dies
+    with pytest.raises(KeyboardInterrupt):
+        learner._rl_step(P.Batch(batch_id="z", train_version=1, groups=[a, b]))
+    assert CrashedSteps(tb.run_dir.quarantine, 2, quiet_log).crashes == {a.group_id: 2}, "b is not blamed"
+
+    def raises(groups, eta=None):  # an error, not a crash: the batch's step meets it, or not, as it would have
+        raise ValueError("a bad group")
+
+    t.probe_step = raises
+    m = learner._rl_step(P.Batch(batch_id="w", train_version=1, groups=[a, b]))
+    assert m["outcomes"] == {a.group_id: "trained", b.group_id: "trained"} and t.version == 2
+    assert not (tb.run_dir.quarantine / IN_FLIGHT).exists()
