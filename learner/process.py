@@ -306,11 +306,8 @@ class Learner:
     def _sft_step(self, lr: float, successes: P.SuccessBatch) -> dict:
         """An SFT step on stored successes, less those counted in as many steps that killed the learner."""
         keys = [success_key(s) for s in successes.samples]
-        aside = set(self.crashes.counted_out(keys))
+        aside = self.crashes.set_aside(dict(zip(keys, successes.samples)), success_group)
         if aside:
-            for s, k in zip(successes.samples, keys):
-                if k in aside:
-                    self.crashes.keep(k, success_group(s))
             self.trainer._count("successes_set_aside_step_crashed", len(aside))
             self.log.error("successes_set_aside", trajectories=sorted(aside), reason="step_crashed",
                            dir=str(self.run_dir.quarantine), max_crashes=self.cfg.max_step_crashes)
@@ -324,11 +321,9 @@ class Learner:
         return m
 
     def _rl_step(self, batch: P.Batch) -> dict:
-        aside = set(self.crashes.counted_out(g.group_id for g in batch.groups))
-        if aside:  # counted in as many steps that killed the learner: trained again, they would kill it again
-            for g in batch.groups:
-                if g.group_id in aside:
-                    self.crashes.keep(g.group_id, g)
+        # Counted in as many steps that killed the learner: trained again, they would kill it again.
+        aside = self.crashes.set_aside({g.group_id: g for g in batch.groups})
+        if aside:
             batch = dataclasses.replace(batch, groups=[g for g in batch.groups if g.group_id not in aside])
             self.trainer._count("groups_dropped_step_crashed", len(aside))
             self.log.error("groups_set_aside", groups=sorted(aside), reason="step_crashed",

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import msgpack
 
@@ -80,6 +80,14 @@ class CrashedSteps:
         if self.max_crashes <= 0:
             return []
         return [k for k in keys if 0 < self.crashes.get(k, 0) < self.max_crashes]
+
+    def set_aside(self, items: dict[str, Any], as_group: Callable[[Any], P.TrajectoryGroup] = lambda g: g) -> set[str]:
+        """Of ``items`` (groups, or stored successes, by key), the keys of those ``counted_out``, each kept on disk
+        (``as_group`` makes what is written of an item)."""
+        out = set(self.counted_out(items))
+        for k in out:
+            self.keep(k, as_group(items[k]))
+        return out
 
     def keep(self, key: str, group: P.TrajectoryGroup) -> None:
         """Write what was set aside under ``key`` to ``<key>.msgpack``, for whoever looks into the crash."""
