@@ -97,7 +97,7 @@ def trajectory_record(group: Any, index: int, source: str, **extra: Any) -> dict
                       "logprob": round(float(t.logprobs.mean()), 4) if n else None,
                       "version": int(t.versions.max()) if n else None, "seconds": None})
     return {"v": RECORD_VERSION, "id": tr.traj_id, "source": source, "task": group.task_id, "family": "",
-            "split": split_of(group.task_id), "instruction": "", "reward": float(tr.reward), "success": bool(tr.success),
-            "finish": "", "steps": len(turns), "format_errors": int(tr.format_errors.sum()), "t": 0.0, "turns": turns,
+            "split": split_of(group.task_id), "instruction": "", "reward": float(tr.reward),
+            "success": bool(tr.success), "finish": "", "steps": len(turns), "format_errors": int(tr.format_errors.sum()), "t": 0.0, "turns": turns,
             "group": group.group_id, "index": index, "group_rewards": [float(x.reward) for x in group.trajectories],
             "version": [int(group.behavior_version_min), int(group.behavior_version_max)], **extra}

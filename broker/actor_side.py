@@ -83,13 +83,30 @@ class ActorSide:
             self.parked_hist.add(parked_s)
             self.front.send(ident, self._ticket_msg(t, round(parked_s, 6)))
 
+    def _reissue(self, lost: list, crashed: bool) -> None:
+        """Reclaimed tickets' tasks go out again before any new one, but not for ever: a task whose episode kills the
+        actor playing it (out of memory on its page, a segfault on its prompt) would kill every actor it went to, and
+        the supervisor would give the run up. Lost with a dead actor (or past its lease) ``max_task_crashes`` times,
+        with no group of it back in between, a task is set aside: counted, logged, not issued again."""
+        limit = self.cfg.max_task_crashes
+        for t in lost:
+            self.request_ticket.pop(t.request_id, None)
+            if crashed and limit:
+                n = self.task_crashes[t.task_id] = self.task_crashes.get(t.task_id, 0) + 1
+                if n >= limit:
+                    del self.task_crashes[t.task_id]
+                    self.counters["tasks_set_aside"] += 1
+                    self.log.error("task_set_aside", task=t.task_id, crashes=n,
+                                   hint="its tickets were lost with their actors (dead, or past their lease) each "
+                                        "time: not issued again (broker.max_task_crashes)")
+                    continue
+            self.sampler.reissue.append(t.task_id)
+
     def _actor_gone(self, peer: PeerState, how: str) -> None:
         """An actor declared dead (silent) or that left (Goodbye): its tickets' tasks go out again, its parked
         requests are dropped."""
         lost = self.ledger.reclaim(holder=peer.ident)
-        for t in lost:
-            self.sampler.reissue.append(t.task_id)
-            self.request_ticket.pop(t.request_id, None)
+        self._reissue(lost, crashed=how == "dead")
         for key in [k for k in self.parked if k[0] == peer.ident]:
             del self.parked[key]
         self.counters[f"actors_{how}"] += 1

@@ -61,6 +61,8 @@ class BrokerConfig:
     """messages taken from a socket per loop turn (also the most groups committed per fsync)"""
     lease_s: float = 3600.0
     """a ticket is reclaimed after this long even if its actor still heartbeats"""
+    max_task_crashes: int = 2
+    """a task whose actor died (or lease ran out) this many times with no group back is not issued again; 0 = never"""
     dynamic_sampling: bool = False
     """drop a group whose episode rewards are all equal when it arrives, so batches fill with groups that teach"""
     success_per_task: int = 8
@@ -104,6 +106,8 @@ class BrokerConfig:
             raise ValueError("eta must be >= 0")
         if self.max_drain < 1:
             raise ValueError("max_drain must be >= 1")
+        if self.max_task_crashes < 0:
+            raise ValueError("broker.max_task_crashes must be >= 0 (0: a reclaimed task is always issued again)")
         if self.replay not in REPLAY_SCOPES:
             raise ValueError(f"broker.replay must be one of {', '.join(REPLAY_SCOPES)}")
         if self.replay == "family" and self.tasks.curation == "off":

@@ -46,6 +46,7 @@ class GroupIntake:
             t = self.ledger.settle(g.ticket_id)
             if t is not None:
                 self.request_ticket.pop(t.request_id, None)
+            self.task_crashes.pop(g.task_id, None)  # played to the end: whatever killed its actors was not the task
             orders[g.group_id] = t.seq if t is not None else None
             for traj in g.trajectories:
                 if traj.success:

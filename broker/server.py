@@ -75,6 +75,7 @@ class Broker(ActorSide, GroupIntake, LearnerSide):
         self.learners = PeerTable(net.dead_after_s)
         self.parked: collections.OrderedDict[tuple[bytes, str], float] = collections.OrderedDict()
         self.request_ticket: dict[str, str] = {}
+        self.task_crashes: dict[str, int] = {}  # task id -> its tickets lost with their actor, no group back since
         self.credits: collections.Counter[bytes] = collections.Counter()
         self.unreported_drops = 0  # stale groups dropped since the last Batch told the learner
         self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -214,9 +215,7 @@ class Broker(ActorSide, GroupIntake, LearnerSide):
         for peer in self.actors.expire(now):
             self._actor_gone(peer, "dead")
         expired = self.ledger.reclaim(older_than=now - self.cfg.lease_s)
-        for t in expired:
-            self.sampler.reissue.append(t.task_id)
-            self.request_ticket.pop(t.request_id, None)
+        self._reissue(expired, crashed=True)  # an episode an hour long is a hung one
         if expired:
             self.log.warning("tickets_lease_expired", n=len(expired))
         for peer in self.learners.expire(now):

@@ -189,6 +189,31 @@ def test_lease_expiry_reclaims_from_a_live_actor(start_broker, quiet_log):
     actor.close()
 
 
+def test_a_task_lost_with_its_actors_twice_is_not_issued_again_unless_a_group_came_back(start_broker, quiet_log):
+    """A task whose episode kills the actor playing it would go to every actor in turn (a reclaimed ticket's task is
+    issued again first). Lost twice (here past its lease, as a hung episode is), with no group of it back in between,
+    it is set aside; a group that comes back clears its count; an actor that leaves with a Goodbye counts nothing."""
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=1, eta=0, lease_s=0.3))
+    leaving = ActorBrokerClient(tb.net, None, quiet_log)
+    leaving.connect(5)
+    (t1,) = take_tickets(leaving, 1, expect=1)
+    leaving.close()  # a Goodbye: its ticket's task goes out again, uncounted
+    actor = ActorBrokerClient(tb.net, None, quiet_log)
+    actor.connect(5)
+    (t2,) = take_tickets(actor, 1, expect=1)
+    assert t2.task_id == t1.task_id and tb.broker.task_crashes == {}
+    (t3,) = take_tickets(actor, 1, expect=1)  # granted once t2's lease ran out (η = 0): the same task, counted
+    assert t3.task_id == t1.task_id and tb.broker.task_crashes == {t1.task_id: 1}
+    (t4,) = take_tickets(actor, 1, expect=1)  # its second lease ran out too: set aside, a new task instead
+    assert t4.task_id != t1.task_id and stat(tb, "tasks_set_aside") == 1 and tb.broker.task_crashes == {}
+    (t5,) = take_tickets(actor, 1, expect=1)
+    assert t5.task_id == t4.task_id and tb.broker.task_crashes == {t4.task_id: 1}, "lost once: issued again"
+    actor.submit(make_group(t5))
+    pump([actor], WAIT_S, until=lambda: len(actor.acks) == 1)
+    assert tb.broker.task_crashes == {} and stat(tb, "tasks_set_aside") == 1, "a group came back: its count is gone"
+    actor.close()
+
+
 @pytest.mark.parametrize("group_first", [False, True], ids=["as_it_comes", "group_before_any_heartbeat"])
 def test_stalled_actor_rehandshakes_and_keeps_its_requests(start_broker, quiet_log, group_first):
     """A long generation step without polling: the broker declares the actor dead (after dead_after_s of silence
