@@ -49,14 +49,16 @@ class CrashedSteps:
     def __init__(self, root: Path, max_crashes: int, log: Any):
         self.root, self.max_crashes, self.log = Path(root), max_crashes, log
         self._rate_limited = RateLimitedLog(log, 60.0)
-        self.crashes: dict[str, int] = self._read(self.root / CRASHES, {})
+        counts = self._read(self.root / CRASHES, {})
+        self.crashes: dict[str, int] = {str(k): v for k, v in counts.items() if isinstance(v, int) and v > 0}
         self._in_flight = False
         self._settled: list[str] = []  # keys settled since the last checkpoint (``settled``)
         self.found: list[str] = []
         """the groups of the step a predecessor died in (found at this start), each counted once more"""
         previous = self._read(self.root / IN_FLIGHT, None)
         if previous is not None:
-            self.found = [str(g) for g in previous.get("groups", [])]
+            groups = previous.get("groups")
+            self.found = [str(g) for g in groups] if isinstance(groups, list) else []
             for g in self.found:
                 self.crashes[g] = self.crashes.get(g, 0) + 1
             if self._write(CRASHES, self.crashes):

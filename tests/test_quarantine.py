@@ -72,6 +72,10 @@ def test_off_writes_nothing_and_a_refusing_file_system_costs_the_count_not_the_l
     (garbled / IN_FLIGHT).write_text("[1, 2]")
     fresh = CrashedSteps(garbled, 2, quiet_log)
     assert fresh.crashes == {} and fresh.found == []
+    (garbled / CRASHES).write_text(json.dumps({"a": "two", "b": 1, "c": None}))
+    (garbled / IN_FLIGHT).write_text(json.dumps({"groups": "a"}))
+    odd = CrashedSteps(garbled, 2, quiet_log)
+    assert odd.crashes == {"b": 1} and odd.found == [] and odd.counted_out(["a", "b", "c"]) == []
 
 
 def test_the_learner_sets_aside_what_crashed_it_trains_the_rest_and_settles_both(start_broker, quiet_log):
