@@ -65,7 +65,10 @@ class RunConfig:
     """where metric records go besides each role's JSONL (TensorBoard, W&B)"""
 
 
-def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:
+def load_run_config(path: str | Path | None, overrides: Iterable[str] = (), check_imports: bool = True) -> RunConfig:
+    """The run config from ``path`` (None: the defaults) and dotted ``overrides``, checked. ``check_imports`` False:
+    a run's recorded config read for what it says (the live view, an evaluation, forwarding its metrics), where the
+    loss or estimator it names by import path need not be importable."""
     cfg = configlib.load(RunConfig, path, overrides)
     # A relative model directory (the policy's, its tokenizer's, the cross policy's) means: from here, or else next
     # to the config file (configs/local.yaml names configs/base-policy as "base-policy"). Made absolute, so every
@@ -85,7 +88,8 @@ def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> R
         raise configlib.ConfigError(f"broker.tasks.suite {suite!r} names {kind_of(suite)!r} tasks, and "
                                     f"env_server.backend {cfg.env_server.backend!r} runs {kind!r} tasks")
     check_suites(cfg)
-    check_import_paths(cfg)
+    if check_imports:
+        check_import_paths(cfg)
     if cfg.broker.dynamic_sampling and cfg.learner.advantage.level == "step":
         raise configlib.ConfigError("broker.dynamic_sampling judges a group by its episode rewards, and "
                                     "learner.advantage.level is step: a group whose episodes tie may still "
@@ -211,7 +215,7 @@ def config_for_checkpoint(checkpoint: str | Path) -> RunConfig:
 
     ck = resolve_checkpoint(checkpoint)
     run_cfg_path = ck.parent.parent / "config.yaml"
-    config = load_run_config(run_cfg_path if run_cfg_path.exists() else None)
+    config = load_run_config(run_cfg_path if run_cfg_path.exists() else None, check_imports=False)
     state = json.loads((ck / "state.json").read_text()) if (ck / "state.json").exists() else {}
     if not run_cfg_path.exists() and "prompt" in state:
         config.actor.prompt = PromptConfig(**state["prompt"])

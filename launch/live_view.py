@@ -67,6 +67,11 @@ def render_view(run_dir: RunDir, cfg: Any, elapsed: float, roles: dict[str, tupl
     gen = sum(a.get("gen_tokens_per_s") or 0 for a in actors)
     eps = sum((a.get("counters") or {}).get("episodes", 0) for a in actors)
     alive = " ".join(f"{k}{'' if up else '(down)'}{f'[r{n}]' if n else ''}" for k, (up, n) in roles.items())
+    # Data that kept killing a role (docs/reliability.md): shown once there is any, with where to look.
+    groups_aside = (lr.get("counters") or {}).get("groups_dropped_step_crashed", 0)
+    tasks_aside = br.get("tasks_set_aside", 0)
+    crashed = ([f"set aside after crashes: {groups_aside} groups (in quarantine/: computerrl replay-step), "
+                f"{tasks_aside} tasks (broker log: task_set_aside)"] if groups_aside or tasks_aside else [])
     return [
         f"phase {lr.get('phase', '-').upper():<4} step {step}/{total or '∞'}  elapsed {elapsed / 60:.1f} min  "
         f"ETA {eta}",
@@ -78,6 +83,7 @@ def render_view(run_dir: RunDir, cfg: Any, elapsed: float, roles: dict[str, tupl
         f"actors gen {gen:.0f} tok/s  episodes {eps}  env {_total(servers, 'steps_per_s'):.0f} steps/s  "
         f"sessions {_total(servers, 'sessions'):.0f}",
         desktop_line(servers, elapsed),
+        *crashed,
         f"roles {alive}",
     ]
 

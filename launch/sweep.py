@@ -227,7 +227,7 @@ class Sweep:
         latest = ckpt.latest(run.root / "checkpoints")
         if latest is None:
             return "start"
-        total = load_run_config(run.root / "config.yaml").learner.total_steps
+        total = load_run_config(run.root / "config.yaml", check_imports=False).learner.total_steps
         version = json.loads((latest / ckpt.STATE_FILE).read_text())["version"]
         return "evaluate" if total and version >= total else "resume"
 

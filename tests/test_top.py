@@ -14,7 +14,8 @@ def test_top_shows_a_run_from_its_records_and_which_roles_went_quiet(tmp_path):
     now = time.time()
     m = tmp_path / "metrics"
     m.mkdir()
-    (tmp_path / "config.yaml").write_text("learner:\n  total_steps: 10\n")
+    # a loss by import path this process cannot import (a plug-in on the run's nodes only): not needed to watch it
+    (tmp_path / "config.yaml").write_text("learner:\n  total_steps: 10\n  loss:\n    name: not_here:a_loss\n")
     records = {
         "learner": [{"time": now - 120, "step": 1, "success_rate": 0.25, "entropy": 0.5, "loss": 0.1},
                     {"time": now - 30, "step": 4, "success_rate": 0.5, "entropy": 0.4, "loss": 0.05}],
@@ -32,3 +33,8 @@ def test_top_shows_a_run_from_its_records_and_which_roles_went_quiet(tmp_path):
     assert "desktops 8 (started 0)  resets 30 (0.25/s)  steps 90 (0.75/s)  failures 1" in out.output
     # the actor wrote nothing for 100 s (3 intervals of 5 s): down; the learner, 30 s after a step: still up
     assert "roles actor-0(down) broker-0 env_server-0 learner-0\n" in out.output
+    assert "set aside" not in out.output, "nothing crashed: no line for it"
+    with open(m / "learner.jsonl", "a") as f:
+        f.write(json.dumps({"time": now, "step": 5, "counters": {"groups_dropped_step_crashed": 1}}) + "\n")
+    out = CliRunner().invoke(main, ["top", str(tmp_path), "--once"])
+    assert "set aside after crashes: 1 groups (in quarantine/: computerrl replay-step), 0 tasks" in out.output

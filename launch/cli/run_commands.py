@@ -66,7 +66,7 @@ def top(run_dir: str, once: bool, interval: float) -> None:
     from launch.live_view import render_view, roles_from_records
 
     rd = RunDir(Path(run_dir).resolve())
-    cfg = load_run_config(rd.config if rd.config.exists() else None)
+    cfg = load_run_config(rd.config if rd.config.exists() else None, check_imports=False)
     tty = sys.stdout.isatty() and not once
     shown = 0
     try:
@@ -130,7 +130,7 @@ def metrics(run_dir: str, sinks: str, follow: bool) -> None:
     rd = RunDir(Path(run_dir))
     overrides = (f"metrics.sinks=[{sinks}]",) if sinks else ()
     try:
-        cfg = load_run_config(rd.config if rd.config.exists() else None, overrides)
+        cfg = load_run_config(rd.config if rd.config.exists() else None, overrides, check_imports=False)
         if not cfg.metrics.forwarded:
             raise ValueError("no sink to forward to: pass --sinks tensorboard[,wandb] or set metrics.sinks")
         fwd = MetricsForwarder(rd.metrics, rd.root, cfg.metrics, cfg.run.run_id or rd.root.name,
