@@ -214,6 +214,30 @@ def test_a_task_lost_with_its_actors_twice_is_not_issued_again_unless_a_group_ca
     actor.close()
 
 
+def test_a_task_held_by_two_actors_that_died_is_set_aside(start_broker, quiet_log):
+    """The path a task that kills its actor takes: the actor goes silent (kill -9, the OOM killer), is declared dead,
+    its ticket's task goes to the next actor, which dies too; the third actor gets another task."""
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=1, eta=0), net=make_net(liveness=3))
+    first = None
+    for n in (1, 2):
+        actor = ActorBrokerClient(tb.net, None, quiet_log)
+        actor.connect(5)
+        (t,) = take_tickets(actor, 1, expect=1)
+        first = first or t.task_id
+        assert t.task_id == first, "a dead actor's task goes out again first"
+        vanish(actor)
+        deadline = time.monotonic() + 10 * tb.net.dead_after_s
+        while stat(tb, "actors_dead") < n:
+            assert time.monotonic() < deadline, "the silent actor was never declared dead"
+            time.sleep(0.02)
+    assert stat(tb, "tasks_set_aside") == 1 and tb.broker.task_crashes == {}
+    third = ActorBrokerClient(tb.net, None, quiet_log)
+    third.connect(5)
+    (t,) = take_tickets(third, 1, expect=1)
+    assert t.task_id != first
+    third.close()
+
+
 @pytest.mark.parametrize("group_first", [False, True], ids=["as_it_comes", "group_before_any_heartbeat"])
 def test_stalled_actor_rehandshakes_and_keeps_its_requests(start_broker, quiet_log, group_first):
     """A long generation step without polling: the broker declares the actor dead (after dead_after_s of silence
