@@ -151,6 +151,9 @@ class Reconciliation:
             out.append("lost: " + ", ".join(self.lost[:10]) + (" ..." if len(self.lost) > 10 else ""))
         if self.trained_twice:
             out.append("trained twice: " + ", ".join(self.trained_twice[:10]))
+        if self.dropped.get("step_crashed"):
+            out.append("step_crashed: groups whose steps killed the learner, kept in the run's quarantine/ "
+                       "(computerrl episodes RUN shows them; computerrl replay-step RUN GROUP_ID trains one alone)")
         return "\n".join(out)
 
 

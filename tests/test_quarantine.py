@@ -254,3 +254,13 @@ def test_a_group_counted_before_is_probed_alone_first_and_a_crash_there_counts_a
     m = learner._rl_step(P.Batch(batch_id="w", train_version=1, groups=[a, b]))
     assert m["outcomes"] == {a.group_id: "trained", b.group_id: "trained"} and t.version == 2
     assert not (tb.run_dir.quarantine / IN_FLIGHT).exists()
+
+
+def test_the_audits_table_says_where_the_groups_set_aside_are():
+    import collections
+
+    from common.audit import Reconciliation
+
+    assert "quarantine/" not in Reconciliation(dropped=collections.Counter(stale=3)).table()
+    said = Reconciliation(acked=4, dropped=collections.Counter(step_crashed=1, stale=3)).table()
+    assert "dropped: step_crashed" in said and "computerrl replay-step RUN GROUP_ID" in said
