@@ -41,6 +41,8 @@ from common.net.security import RateLimitedLog
 
 IN_FLIGHT = "step-in-flight.json"
 CRASHES = "crashes.json"
+SUCCESS_PREFIX = "success-"
+"""what a stored success's key begins with (``success_key``), apart from group ids"""
 
 
 class CrashedSteps:
@@ -157,7 +159,7 @@ class CrashedSteps:
 
 def success_key(sample: P.SuccessSample) -> str:
     """What a stored success (an SFT step's sample) is counted under: its trajectory's id, apart from group ids."""
-    return f"success-{sample.trajectory.traj_id}"
+    return SUCCESS_PREFIX + sample.trajectory.traj_id
 
 
 def success_group(sample: P.SuccessSample) -> P.TrajectoryGroup:

@@ -195,23 +195,46 @@ def test_replay_step_trains_a_set_aside_group_alone_and_names_those_there_are(tm
     out = CliRunner().invoke(main, ["replay-step", str(rd.root), "nope"])
     assert out.exit_code == 1 and f"those set aside are {group.group_id}" in out.output
 
+    # a stored success set aside from SFT steps is replayed as the SFT step it was in
+    from learner.quarantine import save, success_group
+
+    sample = P.SuccessSample(task_id="sim:train/3", trajectory=next(t for t in group.trajectories if t.success))
+    success = success_group(sample)
+    save(rd.quarantine / f"{success.group_id}.msgpack", success)
+    out = CliRunner().invoke(main, ["replay-step", str(rd.root), success.group_id, "--json"])
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.output.strip().splitlines()[-1])
+    assert result["outcomes"] == {success.group_id: "trained"} and result["version"] == 1
+
 
 @pytest.mark.slow
-def test_replay_step_crashes_as_the_learner_did(tmp_path):
-    """The planted group that killed the learner's rank kills the replay the same way, in one process."""
+def test_replay_step_crashes_as_the_learner_did_and_all_tells_the_culprit_from_its_partner(tmp_path):
+    """The planted group that killed the learner's rank kills its replay the same way; ``all`` replays each group set
+    aside in a process of its own and says which one kills it and which one trains."""
     import os
     import signal
     import subprocess
     import sys
 
+    from learner.quarantine import save
     from tests.conftest import REPO
 
-    rd, group = _run_with_a_group_set_aside(tmp_path, poisoned=True)
+    rd, poisoned = _run_with_a_group_set_aside(tmp_path, poisoned=True)
+    partner = groups_from(Trainer(LearnerConfig(), TINY), n_groups=1, seed=5)[0]
+    save(rd.quarantine / f"{partner.group_id}.msgpack", partner)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "launch.cli", "replay-step", str(rd.root), group.group_id,
-                          "learner.loss.name=tests.plugins:killing_grpo_loss"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300)
+
+    def replay(*args):
+        return subprocess.run([sys.executable, "-m", "launch.cli", "replay-step", str(rd.root), *args,
+                               "learner.loss.name=tests.plugins:killing_grpo_loss"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    out = replay(poisoned.group_id)
     assert out.returncode == -signal.SIGKILL, out.stdout + out.stderr
+    out = replay("all", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    said = {r["group"]: r["outcome"] for r in json.loads(out.stdout.strip().splitlines()[-1])}
+    assert said == {poisoned.group_id: "killed by SIGKILL", partner.group_id: "trained"}, said
 
 
 def test_a_group_counted_before_is_probed_alone_first_and_a_crash_there_counts_against_it_alone(start_broker,

@@ -208,14 +208,27 @@ def episodes_cmd(run_dir: str, out: str | None, episode_id: str | None, open_bro
 def replay_step_cmd(run_dir: str, group: str, overrides: tuple[str, ...], checkpoint: str | None,
                     as_json: bool) -> None:
     """Train a group the learner set aside (its id in RUN_DIR/quarantine/, or its file) alone, in this process, as
-    the run's learner would: to see why its steps killed the learner. OVERRIDES change the run's config (e.g.
-    learner.device=cpu). Nothing is written."""
+    the run's learner would: to see why its steps killed the learner. GROUP "all": every group set aside there, each
+    in a process of its own, and what became of each (trained, or killed by which signal). OVERRIDES change the
+    run's config (e.g. learner.device=cpu). Nothing is written."""
     import faulthandler
 
     from actor.demos import load_run_demos
     from common import demofile
     from common.rundir import RunDir
-    from learner.replay import find_group, replay_step
+    from learner.replay import find_group, replay_each, replay_step
+
+    if group == "all":
+        rd = RunDir(Path(run_dir).resolve())
+        results = replay_each(rd, overrides, Path(checkpoint) if checkpoint else None)
+        if not results:
+            raise click.ClickException(f"no group is set aside in {rd.quarantine}")
+        if as_json:
+            click.echo(json.dumps(results))
+        else:
+            for r in results:
+                click.echo(f"{r['group']}  {r['outcome']}")
+        return
 
     try:
         faulthandler.enable()  # a segfault or abort in a kernel prints every thread's Python stack
