@@ -1,5 +1,6 @@
 """Recorded demonstrations on disk: one file of trajectories (the wire codec's ``TrajectoryGroup``) with the
-settings that produced them, so a reader can tell demos made for another prompt or tokenizer from its own."""
+settings that produced them, so a reader can tell demos made for another prompt or tokenizer from its own.
+``write_group`` and ``read_group`` are that file form for any group (the learner's set-aside groups use it too)."""
 
 from __future__ import annotations
 
@@ -34,11 +35,9 @@ class DemoFileError(RuntimeError):
     """Missing, unreadable, or recorded with other settings than the reader's."""
 
 
-def save(path: Path, trajectories: list[P.Trajectory], settings: dict) -> None:
-    """Write atomically (temporary file, fsync, rename): a reader sees the old file or the whole new one."""
-    group = P.TrajectoryGroup(group_id="demos", ticket_id="demos", task_id=str(settings.get("suite", "")),
-                              actor_id="demos", trajectories=trajectories, behavior_version_min=0,
-                              behavior_version_max=0, created_at=0.0, complete=True, info={"settings": settings})
+def write_group(path: Path, group: P.TrajectoryGroup) -> None:
+    """``group``'s wire frames packed in one msgpack array, written atomically (temporary file, fsync, rename): a
+    reader sees the old file or the whole new one."""
     frames = [bytes(f) for f in P.encode(group)]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -49,17 +48,31 @@ def save(path: Path, trajectories: list[P.Trajectory], settings: dict) -> None:
     os.replace(tmp, path)
 
 
+def read_group(path: Path, what: str = "trajectories") -> P.TrajectoryGroup:
+    """The group ``write_group`` wrote to ``path``; ``DemoFileError`` (naming ``what`` was expected) when it is
+    missing or holds none."""
+    if not path.exists():
+        raise DemoFileError(f"no {what} at {path}")
+    try:
+        group = P.decode(msgpack.unpackb(path.read_bytes(), raw=False), max_bytes=None)
+    except (OSError, ValueError, P.ProtocolError, msgpack.UnpackException) as exc:
+        raise DemoFileError(f"{path} is not a {what} file: {exc}") from None
+    if not isinstance(group, P.TrajectoryGroup):
+        raise DemoFileError(f"{path} holds a {type(group).__name__}, not {what}")
+    return group
+
+
+def save(path: Path, trajectories: list[P.Trajectory], settings: dict) -> None:
+    """The demonstrations with the settings that produced them (``write_group``)."""
+    write_group(path, P.TrajectoryGroup(group_id="demos", ticket_id="demos", task_id=str(settings.get("suite", "")),
+                                        actor_id="demos", trajectories=trajectories, behavior_version_min=0,
+                                        behavior_version_max=0, created_at=0.0, complete=True,
+                                        info={"settings": settings}))
+
+
 def load(path: Path, settings: dict) -> list[P.Trajectory]:
     """The trajectories of ``path``, which must have been recorded with exactly ``settings``."""
-    if not path.exists():
-        raise DemoFileError(f"no demonstrations at {path}")
-    try:
-        frames = msgpack.unpackb(path.read_bytes(), raw=False)
-        group = P.decode(frames, max_bytes=None)
-    except (ValueError, P.ProtocolError, msgpack.UnpackException) as exc:
-        raise DemoFileError(f"{path} is not a demonstrations file: {exc}") from None
-    if not isinstance(group, P.TrajectoryGroup):
-        raise DemoFileError(f"{path} holds a {type(group).__name__}, not demonstrations")
+    group = read_group(path, "demonstrations")
     recorded: Any = group.info.get("settings")
     if recorded != settings:
         raise DemoFileError(f"{path} was recorded with other settings ({recorded}) than this run's ({settings})")

@@ -12,7 +12,7 @@ the step has ended in this process. A learner that finds the file at its start k
 step, and counts one crash against each of the step's groups (``crashes.json``; an SFT step's stored successes by
 ``success_key``). A group counted ``max_crashes`` times is not trained again: at its next delivery it is settled as
 dropped (``step_crashed``) and its data written beside, as ``<group_id>.msgpack`` (the wire codec's
-``TrajectoryGroup``, framed as a demonstrations file is: ``load``), for whoever looks into the crash; a stored success
+``TrajectoryGroup``, framed as a demonstrations file is: ``demofile.read_group``), for whoever looks into the crash; a stored success
 is left out of its SFT step and written the same way.
 
 Which of a batch's groups broke its step cannot be told from the crash, so every group of that step is counted. To
@@ -34,8 +34,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-import msgpack
-
+from common import demofile
 from common import protocol as P
 from common.net.security import RateLimitedLog
 
@@ -94,10 +93,10 @@ class CrashedSteps:
         return out
 
     def keep(self, key: str, group: P.TrajectoryGroup) -> None:
-        """Write what was set aside under ``key`` to ``<key>.msgpack``, for whoever looks into the crash."""
+        """Write what was set aside under ``key`` to ``<key>.msgpack`` (``demofile.read_group`` reads it), for whoever
+        looks into the crash."""
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            save(self.root / f"{key}.msgpack", group)
+            demofile.write_group(self.root / f"{key}.msgpack", group)
         except OSError as exc:
             self._rate_limited.error("quarantine_write_failed", ("group",), name=key, error=repr(exc))
 
@@ -167,17 +166,3 @@ def success_group(sample: P.SuccessSample) -> P.TrajectoryGroup:
     return P.TrajectoryGroup(group_id=success_key(sample), ticket_id="", task_id=sample.task_id, actor_id="",
                              trajectories=[sample.trajectory], behavior_version_min=0, behavior_version_max=0)
 
-
-def save(path: Path, group: P.TrajectoryGroup) -> None:
-    """One group, as the wire codec frames it, packed in one msgpack array (the demonstrations files' form)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(msgpack.packb([bytes(f) for f in P.encode(group)], use_bin_type=True))
-    os.replace(tmp, path)
-
-
-def load(path: Path) -> P.TrajectoryGroup:
-    """A group set aside by ``CrashedSteps`` (to replay its step under a debugger, or read its episodes)."""
-    group = P.decode(msgpack.unpackb(Path(path).read_bytes(), raw=False), max_bytes=None)
-    if not isinstance(group, P.TrajectoryGroup):
-        raise ValueError(f"{path} holds a {type(group).__name__}, not a TrajectoryGroup")
-    return group

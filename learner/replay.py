@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from common import demofile
 from common import protocol as P
 from common.images import ImageStore
 from common.rundir import RunDir
@@ -37,7 +38,7 @@ def find_group(run_dir: RunDir, group: str) -> P.TrajectoryGroup:
         held = sorted(p.stem for p in run_dir.quarantine.glob("*.msgpack")) if run_dir.quarantine.is_dir() else []
         raise FileNotFoundError(f"no group {group!r} set aside in {run_dir.quarantine}: "
                                 + (f"those set aside are {', '.join(held)}" if held else "none is set aside there"))
-    return quarantine.load(path)
+    return demofile.read_group(path)
 
 
 def replay_step(cfg: Any, run_dir: RunDir, group: P.TrajectoryGroup, anchor_demos: list[P.Trajectory] | None,

@@ -103,13 +103,14 @@ def test_a_directory_without_episodes_says_why(tmp_path):
 def test_the_groups_the_learner_set_aside_are_shown_whether_recorded_or_not(tmp_path):
     """A group whose steps killed the learner (``learner/quarantine.py``) is the one to read: its episodes are shown
     from the file the learner kept, beside the recorded ones, once each, with the learner's verdict."""
-    from learner.quarantine import CRASHES, save
+    from common.demofile import write_group
+    from learner.quarantine import CRASHES
     from tests.conftest import make_group
 
     rd = RunDir.create(tmp_path / "run")
     group = make_group(rewards=(1.0, 0.0, 0.0), group_id="gpoison")
     rd.quarantine.mkdir()
-    save(rd.quarantine / "gpoison.msgpack", group)
+    write_group(rd.quarantine / "gpoison.msgpack", group)
     (rd.quarantine / CRASHES).write_text("{}")
     (rd.quarantine / "torn.msgpack").write_bytes(b"\x93\xc4")
     rd.episodes.mkdir()
@@ -136,7 +137,7 @@ def test_the_groups_the_learner_set_aside_are_shown_whether_recorded_or_not(tmp_
 
     only = RunDir.create(tmp_path / "crashed-early")  # nothing recorded yet, one group set aside
     only.quarantine.mkdir()
-    save(only.quarantine / "gpoison.msgpack", group)
+    write_group(only.quarantine / "gpoison.msgpack", group)
     assert len(load(only.root).episodes) == 3
 
 

@@ -132,8 +132,8 @@ def test_a_group_whose_step_kills_a_learner_rank_is_set_aside_after_two_crashes(
     aside = [r for r in log if r["event"] == "groups_set_aside"]
     assert len(aside) == 1 and aside[0]["groups"] == poison, aside
     kept = run_dir / "quarantine" / f"{poison[0]}.msgpack"
-    from learner.quarantine import load
-    assert load(kept).trajectories[0].logprobs[0] == POISON_LOGPROB
+    from common.demofile import read_group
+    assert read_group(kept).trajectories[0].logprobs[0] == POISON_LOGPROB
     out = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(run_dir), "--json"], cwd=REPO,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
     audit = json.loads(out.stdout)

@@ -12,7 +12,8 @@ pytest.importorskip("torch")
 from common import protocol as P  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.process import Learner  # noqa: E402
-from learner.quarantine import CRASHES, IN_FLIGHT, CrashedSteps, load, success_key  # noqa: E402
+from common.demofile import read_group, write_group  # noqa: E402
+from learner.quarantine import CRASHES, IN_FLIGHT, CrashedSteps, success_key  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
 from tests.test_learner import TINY, groups_from  # noqa: E402
 
@@ -34,7 +35,7 @@ def test_a_step_that_never_ended_counts_against_its_groups_and_twice_sets_them_a
     assert third.found == [a] and third.crashes == {a: 2, b: 1}
     assert third.counted_out(groups) == [a]
     third.keep(a, groups[a])
-    kept = load(tmp_path / f"{a}.msgpack")
+    kept = read_group(tmp_path / f"{a}.msgpack")
     assert kept.group_id == a and len(kept.trajectories) == len(groups[a].trajectories)
     assert (kept.trajectories[0].logprobs == groups[a].trajectories[0].logprobs).all()
     third.begin("batch-3", 4, [b])
@@ -92,7 +93,7 @@ def test_the_learner_sets_aside_what_crashed_it_trains_the_rest_and_settles_both
     m = learner._rl_step(P.Batch(batch_id="y", train_version=0, groups=[a, b]))
     assert m["outcomes"] == {a.group_id: "step_crashed", b.group_id: "trained"} and "empty" not in m
     assert learner.trainer.counters["groups_dropped_step_crashed"] == 1
-    assert load(tb.run_dir.quarantine / f"{a.group_id}.msgpack").group_id == a.group_id
+    assert read_group(tb.run_dir.quarantine / f"{a.group_id}.msgpack").group_id == a.group_id
     assert not (tb.run_dir.quarantine / IN_FLIGHT).exists()
     learner._settle(m["outcomes"])
     assert json.loads((tb.run_dir.quarantine / CRASHES).read_text()) == {a.group_id: 2, b.group_id: 1}
@@ -141,7 +142,7 @@ def test_an_sft_step_leaves_out_stored_successes_that_killed_the_learner_and_cou
     m = learner._sft_step(1e-4, P.SuccessBatch(samples=samples))
     assert "empty" not in m and trained == [[samples[1].trajectory.traj_id]]
     assert learner.trainer.counters["successes_set_aside_step_crashed"] == 1
-    kept = load(tb.run_dir.quarantine / f"{bad}.msgpack")
+    kept = read_group(tb.run_dir.quarantine / f"{bad}.msgpack")
     assert kept.task_id == "sim:train/0" and kept.trajectories[0].traj_id == samples[0].trajectory.traj_id
     learner.crashes.committed()
     assert learner.crashes.crashes == {bad: 2}, "a success trained is settled"
@@ -162,7 +163,6 @@ def _run_with_a_group_set_aside(tmp_path, poisoned: bool = False):
     from common import config as configlib
     from common.rundir import RunDir
     from launch.config import load_run_config
-    from learner.quarantine import save
     from tests.plugins import POISON_LOGPROB
 
     rd = RunDir.create(tmp_path / "run")
@@ -171,7 +171,7 @@ def _run_with_a_group_set_aside(tmp_path, poisoned: bool = False):
     if poisoned:
         group.trajectories[0].logprobs[0] = POISON_LOGPROB
     rd.quarantine.mkdir()
-    save(rd.quarantine / f"{group.group_id}.msgpack", group)
+    write_group(rd.quarantine / f"{group.group_id}.msgpack", group)
     return rd, group
 
 
@@ -196,11 +196,11 @@ def test_replay_step_trains_a_set_aside_group_alone_and_names_those_there_are(tm
     assert out.exit_code == 1 and f"those set aside are {group.group_id}" in out.output
 
     # a stored success set aside from SFT steps is replayed as the SFT step it was in
-    from learner.quarantine import save, success_group
+    from learner.quarantine import success_group
 
     sample = P.SuccessSample(task_id="sim:train/3", trajectory=next(t for t in group.trajectories if t.success))
     success = success_group(sample)
-    save(rd.quarantine / f"{success.group_id}.msgpack", success)
+    write_group(rd.quarantine / f"{success.group_id}.msgpack", success)
     out = CliRunner().invoke(main, ["replay-step", str(rd.root), success.group_id, "--json"])
     assert out.exit_code == 0, out.output
     result = json.loads(out.output.strip().splitlines()[-1])
@@ -216,12 +216,11 @@ def test_replay_step_crashes_as_the_learner_did_and_all_tells_the_culprit_from_i
     import subprocess
     import sys
 
-    from learner.quarantine import save
     from tests.conftest import REPO
 
     rd, poisoned = _run_with_a_group_set_aside(tmp_path, poisoned=True)
     partner = groups_from(Trainer(LearnerConfig(), TINY), n_groups=1, seed=5)[0]
-    save(rd.quarantine / f"{partner.group_id}.msgpack", partner)
+    write_group(rd.quarantine / f"{partner.group_id}.msgpack", partner)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def replay(*args):

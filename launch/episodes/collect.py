@@ -9,14 +9,12 @@ import collections
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgpack
-
 from actor.recorder import trajectory_record
 from common.audit import group_fates, read_events
+from common.demofile import DemoFileError, read_group
 from common.episode_log import LEARNER_FILE, read_records
 from common.images import ImageStore
 from common.rundir import RunDir
-from learner import quarantine
 
 SET_ASIDE = "set aside"
 """the source of an episode of a group the learner set aside (``learner/quarantine.py``)"""
@@ -80,8 +78,8 @@ def load(run_dir: str | Path) -> EpisodeSet:
     recorded = {ep["id"] for ep in episodes}
     for path in aside:
         try:
-            group = quarantine.load(path)
-        except (OSError, ValueError, msgpack.UnpackException):  # a torn or foreign file: counted like a torn line
+            group = read_group(path)
+        except DemoFileError:  # a torn or foreign file: counted like a torn line
             skipped["unreadable_set_aside"] += 1
             continue
         episodes += [rec for i in range(len(group.trajectories))
