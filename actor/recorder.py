@@ -62,25 +62,30 @@ def split_of(task_id: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-def episode_record(ep: Any, episode_id: str, source: str, **extra: Any) -> dict:
-    """A JSON-ready record of one played ``actor.episode.Episode``."""
-    turns = []
-    for i, t in enumerate(ep.turns):
-        n = len(t.output_ids)
-        turns.append({
-            "obs": t.observation, "images": list(t.images), "text": t.action,
-            "result": ep.results[i] if i < len(ep.results) else "",
+def _turn_record(t: Any, result: str, seconds: float | None) -> dict:
+    """One turn (a ``TurnView``: the policy's side of it) with the desktop's answer and how long the step took."""
+    n = len(t.output_ids)
+    return {"obs": t.observation, "images": list(t.images), "text": t.action, "result": result,
             "format_error": bool(t.format_error), "tokens": n,
             "logprob": round(float(t.logprobs.mean()), 4) if n else None,
-            "version": int(t.versions.max()) if len(t.versions) else None,
-            "seconds": round(ep.step_seconds[i], 4) if i < len(ep.step_seconds) else None,
-        })
+            "version": int(t.versions.max()) if len(t.versions) else None, "seconds": seconds}
+
+
+def _record(episode_id: str, source: str, task_id: str, turns: list[dict], **fields: Any) -> dict:
+    return {"v": RECORD_VERSION, "id": episode_id, "source": source, "task": task_id, "split": split_of(task_id),
+            "steps": len(turns), "turns": turns, **fields}
+
+
+def episode_record(ep: Any, episode_id: str, source: str, **extra: Any) -> dict:
+    """A JSON-ready record of one played ``actor.episode.Episode``."""
+    turns = [_turn_record(t, ep.results[i] if i < len(ep.results) else "",
+                          round(ep.step_seconds[i], 4) if i < len(ep.step_seconds) else None)
+             for i, t in enumerate(ep.turns)]
     ev = ep.evaluation
-    return {"v": RECORD_VERSION, "id": episode_id, "source": source, "task": ep.task_id,
-            "family": str(ev.get("family", "")), "split": split_of(ep.task_id), "instruction": ep.instruction,
-            "reward": float(ev.get("reward", 0.0)), "success": bool(ev.get("success", False)),
-            "finish": ep.finish_reason, "steps": len(ep.turns), "format_errors": ep.format_errors,
-            "t": round(time.time(), 3), "turns": turns, **extra}
+    return _record(episode_id, source, ep.task_id, turns, family=str(ev.get("family", "")),
+                   instruction=ep.instruction, reward=float(ev.get("reward", 0.0)),
+                   success=bool(ev.get("success", False)), finish=ep.finish_reason, format_errors=ep.format_errors,
+                   t=round(time.time(), 3), **extra)
 
 
 def trajectory_record(group: Any, index: int, source: str, **extra: Any) -> dict:
@@ -88,16 +93,8 @@ def trajectory_record(group: Any, index: int, source: str, **extra: Any) -> dict
     learner set aside, ``learner/quarantine.py``). Per turn: the observation, the sampled text, tokens, mean log-prob
     and version; the desktop's answers, the instruction and how the episode ended are not carried, so left empty."""
     tr = group.trajectories[index]
-    turns = []
-    for i in range(tr.num_turns):
-        t = tr.turn(i)
-        n = len(t.output_ids)
-        turns.append({"obs": t.observation, "images": list(t.images), "text": t.action, "result": "",
-                      "format_error": t.format_error, "tokens": n,
-                      "logprob": round(float(t.logprobs.mean()), 4) if n else None,
-                      "version": int(t.versions.max()) if n else None, "seconds": None})
-    return {"v": RECORD_VERSION, "id": tr.traj_id, "source": source, "task": group.task_id, "family": "",
-            "split": split_of(group.task_id), "instruction": "", "reward": float(tr.reward),
-            "success": bool(tr.success), "finish": "", "steps": len(turns), "format_errors": int(tr.format_errors.sum()), "t": 0.0, "turns": turns,
-            "group": group.group_id, "index": index, "group_rewards": [float(x.reward) for x in group.trajectories],
-            "version": [int(group.behavior_version_min), int(group.behavior_version_max)], **extra}
+    turns = [_turn_record(tr.turn(i), "", None) for i in range(tr.num_turns)]
+    return _record(tr.traj_id, source, group.task_id, turns, family="", instruction="", reward=float(tr.reward),
+                   success=bool(tr.success), finish="", format_errors=int(tr.format_errors.sum()), t=0.0,
+                   group=group.group_id, index=index, group_rewards=[float(x.reward) for x in group.trajectories],
+                   version=[int(group.behavior_version_min), int(group.behavior_version_max)], **extra)
