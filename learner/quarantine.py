@@ -11,9 +11,8 @@ So rank 0 writes the ids of what a step trains to ``step-in-flight.json`` before
 the step has ended in this process. A learner that finds the file at its start knows its predecessor died inside that
 step, and counts one crash against each of the step's groups (``crashes.json``; an SFT step's stored successes by
 ``success_key``). A group counted ``max_crashes`` times is not trained again: at its next delivery it is settled as
-dropped (``step_crashed``) and its data written beside, as ``<group_id>.msgpack`` (the wire codec's
-``TrajectoryGroup``, framed as a demonstrations file is: ``demofile.read_group``), for whoever looks into the crash; a stored success
-is left out of its SFT step and written the same way.
+dropped (``step_crashed``) and its data written beside, as ``<group_id>.msgpack`` (``demofile.write_group``), for
+whoever looks into the crash; a stored success is left out of its SFT step and written the same way.
 
 Which of a batch's groups broke its step cannot be told from the crash, so every group of that step is counted. To
 tell them apart, a batch that holds groups counted before is preceded by a probe of each of them alone: the step's

@@ -6,20 +6,15 @@ failure that took the others with it. To find out why, one wants that step alone
 had it (its config, the anchor demonstrations recorded in its directory, a checkpoint: the latest by default) on one
 rank and trains that group alone, with no staleness bound. Nothing is written: the run directory is read, not changed.
 
-``computerrl replay-step RUN GROUP`` is the command (``launch/cli/tool_commands.py``); ``RUN all`` replays every group
-set aside there, each in a process of its own (``replay_each``), and says which of them kill it: the first crash of a
-batch counts against all its groups, and the others of a batch set aside together train.
+``computerrl replay-step RUN GROUP`` is the command (``launch/cli/tool_commands.py``); ``RUN all`` runs it for every
+group set aside there, each in a process of its own, and says which of them kill it: the first crash of a batch
+counts against all its groups, and the others of a batch set aside together train.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from common import demofile
 from common import protocol as P
@@ -62,24 +57,3 @@ def replay_step(cfg: Any, run_dir: RunDir, group: P.TrajectoryGroup, anchor_demo
     return {"group": group.group_id, "checkpoint": str(path) if path is not None else None, "from_version": start,
             **{k: v for k, v in m.items() if isinstance(v, (bool, int, float, str, dict))}}
 
-
-def replay_each(run_dir: RunDir, overrides: Sequence[str] = (), checkpoint: Path | None = None) -> list[dict]:
-    """Every group set aside in ``run_dir``, each replayed by ``computerrl replay-step`` in a process of its own (a
-    crash takes that one only): ``[{"group", "outcome"}]``, the outcome "trained", the reason the step dropped it,
-    "killed by SIGKILL" (or another signal), or "exited N: " and the last line it wrote."""
-    ids = sorted(p.stem for p in run_dir.quarantine.glob("*.msgpack")) if run_dir.quarantine.is_dir() else []
-    repo = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)}
-    out = []
-    for gid in ids:
-        argv = [sys.executable, "-m", "launch.cli", "replay-step", str(run_dir.root), gid, *overrides, "--json",
-                *(["--checkpoint", str(checkpoint)] if checkpoint is not None else [])]
-        p = subprocess.run(argv, capture_output=True, text=True, env=env)
-        if p.returncode == 0:
-            outcome = json.loads(p.stdout.strip().splitlines()[-1]).get("outcomes", {}).get(gid, "?")
-        elif p.returncode < 0:
-            outcome = f"killed by {signal.Signals(-p.returncode).name}"
-        else:
-            outcome = f"exited {p.returncode}: {(p.stderr.strip().splitlines() or ['?'])[-1]}"
-        out.append({"group": gid, "outcome": outcome})
-    return out

@@ -1,5 +1,5 @@
-"""Commands around a run rather than in it: ``eval``, ``pretrain``, ``tiny-checkpoint``, ``config`` and
-``check-families``."""
+"""Commands around a run rather than in it: ``eval``, ``pretrain``, ``tiny-checkpoint``, ``config``,
+``check-families``, ``episodes`` and ``replay-step``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import click
 
 from common import config as configlib
 from common import log as L
+from common.rundir import RunDir
 from launch.config import RunConfig
 from launch.cli.base import CONFIG_HELP, emit, load_config, main
 
@@ -215,12 +216,11 @@ def replay_step_cmd(run_dir: str, group: str, overrides: tuple[str, ...], checkp
 
     from actor.demos import load_run_demos
     from common import demofile
-    from common.rundir import RunDir
-    from learner.replay import find_group, replay_each, replay_step
+    from learner.replay import find_group, replay_step
 
     if group == "all":
         rd = RunDir(Path(run_dir).resolve())
-        results = replay_each(rd, overrides, Path(checkpoint) if checkpoint else None)
+        results = _replay_each(rd, overrides, checkpoint)
         if not results:
             raise click.ClickException(f"no group is set aside in {rd.quarantine}")
         if as_json:
@@ -246,3 +246,27 @@ def replay_step_cmd(run_dir: str, group: str, overrides: tuple[str, ...], checkp
     except (FileNotFoundError, demofile.DemoFileError) as exc:
         raise click.ClickException(str(exc)) from None
     emit(replay_step(cfg, rd, found, anchor, Path(checkpoint) if checkpoint else None), as_json)
+
+
+def _replay_each(run_dir: RunDir, overrides: tuple[str, ...], checkpoint: str | None) -> list[dict]:
+    """``replay-step`` for every group set aside in ``run_dir``, each in a process of its own (a crash takes that one
+    only): ``[{"group", "outcome"}]``, the outcome "trained", the reason the step dropped it, "killed by SIGKILL" (or
+    another signal), or "exited N: " and the last line it wrote."""
+    import signal
+    import subprocess
+    import sys
+
+    ids = sorted(p.stem for p in run_dir.quarantine.glob("*.msgpack")) if run_dir.quarantine.is_dir() else []
+    out = []
+    for gid in ids:
+        argv = [sys.executable, "-m", "launch.cli", "replay-step", str(run_dir.root), gid, *overrides, "--json",
+                *(["--checkpoint", checkpoint] if checkpoint else [])]
+        p = subprocess.run(argv, capture_output=True, text=True)
+        if p.returncode == 0:
+            outcome = json.loads(p.stdout.strip().splitlines()[-1]).get("outcomes", {}).get(gid, "?")
+        elif p.returncode < 0:
+            outcome = f"killed by {signal.Signals(-p.returncode).name}"
+        else:
+            outcome = f"exited {p.returncode}: {(p.stderr.strip().splitlines() or ['?'])[-1]}"
+        out.append({"group": gid, "outcome": outcome})
+    return out
