@@ -216,7 +216,7 @@ def desktop(work_dir):
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A three-node Slurm cluster of our own on this machine (root and the slurm-wlm packages needed, else the test
-    skips)."""
+    skips), whose "urgent" partition preempts its default one."""
     from tests.slurm_cluster import SlurmCluster, missing
 
     why = missing()

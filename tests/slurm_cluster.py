@@ -18,6 +18,16 @@ from common.net import free_port
 
 BINARIES = ("sbatch", "scontrol", "squeue", "scancel", "slurmctld", "slurmd", "munged")
 
+# Preemption by partition priority, as clusters with a scavenger or low-priority queue set it: a job of the
+# "urgent" partition takes the nodes of the "test" partition's jobs. Slurm then signals every step of the job it
+# preempts (TERM), waits out its grace time, and requeues it.
+PREEMPTION_GRACE_S = 120
+PREEMPTION = ("PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE")
+PARTITIONS = (
+    "PartitionName=test Nodes={nodes} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES PriorityTier=1 "
+    f"PreemptMode=REQUEUE GraceTime={PREEMPTION_GRACE_S}",
+    "PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF")
+
 
 def missing() -> str:
     """Why no cluster can start here ("" = it can)."""
@@ -28,8 +38,12 @@ def missing() -> str:
 
 
 class SlurmCluster:
-    def __init__(self, root: Path, nodes: int = 1):
+    def __init__(self, root: Path, nodes: int = 1, settings: tuple[str, ...] = PREEMPTION,
+                 partitions: tuple[str, ...] = PARTITIONS):
+        """``settings``: slurm.conf lines besides the cluster's own; ``partitions``: its PartitionName= lines, where
+        "{nodes}" stands for the node list (other values try other preemption modes and grace times)."""
         self.root = root
+        self.settings, self.partitions = settings, partitions
         self.host = socket.gethostname().split(".")[0]
         self.nodes = [f"cn{i + 1}" for i in range(nodes)]
         self.conf = root / "slurm.conf"
@@ -57,7 +71,8 @@ class SlurmCluster:
             "AuthInfo=cred_expire=10",
             *(f"NodeName={n} NodeHostname={n} NodeAddr=127.0.0.{i + 1} Port={free_port()} CPUs={os.cpu_count()} "
               "State=UNKNOWN" for i, n in enumerate(self.nodes)),
-            f"PartitionName=test Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
+            *self.settings,
+            *(p.format(nodes=",".join(self.nodes)) for p in self.partitions),
             ""]))
         if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
             Path("/run/munge").mkdir(parents=True, exist_ok=True)
@@ -70,8 +85,9 @@ class SlurmCluster:
                            env=self.env, check=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=self.env, capture_output=True, text=True)
-            if out.stdout.split() == ["idle"] * len(self.nodes):
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env, capture_output=True, text=True)
+            states = dict(line.split() for line in out.stdout.splitlines() if line.strip())  # a node per partition
+            if states == {n: "idle" for n in self.nodes}:
                 return
             time.sleep(0.5)
         raise RuntimeError(f"the test Slurm nodes never became idle:\n{self.log_tail()}")
