@@ -33,6 +33,7 @@ from common import protocol as P
 from common.metrics.writer import MetricsWriter, percentile
 from common.net import NetConfig
 from common.rundir import RunDir
+from common.signals import deferred_terms
 from common.images import Image, ImageStore
 from policy.weightsync import RoundFailed, WeightReceiver, WeightSyncConfig
 from env_server.client import EnvClient, EnvError
@@ -456,7 +457,7 @@ class Actor:
             "format_error_rate": round(self.stats["format_errors"] / max(self.stats["turns"], 1), 4),
             **({"explored_success_rate": round(self.stats["explored_successes"] / self.stats["explored_episodes"], 4)}
                if self.stats["explored_episodes"] else {}),
-            "counters": {**self.stats, "env_pool_waits": self.env.pool_waits,
+            "counters": {**self.stats, "env_pool_waits": self.env.pool_waits, "terms_deferred": deferred_terms(),
                          **(self.images.stats if self.images is not None else {}),
                          **(self.recorder.counts if self.recorder is not None else {})},
         })

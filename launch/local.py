@@ -8,9 +8,13 @@ does; then the learner and the actors, which wait for their peers themselves. Wh
   learner had not committed, so no acked group is lost or trained twice (``computerrl audit`` checks);
 - a role that keeps crashing ends the run with the reason and the tail of its stderr; the run directory
   stays resumable (learner checkpoints, broker spill log): ``computerrl run ... --resume``;
-- SIGINT/SIGTERM stop the learner first (it checkpoints), then actors, env_server and broker; whatever
+- SIGINT/SIGTERM/SIGUSR2 stop the learner first (it checkpoints), then actors, env_server and broker; whatever
   has not exited after ``stop_timeout_s`` (the learner: ``learner_stop_timeout_s``, time to finish its step and
-  checkpoint) is killed, and every child dies with the supervisor (PDEATHSIG).
+  checkpoint) is killed, and every child dies with the supervisor (PDEATHSIG);
+- with its roles as a scheduler's job steps (``scheduler_steps``: a Slurm allocation), a role that stopped on a
+  signal the supervisor did not send means the scheduler is taking the job back (a preemption signals every step's
+  tasks): the run stops as above, resumable, instead of restarting the role. Every role but the learner only counts
+  such a TERM (``common/signals.py``), so the learner, which checkpoints and exits on it, is the one that tells.
 The terminal shows the live view (`launch/live_view.py`), built from the roles' metrics files; their logs go to the run dir.
 """
 
@@ -29,10 +33,15 @@ from typing import Any, Callable
 
 from common.exitcodes import EXIT_RESUMABLE
 from common.rundir import RunDir
+from common.signals import DEFER_TERM_ENV
 from launch.live_view import render_view
 from launch.placement import Role, fabric_roles, local_roles
 
 PR_SET_PDEATHSIG = 1
+# How a role that stopped on a signal exits: 75 (a role's own stop), 128 + N (a command unwound by signal N, or srun
+# reporting a task it signalled), -N (a process the signal ended).
+SIGNALLED_EXITS = {EXIT_RESUMABLE, *(sign * int(s) + (128 if sign > 0 else 0)
+                                     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2) for sign in (1, -1))}
 
 
 @dataclass
@@ -171,10 +180,11 @@ def probe(host: str, port: int, timeout_s: float, net: Any, keys_dir: Path, aliv
 class Supervisor:
     def __init__(self, cfg: Any, config_path: Path, run_dir: RunDir, resume: bool, out: Any = None,
                  roles: list[Role] | None = None, launcher: Callable[[Role], list[str]] | None = None,
-                 log_suffix: str = "", stop_signal: int = signal.SIGTERM):
+                 log_suffix: str = "", stop_signal: int = signal.SIGTERM, scheduler_steps: bool = False):
         """``roles`` default to every role on this machine; ``launcher`` gives the command a role runs under
         (``srun ...`` in a Slurm allocation; nothing locally), ``log_suffix`` marks its stderr file's name,
-        ``stop_signal`` is what asks a role to stop (under srun, one that srun passes on to the role)."""
+        ``stop_signal`` is what asks a role to stop (under srun, one that srun passes on to the role);
+        ``scheduler_steps``: the roles are a scheduler's job steps, which the scheduler may signal itself (above)."""
         self.cfg, self.local = cfg, cfg.local
         self.local.validate()
         self.run_dir = run_dir
@@ -190,6 +200,7 @@ class Supervisor:
         self.launcher = launcher or (lambda role: [])
         self.log_suffix = log_suffix
         self.stop_signal = stop_signal
+        self.scheduler_steps = scheduler_steps
         self.config_path = config_path
         self.eval_proc: subprocess.Popen | None = None
         self.eval_step = -1  # checkpoint version being (or last) evaluated
@@ -209,6 +220,8 @@ class Supervisor:
         role.stderr_path = self.run_dir.logs / f"{role.label}{where}{self.log_suffix}.stderr"
         env = {**os.environ, "COMPUTERRL_QUIET": "1", "PYTHONUNBUFFERED": "1",
                "OMP_NUM_THREADS": str(self.local.torch_threads), **role.env}
+        if self.scheduler_steps and role.name != "learner":
+            env[DEFER_TERM_ENV] = "1"
         argv = [*self.launcher(role), sys.executable, "-m", "launch.cli", *role.args]
         with open(role.stderr_path, "ab") as err:
             role.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env,
@@ -310,6 +323,12 @@ class Supervisor:
             if role.name == "learner" and rc == 0:
                 self._finish()
                 return False
+            if self.scheduler_steps and rc in SIGNALLED_EXITS:
+                self._event(f"{role.label} stopped on a signal the supervisor did not send (exit code {rc}): the "
+                            "scheduler is taking the job back (a preemption signals every job step); stopping the "
+                            "run, resumable")
+                self.stop("interrupted")
+                return False
             if rc == 0 and role.name in ("broker", "actor"):
                 # Told to stop on Control by a learner that finished: they can leave before the learner
                 # does; the learner's own exit (next passes) decides the outcome.
@@ -354,8 +373,9 @@ class Supervisor:
 
     def run(self) -> int:
         def on_signal(signum, _frame):
-            raise KeyboardInterrupt
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            if not self.stopping:  # a second notice must not cut the stop under way short
+                raise KeyboardInterrupt
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
         forwarder = None
         if self.cfg.metrics.forwarded:
             from common import config as configlib

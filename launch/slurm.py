@@ -261,7 +261,10 @@ def render_script(run_cfg: Any, run_dir: Path, config_path: Path) -> str:
             "  else",
             f"    echo $((n + 1)) > {_q(files['requeues'])}",
             "    echo \"[computerrl] requeueing job $SLURM_JOB_ID to resume the run (requeue $((n + 1)))\"",
-            "    scontrol requeue \"$SLURM_JOB_ID\"",
+            # Slurm may have requeued the job itself (a preemption without grace time) or cancelled it (PreemptMode
+            # CANCEL): its own error says which.
+            "    scontrol requeue \"$SLURM_JOB_ID\" || echo \"[computerrl] scontrol requeue failed (above): if the job"
+            f" has left the queue, continue with: computerrl slurm resume {run_dir}\"",
             "  fi"]
     else:
         requeue = [f"  echo \"[computerrl] stopped; continue with: computerrl slurm resume {run_dir}\""]
@@ -270,8 +273,10 @@ def render_script(run_cfg: Any, run_dir: Path, config_path: Path) -> str:
         'echo "[computerrl] job $SLURM_JOB_ID attempt $((${SLURM_RESTART_COUNT:-0} + 1)) on $(hostname)"',
         # A later attempt (requeued) continues the run from its checkpoints and the broker's spill log.
         f"resume=(); [ -e {_q(run_dir / 'checkpoints' / 'latest')} ] && resume=(--resume)",
-        # Slurm's notice (USR2 before the limit, a preemption's TERM, `computerrl slurm cancel`): the supervisor
-        # checkpoints and stops. The trap is set before the run starts, so a notice that comes at once counts too.
+        # Slurm's notice to the batch shell (USR2 before the limit or at a preemption with send_user_signal, TERM at
+        # the end of a preemption's grace time, `computerrl slurm cancel`): the supervisor checkpoints and stops. The
+        # trap is set before the run starts, so a notice that comes at once counts too. A preemption's TERM reaches
+        # the job steps first, not this shell: the supervisor then stops by itself, exiting 75 as well.
         "stopping=0; child=",
         "trap 'stopping=1; [ -n \"$child\" ] && kill -TERM $child 2>/dev/null' USR2 TERM",
         f'{run_cmd} "${{resume[@]}}" &',
@@ -287,7 +292,7 @@ def render_script(run_cfg: Any, run_dir: Path, config_path: Path) -> str:
         f"  echo \"[computerrl] cancelled (computerrl slurm cancel); continue with: computerrl slurm resume"
         f" {run_dir}\"",
         f"  [ $rc -eq {EXIT_RESUMABLE} ] && rc=0  # stopped as asked, state saved",
-        f"elif [ $rc -eq {EXIT_RESUMABLE} ] && [ $stopping -eq 1 ]; then",
+        f"elif [ $rc -eq {EXIT_RESUMABLE} ]; then  # stopped on a notice, to this shell or to the job's steps",
         *requeue,
         "fi",
         "exit $rc",

@@ -181,3 +181,56 @@ def test_restarts_count_a_crash_loop_not_a_long_runs_rare_crashes(tmp_path, monk
     starts, said = supervised(120.0)
     assert starts > 10 and "giving up" not in said, said
     assert "actor-0 ran 120 s before it exited: its 1 earlier restarts no longer count" in said
+
+
+def test_a_role_stopped_by_the_scheduler_stops_the_run_in_order_rather_than_restarting(tmp_path, monkeypatch):
+    """With its roles as a scheduler's job steps, a learner that exits 75 unasked (a preemption TERMs every step; the
+    learner checkpoints and goes) means the job is being taken back: every other role is asked to stop, in order, and
+    the run ends resumable, with nothing restarted. Locally the same exit is a crash and the role restarts. Every role
+    but the learner gets ``COMPUTERRL_DEFER_TERM`` only under the scheduler."""
+    from common.exitcodes import EXIT_RESUMABLE
+    from common.signals import DEFER_TERM_ENV
+    from launch.placement import Role
+
+    def supervised(scheduler_steps: bool):
+        cfg = load_run_config(REPO / "configs" / "local.yaml", ["local.restart_backoff_s=0",
+                                                                 "local.stop_timeout_s=5"])
+        roles = [Role("broker", 0, [], True), Role("learner", 0, [], True), Role("actor", 0, [], True)]
+        out = io.StringIO()
+        sup = Supervisor(cfg, REPO / "configs" / "local.yaml", RunDir.create(tmp_path / f"run-{scheduler_steps}"),
+                         resume=False, out=out, roles=roles, scheduler_steps=scheduler_steps)
+        spawned, envs = [], {}
+        real_popen = subprocess.Popen
+
+        def popen(argv, env=None, **kw):  # what each role was started with; the learner exits 75 at once
+            label = env["COMPUTERRL_TEST_ROLE"]
+            envs[label] = env.get(DEFER_TERM_ENV)
+            code = f"raise SystemExit({EXIT_RESUMABLE})" if label == "learner" else "import time; time.sleep(30)"
+            proc = real_popen([sys.executable, "-c", code], **{k: v for k, v in kw.items() if k != "preexec_fn"})
+            spawned.append((label, proc))
+            return proc
+
+        for r in roles:
+            r.env = {"COMPUTERRL_TEST_ROLE": r.name}
+        monkeypatch.setattr(subprocess, "Popen", popen)  # restarts included
+        for r in roles:
+            sup._spawn(r)
+        roles[1].proc.wait(30)
+        passes = 0
+        while passes < 5 and sup._check():
+            passes += 1
+        alive = [label for label, p in spawned if p.poll() is None]
+        for _, p in spawned:
+            p.kill()
+            p.wait()
+        monkeypatch.setattr(subprocess, "Popen", real_popen)
+        return out.getvalue(), sup.outcome, envs, alive
+
+    said, outcome, envs, alive = supervised(True)
+    assert "learner-0 stopped on a signal the supervisor did not send (exit code 75)" in said, said
+    assert outcome == "interrupted" and "restart" not in said, said
+    assert not alive, "the broker and the actor were stopped too"
+    assert envs == {"broker": "1", "learner": None, "actor": "1"}
+    said, outcome, envs, alive = supervised(False)
+    assert "learner-0 exited with code 75; restart 1" in said and not outcome, said
+    assert envs == {"broker": None, "learner": None, "actor": None}

@@ -15,7 +15,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol as P
-from common.signals import StopSignals
+from common.signals import StopSignals, deferred_terms
 from common.net.config import NetConfig
 from common.net.limits import open_files_limit
 from common.net.listener import Refused, ZmtpListener
@@ -287,7 +287,12 @@ def serve(step: Callable[[], None], stop: threading.Event, log: Any, counters: d
     one handler must not take a server down with all the state it holds.
     """
     signalled = StopSignals().install()
+    deferred = 0
     while not stop.is_set() and not signalled.requested and not done():
+        if deferred_terms() != deferred:  # a scheduler's TERM (common/signals.py): serve on until told to stop
+            deferred = counters["terms_deferred"] = deferred_terms()
+            log.info(f"{role}_term_deferred", terms=deferred, hint="not sent by the supervisor (a scheduler's "
+                     "preemption?): serving on until the supervisor stops this role, after the learner")
         try:
             step()
         except Exception:
