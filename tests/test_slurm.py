@@ -256,6 +256,32 @@ def test_a_preemption_notice_stops_the_run_resumably_and_requeues_the_job(tmp_pa
         assert not any(c.startswith("scontrol") for c in calls)
 
 
+def test_a_run_stopped_through_its_job_steps_is_requeued_though_the_batch_shell_got_no_notice(tmp_path):
+    """A preemption TERMs the job steps, not the batch shell: the supervisor stops by itself and exits 75, which is
+    requeued as a notice is. Where ``scontrol requeue`` fails (Slurm requeued or cancelled the job itself), the
+    script says how to resume."""
+    log = tmp_path / "calls.log"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    run = bin_dir / "fake-python"
+    run.write_text(f"#!/bin/bash\necho \"run $*\" >> {log}\nexit {EXIT_RESUMABLE}\n")
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\necho \"scontrol $*\" >> {log}\n"
+                                      "echo 'scontrol: error: Job is pending execution' >&2; exit 1\n")
+    for f in bin_dir.iterdir():
+        f.chmod(f.stat().st_mode | stat.S_IXUSR)
+    run_dir = tmp_path / "run"
+    (run_dir / "slurm").mkdir(parents=True)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_script(_run_cfg(f"slurm.python={run}"), run_dir, run_dir / "config.yaml"))
+    out = subprocess.run(["bash", str(script)], env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                                                    "SLURM_JOB_ID": "4242"}, capture_output=True, text=True, timeout=20)
+    assert out.returncode == EXIT_RESUMABLE, out
+    assert log.read_text().splitlines()[1:] == ["scontrol requeue 4242"]
+    assert (run_dir / "slurm" / "requeues").read_text().strip() == "1"
+    assert f"scontrol requeue failed (above): if the job has left the queue, continue with: computerrl slurm resume " \
+           f"{run_dir}" in out.stdout, out.stdout
+
+
 def test_a_cancelled_run_stops_cleanly_and_is_not_requeued(tmp_path):
     log = tmp_path / "calls.log"
     python = _fake_tools(tmp_path / "bin", log)
@@ -307,54 +333,81 @@ def _audited(cluster, run_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_a_run_over_three_nodes_preempted_on_a_real_slurm_resumes_in_its_next_attempt_and_loses_nothing(
+def test_a_run_over_three_nodes_stopped_by_a_notice_then_preempted_by_an_urgent_job_resumes_each_time_and_loses_nothing(
         slurm_cluster, tmp_path):
+    """Attempt 1 gets a notice on its batch shell (USR2, what a time limit gives); attempt 2 is preempted for real by
+    a job of the higher-priority partition, which makes Slurm TERM every job step at once, not the batch shell; attempt
+    3 finishes. Each stop keeps the steps trained before it, and the preempted attempt gives its nodes back well inside
+    its grace time rather than holding them to the end of it (restarting its stopped roles, as it once did)."""
+    from tests.slurm_cluster import PREEMPTION_GRACE_S
+
     run_dir = tmp_path / "run"
     t_submit = time.monotonic()
-    # The recipe's own checkpoint period (10 steps, more than the run): progress survives only if the notice
-    # makes the learner checkpoint before it exits.
+    # The recipe's own checkpoint period (10 steps, more than the run): progress survives only if each stop makes
+    # the learner checkpoint before it exits.
     every = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())["learner"]["checkpoint_every"]
-    assert every > 6
-    job = _submit(slurm_cluster, run_dir, "learner.total_steps=6", f"learner.checkpoint_every={every}")
+    assert every > 8
+    job = _submit(slurm_cluster, run_dir, "learner.total_steps=8", f"learner.checkpoint_every={every}")
+    urgent_ran = tmp_path / "urgent-ran"
     deadline = t_submit + 900
     try:
         _wait(slurm_cluster, lambda: _learner_steps(run_dir), deadline, "the job never trained")
         t_first_step = time.monotonic()
-        _wait(slurm_cluster, lambda: len(_learner_steps(run_dir)) >= 2, deadline, "no second step")
         step_at_notice = _learner_steps(run_dir)[-1]["step"]
         t_notice = time.monotonic()
-        slurm_cluster.run("scancel", "--batch", "--signal=USR2", job)  # what a preemption notice does
+        slurm_cluster.run("scancel", "--batch", "--signal=USR2", job)  # a notice to the batch shell
         _wait(slurm_cluster, lambda: any(r["step"] > step_at_notice + 1 for r in _learner_steps(run_dir)),
               deadline, "the requeued attempt never trained")
         t_resumed = time.monotonic()
+        step_at_preemption = _learner_steps(run_dir)[-1]["step"]
+        # Every node, whole: Slurm must take them from the run. The urgent job says when it ran and how far the run
+        # had got by then.
+        urgent = slurm_cluster.run(
+            "sbatch", "--parsable", "--partition=urgent", "--nodes=3", "--exclusive", f"--output={tmp_path}/urgent.out",
+            "--wrap", f"echo $(date +%s) $(wc -l < {run_dir}/metrics/learner.jsonl) > {urgent_ran}")
+        t_urgent = time.time()
+        _wait(slurm_cluster, urgent_ran.exists, deadline, "the urgent job never ran")
         _wait(slurm_cluster, lambda: not slurm_cluster.job_state(job), deadline, "the job did not finish")
     finally:
         slurm_cluster.run("scancel", job, check=False)
-    print(f"\nslurm timings: submit -> first learner step {t_first_step - t_submit:.0f} s; "
-          f"USR2 -> requeued attempt's first new step {t_resumed - t_notice:.0f} s")
+    ran_at, steps_then = (int(x) for x in urgent_ran.read_text().split())
+    print(f"\nslurm timings: submit -> first learner step {t_first_step - t_submit:.0f} s; USR2 -> requeued "
+          f"attempt's first new step {t_resumed - t_notice:.0f} s; urgent job submitted -> running "
+          f"{ran_at - t_urgent:.0f} s (grace {PREEMPTION_GRACE_S} s)")
+    assert steps_then < 8, "the urgent job ran before the run was over: it took the nodes from it"
+    assert ran_at - t_urgent < PREEMPTION_GRACE_S / 2, "the preempted run gave its nodes back well inside its grace"
     job_log = (run_dir / "logs" / f"slurm-{job}.out").read_text()
-    assert "attempt 1" in job_log and f"requeueing job {job}" in job_log and "attempt 2" in job_log, job_log[-3000:]
-    assert "outcome: finished" in job_log, job_log[-3000:]
-    assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000006"
-    assert (run_dir / "slurm" / "requeues").read_text().strip() == "1"
+    for said in ("attempt 1", f"requeueing job {job} to resume the run (requeue 1)", "attempt 2",
+                 "learner-0 stopped on a signal the supervisor did not send", "requeue 2)", "attempt 3",
+                 "outcome: finished"):
+        assert said in job_log, (said, job_log[-4000:])
+    assert "restart" not in job_log.split("attempt 2")[1].split("attempt 3")[0], "no role restarted at the preemption"
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000008"
+    assert (run_dir / "slurm" / "requeues").read_text().strip() == "2"
     # Each role ran on its node (a stderr file per role, node, job and attempt), at that node's address.
     logs = {p.name for p in (run_dir / "logs").glob("*.stderr")}
-    for attempt in (1, 2):
+    for attempt in (1, 2, 3):
         for label, node in (("broker-0", "cn1"), ("learner-0", "cn1"), ("env_server-0", "cn2"), ("actor-0", "cn2"),
                             ("env_server-1", "cn3"), ("actor-1", "cn3")):
             assert f"{label}@{node}.job{job}.attempt{attempt}.stderr" in logs, sorted(logs)
     assert "host: 127.0.0.3" in (run_dir / "config.env_server-1.yaml").read_text()
     assert "127.0.0.3:" in (run_dir / "config.actor-1.yaml").read_text()
-    ready = [json.loads(x) for x in (run_dir / "logs" / "broker-0.jsonl").read_text().splitlines()
-             if '"broker_ready"' in x]
-    assert len(ready) == 2 and all(r["curve"] for r in ready), ready
+    broker_log = [json.loads(x) for x in (run_dir / "logs" / "broker-0.jsonl").read_text().splitlines()]
+    ready = [r for r in broker_log if r["event"] == "broker_ready"]
+    assert len(ready) == 3 and all(r["curve"] for r in ready), ready
+    # The preemption's TERM reached the broker and the env_servers too: they served on until the supervisor
+    # stopped them, after the learner.
+    assert any(r["event"] == "broker_term_deferred" for r in broker_log)
+    for rank in (0, 1):
+        assert '"env_server_term_deferred"' in (run_dir / "logs" / f"env_server-{rank}.jsonl").read_text()
     result = _audited(slurm_cluster, run_dir)
-    assert result["learner_starts"] == 2, "the second attempt resumed the learner from its checkpoint"
-    # Nothing trained before the notice is trained again: the stop's checkpoint covers every settlement.
+    assert result["learner_starts"] == 3, "each later attempt resumed the learner from its checkpoint"
+    # Nothing trained before a stop is trained again: each stop's checkpoint covers every settlement.
     assert result["rolled_back_settlements"] == 0, result
     learner_log = [json.loads(x) for x in (run_dir / "logs" / "learner-0.jsonl").read_text().splitlines()]
     resumed = [e["version"] for e in learner_log if e["event"] == "resumed"]
-    assert resumed and resumed[0] >= step_at_notice, (resumed, step_at_notice)
+    assert len(resumed) == 2 and resumed[0] >= step_at_notice and resumed[1] >= step_at_preemption, (
+        resumed, step_at_notice, step_at_preemption)
 
 
 @pytest.mark.slow
