@@ -33,15 +33,14 @@ from typing import Any, Callable
 
 from common.exitcodes import EXIT_RESUMABLE
 from common.rundir import RunDir
-from common.signals import DEFER_TERM_ENV
+from common.signals import DEFER_TERM_ENV, STOP_SIGNALS
 from launch.live_view import render_view
 from launch.placement import Role, fabric_roles, local_roles
 
 PR_SET_PDEATHSIG = 1
-# How a role that stopped on a signal exits: 75 (a role's own stop), 128 + N (a command unwound by signal N, or srun
-# reporting a task it signalled), -N (a process the signal ended).
-SIGNALLED_EXITS = {EXIT_RESUMABLE, *(sign * int(s) + (128 if sign > 0 else 0)
-                                     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2) for sign in (1, -1))}
+# How a role that stopped on a stop signal exits: 75 (a role's own stop), 128 + N (a command unwound by signal N, or
+# srun reporting a task it signalled), -N (a process the signal ended).
+SIGNALLED_EXITS = {EXIT_RESUMABLE, *(128 + s for s in STOP_SIGNALS), *(-s for s in STOP_SIGNALS)}
 
 
 @dataclass
