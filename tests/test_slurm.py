@@ -333,32 +333,28 @@ def _audited(cluster, run_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_a_run_over_three_nodes_stopped_by_a_notice_then_preempted_by_an_urgent_job_resumes_each_time_and_loses_nothing(
+def test_a_run_over_three_nodes_preempted_by_an_urgent_job_gives_its_nodes_back_resumes_and_loses_nothing(
         slurm_cluster, tmp_path):
-    """Attempt 1 gets a notice on its batch shell (USR2, what a time limit gives); attempt 2 is preempted for real by
-    a job of the higher-priority partition, which makes Slurm TERM every job step at once, not the batch shell; attempt
-    3 finishes. Each stop keeps the steps trained before it, and the preempted attempt gives its nodes back well inside
-    its grace time rather than holding them to the end of it (restarting its stopped roles, as it once did)."""
+    """A job of the higher-priority partition takes the run's three nodes: Slurm TERMs every job step at once, not the
+    batch shell. The run keeps the steps it trained, gives its nodes back well inside its grace time rather than
+    holding them to the end of it (restarting its stopped roles, as it once did), and finishes in its next attempt.
+    (A notice to the batch shell, what a time limit gives, is the cancel test's path on this cluster, and the stand-in
+    tests' with USR2.)"""
     from tests.slurm_cluster import PREEMPTION_GRACE_S
 
     run_dir = tmp_path / "run"
     t_submit = time.monotonic()
-    # The recipe's own checkpoint period (10 steps, more than the run): progress survives only if each stop makes
-    # the learner checkpoint before it exits.
+    # The recipe's own checkpoint period (10 steps, more than the run): progress survives only if the preemption
+    # makes the learner checkpoint before it exits.
     every = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())["learner"]["checkpoint_every"]
-    assert every > 8
-    job = _submit(slurm_cluster, run_dir, "learner.total_steps=8", f"learner.checkpoint_every={every}")
-    urgent_ran = tmp_path / "urgent-ran"
+    assert every > 6
+    job = _submit(slurm_cluster, run_dir, "learner.total_steps=6", f"learner.checkpoint_every={every}")
+    urgent_ran, urgent = tmp_path / "urgent-ran", ""
     deadline = t_submit + 900
     try:
         _wait(slurm_cluster, lambda: _learner_steps(run_dir), deadline, "the job never trained")
         t_first_step = time.monotonic()
-        step_at_notice = _learner_steps(run_dir)[-1]["step"]
-        t_notice = time.monotonic()
-        slurm_cluster.run("scancel", "--batch", "--signal=USR2", job)  # a notice to the batch shell
-        _wait(slurm_cluster, lambda: any(r["step"] > step_at_notice + 1 for r in _learner_steps(run_dir)),
-              deadline, "the requeued attempt never trained")
-        t_resumed = time.monotonic()
+        _wait(slurm_cluster, lambda: len(_learner_steps(run_dir)) >= 2, deadline, "no second step")
         step_at_preemption = _learner_steps(run_dir)[-1]["step"]
         # Every node, whole: Slurm must take them from the run. The urgent job says when it ran and how far the run
         # had got by then.
@@ -367,26 +363,28 @@ def test_a_run_over_three_nodes_stopped_by_a_notice_then_preempted_by_an_urgent_
             "--wrap", f"echo $(date +%s) $(wc -l < {run_dir}/metrics/learner.jsonl) > {urgent_ran}")
         t_urgent = time.time()
         _wait(slurm_cluster, urgent_ran.exists, deadline, "the urgent job never ran")
+        t_resumed = time.monotonic()
         _wait(slurm_cluster, lambda: not slurm_cluster.job_state(job), deadline, "the job did not finish")
     finally:
-        slurm_cluster.run("scancel", job, check=False)
+        for j in (job, urgent):
+            if j:
+                slurm_cluster.run("scancel", j, check=False)
     ran_at, steps_then = (int(x) for x in urgent_ran.read_text().split())
-    print(f"\nslurm timings: submit -> first learner step {t_first_step - t_submit:.0f} s; USR2 -> requeued "
-          f"attempt's first new step {t_resumed - t_notice:.0f} s; urgent job submitted -> running "
-          f"{ran_at - t_urgent:.0f} s (grace {PREEMPTION_GRACE_S} s)")
-    assert steps_then < 8, "the urgent job ran before the run was over: it took the nodes from it"
+    print(f"\nslurm timings: submit -> first learner step {t_first_step - t_submit:.0f} s; urgent job submitted -> "
+          f"running {ran_at - t_urgent:.0f} s (grace {PREEMPTION_GRACE_S} s); the run resumed and finished "
+          f"{time.monotonic() - t_resumed:.0f} s after")
+    assert steps_then < 6, "the urgent job ran before the run was over: it took the nodes from it"
     assert ran_at - t_urgent < PREEMPTION_GRACE_S / 2, "the preempted run gave its nodes back well inside its grace"
     job_log = (run_dir / "logs" / f"slurm-{job}.out").read_text()
-    for said in ("attempt 1", f"requeueing job {job} to resume the run (requeue 1)", "attempt 2",
-                 "learner-0 stopped on a signal the supervisor did not send", "requeue 2)", "attempt 3",
-                 "outcome: finished"):
+    for said in ("attempt 1", "learner-0 stopped on a signal the supervisor did not send",
+                 f"requeueing job {job} to resume the run (requeue 1)", "attempt 2", "outcome: finished"):
         assert said in job_log, (said, job_log[-4000:])
-    assert "restart" not in job_log.split("attempt 2")[1].split("attempt 3")[0], "no role restarted at the preemption"
-    assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000008"
-    assert (run_dir / "slurm" / "requeues").read_text().strip() == "2"
+    assert "restart" not in job_log.split("attempt 2")[0], "no role restarted at the preemption"
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000006"
+    assert (run_dir / "slurm" / "requeues").read_text().strip() == "1"
     # Each role ran on its node (a stderr file per role, node, job and attempt), at that node's address.
     logs = {p.name for p in (run_dir / "logs").glob("*.stderr")}
-    for attempt in (1, 2, 3):
+    for attempt in (1, 2):
         for label, node in (("broker-0", "cn1"), ("learner-0", "cn1"), ("env_server-0", "cn2"), ("actor-0", "cn2"),
                             ("env_server-1", "cn3"), ("actor-1", "cn3")):
             assert f"{label}@{node}.job{job}.attempt{attempt}.stderr" in logs, sorted(logs)
@@ -394,20 +392,19 @@ def test_a_run_over_three_nodes_stopped_by_a_notice_then_preempted_by_an_urgent_
     assert "127.0.0.3:" in (run_dir / "config.actor-1.yaml").read_text()
     broker_log = [json.loads(x) for x in (run_dir / "logs" / "broker-0.jsonl").read_text().splitlines()]
     ready = [r for r in broker_log if r["event"] == "broker_ready"]
-    assert len(ready) == 3 and all(r["curve"] for r in ready), ready
+    assert len(ready) == 2 and all(r["curve"] for r in ready), ready
     # The preemption's TERM reached the broker and the env_servers too: they served on until the supervisor
     # stopped them, after the learner.
     assert any(r["event"] == "broker_term_deferred" for r in broker_log)
     for rank in (0, 1):
         assert '"env_server_term_deferred"' in (run_dir / "logs" / f"env_server-{rank}.jsonl").read_text()
     result = _audited(slurm_cluster, run_dir)
-    assert result["learner_starts"] == 3, "each later attempt resumed the learner from its checkpoint"
-    # Nothing trained before a stop is trained again: each stop's checkpoint covers every settlement.
+    assert result["learner_starts"] == 2, "the second attempt resumed the learner from its checkpoint"
+    # Nothing trained before the preemption is trained again: its checkpoint covers every settlement.
     assert result["rolled_back_settlements"] == 0, result
     learner_log = [json.loads(x) for x in (run_dir / "logs" / "learner-0.jsonl").read_text().splitlines()]
     resumed = [e["version"] for e in learner_log if e["event"] == "resumed"]
-    assert len(resumed) == 2 and resumed[0] >= step_at_notice and resumed[1] >= step_at_preemption, (
-        resumed, step_at_notice, step_at_preemption)
+    assert resumed and resumed[0] >= step_at_preemption, (resumed, step_at_preemption)
 
 
 @pytest.mark.slow
