@@ -173,10 +173,21 @@ class SlurmConfig:
 
 
 def job_files(run_root: Path) -> dict[str, Path]:
-    """``<run>/slurm/``: the rendered script, the current job id, the requeue count, the cancel mark."""
+    """``<run>/slurm/``: the rendered script, the current job id, the requeue count, the cancel mark, and how each
+    attempt ended (``ATTEMPT_FIELDS``, a line per attempt, written by the batch script)."""
     d = Path(run_root) / "slurm"
     return {"script": d / "job.sbatch", "job_id": d / "job_id", "requeues": d / "requeues",
-            "cancelled": d / "cancelled"}
+            "cancelled": d / "cancelled", "attempts": d / "attempts"}
+
+
+ATTEMPT_FIELDS = ("job", "attempt", "exit_code", "ended", "after")
+"""a line of ``<run>/slurm/attempts``, space-separated. ``ended``: finished, cancelled (``computerrl slurm cancel``),
+notice (the batch shell was signalled: a time limit's USR2, the end of a preemption's grace time, ``scancel
+--batch``), preempted (the scheduler signalled the job steps, not the batch shell: a preemption, or a ``scancel`` of
+the steps), failed (a role kept
+crashing, or the supervisor could not start the run). ``after``: requeued, not_requeued (``slurm.max_requeues``, or
+``slurm.requeue`` off), requeue_refused (``scontrol requeue`` failed: Slurm had requeued or cancelled the job itself),
+or - (nothing to do)."""
 
 
 def _q(value: Any) -> str:
@@ -257,17 +268,17 @@ def render_script(run_cfg: Any, run_dir: Path, config_path: Path) -> str:
             f"  n=$(cat {_q(files['requeues'])} 2>/dev/null || echo 0)",
             f"  if [ \"$n\" -ge {cfg.max_requeues} ]; then",
             f"    echo \"[computerrl] not requeued: $n requeues already (slurm.max_requeues {cfg.max_requeues});"
-            f" continue with: computerrl slurm resume {run_dir}\"",
+            f" continue with: computerrl slurm resume {run_dir}\"; after=not_requeued",
             "  else",
             f"    echo $((n + 1)) > {_q(files['requeues'])}",
-            "    echo \"[computerrl] requeueing job $SLURM_JOB_ID to resume the run (requeue $((n + 1)))\"",
+            "    echo \"[computerrl] requeueing job $SLURM_JOB_ID to resume the run (requeue $((n + 1)))\"; after=requeued",
             # Slurm may have requeued the job itself (a preemption without grace time) or cancelled it (PreemptMode
             # CANCEL): its own error says which.
-            "    scontrol requeue \"$SLURM_JOB_ID\" || echo \"[computerrl] scontrol requeue failed (above): if the job"
-            f" has left the queue, continue with: computerrl slurm resume {run_dir}\"",
+            "    scontrol requeue \"$SLURM_JOB_ID\" || { after=requeue_refused; echo \"[computerrl] scontrol requeue"
+            f" failed (above): if the job has left the queue, continue with: computerrl slurm resume {run_dir}\"; }}",
             "  fi"]
     else:
-        requeue = [f"  echo \"[computerrl] stopped; continue with: computerrl slurm resume {run_dir}\""]
+        requeue = [f"  echo \"[computerrl] stopped; continue with: computerrl slurm resume {run_dir}\"; after=not_requeued"]
     lines += [
         f"cd {_q(REPO)}",
         'echo "[computerrl] job $SLURM_JOB_ID attempt $((${SLURM_RESTART_COUNT:-0} + 1)) on $(hostname)"',
@@ -288,13 +299,19 @@ def render_script(run_cfg: Any, run_dir: Path, config_path: Path) -> str:
         "  [ $rc -le 128 ] && break",
         "  kill -0 $child 2>/dev/null || { wait $child; rc=$?; break; }",
         "done",
+        # How the attempt ended (ATTEMPT_FIELDS), for `computerrl slurm status`.
+        "after=-; code=$rc",
+        "if [ $rc -eq 0 ]; then ended=finished; else ended=failed; fi",
         f"if [ -e {_q(files['cancelled'])} ]; then",
+        "  ended=cancelled",
         f"  echo \"[computerrl] cancelled (computerrl slurm cancel); continue with: computerrl slurm resume"
         f" {run_dir}\"",
         f"  [ $rc -eq {EXIT_RESUMABLE} ] && rc=0  # stopped as asked, state saved",
         f"elif [ $rc -eq {EXIT_RESUMABLE} ]; then  # stopped on a notice, to this shell or to the job's steps",
+        "  if [ $stopping -eq 1 ]; then ended=notice; else ended=preempted; fi",
         *requeue,
         "fi",
+        f"echo \"$SLURM_JOB_ID $((${{SLURM_RESTART_COUNT:-0}} + 1)) $code $ended $after\" >> {_q(files['attempts'])}",
         "exit $rc",
         "",
     ]
@@ -458,6 +475,7 @@ def job_status(run_root: Path) -> dict[str, Any]:
     status["attempt"] = int(attempts[-1]) if attempts else 0
     status["requeues"] = int(files["requeues"].read_text().strip() or 0) if files["requeues"].exists() else 0
     status["cancelled"] = files["cancelled"].exists()
+    status["attempts"] = attempts_ended(run_root)
     rd = RunDir(run_root)
     status["checkpoint"] = rd.latest_checkpoint()
     learner = last_record(rd.metrics / "learner.jsonl")
@@ -465,6 +483,20 @@ def job_status(run_root: Path) -> dict[str, Any]:
         status["learner"] = {k: learner.get(k) for k in ("step", "version", "phase", "success_rate", "loss")}
     status["metrics"] = {p.stem: last_record(p) for p in sorted(rd.metrics.glob("*.jsonl"))}
     return status
+
+
+def attempts_ended(run_root: Path) -> list[dict[str, Any]]:
+    """How each attempt of the run's jobs ended (``<run>/slurm/attempts``), oldest first; a line that is not one of
+    the script's (a torn write) is skipped."""
+    path = job_files(run_root)["attempts"]
+    rows = path.read_text(errors="replace").splitlines() if path.exists() else []
+    out = []
+    for row in rows:
+        fields = row.split()
+        if len(fields) == len(ATTEMPT_FIELDS) and fields[1].isdigit() and fields[2].lstrip("-").isdigit():
+            rec = dict(zip(ATTEMPT_FIELDS, fields))
+            out.append({**rec, "attempt": int(rec["attempt"]), "exit_code": int(rec["exit_code"])})
+    return out
 
 
 def cancel(run_root: Path, timeout_s: float) -> str:

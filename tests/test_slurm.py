@@ -23,7 +23,7 @@ from common.net import free_port
 from launch.cli import main
 from launch.config import load_run_config
 from launch.placement import Node, allocation_roles
-from launch.slurm import SrunConfig, check_cpus, job_files, render_script
+from launch.slurm import SrunConfig, attempts_ended, check_cpus, job_files, render_script
 from learner.distributed import ranks_from_slurm
 from tests.conftest import REPO
 
@@ -242,6 +242,9 @@ def test_a_preemption_notice_stops_the_run_resumably_and_requeues_the_job(tmp_pa
     assert "--resume" not in calls[0], "no checkpoint yet: a fresh start"
     assert calls[1] == "stopped", "the run got the notice (it checkpoints and stops)"
     assert (calls[2:] == ["scontrol requeue 4242"]) == requeue, calls
+    after = "requeued" if requeue else "not_requeued"
+    assert attempts_ended(run_dir) == [{"job": "4242", "attempt": 1, "exit_code": EXIT_RESUMABLE, "ended": "notice",
+                                        "after": after}]
     # The next attempts, with a checkpoint on disk, resume; a preemption's SIGTERM is a notice too.
     (run_dir / "checkpoints" / "latest").write_text("step-00000002")
     for _ in range(2):
@@ -252,6 +255,7 @@ def test_a_preemption_notice_stops_the_run_resumably_and_requeues_the_job(tmp_pa
         assert sum(c == "scontrol requeue 4242" for c in calls) == 2, "slurm.max_requeues caps the requeues"
         assert (run_dir / "slurm" / "requeues").read_text().strip() == "2"
         assert "not requeued: 2 requeues already" in out
+        assert [a["after"] for a in attempts_ended(run_dir)] == ["requeued", "requeued", "not_requeued"]
     else:
         assert not any(c.startswith("scontrol") for c in calls)
 
@@ -280,6 +284,7 @@ def test_a_run_stopped_through_its_job_steps_is_requeued_though_the_batch_shell_
     assert (run_dir / "slurm" / "requeues").read_text().strip() == "1"
     assert f"scontrol requeue failed (above): if the job has left the queue, continue with: computerrl slurm resume " \
            f"{run_dir}" in out.stdout, out.stdout
+    assert [(a["ended"], a["after"]) for a in attempts_ended(run_dir)] == [("preempted", "requeue_refused")]
 
 
 def test_a_cancelled_run_stops_cleanly_and_is_not_requeued(tmp_path):
@@ -293,6 +298,17 @@ def test_a_cancelled_run_stops_cleanly_and_is_not_requeued(tmp_path):
     rc, out = _job(script, tmp_path / "bin", log, notice=15)
     assert rc == 0 and "cancelled (computerrl slurm cancel)" in out, out
     assert log.read_text().splitlines()[1:] == ["stopped"], "the run stopped; nothing requeued"
+    assert [(a["exit_code"], a["ended"], a["after"]) for a in attempts_ended(run_dir)] == [
+        (EXIT_RESUMABLE, "cancelled", "-")]
+
+
+def test_attempts_are_read_back_and_a_torn_line_is_skipped(tmp_path):
+    (tmp_path / "slurm").mkdir()
+    job_files(tmp_path)["attempts"].write_text("17 1 75 preempted requeued\n17 2 1 failed -\n17 3 0 fini")
+    assert attempts_ended(tmp_path) == [
+        {"job": "17", "attempt": 1, "exit_code": 75, "ended": "preempted", "after": "requeued"},
+        {"job": "17", "attempt": 2, "exit_code": 1, "ended": "failed", "after": "-"}]
+    assert attempts_ended(tmp_path / "none") == []
 
 
 def _submit(cluster, run_dir: Path, *overrides: str) -> str:
@@ -405,6 +421,8 @@ def test_a_run_over_three_nodes_preempted_by_an_urgent_job_gives_its_nodes_back_
     learner_log = [json.loads(x) for x in (run_dir / "logs" / "learner-0.jsonl").read_text().splitlines()]
     resumed = [e["version"] for e in learner_log if e["event"] == "resumed"]
     assert resumed and resumed[0] >= step_at_preemption, (resumed, step_at_preemption)
+    assert [(a["attempt"], a["ended"], a["after"]) for a in attempts_ended(run_dir)] == [
+        (1, "preempted", "requeued"), (2, "finished", "-")]
 
 
 @pytest.mark.slow
@@ -426,6 +444,7 @@ def test_status_and_cancel_on_a_live_job_then_resume(slurm_cluster, tmp_path):
         assert not slurm_cluster.job_state(job), "a cancelled job is not requeued"
         status = json.loads(_cli(slurm_cluster, "slurm", "status", str(run_dir), "--json"))
         assert status["state"] == "COMPLETED" and status["cancelled"], status
+        assert [(x["ended"], x["after"]) for x in status["attempts"]] == [("cancelled", "-")], status
         assert status["checkpoint"].startswith("step-"), status
         job_log = (run_dir / "logs" / f"slurm-{job}.out").read_text()
         assert "cancelled (computerrl slurm cancel)" in job_log and "requeueing" not in job_log, job_log[-2000:]

@@ -93,7 +93,8 @@ def slurm_resume(run_dir: str) -> None:
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def slurm_status(run_dir: str, as_json: bool) -> None:
-    """The run's job (state, attempt, requeues), the learner's step and checkpoint, each role's last metrics line."""
+    """The run's job (state, attempt, requeues, how each attempt ended), the learner's step and checkpoint, each role's
+    last metrics line."""
     from launch import slurm as S
 
     try:
@@ -103,8 +104,11 @@ def slurm_status(run_dir: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(status))
         return
-    metrics = status.pop("metrics")
+    metrics, attempts = status.pop("metrics"), status.pop("attempts")
     emit(status, False)
+    for a in attempts:  # how each attempt ended: preempted, a notice, cancelled, finished, failed
+        then = "" if a["after"] == "-" else f", then {a['after'].replace('_', ' ')}"
+        click.echo(f"{'attempt ' + str(a['attempt']):>24}: job {a['job']}, {a['ended']} (exit {a['exit_code']}){then}")
     for name, record in metrics.items():
         click.echo(f"{name:>24}: {json.dumps(record)[:300]}")
 
