@@ -331,20 +331,49 @@ def require_tool(name: str) -> str:
 
 def check_submission(run_cfg: Any, run_dir: Path) -> list[str]:
     """Everything a submission must get right before anything is written: the placement fits the nodes, the
-    desktop image exists. Returns warnings (a run directory on a node-local file system with nodes > 1)."""
+    desktop image exists. Returns warnings (a run directory on a node-local file system with nodes > 1, a partition
+    whose preemption grace time is short)."""
     run_cfg.slurm.validate()
     check_shape(run_cfg, run_cfg.slurm.nodes)
     es = run_cfg.env_server
     if es.backend == "apptainer" and not Path(es.desktop.image).is_file():
         raise ValueError(f"env_server.desktop.image {es.desktop.image!r} is not a file: build it from "
                          "configs/desktop.def and put it where every node reads it")
-    warnings = []
+    warnings = [w for w in [preemption_warning(run_cfg)] if w]
     if run_cfg.slurm.nodes > 1:
         fs = filesystem_type(run_dir)
         if fs in NODE_LOCAL_FS:
             warnings.append(f"the run directory {run_dir} is on {fs}, a node-local file system: the job's other "
                             "nodes will not see its config, keys and checkpoints; use a shared one (NFS, Lustre, ...)")
     return warnings
+
+
+def preemption_warning(run_cfg: Any) -> str:
+    """A warning when the job's partition preempts with a grace time shorter than the learner is given to stop
+    (``local.learner_stop_timeout_s``): a preempted learner still inside its step when the grace time ends is killed
+    and loses what it trained since its last checkpoint. "" when the partition does not preempt that way, or when
+    ``scontrol`` cannot say (not on a login node: ``--dry-run`` elsewhere)."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return ""
+    argv = [scontrol, "show", "partition", "-o", *([run_cfg.slurm.partition] if run_cfg.slurm.partition else [])]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:  # a controller that does not answer: nothing to say
+        return ""
+    parts = [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.stdout.splitlines()] if out.returncode == 0 else []
+    part = next((p for p in parts if run_cfg.slurm.partition or p.get("Default") == "YES"), None)
+    if part is None or not re.search(r"CANCEL|REQUEUE", part.get("PreemptMode", "")):
+        return ""
+    grace, stop = int(part.get("GraceTime", "0") or 0), run_cfg.local.learner_stop_timeout_s
+    if grace >= stop:
+        return ""
+    every = run_cfg.learner.checkpoint_every
+    return (f"partition {part.get('PartitionName')} preempts jobs (PreemptMode={part['PreemptMode']}) with a grace time of "
+            f"{grace} s, less than local.learner_stop_timeout_s {stop:g} s: a preempted learner that needs longer to "
+            "finish its step and checkpoint is killed, and loses what it trained since its last checkpoint "
+            f"(learner.checkpoint_every {every}: {'only at the end' if not every else f'every {every} steps'}); "
+            "a smaller checkpoint_every bounds that loss")
 
 
 def filesystem_type(path: Path) -> str:

@@ -179,6 +179,37 @@ def test_bad_submissions_are_refused_before_anything_is_written(tmp_path, args, 
     assert not (tmp_path / "r").exists()
 
 
+PARTITIONS_SHOWN = (  # `scontrol show partition -o` of the test cluster, abridged
+    "PartitionName=test AllowGroups=ALL Default=YES GraceTime={grace} MaxNodes=UNLIMITED PriorityTier=1 "
+    "OverSubscribe=YES:4 PreemptMode={mode} State=UP TotalCPUs=2\n"
+    "PartitionName=urgent AllowGroups=ALL Default=NO GraceTime=0 PriorityTier=10 PreemptMode=OFF State=UP\n")
+
+
+@pytest.mark.parametrize("partition,mode,grace,warned", [
+    ("", "REQUEUE", 120, True), ("test", "CANCEL", 60, True), ("", "REQUEUE", 300, False), ("", "OFF", 0, False),
+    ("urgent", "REQUEUE", 120, False)])
+def test_a_partition_that_preempts_with_a_short_grace_time_is_warned_of(tmp_path, monkeypatch, partition, mode, grace,
+                                                                         warned):
+    """The grace time of the job's partition (its default one when slurm.partition is empty) against the time the
+    learner is given to stop: shorter, and a preempted learner can be killed before it checkpoints."""
+    from launch.slurm import preemption_warning
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shown = PARTITIONS_SHOWN.format(grace=grace, mode=mode)
+    (bin_dir / "scontrol").write_text(
+        f"#!/bin/bash\n[ -n \"$4\" ] && {{ grep \"PartitionName=$4 \" <<'EOF'\n{shown}EOF\nexit; }}\ncat <<'EOF'\n{shown}EOF\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    said = preemption_warning(_run_cfg(f"slurm.partition={partition}", "learner.checkpoint_every=10"))
+    assert bool(said) == warned, said
+    if warned:
+        assert f"partition test preempts jobs (PreemptMode={mode}) with a grace time of {grace} s, less than " \
+               "local.learner_stop_timeout_s 240 s" in said and "every 10 steps" in said, said
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert preemption_warning(_run_cfg()) == "", "no scontrol here: nothing to say"
+
+
 def test_submitting_without_sbatch_says_so_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no Slurm tools here
     r = CliRunner().invoke(main, ["slurm", "submit", "configs/local.yaml", "--run-dir", str(tmp_path / "r")])
