@@ -15,7 +15,8 @@ does; then the learner and the actors, which wait for their peers themselves. Wh
   signal the supervisor did not send means the scheduler is taking the job back (a preemption signals every step's
   tasks): the run stops as above, resumable, instead of restarting the role. Every role but the learner only counts
   such a TERM (``common/signals.py``), so the learner, which checkpoints and exits on it, is the one that tells.
-The terminal shows the live view (`launch/live_view.py`), built from the roles' metrics files; their logs go to the run dir.
+The terminal shows the live view (`launch/live_view.py`), built from the roles' metrics files; their logs go to the run
+dir.
 """
 
 from __future__ import annotations

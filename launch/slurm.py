@@ -184,8 +184,7 @@ ATTEMPT_FIELDS = ("job", "attempt", "exit_code", "ended", "after")
 """a line of ``<run>/slurm/attempts``, space-separated. ``ended``: finished, cancelled (``computerrl slurm cancel``),
 notice (the batch shell was signalled: a time limit's USR2, the end of a preemption's grace time, ``scancel
 --batch``), preempted (the scheduler signalled the job steps, not the batch shell: a preemption, or a ``scancel`` of
-the steps), failed (a role kept
-crashing, or the supervisor could not start the run). ``after``: requeued, not_requeued (``slurm.max_requeues``, or
+the steps), failed (a role kept crashing, or the supervisor could not start the run). ``after``: requeued, not_requeued (``slurm.max_requeues``, or
 ``slurm.requeue`` off), requeue_refused (``scontrol requeue`` failed: Slurm had requeued or cancelled the job itself),
 or - (nothing to do)."""
 
@@ -268,24 +267,27 @@ def render_script(run_cfg: Any, run_dir: Path, config_path: Path) -> str:
             f"  n=$(cat {_q(files['requeues'])} 2>/dev/null || echo 0)",
             f"  if [ \"$n\" -ge {cfg.max_requeues} ]; then",
             f"    echo \"[computerrl] not requeued: $n requeues already (slurm.max_requeues {cfg.max_requeues});"
-            f" continue with: computerrl slurm resume {run_dir}\"; after=not_requeued",
+            f" continue with: computerrl slurm resume {run_dir}\"",
+            "    after=not_requeued",
             "  else",
             f"    echo $((n + 1)) > {_q(files['requeues'])}",
-            "    echo \"[computerrl] requeueing job $SLURM_JOB_ID to resume the run (requeue $((n + 1)))\"; after=requeued",
+            "    echo \"[computerrl] requeueing job $SLURM_JOB_ID to resume the run (requeue $((n + 1)))\"",
+            "    after=requeued",
             # Slurm may have requeued the job itself (a preemption without grace time) or cancelled it (PreemptMode
             # CANCEL): its own error says which.
             "    scontrol requeue \"$SLURM_JOB_ID\" || { after=requeue_refused; echo \"[computerrl] scontrol requeue"
             f" failed (above): if the job has left the queue, continue with: computerrl slurm resume {run_dir}\"; }}",
             "  fi"]
     else:
-        requeue = [f"  echo \"[computerrl] stopped; continue with: computerrl slurm resume {run_dir}\"; after=not_requeued"]
+        requeue = [f"  echo \"[computerrl] stopped; continue with: computerrl slurm resume {run_dir}\"",
+                   "  after=not_requeued"]
     lines += [
         f"cd {_q(REPO)}",
         'echo "[computerrl] job $SLURM_JOB_ID attempt $((${SLURM_RESTART_COUNT:-0} + 1)) on $(hostname)"',
         # A later attempt (requeued) continues the run from its checkpoints and the broker's spill log.
         f"resume=(); [ -e {_q(run_dir / 'checkpoints' / 'latest')} ] && resume=(--resume)",
-        # Slurm's notice to the batch shell (USR2 before the limit or at a preemption with send_user_signal, TERM at
-        # the end of a preemption's grace time, `computerrl slurm cancel`): the supervisor checkpoints and stops. The
+        # Slurm's notice to the batch shell (USR2 before the limit, TERM at the end of a preemption's grace time,
+        # `computerrl slurm cancel`): the supervisor checkpoints and stops. The
         # trap is set before the run starts, so a notice that comes at once counts too. A preemption's TERM reaches
         # the job steps first, not this shell: the supervisor then stops by itself, exiting 75 as well.
         "stopping=0; child=",
@@ -369,8 +371,8 @@ def preemption_warning(run_cfg: Any) -> str:
     if grace >= stop:
         return ""
     every = run_cfg.learner.checkpoint_every
-    return (f"partition {part.get('PartitionName')} preempts jobs (PreemptMode={part['PreemptMode']}) with a grace time of "
-            f"{grace} s, less than local.learner_stop_timeout_s {stop:g} s: a preempted learner that needs longer to "
+    return (f"partition {part.get('PartitionName')} preempts jobs (PreemptMode={part['PreemptMode']}) with a grace "
+            f"time of {grace} s, less than local.learner_stop_timeout_s {stop:g} s: a preempted learner that needs longer to "
             "finish its step and checkpoint is killed, and loses what it trained since its last checkpoint "
             f"(learner.checkpoint_every {every}: {'only at the end' if not every else f'every {every} steps'}); "
             "a smaller checkpoint_every bounds that loss")

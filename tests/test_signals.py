@@ -1,6 +1,7 @@
 """SIGTERM unwinds a command like Ctrl-C (``common.signals.unwind_on_term``): its ``finally`` blocks run, a second
-TERM cannot cut them short, and it exits 143; a role that defers TERM only counts it. (The browser-level check, a terminated MiniWoB command leaving no
-Chromium behind, is ``tests/test_miniwob.py::test_a_terminated_command_closes_its_browsers``.)"""
+TERM cannot cut them short, and it exits 143; a role that defers TERM only counts it. (The browser-level check, a
+terminated MiniWoB command leaving no Chromium behind, is
+``tests/test_miniwob.py::test_a_terminated_command_closes_its_browsers``.)"""
 
 from __future__ import annotations
 

@@ -197,8 +197,9 @@ def test_a_partition_that_preempts_with_a_short_grace_time_is_warned_of(tmp_path
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     shown = PARTITIONS_SHOWN.format(grace=grace, mode=mode)
-    (bin_dir / "scontrol").write_text(
-        f"#!/bin/bash\n[ -n \"$4\" ] && {{ grep \"PartitionName=$4 \" <<'EOF'\n{shown}EOF\nexit; }}\ncat <<'EOF'\n{shown}EOF\n")
+    (bin_dir / "scontrol").write_text(  # `scontrol show partition -o [NAME]`
+        f"#!/bin/bash\n[ -n \"$4\" ] && {{ grep \"PartitionName=$4 \" <<'EOF'\n{shown}EOF\nexit; }}\n"
+        f"cat <<'EOF'\n{shown}EOF\n")
     (bin_dir / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     said = preemption_warning(_run_cfg(f"slurm.partition={partition}", "learner.checkpoint_every=10"))
