@@ -283,7 +283,7 @@ class Sweep:
                         os.killpg(p.pid, signal.SIGTERM)
                     except ProcessLookupError:
                         pass
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
         try:
             todo = [r for r in self.runs if self._state(r) != "done"]
             self.echo(f"[sweep] {len(self.runs)} runs ({len(self.spec.variants())} variants x {self.spec.seeds} "
