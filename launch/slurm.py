@@ -350,6 +350,11 @@ def check_submission(run_cfg: Any, run_dir: Path) -> list[str]:
     return warnings
 
 
+def scontrol_fields(line: str) -> dict[str, str]:
+    """One record of ``scontrol show ... -o`` (``Key=value`` pairs on one line) as a dict."""
+    return dict(re.findall(r"(\w+)=(\S*)", line))
+
+
 def preemption_warning(run_cfg: Any) -> str:
     """A warning when the job's partition preempts with a grace time shorter than the learner is given to stop
     (``local.learner_stop_timeout_s``): a preempted learner still inside its step when the grace time ends is killed
@@ -363,7 +368,7 @@ def preemption_warning(run_cfg: Any) -> str:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=10)
     except subprocess.TimeoutExpired:  # a controller that does not answer: nothing to say
         return ""
-    parts = [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.stdout.splitlines()] if out.returncode == 0 else []
+    parts = [scontrol_fields(line) for line in out.stdout.splitlines()] if out.returncode == 0 else []
     part = next((p for p in parts if run_cfg.slurm.partition or p.get("Default") == "YES"), None)
     if part is None or not re.search(r"CANCEL|REQUEUE", part.get("PreemptMode", "")):
         return ""
@@ -480,7 +485,7 @@ def job_state(job: str) -> dict[str, str]:
         return {"state": state, "elapsed": elapsed, "time_limit": limit, "nodes_or_reason": where, "source": "squeue"}
     out = subprocess.run([require_tool("scontrol"), "show", "job", "-o", job], capture_output=True, text=True)
     if out.returncode == 0 and "JobState=" in out.stdout:
-        f = dict(re.findall(r"(\w+)=(\S*)", out.stdout.strip().splitlines()[0]))  # the first component
+        f = scontrol_fields(out.stdout.strip().splitlines()[0])  # the first component
         return {"state": f.get("JobState", ""), "elapsed": f.get("RunTime", ""), "exit_code": f.get("ExitCode", ""),
                 "source": "scontrol"}
     if shutil.which("sacct"):
