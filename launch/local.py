@@ -372,8 +372,14 @@ class Supervisor:
         self.stop("finished")
 
     def run(self) -> int:
+        interrupted = []
+
         def on_signal(signum, _frame):
-            if not self.stopping:  # a second notice must not cut the stop under way short
+            # One interrupt only: a second notice must not cut the stop under way short, nor raise out of the
+            # handler that is starting it (a preemption without grace time TERMs the supervisor twice at once:
+            # Slurm's own signal and the batch script's forwarded one; the second aborted the run, exit 1).
+            if not self.stopping and not interrupted:
+                interrupted.append(signum)
                 raise KeyboardInterrupt
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
         forwarder = None

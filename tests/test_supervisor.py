@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from common.rundir import RunDir
 from launch.config import load_run_config
 from launch.local import Supervisor
@@ -234,3 +236,51 @@ def test_a_role_stopped_by_the_scheduler_stops_the_run_in_order_rather_than_rest
     said, outcome, envs, alive = supervised(False)
     assert "learner-0 exited with code 75; restart 1" in said and not outcome, said
     assert envs == {"broker": None, "learner": None, "actor": None}
+
+
+STOPPABLE_ROLE = "import signal, time; signal.signal(signal.SIGTERM, lambda *a: exit(0)); print('ready', flush=True); " \
+                 "time.sleep(60)"
+
+
+def test_a_second_stop_signal_while_the_first_starts_the_stop_does_not_abort_the_run(tmp_path, request):
+    """Under Slurm a preemption without grace time TERMs the supervisor twice at once: Slurm's own signal and the
+    batch script's forwarded one. A second signal that landed after the first had interrupted the loop, before the
+    stop under way had begun, raised out of the handler starting it: the supervisor left without stopping its roles
+    and exited 1 (click's "Aborted!"), so the job was not requeued (one run in five, docs/slurm.md). Here the second
+    signal comes exactly there."""
+    import os
+    import signal
+
+    from common.exitcodes import EXIT_RESUMABLE
+    from launch.placement import Role
+
+    cfg = load_run_config(REPO / "configs" / "local.yaml", ["local.stop_timeout_s=5", "local.eval_episodes=0"])
+    roles = []
+    for name in ("learner", "broker"):
+        proc = subprocess.Popen([sys.executable, "-c", STOPPABLE_ROLE], stdout=subprocess.PIPE, start_new_session=True)
+        request.addfinalizer(proc.kill)
+        assert proc.stdout.readline() == b"ready\n"
+        roles.append(Role(name, 0, [], True, proc=proc, stderr_path=tmp_path / f"{name}.stderr"))
+    out = io.StringIO()
+    sup = Supervisor(cfg, REPO / "configs" / "local.yaml", RunDir.create(tmp_path / "run"), resume=False, out=out,
+                     roles=roles)
+    sup.start = lambda: None  # the roles above are running
+    real_check, real_event = sup._check, sup._event
+
+    def check() -> bool:  # the first signal comes during the first supervision pass
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_check()
+
+    def event(msg: str) -> None:
+        real_event(msg)
+        if msg.startswith("stopping (signal)"):  # the second: after the interrupt, before the stop
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs at the next bytecode: here, not later
+    sup._check, sup._event = check, event
+    try:
+        rc = sup.run()
+    except KeyboardInterrupt:  # caught here: escaping, it would end the whole test session
+        pytest.fail(f"the second signal raised out of the supervisor's run:\n{out.getvalue()}")
+    assert rc == EXIT_RESUMABLE, out.getvalue()
+    assert sup.outcome == "interrupted"
+    assert all(r.proc.poll() == 0 for r in roles), "each role asked to stop and stopped"
