@@ -160,6 +160,14 @@ def trailing_mean(points: list[tuple[int, float]], window: int) -> dict[int, flo
     return out
 
 
+def _stop(p: subprocess.Popen) -> None:
+    """Ask a run (its process group) to stop."""
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+
+
 class Sweep:
     """Runs, resumes and summarises one sweep directory."""
 
@@ -210,6 +218,8 @@ class Sweep:
             p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
             with self.lock:
                 self.procs.add(p)
+            if self.interrupted:  # the signal's handler may have copied the runs before this one was added
+                _stop(p)
             try:
                 rc = p.wait()
             finally:
@@ -270,20 +280,21 @@ class Sweep:
         self.echo(f"[sweep] {label(run.variant)} seed {run.seed}: held-out success {result['success_rate']:.3f}")
         return "done"
 
+    def _on_signal(self, _signum: int, _frame: object) -> None:
+        """Stop every run as `computerrl run` stops (the learner checkpoints first). Without taking ``lock``: the
+        handler runs in the main thread between two bytecodes, and a second signal can land while the first's
+        handler holds it, which then waited for itself forever. ``list`` copies the set under the GIL; a run started
+        after the copy sees ``interrupted`` once it is registered (``_call``)."""
+        self.interrupted = True
+        for p in list(self.procs):
+            _stop(p)
+
     def run(self) -> int:
         """Run what is left; 0 when every run is done and evaluated, EXIT_RESUMABLE when interrupted, 1 if a run
         failed (the rest still ran; the results hold the runs that finished)."""
         import concurrent.futures as cf
 
-        def on_signal(signum, _frame):
-            self.interrupted = True
-            with self.lock:
-                for p in self.procs:  # each run stops as `computerrl run` does: the learner checkpoints first
-                    try:
-                        os.killpg(p.pid, signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
         try:
             todo = [r for r in self.runs if self._state(r) != "done"]
             self.echo(f"[sweep] {len(self.runs)} runs ({len(self.spec.variants())} variants x {self.spec.seeds} "

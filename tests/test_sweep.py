@@ -281,3 +281,28 @@ def test_a_tiny_sweep_runs_evaluates_summarises_and_continues_after_an_interrupt
     p = _sweep(out2, *args)  # everything done: nothing runs again
     text, _ = p.communicate(timeout=300)
     assert p.returncode == 0 and "1 already done" in text and "[sweep] resume" not in text
+
+
+def test_a_stop_signal_whose_handler_lands_while_the_lock_is_held_stops_every_run_and_does_not_hang(tmp_path):
+    """The sweep's handler took the runs' lock: a second signal landing while the first's handler held it (two TERMs
+    at once, as a preemption without grace time sends) waited for itself forever. Now it takes no lock, and a run
+    registered after the handler copied the runs stops too."""
+    import threading
+
+    sweep = Sweep(SweepSpec(BASE, {"learner.lr": ["1e-4"]}, 1, eval_suite="sim:heldout"), tmp_path / "sw",
+                  echo=lambda s: None)
+    running = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    sweep.procs.add(running)
+    done = threading.Event()
+
+    def nested() -> None:  # as the handler interrupted by a second signal while holding the lock
+        with sweep.lock:
+            sweep._on_signal(signal.SIGTERM, None)
+        done.set()
+    threading.Thread(target=nested, daemon=True).start()
+    assert done.wait(5), "the handler waited for the lock its own thread held"
+    assert running.wait(5) == -signal.SIGTERM and sweep.interrupted
+    late = tmp_path / "late.log"
+    t0 = time.monotonic()
+    assert sweep._call(["sleep", "60"], late).returncode == -signal.SIGTERM, "a run started after the signal stops"
+    assert time.monotonic() - t0 < 5
