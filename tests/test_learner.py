@@ -533,15 +533,20 @@ def demo_answer_logprob(trainer: Trainer, answer=b"fail()") -> float:
         return float(sequence_logprobs(trainer.model, torch.tensor([ids]))[0, 19:].sum())
 
 
-def test_anchor_holds_the_policy_on_demonstrations_while_rl_moves_it_elsewhere():
+def test_anchor_holds_the_policy_on_demonstrations_while_rl_moves_it_elsewhere(tmp_path):
     """A base policy cloned on the demos answers 'fail()' to their prompts; RL then pushes 'fail()' down on
     random prompts, which generalises to the demos' prompts unless an anchor replays them."""
     moved = {}
+    base = None  # the base policy's checkpoint: cloned once, the same for every kind
     for kind in ("none", "kl", "sft"):
         anchor = AnchorConfig(suite="sim:train:settings_display", kind=kind, samples=4) if kind != "none" else AnchorConfig()
         t = Trainer(LearnerConfig(lr=3e-3, anchor=anchor), TINY, seed=0, anchor_demos=anchor_demos())
-        for _ in range(60):  # behaviour cloning makes the base policy (and the KL reference) know the demos
-            t.sft_step(anchor_demos(), 3e-3)
+        if base is None:
+            for _ in range(60):  # behaviour cloning makes the base policy (and the KL reference) know the demos
+                t.sft_step(anchor_demos(), 3e-3)
+            base = t.save(tmp_path / "base")
+        else:
+            t.load(base)
         t.reset_reference()
         before = demo_answer_logprob(t)
         assert before > -2.0

@@ -15,7 +15,8 @@ after every job, faults armed, crashes followed by recovery. After every crash, 
 committed is recovered with its frames intact; no group whose commit was acked is; nothing is recovered that was
 never submitted. And the log goes on: with no fault armed, every job is acked.
 
-``COMPUTERRL_SPILL_EXAMPLES=N`` runs N examples instead of the quick tier's 150 (a soak)."""
+150 examples in all: 50 in the quick tier, 100 more in the whole suite. ``COMPUTERRL_SPILL_EXAMPLES=N`` runs N in all
+instead (a soak)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 import zmq
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -37,6 +39,8 @@ from broker.spill import CommitThread, SpillLog
 from common import log as L
 
 EXAMPLES = int(os.environ.get("COMPUTERRL_SPILL_EXAMPLES", "0")) or 150
+QUICK_EXAMPLES = min(50, EXAMPLES)
+"""of them, those the quick tier runs (about 5 s); the whole suite runs the rest as a slow test"""
 REAL_OS = os
 FAULTS = st.one_of(st.none(), st.tuples(st.sampled_from(["writev", "fdatasync", "dirsync", "ftruncate", "open"]),
                                         st.integers(0, 400)))
@@ -277,5 +281,10 @@ class SpillRun(RuleBasedStateMachine):
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-SpillRun.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None)
-test_nothing_acked_is_lost_nothing_committed_returns_and_the_log_goes_on = SpillRun.TestCase
+class test_nothing_acked_is_lost_nothing_committed_returns_and_the_log_goes_on(SpillRun.TestCase):
+    settings = settings(max_examples=QUICK_EXAMPLES, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.slow  # more of the same examples: the quick tier's budget holds 50
+class test_nothing_acked_is_lost_nothing_committed_returns_and_the_log_goes_on_over_more_runs(SpillRun.TestCase):
+    settings = settings(max_examples=max(1, EXAMPLES - QUICK_EXAMPLES), stateful_step_count=40, deadline=None)
