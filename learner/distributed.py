@@ -51,6 +51,7 @@ class DistContext:
     local_rank: int = 0
     group: Any = None  # the training process group (NCCL on GPU, gloo on CPU)
     job_group: Any = None  # gloo group of the job channel
+    timeout_s: float = 600.0  # learner.dist_timeout_s: how long a collective of the job channel waits for a rank
 
     @property
     def enabled(self) -> bool:
@@ -70,22 +71,36 @@ class DistContext:
         if not self.enabled:
             return list(values)
         t = torch.tensor(list(values), dtype=torch.float64)
-        torch.distributed.all_reduce(t, group=self.job_group)
+        self.job_wait(torch.distributed.all_reduce(t, group=self.job_group, async_op=True), "sum")
         return t.tolist()
 
     def max(self, values: Sequence[float]) -> list[float]:
         if not self.enabled:
             return list(values)
         t = torch.tensor(list(values), dtype=torch.float64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.job_group)
+        self.job_wait(torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.job_group,
+                                                   async_op=True), "max")
         return t.tolist()
 
     def max_int(self, value: int) -> int:
         if not self.enabled:
             return value
         t = torch.tensor([value], dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.job_group)
+        self.job_wait(torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.job_group,
+                                                   async_op=True), "max")
         return int(t.item())
+
+    def job_wait(self, work: Any, what: str) -> None:
+        """Wait for a collective of the job channel, ``timeout_s`` at most. The channel's own timeout is a week (a
+        follower waits there for rank 0's next job for as long as that takes), and a gloo collective does not end
+        while a rank that is still connected stays out of it: a rank that hung (stopped, swapped out, a frozen
+        node) held the others for that week. Bounded, they fail as a training collective does (the group's
+        timeout), and the learner's restart takes every rank back to the checkpoint."""
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise RuntimeError(f"learner rank {self.rank}: the job channel's {what} waited {self.timeout_s:g} s "
+                               f"(learner.dist_timeout_s) for the other ranks: one hung or left ({exc})") from exc
 
     def any(self, flag: bool) -> bool:
         return bool(self.max_int(int(flag)))
@@ -102,7 +117,7 @@ class DistContext:
         if not self.enabled or not torch.distributed.is_initialized():
             return
         meeting = torch.zeros(1)
-        torch.distributed.all_reduce(meeting, group=self.job_group)
+        self.job_wait(torch.distributed.all_reduce(meeting, group=self.job_group, async_op=True), "meeting")
         deadline = time.monotonic() + RELEASE_WAIT_S
         while meeting._use_count() > 1 and time.monotonic() < deadline:
             time.sleep(0.001)  # releases the GIL the worker thread needs
@@ -141,7 +156,7 @@ def from_environment(device: str, timeout_s: float) -> DistContext:
     timeout = datetime.timedelta(seconds=timeout_s)
     torch.distributed.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     job_group = torch.distributed.new_group(backend="gloo", timeout=JOB_WAIT)  # CPU tensors, even beside NCCL
-    return DistContext(rank, world, local_rank, torch.distributed.group.WORLD, job_group)
+    return DistContext(rank, world, local_rank, torch.distributed.group.WORLD, job_group, timeout_s)
 
 
 def shard_model(model: Any, ctx: DistContext, compute_dtype: Any = None, reshard_after_forward: bool = True) -> Any:
@@ -293,9 +308,10 @@ class JobChannel:
         header = msgpack.packb([kind, meta or {}, [len(f) for f in frames]])
         blob = b"".join([struct.pack("<I", len(header)), header, *frames])
         size = torch.tensor([len(blob)], dtype=torch.int64)
-        torch.distributed.broadcast(size, src=0, group=self.ctx.job_group)
-        torch.distributed.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8), src=0,
-                                    group=self.ctx.job_group)
+        # Bounded: a follower that is not at its ``_receive`` within the timeout has hung (``job_wait``).
+        self.ctx.job_wait(torch.distributed.broadcast(size, src=0, group=self.ctx.job_group, async_op=True), kind)
+        self.ctx.job_wait(torch.distributed.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8), src=0,
+                                                      group=self.ctx.job_group, async_op=True), kind)
 
     def _receive(self) -> Job:
         size = torch.zeros(1, dtype=torch.int64)

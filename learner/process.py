@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -208,6 +210,7 @@ class Learner:
         c.grant(self.cfg.prefetch)
         finished = False
         last_saved = True  # the checkpoint taken on the way out, where one is
+        raised = False  # the loop ends on an error: with several ranks, one may have hung or left a collective
         try:
             while not self._stop.is_set():
                 if signalled.requested:
@@ -239,6 +242,9 @@ class Learner:
                 started = self._next_step()
                 if started is not None:
                     job, job_kind = started
+        except BaseException:
+            raised = True
+            raise
         finally:
             if not finished:
                 # Stopping (a signal, a preemption notice): the broker hears it now, and keeps hearing from us
@@ -259,7 +265,8 @@ class Learner:
                 c.poll(0.1)
             if finished:
                 c.poll(1.0)
-            self.jobs.stop()
+            if not raised:  # (after an error the other ranks' wait ends as this process's connections close)
+                self.jobs.stop()
             self.close()
         if not last_saved:
             raise CheckpointFailed(f"the checkpoint at version {t.version}, taken on the way out, could not be written "
@@ -470,16 +477,27 @@ def main(cfg: Any, run_dir: RunDir, log: Any, resume: bool, anchor_demos: list[P
     local supervisor do), the others follow rank 0's steps on their shards."""
     dist = from_environment(cfg.learner.device, cfg.learner.dist_timeout_s)
     temperature = cfg.actor.sampling.temperature
-    if dist.is_main:
-        finished = Learner(cfg.learner, cfg.model, cfg.weights, cfg.net, run_dir, log, temperature=temperature,
-                           seed=cfg.run.seed, resume=resume, dist=dist, anchor_demos=anchor_demos).run()
-        dist.close()  # after a normal end only: a barrier with a crashed peer would just wait out the timeout
-        return 0 if finished else EXIT_RESUMABLE
-    # A signal reaches every rank at once (torchrun, the local supervisor, Slurm), but rank 0 checkpoints
-    # first and needs this rank for it; this rank leaves when rank 0 says stop or its connection drops.
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda *_: log.info("signal_left_to_rank0"))
-    JobChannel(dist, Trainer(cfg.learner, cfg.model, temperature, cfg.run.seed, dist, anchor_demos,
-                             ImageStore(run_dir.images))).follow(log)
-    dist.close()
-    return 0
+    try:
+        if dist.is_main:
+            finished = Learner(cfg.learner, cfg.model, cfg.weights, cfg.net, run_dir, log, temperature=temperature,
+                               seed=cfg.run.seed, resume=resume, dist=dist, anchor_demos=anchor_demos).run()
+            dist.close()  # after a normal end only: a barrier with a crashed peer would just wait out the timeout
+            return 0 if finished else EXIT_RESUMABLE
+        # A signal reaches every rank at once (torchrun, the local supervisor, Slurm), but rank 0 checkpoints
+        # first and needs this rank for it; this rank leaves when rank 0 says stop or its connection drops.
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, lambda *_: log.info("signal_left_to_rank0"))
+        JobChannel(dist, Trainer(cfg.learner, cfg.model, temperature, cfg.run.seed, dist, anchor_demos,
+                                 ImageStore(run_dir.images))).follow(log)
+        dist.close()
+        return 0
+    except BaseException:
+        if not dist.enabled:
+            raise
+        # A collective that timed out on a rank that hung stays pending in gloo's worker thread, and at exit gloo's
+        # destructor joins that thread, which waits out the job channel's week: the rank never exited and nothing
+        # restarted it. So the error is printed and the process leaves without destructors (its logs, metrics and
+        # audit events are written unbuffered); the supervisor restarts every rank from the checkpoint.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)

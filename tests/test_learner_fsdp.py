@@ -152,10 +152,15 @@ def test_closing_waits_until_gloo_lets_go_of_the_last_collectives_tensor(monkeyp
 
     seen: dict = {}
 
-    def all_reduce(tensor, group=None):
+    class Work:
+        def wait(self, timeout=None):
+            return True
+
+    def all_reduce(tensor, group=None, async_op=False):
         seen["tensor"] = tensor
         worker_holds = [tensor.view(-1)]  # the worker thread's reference, let go of a little later
         threading.Thread(target=lambda: (time.sleep(0.2), worker_holds.clear())).start()
+        return Work() if async_op else None
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
@@ -163,6 +168,25 @@ def test_closing_waits_until_gloo_lets_go_of_the_last_collectives_tensor(monkeyp
                         lambda: seen.setdefault("use_count_at_teardown", seen["tensor"]._use_count()))
     DistContext(rank=1, world_size=2).close()
     assert seen["use_count_at_teardown"] == 1
+
+
+def test_a_job_channel_collective_waits_the_training_timeout_at_most_and_says_which():
+    """The job channel's group waits a week (a follower waits there for rank 0's next job); its collectives that every
+    rank makes together wait ``learner.dist_timeout_s`` at most, and the error names the setting and the job."""
+    import datetime
+
+    from learner.distributed import DistContext
+
+    asked = []
+
+    class Hung:  # gloo's answer when a connected rank never joins
+        def wait(self, timeout=None):
+            asked.append(timeout)
+            raise RuntimeError("Operation timed out!")
+
+    with pytest.raises(RuntimeError, match=r"learner rank 0: the job channel's rl waited 7 s \(learner.dist_timeout_s\)"):
+        DistContext(rank=0, world_size=2, timeout_s=7).job_wait(Hung(), "rl")
+    assert asked == [datetime.timedelta(seconds=7)]
 
 
 def test_a_model_built_on_the_meta_device_has_the_real_ones_parameters_and_buffers(tmp_path):

@@ -142,3 +142,61 @@ def test_a_group_whose_step_kills_a_learner_rank_is_set_aside_after_two_crashes(
     partner = next(g for g in crashed[0]["crashes"] if g != poison[0])
     trained = [json.loads(x) for x in (run_dir / "audit" / "learner.jsonl").read_text().splitlines()]
     assert any(partner in e.get("gs", []) for e in trained if e["e"] == "trained"), "the partner was trained"
+
+
+def test_a_learner_rank_that_hangs_fails_the_others_within_the_collective_timeout_and_a_restart_goes_on(tmp_path,
+                                                                                                         quiet_log):
+    """Two learner ranks; rank 1 is stopped (SIGSTOP: a process swapped out, a frozen node), not killed, while both
+    wait for the next batch. Rank 0's next job went out on the job channel, whose collectives waited a week for a rank
+    that is connected but never joins: the run stalled. Now rank 0 fails within ``learner.dist_timeout_s``, as a
+    training collective does, and exits with the error (the supervisor then restarts both ranks); restarted from the
+    checkpoint, the ranks finish the run and the audit finds nothing acked lost or trained twice."""
+    net = make_net()
+    run_dir = tmp_path / "run"
+    broker = broker_process(run_dir, net, "broker.groups_per_batch=1", "broker.group_size=4", "broker.eta=1000")
+    actor = ActorBrokerClient(net, None, quiet_log)
+    timeout_s = 5
+
+    def ranks(resume: bool, steps: int) -> list[subprocess.Popen]:
+        port = free_port()
+        return [_learner(run_dir, net, "learner.checkpoint_every=1", f"learner.total_steps={steps}",
+                         f"learner.dist_timeout_s={timeout_s}", resume=resume,
+                         # (quiet: their stderr is a pipe read at the end, which a step's log lines would fill)
+                         env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": str(port), "COMPUTERRL_QUIET": "1"}) for r in (0, 1)]
+
+    learners = ranks(False, 100)
+    try:
+        actor.connect(60)
+        sent: list[int] = []
+        feed_until(actor, lambda: len(sent) >= 2, alter=lambda n, g: sent.append(n))  # two groups, two steps
+        deadline = time.monotonic() + 120
+        while actor.version < 2:  # trained: both ranks now wait for the next batch, rank 1 inside the job channel
+            assert time.monotonic() < deadline, f"version {actor.version} of 2"
+            actor.poll(0.1)
+        time.sleep(1)
+        os.kill(learners[1].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        feed_until(actor, lambda: learners[0].poll() is not None, seconds=60)  # the next batch: a job for both
+        waited = time.monotonic() - t0
+        err = learners[0].stderr.read().decode()
+        assert learners[0].returncode not in (0, EXIT_RESUMABLE), err[-3000:]
+        assert "learner.dist_timeout_s" in err, err[-3000:]
+        assert waited < timeout_s + 30, f"rank 0 took {waited:.0f} s to give up"
+        learners[1].kill()
+        assert learners[1].wait(20) == -signal.SIGKILL
+        ck = run_dir / "checkpoints"
+        saved = json.loads((ck / (ck / "latest").read_text() / "state.json").read_text())["version"]
+        learners = ranks(True, saved + 2)
+        feed_until(actor, lambda: all(p.poll() is not None for p in learners))
+        assert [p.returncode for p in learners] == [0, 0], learners[0].stderr.read().decode()[-3000:]
+    finally:
+        actor.close()
+        for p in [*learners, broker]:
+            if p.poll() is None:
+                p.kill()
+                p.wait(20)
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(run_dir), "--json"], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    audit = json.loads(out.stdout)
+    assert audit["ok"] and audit["lost"] == 0 and audit["trained_twice"] == 0, audit
