@@ -37,6 +37,22 @@ def _learner(run_dir, net, *extra, resume=False, env=None) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
+def _two_ranks(run_dir, net, *extra, resume: bool) -> list[subprocess.Popen]:
+    """Learner ranks 0 and 1 of one torch.distributed group (a fresh rendezvous port each time)."""
+    port = free_port()
+    return [_learner(run_dir, net, *extra, resume=resume,
+                     env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+                          "MASTER_PORT": str(port),
+                          # quiet: their stderr is a pipe read at the end, which a step's log lines could fill
+                          "COMPUTERRL_QUIET": "1"}) for r in (0, 1)]
+
+
+def _audit(run_dir) -> dict:
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(run_dir), "--json"], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    return json.loads(out.stdout)
+
+
 def test_sigterm_checkpoints_and_resume_continues_versions(tmp_path, quiet_log):
     net = make_net()
     run_dir = tmp_path / "run"
@@ -95,11 +111,8 @@ def test_a_group_whose_step_kills_a_learner_rank_is_set_aside_after_two_crashes(
     steps = 4
 
     def ranks(resume: bool) -> list[subprocess.Popen]:
-        port = free_port()
-        return [_learner(run_dir, net, "learner.loss.name=tests.plugins:killing_grpo_loss",
-                         "learner.checkpoint_every=1", f"learner.total_steps={steps}", resume=resume,
-                         env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
-                              "MASTER_PORT": str(port)}) for r in (0, 1)]
+        return _two_ranks(run_dir, net, "learner.loss.name=tests.plugins:killing_grpo_loss",
+                          "learner.checkpoint_every=1", f"learner.total_steps={steps}", resume=resume)
 
     poison: list[str] = []
 
@@ -134,9 +147,7 @@ def test_a_group_whose_step_kills_a_learner_rank_is_set_aside_after_two_crashes(
     kept = run_dir / "quarantine" / f"{poison[0]}.msgpack"
     from common.demofile import read_group
     assert read_group(kept).trajectories[0].logprobs[0] == POISON_LOGPROB
-    out = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(run_dir), "--json"], cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
-    audit = json.loads(out.stdout)
+    audit = _audit(run_dir)
     assert audit["ok"] and audit["lost"] == 0 and audit["trained_twice"] == 0, audit
     assert audit["dropped"].get("step_crashed", 0) == 1, audit
     partner = next(g for g in crashed[0]["crashes"] if g != poison[0])
@@ -158,12 +169,8 @@ def test_a_learner_rank_that_hangs_fails_the_others_within_the_collective_timeou
     timeout_s = 5
 
     def ranks(resume: bool, steps: int) -> list[subprocess.Popen]:
-        port = free_port()
-        return [_learner(run_dir, net, "learner.checkpoint_every=1", f"learner.total_steps={steps}",
-                         f"learner.dist_timeout_s={timeout_s}", resume=resume,
-                         # (quiet: their stderr is a pipe read at the end, which a step's log lines would fill)
-                         env={"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
-                              "MASTER_PORT": str(port), "COMPUTERRL_QUIET": "1"}) for r in (0, 1)]
+        return _two_ranks(run_dir, net, "learner.checkpoint_every=1", f"learner.total_steps={steps}",
+                          f"learner.dist_timeout_s={timeout_s}", resume=resume)
 
     learners = ranks(False, 100)
     try:
@@ -196,7 +203,5 @@ def test_a_learner_rank_that_hangs_fails_the_others_within_the_collective_timeou
             if p.poll() is None:
                 p.kill()
                 p.wait(20)
-    out = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(run_dir), "--json"], cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
-    audit = json.loads(out.stdout)
+    audit = _audit(run_dir)
     assert audit["ok"] and audit["lost"] == 0 and audit["trained_twice"] == 0, audit
