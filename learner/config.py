@@ -137,6 +137,8 @@ class LearnerConfig:
     """with several learner ranks: how long a training collective may wait for a slow or dead rank"""
     max_step_crashes: int = 2
     """a group in this many steps that killed the learner process is set aside at its next delivery; 0 = never"""
+    job_timeout_s: float = 1800.0
+    """a step or checkpoint running this long is hung: stacks logged, the learner exits as a crash; 0 = never"""
 
     def validate(self) -> None:
         from common.metrics.prometheus import check_address
@@ -149,6 +151,8 @@ class LearnerConfig:
             raise ValueError("learner.min_lr_ratio must be in [0, 1]")
         if self.dist_timeout_s <= 0:
             raise ValueError("learner.dist_timeout_s must be > 0")
+        if self.job_timeout_s < 0:
+            raise ValueError("learner.job_timeout_s must be >= 0 (0: a hung step is waited for)")
         if self.max_step_crashes < 0:
             raise ValueError("learner.max_step_crashes must be >= 0 (0: never set a group aside)")
         if self.explored_coef < 0:

@@ -71,6 +71,7 @@ class Learner:
         self._stop = threading.Event()
         # The thread training steps and checkpoint saves run on; this one keeps the broker link polled meanwhile.
         self._worker = cf.ThreadPoolExecutor(1, thread_name_prefix="train")
+        self._job_started = 0.0  # monotonic time the training thread's current job began (``_train``)
         self._round_failures = 0  # weight rounds failed in a row
         self.eta: int | None = None  # the broker's staleness bound, from its Ready; every rl job re-checks it
         self._sft_requested = False  # an SFT phase's request for stored successes is out, not yet answered
@@ -112,8 +113,8 @@ class Learner:
         version = self.trainer.version
         extra = {"broker_client": self.client.checkpoint_state()}
         try:
-            path = self._polled(self._worker.submit(self.jobs.run, "save", {"root": str(self.run_dir.checkpoints)},
-                                                    extra=extra))
+            path = self._polled(self._train(self.jobs.run, "save", {"root": str(self.run_dir.checkpoints)},
+                                            extra=extra))
         except OSError as exc:
             self.trainer._count("checkpoints_failed")
             self.log.error("checkpoint_failed", version=version, error=repr(exc),
@@ -131,7 +132,36 @@ class Learner:
         """``job``'s result (a future of the training thread), the broker link polled while it runs."""
         while not job.done():
             self.client.poll(0.05)
+            self._check_hung()
         return job.result()
+
+    def _train(self, fn: Any, *args: Any, **kwargs: Any) -> cf.Future:
+        """Run ``fn`` on the training thread (a step, a checkpoint), its start noted for ``_check_hung``."""
+        def timed() -> Any:
+            self._job_started = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._job_started = 0.0
+        return self._worker.submit(timed)
+
+    def _check_hung(self) -> None:
+        """A job of the training thread past ``job_timeout_s`` (a kernel or a driver that never returns, I/O on a file
+        system that went away) is taken as hung: this process then heartbeats on while nothing trains, so neither
+        the broker nor the supervisor would ever restart it. Its threads' stacks are logged and it leaves as a
+        crash does, without waiting for that thread; the record of the step in flight counts its groups."""
+        started, limit = self._job_started, self.cfg.job_timeout_s
+        if not (limit and started) or time.monotonic() - started < limit:
+            return
+        import faulthandler
+
+        self.log.error("training_job_hung", seconds=round(time.monotonic() - started, 1), version=self.trainer.version,
+                       hint="learner.job_timeout_s: the step or checkpoint never returned; its threads' stacks are "
+                            "in this role's stderr; exiting to be restarted from the checkpoint")
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stderr.write(f"learner: a training job ran past learner.job_timeout_s={limit:g} s: exiting\n")
+        sys.stderr.flush()
+        os._exit(1)  # the hung thread cannot be joined, and an exit that waits for it would hang too
 
     def publish(self, paused: bool = False, stop: bool = False, new_weights: bool = True) -> Any:
         """Tell the broker the version and phase; returns the weight round to broadcast (or None).
@@ -219,6 +249,7 @@ class Learner:
                 c.poll(0.01 if job is not None else 0.05)  # a finished job is noticed within 10 ms
                 if job is not None:
                     if not job.done():
+                        self._check_hung()
                         self._prefetch_next()
                         continue
                     result, kind, job = job.result(), job_kind, None
@@ -292,7 +323,7 @@ class Learner:
             batch = c.batches.popleft()
             c.grant(1)
             self.clock.enter("train")
-            return self._worker.submit(self._rl_step, batch), "rl"
+            return self._train(self._rl_step, batch), "rl"
         e = self.cfg.entropulse
         if not self._sft_requested:
             c.request_successes(e.k_per_task, e.max_tasks, seed=t.version)
@@ -308,7 +339,7 @@ class Learner:
             self.publish()
             return None
         self.clock.enter("train")
-        return self._worker.submit(self._sft_step, e.sft_lr, successes), "sft"
+        return self._train(self._sft_step, e.sft_lr, successes), "sft"
 
     def _sft_step(self, lr: float, successes: P.SuccessBatch) -> dict:
         """An SFT step on stored successes, less those counted in as many steps that killed the learner."""

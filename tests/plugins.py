@@ -56,3 +56,16 @@ def killing_grpo_loss(inp, cfg):
     if bool((inp.behav_logprobs == POISON_LOGPROB).any()):
         os.kill(os.getpid(), signal.SIGKILL)
     return grpo_loss(inp, cfg)
+
+
+def hanging_grpo_loss(inp, cfg):
+    """The GRPO loss, except that a micro-batch holding the planted log-prob never returns (a kernel or a driver that
+    hangs): the step it is in runs forever."""
+    import time
+
+    from learner.losses import grpo_loss
+
+    if bool((inp.behav_logprobs == POISON_LOGPROB).any()):
+        while True:
+            time.sleep(1)
+    return grpo_loss(inp, cfg)

@@ -205,3 +205,54 @@ def test_a_learner_rank_that_hangs_fails_the_others_within_the_collective_timeou
                 p.wait(20)
     audit = _audit(run_dir)
     assert audit["ok"] and audit["lost"] == 0 and audit["trained_twice"] == 0, audit
+
+
+def test_a_step_that_never_returns_ends_the_learner_as_a_crash_and_its_group_is_set_aside(tmp_path, quiet_log):
+    """A step that hangs (here the loss, on one planted group) left a learner that heartbeats on and trains nothing:
+    the broker saw it alive, the supervisor saw no exit, the run stood still. Past ``learner.job_timeout_s`` the
+    learner now logs its threads' stacks and exits as a crash; restarted, it counts the step in flight against its
+    group, sets the group aside (``max_step_crashes`` 1 here) and finishes, and the audit finds nothing lost."""
+    net = make_net()
+    run_dir = tmp_path / "run"
+    broker = broker_process(run_dir, net, "broker.groups_per_batch=1", "broker.group_size=4", "broker.eta=1000")
+    actor = ActorBrokerClient(net, None, quiet_log)
+    steps = 3
+
+    def learner(resume: bool) -> subprocess.Popen:
+        return _learner(run_dir, net, "learner.loss.name=tests.plugins:hanging_grpo_loss", "learner.job_timeout_s=10",
+                        "learner.max_step_crashes=1", "learner.checkpoint_every=1", f"learner.total_steps={steps}",
+                        resume=resume, env={"COMPUTERRL_QUIET": "1"})
+
+    poison: list[str] = []
+
+    def plant(n, g) -> None:
+        if n == 2 and not poison:
+            g.trajectories[0].logprobs[0] = POISON_LOGPROB
+            poison.append(g.group_id)
+
+    proc = learner(False)
+    try:
+        actor.connect(60)
+        feed_until(actor, lambda: proc.poll() is not None, seconds=120, alter=plant)
+        err = proc.stderr.read().decode()
+        assert proc.returncode == 1, err[-3000:]
+        assert "learner.job_timeout_s=10 s" in err and "in hanging_grpo_loss" in err, err[-3000:]
+        proc = learner(True)
+        feed_until(actor, lambda: proc.poll() is not None, seconds=120, alter=plant)
+        assert proc.returncode == 0, proc.stderr.read().decode()[-3000:]
+    finally:
+        actor.close()
+        for p in (proc, broker):
+            if p.poll() is None:
+                p.kill()
+                p.wait(20)
+    log = [json.loads(x) for x in (run_dir / "logs" / "learner-0.jsonl").read_text().splitlines()]
+    hung = [r for r in log if r["event"] == "training_job_hung"]
+    assert len(hung) == 1 and hung[0]["seconds"] >= 10, hung
+    crashed = [r for r in log if r["event"] == "step_crashed"]
+    assert len(crashed) == 1 and crashed[0]["crashes"] == {poison[0]: 1}, crashed
+    aside = [r for r in log if r["event"] == "groups_set_aside"]
+    assert len(aside) == 1 and aside[0]["groups"] == poison, aside
+    audit = _audit(run_dir)
+    assert audit["ok"] and audit["lost"] == 0 and audit["trained_twice"] == 0, audit
+    assert audit["dropped"].get("step_crashed", 0) == 1, audit
