@@ -160,8 +160,7 @@ class Learner:
                             "in this role's stderr; exiting to be restarted from the checkpoint")
         faulthandler.dump_traceback(all_threads=True)
         sys.stderr.write(f"learner: a training job ran past learner.job_timeout_s={limit:g} s: exiting\n")
-        sys.stderr.flush()
-        os._exit(1)  # the hung thread cannot be joined, and an exit that waits for it would hang too
+        exit_now()
 
     def publish(self, paused: bool = False, stop: bool = False, new_weights: bool = True) -> Any:
         """Tell the broker the version and phase; returns the weight round to broadcast (or None).
@@ -527,8 +526,16 @@ def main(cfg: Any, run_dir: RunDir, log: Any, resume: bool, anchor_demos: list[P
             raise
         # A collective that timed out on a rank that hung stays pending in gloo's worker thread, and at exit gloo's
         # destructor joins that thread, which waits out the job channel's week: the rank never exited and nothing
-        # restarted it. So the error is printed and the process leaves without destructors (its logs, metrics and
-        # audit events are written unbuffered); the supervisor restarts every rank from the checkpoint.
+        # restarted it. So the error is printed and the process leaves at once; the supervisor restarts every rank
+        # from the checkpoint.
         traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
+        exit_now()
+
+
+def exit_now() -> None:
+    """End this learner process at once with status 1, as a crash: no destructors, no exit handlers. What it would wait
+    for is stuck (a collective on a hung rank, a step that never returns), and both gloo's destructor and the training
+    thread pool's exit handler join their threads. Logs, metrics and audit events are written unbuffered; only stderr
+    needs its flush."""
+    sys.stderr.flush()
+    os._exit(1)
