@@ -48,12 +48,17 @@ POISON_LOGPROB = -77.0
 """a behaviour log-prob no model records: a test plants it in one group to make that group's step kill the learner"""
 
 
+def _planted(inp) -> bool:
+    """Whether a loss's micro-batch holds the planted log-prob."""
+    return bool((inp.behav_logprobs == POISON_LOGPROB).any())
+
+
 def killing_grpo_loss(inp, cfg):
     """The GRPO loss, except that a micro-batch holding the planted log-prob kills its process with SIGKILL (as the
     kernel's OOM killer, or a segfault in a kernel, would): with several ranks, the rank that got that group."""
     from learner.losses import grpo_loss
 
-    if bool((inp.behav_logprobs == POISON_LOGPROB).any()):
+    if _planted(inp):
         os.kill(os.getpid(), signal.SIGKILL)
     return grpo_loss(inp, cfg)
 
@@ -65,7 +70,7 @@ def hanging_grpo_loss(inp, cfg):
 
     from learner.losses import grpo_loss
 
-    if bool((inp.behav_logprobs == POISON_LOGPROB).any()):
+    if _planted(inp):
         while True:
             time.sleep(1)
     return grpo_loss(inp, cfg)

@@ -47,6 +47,24 @@ def _two_ranks(run_dir, net, *extra, resume: bool) -> list[subprocess.Popen]:
                           "COMPUTERRL_QUIET": "1"}) for r in (0, 1)]
 
 
+def _saved_version(run_dir) -> int:
+    """The version of the run's latest checkpoint."""
+    from learner import checkpoint as ckpt
+
+    path = ckpt.latest(run_dir / "checkpoints")
+    assert path is not None, "no checkpoint"
+    return json.loads((path / ckpt.STATE_FILE).read_text())["version"]
+
+
+def _end(actor, procs) -> None:
+    """A test's clean-up: the feeding actor closed, whatever of ``procs`` still runs killed."""
+    actor.close()
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(20)
+
+
 def _audit(run_dir) -> dict:
     out = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(run_dir), "--json"], cwd=REPO,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
@@ -66,8 +84,7 @@ def test_sigterm_checkpoints_and_resume_continues_versions(tmp_path, quiet_log):
         learner.send_signal(signal.SIGTERM)
         # Stopped before its total_steps: a clean, resumable exit (EX_TEMPFAIL), not "finished".
         assert learner.wait(60) == EXIT_RESUMABLE, learner.stderr.read().decode()[-2000:]
-        ck = run_dir / "checkpoints"
-        saved = json.loads((ck / (ck / "latest").read_text() / "state.json").read_text())["version"]
+        saved = _saved_version(run_dir)
         assert saved >= 3
         steps = [json.loads(x)["step"] for x in (run_dir / "metrics" / "learner.jsonl").read_text().splitlines()]
         assert steps[-1] == saved, "the step in flight at the signal has its metrics record too"
@@ -85,16 +102,12 @@ def test_sigterm_checkpoints_and_resume_continues_versions(tmp_path, quiet_log):
         learner = _learner(run_dir, net, f"learner.total_steps={saved + 2}", resume=True)
         feed_until(actor, lambda: learner.poll() is not None)
         assert learner.returncode == 0, learner.stderr.read().decode()[-2000:]
-        final = json.loads((ck / (ck / "latest").read_text() / "state.json").read_text())["version"]
+        final = _saved_version(run_dir)
         assert final == saved + 2, "the resumed learner continued the version sequence"
         log = (run_dir / "logs" / "learner-0.jsonl").read_text()
         assert '"resumed"' in log
     finally:
-        actor.close()
-        for p in (learner, broker):
-            if p.poll() is None:
-                p.terminate()
-                p.wait(20)
+        _end(actor, [learner, broker])
 
 
 def test_a_group_whose_step_kills_a_learner_rank_is_set_aside_after_two_crashes(tmp_path, quiet_log):
@@ -132,11 +145,7 @@ def test_a_group_whose_step_kills_a_learner_rank_is_set_aside_after_two_crashes(
         feed_until(actor, lambda: all(p.poll() is not None for p in learners), alter=plant)
         assert [p.returncode for p in learners] == [0, 0], learners[0].stderr.read().decode()[-3000:]
     finally:
-        actor.close()
-        for p in [*learners, broker]:
-            if p.poll() is None:
-                p.terminate()
-                p.wait(20)
+        _end(actor, [*learners, broker])
     log = [json.loads(x) for x in (run_dir / "logs" / "learner-0.jsonl").read_text().splitlines()]
     crashed = [r for r in log if r["event"] == "step_crashed"]
     assert len(crashed) == 2 and all(poison[0] in r["crashes"] for r in crashed), crashed
@@ -192,17 +201,12 @@ def test_a_learner_rank_that_hangs_fails_the_others_within_the_collective_timeou
         assert waited < timeout_s + 30, f"rank 0 took {waited:.0f} s to give up"
         learners[1].kill()
         assert learners[1].wait(20) == -signal.SIGKILL
-        ck = run_dir / "checkpoints"
-        saved = json.loads((ck / (ck / "latest").read_text() / "state.json").read_text())["version"]
+        saved = _saved_version(run_dir)
         learners = ranks(True, saved + 2)
         feed_until(actor, lambda: all(p.poll() is not None for p in learners))
         assert [p.returncode for p in learners] == [0, 0], learners[0].stderr.read().decode()[-3000:]
     finally:
-        actor.close()
-        for p in [*learners, broker]:
-            if p.poll() is None:
-                p.kill()
-                p.wait(20)
+        _end(actor, [*learners, broker])
     audit = _audit(run_dir)
     assert audit["ok"] and audit["lost"] == 0 and audit["trained_twice"] == 0, audit
 
@@ -241,11 +245,7 @@ def test_a_step_that_never_returns_ends_the_learner_as_a_crash_and_its_group_is_
         feed_until(actor, lambda: proc.poll() is not None, seconds=120, alter=plant)
         assert proc.returncode == 0, proc.stderr.read().decode()[-3000:]
     finally:
-        actor.close()
-        for p in (proc, broker):
-            if p.poll() is None:
-                p.kill()
-                p.wait(20)
+        _end(actor, [proc, broker])
     log = [json.loads(x) for x in (run_dir / "logs" / "learner-0.jsonl").read_text().splitlines()]
     hung = [r for r in log if r["event"] == "training_job_hung"]
     assert len(hung) == 1 and hung[0]["seconds"] >= 10, hung
