@@ -30,6 +30,7 @@ from actor.workflow_explorer import explored_trajectory
 from common.episode_log import EpisodeWriter, actor_file
 from broker.client import ActorBrokerClient
 from common import protocol as P
+from common import pulse
 from common.metrics.writer import MetricsWriter, percentile
 from common.net import NetConfig
 from common.rundir import RunDir
@@ -382,6 +383,7 @@ class Actor:
         idle_sleep = 0.001
         try:
             while True:
+                pulse.beat()
                 self.broker.poll(0)
                 moved = self.env.pump()
                 self._maybe_receive_weights(loop)
@@ -458,6 +460,7 @@ class Actor:
             **({"explored_success_rate": round(self.stats["explored_successes"] / self.stats["explored_episodes"], 4)}
                if self.stats["explored_episodes"] else {}),
             "counters": {**self.stats, "env_pool_waits": self.env.pool_waits, "terms_deferred": deferred_terms(),
+                         "pulse_failures": pulse.failures(),
                          **(self.images.stats if self.images is not None else {}),
                          **(self.recorder.counts if self.recorder is not None else {})},
         })

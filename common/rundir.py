@@ -68,6 +68,11 @@ class RunDir:
         return self.root / "quarantine"
 
     @property
+    def pulse(self) -> Path:
+        """one file per role, touched by its main loop while it runs (``common/pulse.py``)"""
+        return self.root / "pulse"
+
+    @property
     def keys(self) -> Path:
         """CURVE keypairs of this run"""
         return self.root / "keys"

@@ -8,15 +8,18 @@ Faults, each at a learner step, on a role (broker, env_server, an actor, the lea
   in a network namespace of its own (``launch/netns.py``), so its TCP connections stay open and nothing is refused,
   as when a switch port or a node's network fails;
 - ``hang``: the role is stopped (SIGSTOP) for ``seconds``, then continued — a process stalled in the kernel or
-  swapped out: its sockets stay open and unanswered.
+  swapped out: its sockets stay open and unanswered;
+- ``stop`` (``--stops``): the role is stopped and never continued — a deadlock, a process hung for good. It never
+  exits, so the supervisor must find it hung by its pulse (``local.hang_timeout_s``) and restart it, as after a kill.
 
 A partitioned or hung role must come back by itself: it is the same process after the fault (``restarted`` says
 otherwise). After the last step, the run is resumed once more for a few steps (groups queued at the end get
 trained), then ``launch.audit.reconcile`` must find every acked group trained once, dropped with a reason, or
 queued.
 
-Recovery of a fault: seconds from the fault's end (the signal; the heal; the SIGCONT) until the learner writes its
-next step record (training flows again), and, for a kill, until the killed role runs again.
+Recovery of a fault: seconds from the fault's end (the signal; the heal; the SIGCONT; a stop's SIGSTOP) until the
+learner writes its next step record (training flows again), and, for a kill or a stop, until a new process of the role
+runs.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ class Fault:
     """learner step after which the fault starts"""
     role: str
     kind: str
-    """SIGKILL, SIGTERM, partition or hang"""
+    """SIGKILL, SIGTERM, partition, hang or stop"""
     seconds: float = 0.0
     """how long a partition or hang lasts"""
     every: int = 0
@@ -59,7 +62,7 @@ class Fault:
     rank: str = "0"
     metrics_pos: int = 0
     role_back_s: float | None = None
-    """a kill: seconds until a new process of the role runs"""
+    """a kill or a stop: seconds until a new process of the role runs"""
     training_back_s: float | None = None
     """seconds from the fault's end until the learner's next step record"""
     restarted: bool | None = None
@@ -68,6 +71,11 @@ class Fault:
     @property
     def signal(self) -> int:
         return KILLS.get(self.kind, 0)
+
+    @property
+    def replaces_process(self) -> bool:
+        """Whether the role can only come back as a new process (a kill; a stop, which the supervisor must notice)."""
+        return bool(self.signal) or self.kind == "stop"
 
     @property
     def label(self) -> str:
@@ -95,6 +103,16 @@ def schedule(seed: int, steps: int, kills: int, sigterm_share: float = 0.25) -> 
     rng.shuffle(plan)
     at = sorted(rng.randint(1, max(1, steps - 2)) for _ in range(kills))
     return [Fault(s, r, signal.Signals(sig).name) for s, (r, sig) in zip(at, plan)]
+
+
+def stop_schedule(seed: int, steps: int, stops: int) -> list[Fault]:
+    """``stops`` roles stopped for good at random steps in 1 .. steps-2, every role once before any twice."""
+    rng = random.Random(seed + 1)  # not the kills' own draws
+    roles: list[str] = []
+    while len(roles) < stops:
+        roles += rng.sample(ROLES, len(ROLES))
+    at = sorted(rng.randint(1, max(1, steps - 2)) for _ in range(stops))
+    return [Fault(s, r, "stop") for s, r in zip(at, roles[:stops])]
 
 
 def network_schedule(seed: int, steps: int, spans: tuple[float, ...], roles: tuple[str, ...] = ROLES,
@@ -238,13 +256,14 @@ def run_chaos(config: str, run_dir: Path, steps: int, faults: list[Fault], overr
                     watching.append(f)
             now = time.monotonic()
             for f in list(watching):
-                if f.signal and f.role_back_s is None and any(p != f.pid for p in role_pids(run_dir, f.role, f.rank)):
+                if (f.replaces_process and f.role_back_s is None
+                        and any(p != f.pid for p in role_pids(run_dir, f.role, f.rank))):
                     f.role_back_s = round(now - f.started_at, 2)
                 if f.training_back_s is None and records and records[-1][0] > f.metrics_pos:
                     f.training_back_s = round(now - f.ended_at, 2)
-                if not f.signal and f.restarted is None:
+                if not f.replaces_process and f.restarted is None:
                     f.restarted = f.pid not in role_pids(run_dir, f.role, f.rank)
-                if (f.role_back_s is not None or not f.signal) and f.training_back_s is not None:
+                if (f.role_back_s is not None or not f.replaces_process) and f.training_back_s is not None:
                     watching.remove(f)
             if not stopping and latest >= steps and not pending and active is None and not watching:
                 say(f"step {latest}: every fault has had its turn; stopping the run (SIGINT)")
@@ -281,6 +300,9 @@ def run_chaos(config: str, run_dir: Path, steps: int, faults: list[Fault], overr
     finally:
         if active is not None:  # never leave a role stopped or cut off
             _end(active, fabric)
+        for f in faults:  # nor one stopped for good that no supervisor ended (local.hang_timeout_s=0)
+            if f.kind == "stop" and f.pid in role_pids(run_dir, f.role):
+                os.kill(f.pid, signal.SIGKILL)
         if sup.poll() is None:  # the run's supervisor, or the final --resume's: never left behind
             os.killpg(sup.pid, signal.SIGTERM)
             sup.wait(60)
@@ -294,7 +316,7 @@ def run_chaos(config: str, run_dir: Path, steps: int, faults: list[Fault], overr
 def _begin(f: Fault, fabric: Any) -> None:
     if f.signal:
         os.kill(f.pid, f.signal)
-    elif f.kind == "hang":
+    elif f.kind in ("hang", "stop"):
         os.kill(f.pid, signal.SIGSTOP)
     else:
         fabric.partition(f"{f.role}-{f.rank}")

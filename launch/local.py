@@ -8,6 +8,8 @@ does; then the learner and the actors, which wait for their peers themselves. Wh
   learner had not committed, so no acked group is lost or trained twice (``computerrl audit`` checks);
 - a role that keeps crashing ends the run with the reason and the tail of its stderr; the run directory
   stays resumable (learner checkpoints, broker spill log): ``computerrl run ... --resume``;
+- a role that hangs for good (a deadlock, a process stopped and never continued) never exits: its main loop's pulse
+  (``common/pulse.py``) stops, and past ``hang_timeout_s`` the role is killed, its stacks kept, and restarted as above;
 - SIGINT/SIGTERM/SIGUSR2 stop the learner first (it checkpoints), then actors, env_server and broker; whatever
   has not exited after ``stop_timeout_s`` (the learner: ``learner_stop_timeout_s``, time to finish its step and
   checkpoint) is killed, and every child dies with the supervisor (PDEATHSIG);
@@ -33,12 +35,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common.exitcodes import EXIT_RESUMABLE
+from common.pulse import PULSE_ENV
 from common.rundir import RunDir
 from common.signals import DEFER_TERM_ENV, STOP_SIGNALS
 from launch.live_view import render_view
 from launch.placement import Role, fabric_roles, local_roles
 
 PR_SET_PDEATHSIG = 1
+SUPERVISOR_GAP_S = 10.0
+"""a pass of the supervisor's loop this long after the one before (its loop sleeps 0.2 s): the supervisor itself was
+stopped (a suspended job stops every process of it) or starved, and what its roles did not beat meanwhile is not held
+against them"""
 # How a role that stopped on a stop signal exits: 75 (a role's own stop), 128 + N (a command unwound by signal N, or
 # srun reporting a task it signalled), -N (a process the signal ended).
 SIGNALLED_EXITS = {EXIT_RESUMABLE, *(128 + s for s in STOP_SIGNALS), *(-s for s in STOP_SIGNALS)}
@@ -62,6 +69,8 @@ class LocalConfig:
     """how long each role but the learner may take to exit after SIGTERM before it is killed"""
     learner_stop_timeout_s: float = 240.0
     """how long the learner may take after SIGTERM to finish its step and checkpoint before it is killed"""
+    hang_timeout_s: float = 600.0
+    """a role whose loop gave no sign of life (common/pulse.py) this long is hung: killed and restarted (0 = never)"""
     view_interval_s: float = 1.0
     """refresh period of the terminal view"""
     torch_threads: int = 1
@@ -90,6 +99,8 @@ class LocalConfig:
             raise ValueError(f"local.port_base must be 0 or within 1024..{65535 - len(PORT_KEYS)}")
         if self.stop_timeout_s <= 0 or self.learner_stop_timeout_s <= 0 or self.eval_timeout_s <= 0:
             raise ValueError("local.stop_timeout_s, local.learner_stop_timeout_s and local.eval_timeout_s must be > 0")
+        if self.hang_timeout_s < 0:
+            raise ValueError("local.hang_timeout_s must be >= 0 (0 = never)")
         if self.max_restarts < 0 or self.restart_reset_s < 0:
             raise ValueError("local.max_restarts and local.restart_reset_s must be >= 0")
         if self.netns:
@@ -210,7 +221,7 @@ class Supervisor:
         self.start_policy = start if (self.local.eval_start and not resume and start and start.is_dir()) else None
         self.stopping = False
         self.outcome = ""
-        self.t0 = time.monotonic()
+        self.t0 = self._last_pass = time.monotonic()
         self._view_lines = 0
 
     # ----- processes -----------------------------------------------------------------------------
@@ -222,6 +233,13 @@ class Supervisor:
                "OMP_NUM_THREADS": str(self.local.torch_threads), **role.env}
         if self.scheduler_steps and role.name != "learner":
             env[DEFER_TERM_ENV] = "1"
+        role.pulse = self.run_dir.pulse / role.label
+        try:  # a file left by the process before this one must not stand for this one's first beat
+            role.pulse.parent.mkdir(exist_ok=True)
+            role.pulse.unlink(missing_ok=True)
+        except OSError:
+            pass
+        env[PULSE_ENV], role.pulse_mtime = str(role.pulse), None
         argv = [*self.launcher(role), sys.executable, "-m", "launch.cli", *role.args]
         with open(role.stderr_path, "ab") as err:
             role.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env,
@@ -307,7 +325,10 @@ class Supervisor:
     def _check(self) -> bool:
         """One supervision pass; False once the run is over."""
         now = time.monotonic()
+        gap, self._last_pass = now - self._last_pass, now
         for role in self.roles:
+            if gap > SUPERVISOR_GAP_S:
+                role.pulse_seen += gap
             if role.done:
                 continue
             if role.proc is None:
@@ -315,6 +336,8 @@ class Supervisor:
                     self._spawn(role)
                 continue
             rc = role.proc.poll()
+            if rc is None and self._hung(role, now):
+                rc = role.proc.poll()  # killed and reaped: restarted below, as a crash
             if rc is None:
                 continue
             if role.name == "learner" and role.rank > 0 and rc == 0:
@@ -358,6 +381,34 @@ class Supervisor:
                 r.done = False
                 r.proc, r.next_start = None, now + delay
             self._event(f"{role.label} exited with code {rc}; restart {role.restarts} in {delay:.0f} s")
+        return True
+
+    def _hung(self, role: Role, now: float) -> bool:
+        """Whether ``role``, running, is hung: its pulse file has not changed for ``hang_timeout_s`` (``common/pulse.py``;
+        a role not beating yet, still starting, or never, a learner rank past 0, is not watched). A hung one is killed
+        with its stacks."""
+        limit = self.local.hang_timeout_s
+        if not limit or role.pulse is None:
+            return False
+        try:
+            mtime = role.pulse.stat().st_mtime_ns
+        except OSError:
+            return False
+        if mtime != role.pulse_mtime:
+            role.pulse_mtime, role.pulse_seen = mtime, now
+            return False
+        if now - role.pulse_seen < limit:
+            return False
+        why = f"hung: its main loop gave no sign of life for {now - role.pulse_seen:.0f} s (local.hang_timeout_s)"
+        stopped = False
+        if not role.nodes:  # what the kernel says it is doing: T stopped, D in uninterruptible I/O, S waiting, R busy
+            try:
+                state = Path(f"/proc/{role.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                state = "?"
+            stopped = state in ("T", "t")
+            why += f"; process state {state}" + (" (stopped: it cannot print its stacks)" if stopped else "")
+        self._kill(role, why, stacks=not stopped)
         return True
 
     def _finish(self) -> None:

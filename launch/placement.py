@@ -51,6 +51,9 @@ class Role:
     started_at: float = 0.0
     stderr_path: Path | None = None
     done: bool = False  # exited cleanly when told to: not restarted
+    pulse: Path | None = None  # the file its main loop touches (common/pulse.py)
+    pulse_mtime: int | None = None  # that file's modification time when the supervisor last saw it change
+    pulse_seen: float = 0.0  # when that was (the supervisor's monotonic clock)
 
     @property
     def label(self) -> str:

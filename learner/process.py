@@ -17,6 +17,7 @@ import traceback
 from typing import Any, Sequence
 
 from common import protocol as P
+from common import pulse
 from common.audit import AuditLog
 from common.episode_log import LEARNER_FILE, RECORD_VERSION, EpisodeWriter
 from common.exitcodes import EXIT_RESUMABLE
@@ -131,6 +132,7 @@ class Learner:
     def _polled(self, job: Any) -> Any:
         """``job``'s result (a future of the training thread), the broker link polled while it runs."""
         while not job.done():
+            pulse.beat()
             self.client.poll(0.05)
             self._check_hung()
         return job.result()
@@ -245,6 +247,7 @@ class Learner:
                 if signalled.requested:
                     self.request_stop(True)
                     break
+                pulse.beat()
                 c.poll(0.01 if job is not None else 0.05)  # a finished job is noticed within 10 ms
                 if job is not None:
                     if not job.done():
@@ -480,7 +483,8 @@ class Learner:
 
     def _log_step(self, phase: str, m: dict) -> None:
         t = self.trainer
-        rec = {"phase": phase, "step": t.version, **m, "counters": dict(t.counters)}
+        rec = {"phase": phase, "step": t.version, **m,
+               "counters": {**t.counters, **({"pulse_failures": pulse.failures()} if pulse.failures() else {})}}
         # Where the learner's time went since its loop began; "wait" is waiting for a batch (or success samples).
         split = self.clock.seconds()
         rec.update({f"time_{k}_s": round(v, 3) for k, v in split.items()})

@@ -6,6 +6,7 @@ per case and measures what the test asserts only once): run it by hand, as root,
     python -m tests.preemption_by_hand REQUEUE 60                        # the partition's PreemptMode, GraceTime
     python -m tests.preemption_by_hand CANCEL 0 slurm.rollout.separate=true   # run overrides after them
     python -m tests.preemption_by_hand --suspend 40 REQUEUE 60           # scontrol suspend / resume instead
+    python -m tests.preemption_by_hand --stop learner REQUEUE 60 local.hang_timeout_s=10   # a task hung for good
     python -m tests.preemption_by_hand --urgent-nodes cn2,cn3 REQUEUE 60 slurm.rollout.separate=true \\
         slurm.partition=urgent slurm.rollout.partition=test             # only the rollout nodes asked for
 
@@ -15,12 +16,15 @@ attempts and ``computerrl audit``, and leaves the cluster's logs and the run dir
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
 import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
 
+from launch.chaos import role_pids
 from launch.slurm import attempts_ended
 from tests.slurm_cluster import SlurmCluster, missing
 from tests.test_slurm import _cli, _learner_steps, _submit
@@ -32,6 +36,8 @@ def main() -> None:
     ap.add_argument("grace_s", type=int, help="the test partition's GraceTime")
     ap.add_argument("overrides", nargs="*", help="run config overrides (dotted key=value)")
     ap.add_argument("--suspend", type=float, default=0.0, help="suspend the job this many seconds, not preempt it")
+    ap.add_argument("--stop", default="", help="stop this role's task for good (SIGSTOP), not preempt the job: its "
+                    "supervisor must find it hung (local.hang_timeout_s) and restart it")
     ap.add_argument("--urgent-nodes", default="cn1,cn2,cn3", help="the nodes the urgent job asks for")
     ap.add_argument("--steps", type=int, default=6, help="learner steps of the run (preempted after its second)")
     args = ap.parse_args()
@@ -54,7 +60,13 @@ def main() -> None:
         while len(_learner_steps(run_dir)) < 2 and time.monotonic() < deadline:
             time.sleep(1)
         print(f"job {job}: step {_learner_steps(run_dir)[-1]['step']} trained", flush=True)
-        if args.suspend:
+        if args.stop:
+            # The cluster's nodes are this machine: the task is a process here (its srun's command line names it too).
+            pids = [p for p in role_pids(run_dir, args.stop)
+                    if not Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"srun")]
+            os.kill(pids[0], signal.SIGSTOP)
+            print(f"{args.stop} task (pid {pids[0]}) stopped for good", flush=True)
+        elif args.suspend:
             cluster.run("scontrol", "suspend", job)
             time.sleep(args.suspend)
             cluster.run("scontrol", "resume", job)
@@ -66,7 +78,7 @@ def main() -> None:
         while cluster.job_state(job) and time.monotonic() < deadline:
             time.sleep(1)
         ctld = (root / "log" / "slurmctld.log").read_text()
-        if not args.suspend:
+        if not (args.suspend or args.stop):
             stamps = [re.search(rf"\[([^\]]+)\] {what} JobId={urgent}\b", ctld)
                       for what in ("_slurm_rpc_submit_batch_job:", "sched: Allocate")]
             if all(stamps):

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 
 import pytest
 
-from launch.chaos import ROLES, network_schedule, run_chaos, schedule
+from launch.chaos import ROLES, Fault, network_schedule, run_chaos, schedule
 from launch.chaos import summary as chaos_summary
 from launch.netns import Fabric
 from launch.netns import missing as netns_missing
@@ -23,10 +24,15 @@ pytest.importorskip("torch")
 
 
 def test_every_role_killed_nothing_lost_nothing_trained_twice(tmp_path, monkeypatch):
+    """The learner's kill -9 comes from the supervisor: the learner is stopped for good (SIGSTOP, never continued),
+    never exits, and only its pulse stopping (local.hang_timeout_s) gets it killed and restarted."""
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     plan = schedule(seed=5, steps=10, kills=6, sigterm_share=0.5)
-    assert {k.role for k in plan if k.signal == signal.SIGKILL} == set(ROLES), "kill -9 of every role"
+    assert [(k.step, k.role, k.kind) for k in plan][-1] == (7, "learner", "SIGKILL")
+    plan[-1] = Fault(7, "learner", "stop")
+    killed = {k.role for k in plan if k.signal == signal.SIGKILL or k.kind == "stop"}
+    assert killed == set(ROLES), "kill -9 of every role"
     assert {k.role for k in plan if k.signal == signal.SIGTERM} == {"broker", "learner"}
     run_dir = tmp_path / "run"
     result = run_chaos("configs/local.yaml", run_dir, 10, plan,
@@ -34,7 +40,8 @@ def test_every_role_killed_nothing_lost_nothing_trained_twice(tmp_path, monkeypa
                        # four of 8 cost this test four times the rollouts and proved nothing more).
                        [*free_port_overrides(), "local.eval_episodes=0", "learner.checkpoint_every=2",
                         "learner.anchor.suite=", "broker.group_size=4", "broker.groups_per_batch=2",
-                        "local.restart_backoff_s=0.2", "local.max_restarts=10", "weights.join_window_s=0.5"],
+                        "local.restart_backoff_s=0.2", "local.max_restarts=10", "weights.join_window_s=0.5",
+                        "local.hang_timeout_s=8"],
                        resume_steps=2, timeout_s=1200)
     audit = result.audit
     assert audit["ok"] and audit["lost"] == 0 and audit["trained_twice"] == 0, audit
@@ -44,6 +51,11 @@ def test_every_role_killed_nothing_lost_nothing_trained_twice(tmp_path, monkeypa
     hit = [k for k in result.faults if k.pid]
     assert {k.role for k in hit} == set(ROLES), [(k.role, k.step) for k in result.faults]
     assert all(k.training_back_s is not None for k in hit), "training resumed after every kill"
+    stopped = next(k for k in hit if k.kind == "stop")
+    assert stopped.role_back_s is not None, "the learner stopped for good was replaced"
+    said = (tmp_path / "run.supervisor.log").read_text()
+    assert re.search(r"learner-0 killed: hung: its main loop gave no sign of life for \d+ s \(local.hang_timeout_s\); "
+                     r"process state T \(stopped: it cannot print its stacks\)", said), said[-3000:]
     # Every resumed learner that trained got its weights to both actors (a new sender, rounds from 1 again):
     # otherwise the actors would sample with a dead learner's weights until every group went stale.
     records = [json.loads(x) for x in (run_dir / "logs" / "learner-0.jsonl").read_text().splitlines()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 import time
@@ -284,3 +285,94 @@ def test_a_second_stop_signal_while_the_first_starts_the_stop_does_not_abort_the
     assert rc == EXIT_RESUMABLE, out.getvalue()
     assert sup.outcome == "interrupted"
     assert all(r.proc.poll() == 0 for r in roles), "each role asked to stop and stopped"
+
+
+PULSING_ROLE = """
+import faulthandler, signal, sys, time
+from common import pulse
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def stuck_here():  # a call that never returns (a deadlock, a driver that hangs)
+    time.sleep(600)
+
+
+mode, t0 = sys.argv[1], time.monotonic()
+while True:  # a role's main loop
+    if mode != "never":
+        pulse.beat()
+    if mode == "stuck" and time.monotonic() - t0 > 0.3:
+        stuck_here()
+    time.sleep(0.05)
+"""
+
+
+def test_a_role_whose_loop_stops_beating_is_killed_with_its_stacks_and_restarted_and_no_other_is(tmp_path,
+                                                                                                 monkeypatch):
+    """A role hung for good (its main loop stuck in a call, or the process stopped) never exits, so a supervisor that
+    watched exits alone never restarted it and the run stood still. Its pulse file (common/pulse.py) stops changing;
+    past ``local.hang_timeout_s`` it is killed, with its stacks where it can print them, and restarted as a crash.
+    A role that beats is left alone, so is one that never beat (still starting; a learner rank past 0), and a pause
+    of the supervisor itself (a suspended job) is not held against its roles."""
+    import os
+    import signal
+
+    from launch.placement import Role
+
+    cfg = load_run_config(REPO / "configs" / "local.yaml", ["local.hang_timeout_s=2", "local.restart_backoff_s=0"])
+    modes = {"actor-0": "beat", "actor-1": "stuck", "actor-2": "beat", "env_server-0": "never"}
+    roles = [Role(label.split("-")[0], int(label.split("-")[1]), [], True) for label in modes]
+    for r in roles:
+        r.env = {"COMPUTERRL_TEST_ROLE": r.label, "PYTHONPATH": str(REPO)}
+    out = io.StringIO()
+    sup = Supervisor(cfg, REPO / "configs" / "local.yaml", RunDir.create(tmp_path / "run"), resume=False, out=out,
+                     roles=roles)
+    spawned: list[tuple[str, subprocess.Popen]] = []
+    real_popen = subprocess.Popen
+
+    def popen(argv, env=None, **kw):  # each role as a loop that beats, gets stuck, or never beats
+        label = env["COMPUTERRL_TEST_ROLE"]
+        proc = real_popen([sys.executable, "-c", PULSING_ROLE, modes[label]], env=env, cwd=REPO,
+                          **{k: v for k, v in kw.items() if k != "preexec_fn"})
+        spawned.append((label, proc))
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    try:
+        for r in roles:
+            r.pulse = sup.run_dir.pulse / r.label
+            r.pulse.parent.mkdir(exist_ok=True)
+            r.pulse.write_text("")  # a predecessor's file: removed at the spawn, not taken for this one's beat
+            sup._spawn(r)
+        stopped = roles[2]
+        deadline = time.monotonic() + 60
+        while not stopped.pulse.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(stopped.proc.pid, signal.SIGSTOP)  # stopped and never continued
+        while sum(label in ("actor-1", "actor-2") for label, _ in spawned) < 4:
+            assert time.monotonic() < deadline and sup._check(), out.getvalue()
+            time.sleep(0.2)
+        said = out.getvalue()
+        assert [label for label, _ in spawned].count("actor-0") == 1 and "actor-0" not in said, said
+        assert [label for label, _ in spawned].count("env_server-0") == 1 and "env_server-0" not in said, said
+        assert not (sup.run_dir.pulse / "env_server-0").exists()
+        hung = r"gave no sign of life for [23] s \(local.hang_timeout_s\); process state"
+        assert re.search(rf"actor-1 killed: hung: its main loop {hung} S; its threads' stacks are at the end of",
+                         said), said
+        assert "in stuck_here" in roles[1].stderr_path.read_text(), "faulthandler's dump, from the supervisor's USR1"
+        assert re.search(rf"actor-2 killed: hung: its main loop {hung} T \(stopped: it cannot print its stacks\)$",
+                         said, re.M), said
+        assert "actor-1 exited with code -9; restart 1" in said and "actor-2 exited with code -9; restart 1" in said
+        # The supervisor stopped for a minute (a suspended job): a role's file unchanged over that minute is not hung.
+        healthy = roles[0]
+        sup._check()
+        seen = healthy.pulse_seen
+        os.kill(healthy.proc.pid, signal.SIGSTOP)
+        sup._last_pass -= 60
+        healthy.pulse_seen -= 60
+        assert sup._check() and healthy.proc.poll() is None and healthy.pulse_seen >= seen, out.getvalue()
+    finally:
+        for _, p in spawned:
+            p.kill()
+            p.wait()

@@ -15,6 +15,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol as P
+from common import pulse
 from common.signals import StopSignals, deferred_terms
 from common.net.config import NetConfig
 from common.net.limits import open_files_limit
@@ -293,6 +294,9 @@ def serve(step: Callable[[], None], stop: threading.Event, log: Any, counters: d
             deferred = counters["terms_deferred"] = deferred_terms()
             log.info(f"{role}_term_deferred", terms=deferred, hint="not sent by the supervisor (a scheduler's "
                      "preemption?): serving on until the supervisor stops this role, after the learner")
+        pulse.beat()
+        if pulse.failures():  # the run directory refused a beat: the supervisor may take this role for hung
+            counters["pulse_failures"] = pulse.failures()
         try:
             step()
         except Exception:

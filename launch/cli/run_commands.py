@@ -174,6 +174,9 @@ def audit(run_dir: str, as_json: bool) -> None:
 @click.option("--kills", default=8, show_default=True, help="signals sent (every role is hit before any twice)")
 @click.option("--seed", default=0, show_default=True, help="seed of the schedule")
 @click.option("--sigterm-share", default=0.25, show_default=True, help="share of SIGTERM among the signals (rest SIGKILL)")
+@click.option("--stops", default=0, show_default=True,
+              help="roles stopped for good (SIGSTOP, never continued): the supervisor must restart them "
+                   "(local.hang_timeout_s)")
 @click.option("--partitions", is_flag=True,
               help="every role in a network namespace of its own (root): each role partitioned and hung once per span")
 @click.option("--spans", default="9,30", show_default=True,
@@ -182,13 +185,17 @@ def audit(run_dir: str, as_json: bool) -> None:
 @click.option("--timeout", "timeout_s", default=1800.0, show_default=True, help="give up after this many seconds")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.argument("overrides", nargs=-1)
-def chaos(config: str, run_dir: str, steps: int, kills: int, seed: int, sigterm_share: float, partitions: bool,
-          spans: str, resume_steps: int, timeout_s: float, as_json: bool, overrides: tuple[str, ...]) -> None:
-    """Hit the roles of a real run with a seeded schedule of faults (kills; with --partitions also partitions and
-    hangs); print recovery times and the audit (exit 1 if any acked group was lost or trained twice)."""
-    from launch.chaos import network_schedule, run_chaos, schedule, summary
+def chaos(config: str, run_dir: str, steps: int, kills: int, seed: int, sigterm_share: float, stops: int,
+          partitions: bool, spans: str, resume_steps: int, timeout_s: float, as_json: bool, overrides: tuple[str, ...]) -> None:
+    """Hit the roles of a real run with a seeded schedule of faults (kills; stops for good; with --partitions also
+    partitions and hangs); print recovery times and the audit (exit 1 if any acked group was lost or trained twice)."""
+    from launch.chaos import network_schedule, run_chaos, schedule, stop_schedule, summary
 
     plan = schedule(seed, steps, kills, sigterm_share) if kills else []
+    if stops:
+        if not load_config(config, overrides).local.hang_timeout_s:
+            raise click.UsageError("--stops needs local.hang_timeout_s > 0: nothing else restarts a stopped role")
+        plan = sorted([*plan, *stop_schedule(seed, steps, stops)], key=lambda f: f.step)
     fabric = None
     if partitions:
         from launch.netns import Fabric, missing
