@@ -191,11 +191,14 @@ def probe(host: str, port: int, timeout_s: float, net: Any, keys_dir: Path, aliv
 class Supervisor:
     def __init__(self, cfg: Any, config_path: Path, run_dir: RunDir, resume: bool, out: Any = None,
                  roles: list[Role] | None = None, launcher: Callable[[Role], list[str]] | None = None,
-                 log_suffix: str = "", stop_signal: int = signal.SIGTERM, scheduler_steps: bool = False):
+                 log_suffix: str = "", stop_signal: int = signal.SIGTERM, scheduler_steps: bool = False,
+                 kill_step: Callable[[Role], str] | None = None):
         """``roles`` default to every role on this machine; ``launcher`` gives the command a role runs under
         (``srun ...`` in a Slurm allocation; nothing locally), ``log_suffix`` marks its stderr file's name,
         ``stop_signal`` is what asks a role to stop (under srun, one that srun passes on to the role);
-        ``scheduler_steps``: the roles are a scheduler's job steps, which the scheduler may signal itself (above)."""
+        ``scheduler_steps``: the roles are a scheduler's job steps, which the scheduler may signal itself (above);
+        ``kill_step`` kills a role's tasks where they run (a Slurm step's, ``launch/slurm.py``) when the supervisor kills
+        it: killing the local ``srun`` alone leaves them to the scheduler's own, slower, clean-up."""
         self.cfg, self.local = cfg, cfg.local
         self.local.validate()
         self.run_dir = run_dir
@@ -212,6 +215,7 @@ class Supervisor:
         self.log_suffix = log_suffix
         self.stop_signal = stop_signal
         self.scheduler_steps = scheduler_steps
+        self.kill_step = kill_step
         self.config_path = config_path
         self.eval_proc: subprocess.Popen | None = None
         self.eval_step = -1  # checkpoint version being (or last) evaluated
@@ -312,6 +316,8 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
             why += f"; its threads' stacks are at the end of {role.stderr_path}"
+        if self.kill_step is not None:
+            why += f"; {self.kill_step(role)}"
         try:
             os.killpg(role.proc.pid, signal.SIGKILL)
         except ProcessLookupError:  # already gone, group and all

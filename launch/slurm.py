@@ -214,6 +214,46 @@ def srun_argv(role: Role, cfg: SlurmConfig) -> list[str]:
     return argv + cfg.step(role.name).argv()
 
 
+STEP_GONE_TIMEOUT_S = 30.0
+"""how long ``kill_step`` waits for Slurm to have a killed step gone (past it, the supervisor goes on and says so)"""
+
+
+def kill_step(role: Role, environ: dict[str, str] | None = None, timeout_s: float = STEP_GONE_TIMEOUT_S) -> str:
+    """SIGKILL the tasks of ``role``'s job step on whatever node they run (``scancel --signal=KILL <job>.<step>``, the
+    step found by its name, the role's label) and wait until Slurm no longer lists it. Killing the step's ``srun``
+    alone is not enough before a restart: Slurm then ends the step as a cancellation, TERM first and KILL only after
+    the cluster's KillWait (30 s by default). A hung learner, continued by that, spent it finishing its step with its
+    ports still bound while its successor started, and the successor failed on EADDRINUSE until the run gave up
+    (measured on the test cluster). Returns what it did, for the supervisor's line about the kill."""
+    env = os.environ if environ is None else environ
+    job = env.get("SLURM_JOB_ID", "")
+    if not job or not shutil.which("squeue") or not shutil.which("scancel"):
+        return "no Slurm job or tools here to kill its step with (only its srun is killed)"
+
+    def steps() -> list[str] | None:  # the role's step ids, None when squeue cannot say
+        out = subprocess.run(["squeue", "--steps", "--noheader", "--format=%i %j", f"--jobs={job}"],
+                             capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            return None
+        return [f[0] for f in (line.split() for line in out.stdout.splitlines()) if f[1:] == [role.label]]
+
+    try:
+        ids = steps()
+        if not ids:
+            return f"no step named {role.label} in job {job} to kill" if ids == [] else "squeue did not answer"
+        out = subprocess.run(["scancel", "--signal=KILL", *ids], capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            return f"scancel --signal=KILL {' '.join(ids)} failed: {(out.stderr or out.stdout).strip()[:200]}"
+        deadline = time.monotonic() + timeout_s
+        while (left := steps()) and set(left) & set(ids):
+            if time.monotonic() > deadline:
+                return f"step {' '.join(ids)} sent SIGKILL, still listed after {timeout_s:.0f} s"
+            time.sleep(0.5)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"its step not killed: {exc!r}"
+    return f"step {' '.join(ids)} killed (scancel --signal=KILL)"
+
+
 def placement_preview(run_cfg: Any) -> list[str]:
     """The placement of ``slurm.nodes`` symbolic nodes as the script's comment shows it (checks the shape too)."""
     cfg = run_cfg.slurm

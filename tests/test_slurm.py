@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -125,6 +126,51 @@ esac
     with pytest.raises(RuntimeError, match="reserve 3 CPUs .* holds 2 there"):
         check_cpus(roles, cfg.slurm, nodes, {"SLURM_JOB_CPUS_PER_NODE_HET_GROUP_0": "8",
                                              "SLURM_JOB_CPUS_PER_NODE_HET_GROUP_1": "2(x2)"})
+
+
+STEPS_TOOLS = """#!/bin/bash
+# squeue --steps: the job's steps, learner-0's until scancel killed it; scancel: recorded, then learner-0's step gone
+if [ "$(basename "$0")" = scancel ]; then echo "$@" >> "$LOG"; [ -n "$SCANCEL_FAILS" ] && { echo refused >&2; exit 1; }
+  touch "$LOG.killed"; exit 0; fi
+echo "$@" >> "$LOG"
+[ -e "$LOG.killed" ] || echo "4242.3 learner-0"
+echo "4242.4 actor-0"
+echo "4242.batch batch"
+"""
+
+
+def test_a_role_killed_under_slurm_has_its_step_killed_where_it_runs(tmp_path, monkeypatch):
+    """Killing a hung role's ``srun`` left its task to Slurm's cancellation of the step: TERM, then KILL after the
+    cluster's KillWait, so a hung learner went on holding its ports while its successor failed to bind them (on the
+    test cluster). The supervisor now has the step itself killed (``scancel --signal=KILL``), found by its name, and
+    waits until Slurm no longer lists it."""
+    from launch.placement import Role
+    from launch.slurm import kill_step
+
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    for tool in ("squeue", "scancel"):
+        (bin_dir / tool).write_text(STEPS_TOOLS)
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("LOG", str(log))
+    learner = Role("learner", 0, [], True, nodes=(Node("cn1", "10.0.0.1"),))
+    job = {"SLURM_JOB_ID": "4242"}
+    assert kill_step(learner, job) == "step 4242.3 killed (scancel --signal=KILL)"
+    calls = log.read_text().splitlines()
+    assert calls[0] == "--steps --noheader --format=%i %j --jobs=4242" and "--signal=KILL 4242.3" in calls
+    assert calls.index("--signal=KILL 4242.3") < len(calls) - 1, "squeue asked again after the kill"
+    assert kill_step(Role("env_server", 1, [], True), job) == "no step named env_server-1 in job 4242 to kill"
+    assert "only its srun is killed" in kill_step(learner, {})
+    (tmp_path / "calls.killed").unlink()
+    monkeypatch.setenv("SCANCEL_FAILS", "1")
+    assert kill_step(learner, job) == "scancel --signal=KILL 4242.3 failed: refused"
+    monkeypatch.delenv("SCANCEL_FAILS")
+    assert kill_step(learner, job, timeout_s=0.0).startswith("step 4242.3 killed")
+    # Slurm still lists it past the wait (a node that does not answer): said, and the supervisor goes on.
+    (bin_dir / "scancel").write_text("#!/bin/bash\nexit 0\n")
+    (tmp_path / "calls.killed").unlink()
+    assert kill_step(learner, job, timeout_s=0.6) == "step 4242.3 sent SIGKILL, still listed after 1 s"
 
 
 def test_allocation_roles_wire_addresses_and_learner_ranks():
@@ -495,18 +541,34 @@ def test_status_and_cancel_on_a_live_job_then_resume(slurm_cluster, tmp_path):
 @pytest.mark.slow
 def test_two_learner_ranks_on_two_nodes_train_as_one_learner(slurm_cluster, tmp_path):
     """One learner step of two tasks over cn1 and cn2 (RANK from SLURM_PROCID, MASTER_ADDR the first node, gloo),
-    the actor on cn3: the run trains with both ranks and finishes."""
+    the actor on cn3: the run trains with both ranks and finishes. After its first step rank 0 is stopped for good:
+    its pulse stops, and the supervisor has the step killed on both nodes (not only its srun, which left a hung task
+    holding its ports for the cluster's KillWait while its successor failed to bind them) and restarts it."""
+    from launch.chaos import role_pids
+
     run_dir = tmp_path / "run"
-    job = _submit(slurm_cluster, run_dir, "learner.total_steps=2", "local.learner_ranks=2", "slurm.learner_nodes=2",
-                  "local.actors=1", "learner.advantage.drop_zero_variance=false")
+    job = _submit(slurm_cluster, run_dir, "learner.total_steps=3", "local.learner_ranks=2", "slurm.learner_nodes=2",
+                  "local.actors=1", "learner.advantage.drop_zero_variance=false", "local.hang_timeout_s=8")
+    deadline = time.monotonic() + 900
     try:
-        _wait(slurm_cluster, lambda: not slurm_cluster.job_state(job), time.monotonic() + 900,
-              "the job did not finish")
+        _wait(slurm_cluster, lambda: _learner_steps(run_dir), deadline, "the job never trained")
+        # The nodes are this machine: rank 0's task is a process here (its srun's command line names it too).
+        rank0 = [p for p in role_pids(run_dir, "learner")
+                 if b"SLURM_PROCID=0" in Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+                 and not Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"srun")]
+        assert len(rank0) == 1, rank0
+        os.kill(rank0[0], signal.SIGSTOP)
+        _wait(slurm_cluster, lambda: not slurm_cluster.job_state(job), deadline, "the job did not finish")
     finally:
         slurm_cluster.run("scancel", job, check=False)
     job_log = (run_dir / "logs" / f"slurm-{job}.out").read_text()
     assert "outcome: finished" in job_log, job_log[-3000:]
-    assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000002"
+    assert re.search(r"learner-0 killed: hung: its main loop gave no sign of life for \d+ s \(local.hang_timeout_s\); "
+                     rf".*; step {job}\.\d+ killed \(scancel --signal=KILL\)", job_log), job_log[-3000:]
+    assert "learner-0 exited with code 137; restart 1" in job_log and "restart 2" not in job_log, job_log[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000003"
+    audit = _audited(slurm_cluster, run_dir)
+    assert audit["learner_starts"] == 2, audit
     logs = {p.name for p in (run_dir / "logs").glob("*.stderr")}
     assert f"learner-0@cn1+cn2.job{job}.attempt1.stderr" in logs and f"actor-0@cn3.job{job}.attempt1.stderr" in logs
     assert (run_dir / "logs" / "learner-0.jsonl").read_text().count('"train_step"') >= 2

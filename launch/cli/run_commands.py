@@ -52,7 +52,7 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
         click.echo(f"[computerrl] placement: {line}")
     supervisor = Supervisor(cfg, rd.config, rd, resume, roles=roles, launcher=lambda r: S.srun_argv(r, cfg.slurm),
                             log_suffix=S.log_suffix(dict(os.environ)), stop_signal=S.STEP_STOP_SIGNAL,
-                            scheduler_steps=True)
+                            scheduler_steps=True, kill_step=S.kill_step)
     sys.exit(supervisor.run())
 
 
