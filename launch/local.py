@@ -46,6 +46,10 @@ SUPERVISOR_GAP_S = 10.0
 """a pass of the supervisor's loop this long after the one before (its loop sleeps 0.2 s): the supervisor itself was
 stopped (a suspended job stops every process of it) or starved, and what its roles did not beat meanwhile is not held
 against them"""
+PULSE_CHECKS_PER_TIMEOUT = 20
+"""the pulse files are read this many times per ``hang_timeout_s`` (every 30 s at 600 s; at most every 0.5 s): a
+hung role is seen within a twentieth of the timeout of it, and a run of many roles on a shared file system costs its
+metadata server a stat per role that often, not five a second"""
 # How a role that stopped on a stop signal exits: 75 (a role's own stop), 128 + N (a command unwound by signal N, or
 # srun reporting a task it signalled), -N (a process the signal ended).
 SIGNALLED_EXITS = {EXIT_RESUMABLE, *(128 + s for s in STOP_SIGNALS), *(-s for s in STOP_SIGNALS)}
@@ -226,6 +230,7 @@ class Supervisor:
         self.stopping = False
         self.outcome = ""
         self.t0 = self._last_pass = time.monotonic()
+        self._next_pulse_check = 0.0
         self._view_lines = 0
 
     # ----- processes -----------------------------------------------------------------------------
@@ -332,6 +337,9 @@ class Supervisor:
         """One supervision pass; False once the run is over."""
         now = time.monotonic()
         gap, self._last_pass = now - self._last_pass, now
+        watch = bool(self.local.hang_timeout_s) and now >= self._next_pulse_check
+        if watch:
+            self._next_pulse_check = now + max(0.5, self.local.hang_timeout_s / PULSE_CHECKS_PER_TIMEOUT)
         for role in self.roles:
             if gap > SUPERVISOR_GAP_S:
                 role.pulse_seen += gap
@@ -342,7 +350,7 @@ class Supervisor:
                     self._spawn(role)
                 continue
             rc = role.proc.poll()
-            if rc is None and self._hung(role, now):
+            if rc is None and watch and self._hung(role, now):
                 rc = role.proc.poll()  # killed and reaped: restarted below, as a crash
             if rc is None:
                 continue
