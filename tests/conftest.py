@@ -244,3 +244,16 @@ def stage_weights_before_window(engine, window: int, named, version: int) -> Non
             engine.load_weights(named, version)
 
     engine.step_hook = hook
+
+
+def children_of_run(run_dir: Path) -> list[int]:
+    """Processes whose command line names ``run_dir``: a run's roles (and anything else it started)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if str(run_dir) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids

@@ -17,7 +17,7 @@ from launch.chaos import summary as chaos_summary
 from launch.netns import Fabric
 from launch.netns import missing as netns_missing
 from launch.local import free_port_overrides
-from tests.conftest import REPO
+from tests.conftest import REPO, children_of_run
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("torch")
@@ -54,6 +54,10 @@ def test_every_role_killed_nothing_lost_nothing_trained_twice(tmp_path, monkeypa
     stopped = next(k for k in hit if k.kind == "stop")
     assert stopped.role_back_s is not None, "the learner stopped for good was replaced"
     said = (tmp_path / "run.supervisor.log").read_text()
+    # Stopped by SIGINT once every fault had its turn: resumable, the learner checkpointed on its way out, and no role
+    # of the run (nor of its final --resume) outlived it.
+    assert "outcome: interrupted" in said and re.search(r"actor-\d exited with code -9; restart 1", said), said[-3000:]
+    assert not children_of_run(run_dir), "no role outlived the run"
     assert re.search(r"learner-0 killed: hung: its main loop gave no sign of life for \d+ s \(local.hang_timeout_s\); "
                      r"process state T \(stopped: it cannot print its stacks\)", said), said[-3000:]
     # Every resumed learner that trained got its weights to both actors (a new sender, rounds from 1 again):
