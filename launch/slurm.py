@@ -229,9 +229,13 @@ def kill_step(role: Role, environ: dict[str, str] | None = None, timeout_s: floa
     job = env.get("SLURM_JOB_ID", "")
     if not job or not shutil.which("squeue") or not shutil.which("scancel"):
         return "no Slurm job or tools here to kill its step with (only its srun is killed)"
+    # A heterogeneous job's components are jobs of their own (ids SLURM_JOB_ID_HET_GROUP_<i>), and squeue lists a
+    # component's steps under its id only: the rollout nodes' steps are not the leader's (Slurm 22.05, test cluster).
+    jobs = [job] + [env[k] for i in range(int(env.get("SLURM_HET_SIZE", "0") or 0))
+                    if (k := f"SLURM_JOB_ID_HET_GROUP_{i}") in env and env[k] != job]
 
     def steps() -> list[str] | None:  # the role's step ids, None when squeue cannot say
-        out = subprocess.run(["squeue", "--steps", "--noheader", "--format=%i %j", f"--jobs={job}"],
+        out = subprocess.run(["squeue", "--steps", "--noheader", "--format=%i %j", f"--jobs={','.join(jobs)}"],
                              capture_output=True, text=True, timeout=30)
         if out.returncode != 0:
             return None
@@ -240,7 +244,8 @@ def kill_step(role: Role, environ: dict[str, str] | None = None, timeout_s: floa
     try:
         ids = steps()
         if not ids:
-            return f"no step named {role.label} in job {job} to kill" if ids == [] else "squeue did not answer"
+            return (f"no step named {role.label} in job {','.join(jobs)} to kill" if ids == []
+                    else "squeue did not answer")
         out = subprocess.run(["scancel", "--signal=KILL", *ids], capture_output=True, text=True, timeout=30)
         if out.returncode != 0:
             return f"scancel --signal=KILL {' '.join(ids)} failed: {(out.stderr or out.stdout).strip()[:200]}"

@@ -161,6 +161,10 @@ def test_a_role_killed_under_slurm_has_its_step_killed_where_it_runs(tmp_path, m
     assert calls[0] == "--steps --noheader --format=%i %j --jobs=4242" and "--signal=KILL 4242.3" in calls
     assert calls.index("--signal=KILL 4242.3") < len(calls) - 1, "squeue asked again after the kill"
     assert kill_step(Role("env_server", 1, [], True), job) == "no step named env_server-1 in job 4242 to kill"
+    # A heterogeneous job: each component's steps are listed under the component's own job id.
+    het = {**job, "SLURM_HET_SIZE": "2", "SLURM_JOB_ID_HET_GROUP_0": "4242", "SLURM_JOB_ID_HET_GROUP_1": "4243"}
+    assert kill_step(Role("actor", 1, [], True), het) == "no step named actor-1 in job 4242,4243 to kill"
+    assert log.read_text().splitlines()[-1] == "--steps --noheader --format=%i %j --jobs=4242,4243"
     assert "only its srun is killed" in kill_step(learner, {})
     (tmp_path / "calls.killed").unlink()
     monkeypatch.setenv("SCANCEL_FAILS", "1")
