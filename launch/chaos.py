@@ -131,7 +131,7 @@ def network_schedule(seed: int, steps: int, spans: tuple[float, ...], roles: tup
 
 def role_pids(run_dir: Path, role: str, rank: str | None = None) -> list[int]:
     """Processes of ``role`` in this run (their command line: ``launch.cli <role> ... --run-dir <run_dir>``),
-    of one ``--rank`` if given."""
+    of one ``--rank`` if given. Under Slurm the ``srun`` that started a role names it too; it is not the role."""
     name = role.replace("_", "-")
     out = []
     for proc in Path("/proc").iterdir():
@@ -140,6 +140,8 @@ def role_pids(run_dir: Path, role: str, rank: str | None = None) -> list[int]:
         try:
             argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
+            continue
+        if os.path.basename(argv[0]) == "srun":
             continue
         if "launch.cli" in argv and name in argv[argv.index("launch.cli"):] and str(run_dir) in argv:
             if rank is None or _rank(argv) == rank:

@@ -61,9 +61,7 @@ def main() -> None:
             time.sleep(1)
         print(f"job {job}: step {_learner_steps(run_dir)[-1]['step']} trained", flush=True)
         if args.stop:
-            # The cluster's nodes are this machine: the task is a process here (its srun's command line names it too).
-            pids = [p for p in role_pids(run_dir, args.stop)
-                    if not Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].endswith(b"srun")]
+            pids = role_pids(run_dir, args.stop)  # the cluster's nodes are this machine: the task is a process here
             os.kill(pids[0], signal.SIGSTOP)
             print(f"{args.stop} task (pid {pids[0]}) stopped for good", flush=True)
         elif args.suspend:
