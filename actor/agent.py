@@ -460,7 +460,7 @@ class Actor:
             **({"explored_success_rate": round(self.stats["explored_successes"] / self.stats["explored_episodes"], 4)}
                if self.stats["explored_episodes"] else {}),
             "counters": {**self.stats, "env_pool_waits": self.env.pool_waits, "terms_deferred": deferred_terms(),
-                         "pulse_failures": pulse.failures(),
+                         **pulse.counters(),
                          **(self.images.stats if self.images is not None else {}),
                          **(self.recorder.counts if self.recorder is not None else {})},
         })

@@ -33,7 +33,7 @@ _state = {"path": None, "last": -BEAT_EVERY_S, "failures": 0}  # the path is rea
 
 def beat(now: float | None = None) -> None:
     """Tell the supervisor this role's loop is running: touch ``PULSE_ENV``'s file, at most once per ``BEAT_EVERY_S``.
-    An error (the run directory gone, read-only) is counted (``failures``), never raised: a role that cannot beat
+    An error (the run directory gone, read-only) is counted (``counters``), never raised: a role that cannot beat
     is restarted by a supervisor that can see that, and one that can see nothing has nothing to restart."""
     now = time.monotonic() if now is None else now
     if now - _state["last"] < BEAT_EVERY_S:
@@ -54,6 +54,7 @@ def beat(now: float | None = None) -> None:
         _state["failures"] += 1
 
 
-def failures() -> int:
-    """Beats this process could not write (a role's counters carry it)."""
-    return _state["failures"]
+def counters() -> dict[str, int]:
+    """What a role's counters carry of its beats: ``pulse_failures``, the beats it could not write, once there is one
+    (a role that cannot beat may be taken for hung)."""
+    return {"pulse_failures": _state["failures"]} if _state["failures"] else {}

@@ -483,8 +483,7 @@ class Learner:
 
     def _log_step(self, phase: str, m: dict) -> None:
         t = self.trainer
-        rec = {"phase": phase, "step": t.version, **m,
-               "counters": {**t.counters, **({"pulse_failures": pulse.failures()} if pulse.failures() else {})}}
+        rec = {"phase": phase, "step": t.version, **m, "counters": {**t.counters, **pulse.counters()}}
         # Where the learner's time went since its loop began; "wait" is waiting for a batch (or success samples).
         split = self.clock.seconds()
         rec.update({f"time_{k}_s": round(v, 3) for k, v in split.items()})

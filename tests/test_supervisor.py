@@ -377,3 +377,28 @@ def test_a_role_whose_loop_stops_beating_is_killed_with_its_stacks_and_restarted
         for _, p in spawned:
             p.kill()
             p.wait()
+
+
+def test_a_beat_creates_its_file_then_touches_it_and_one_it_cannot_write_is_counted_not_raised(tmp_path, monkeypatch):
+    """The supervisor removes a role's pulse file before it starts the role: the first beat creates it, later ones
+    move its modification time, at most once per BEAT_EVERY_S. A run directory that refuses the beat costs a count in
+    the role's counters, never the role."""
+    import os
+
+    from common import pulse
+
+    path = tmp_path / "pulse" / "actor-0"
+    path.parent.mkdir()
+    monkeypatch.setattr(pulse, "_state", {"path": None, "last": -pulse.BEAT_EVERY_S, "failures": 0})
+    monkeypatch.setenv(pulse.PULSE_ENV, str(path))
+    pulse.beat(now=100.0)
+    assert path.exists() and pulse.counters() == {}
+    os.utime(path, ns=(0, 0))
+    pulse.beat(now=100.0 + pulse.BEAT_EVERY_S / 2)
+    assert path.stat().st_mtime_ns == 0, "at most once per BEAT_EVERY_S"
+    pulse.beat(now=100.0 + pulse.BEAT_EVERY_S)
+    assert path.stat().st_mtime_ns > 0
+    path.unlink()
+    path.parent.rmdir()  # the run directory's pulse folder gone: the beat cannot be written
+    pulse.beat(now=200.0)
+    assert pulse.counters() == {"pulse_failures": 1}

@@ -295,8 +295,7 @@ def serve(step: Callable[[], None], stop: threading.Event, log: Any, counters: d
             log.info(f"{role}_term_deferred", terms=deferred, hint="not sent by the supervisor (a scheduler's "
                      "preemption?): serving on until the supervisor stops this role, after the learner")
         pulse.beat()
-        if pulse.failures():  # the run directory refused a beat: the supervisor may take this role for hung
-            counters["pulse_failures"] = pulse.failures()
+        counters.update(pulse.counters())
         try:
             step()
         except Exception:
