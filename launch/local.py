@@ -7,7 +7,8 @@ does; then the learner and the actors, which wait for their peers themselves. Wh
   (every rank of it) with ``--resume`` from its latest checkpoint; the broker re-delivers whatever the
   learner had not committed, so no acked group is lost or trained twice (``computerrl audit`` checks);
 - a role that keeps crashing ends the run with the reason and the tail of its stderr; the run directory
-  stays resumable (learner checkpoints, broker spill log): ``computerrl run ... --resume``;
+  stays resumable (learner checkpoints, broker spill log): ``computerrl run ... --resume``. A role that exits
+  ``EXIT_CONFIG`` (its configuration cannot work: a checkpoint not there) ends it at once, with exit code 78;
 - a role that hangs for good (a deadlock, a process stopped and never continued) never exits: its main loop's pulse
   (``common/pulse.py``) stops, and past ``hang_timeout_s`` the role is killed, its stacks kept, and restarted as above;
 - SIGINT/SIGTERM/SIGUSR2 stop the learner first (it checkpoints), then actors, env_server and broker; whatever
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from common.exitcodes import EXIT_RESUMABLE
+from common.exitcodes import EXIT_CONFIG, EXIT_RESUMABLE
 from common.pulse import PULSE_ENV
 from common.rundir import RunDir
 from common.signals import DEFER_TERM_ENV, STOP_SIGNALS
@@ -229,6 +230,7 @@ class Supervisor:
         self.start_policy = start if (self.local.eval_start and not resume and start and start.is_dir()) else None
         self.stopping = False
         self.outcome = ""
+        self.config_error = False  # the run ended on a role that cannot run with the config (EXIT_CONFIG)
         self.t0 = self._last_pass = time.monotonic()
         self._next_pulse_check = 0.0
         self._view_lines = 0
@@ -371,6 +373,12 @@ class Supervisor:
                 # does; the learner's own exit (next passes) decides the outcome.
                 role.done = True
                 continue
+            if rc == EXIT_CONFIG:  # it would fail the same way each time: a minute of restarts said nothing more
+                self.config_error = True
+                self.stop(f"{role.label} cannot run with this configuration (exit code {rc}), so it is not started "
+                          "again; fix the configuration and run again (with --resume, a run that has checkpoints "
+                          f"continues)\n{self._stderr_tail(role, 4)}")
+                return False
             # The learner's ranks live and die together: all restart from the latest checkpoint.
             group = [r for r in self.roles if r.name == "learner"] if role.name == "learner" else [role]
             reset = self.local.restart_reset_s
@@ -495,7 +503,9 @@ class Supervisor:
             self._event(f"learning curve: {self.run_dir.curve_png}")
         self._event(f"outcome: {self.outcome}")
         # Interrupted (a signal, e.g. a scheduler's preemption notice): resumable, and said so by the exit code.
-        return 0 if self.outcome == "finished" else EXIT_RESUMABLE if self.outcome == "interrupted" else 1
+        if self.outcome == "finished":
+            return 0
+        return EXIT_RESUMABLE if self.outcome == "interrupted" else EXIT_CONFIG if self.config_error else 1
 
     def _forward(self, forwarder: Any) -> Any:
         """One forwarding pass; a sink that fails (a full disk, a W&B error) is reported and dropped, never the

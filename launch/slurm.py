@@ -184,9 +184,9 @@ ATTEMPT_FIELDS = ("job", "attempt", "exit_code", "ended", "after")
 """a line of ``<run>/slurm/attempts``, space-separated. ``ended``: finished, cancelled (``computerrl slurm cancel``),
 notice (the batch shell was signalled: a time limit's USR2, the end of a preemption's grace time, ``scancel
 --batch``), preempted (the scheduler signalled the job steps, not the batch shell: a preemption, or a ``scancel`` of
-the steps), failed (a role kept crashing, or the supervisor could not start the run). ``after``: requeued, not_requeued (``slurm.max_requeues``, or
-``slurm.requeue`` off), requeue_refused (``scontrol requeue`` failed: Slurm had requeued or cancelled the job itself),
-or - (nothing to do)."""
+the steps), failed (a role kept crashing or could not run with its configuration, or the supervisor could not start
+the run). ``after``: requeued, not_requeued (``slurm.max_requeues``, or ``slurm.requeue`` off), requeue_refused
+(``scontrol requeue`` failed: Slurm had requeued or cancelled the job itself), or - (nothing to do)."""
 
 
 def _q(value: Any) -> str:
@@ -378,10 +378,11 @@ def require_tool(name: str) -> str:
 
 def check_submission(run_cfg: Any, run_dir: Path) -> list[str]:
     """Everything a submission must get right before anything is written: the placement fits the nodes, the
-    desktop image exists. Returns warnings (a run directory on a node-local file system with nodes > 1, a partition
-    whose preemption grace time is short)."""
+    checkpoint and desktop image exist. Returns warnings (a run directory on a node-local file system with nodes > 1,
+    a partition whose preemption grace time is short)."""
     run_cfg.slurm.validate()
     check_shape(run_cfg, run_cfg.slurm.nodes)
+    run_cfg.model.check_files()  # on the login node: the nodes read the same shared file system
     es = run_cfg.env_server
     if es.backend == "apptainer" and not Path(es.desktop.image).is_file():
         raise ValueError(f"env_server.desktop.image {es.desktop.image!r} is not a file: build it from "

@@ -513,6 +513,6 @@ def spec_from_args(config: str, vary: tuple[str, ...], seeds: int, overrides: tu
     spec = SweepSpec(config=config, vary=parsed, seeds=seeds, overrides=list(overrides),
                      eval_suite=eval_suite or base.local.eval_suite, eval_episodes=eval_episodes, listed=listed,
                      first_seed=first_seed)
-    for variant in spec.variants():
-        load_run_config(config, [*overrides, *(f"{k}={v}" for k, v in variant.items())])
+    for variant in spec.variants():  # a variant's checkpoint too (model.path may be what it varies)
+        load_run_config(config, [*overrides, *(f"{k}={v}" for k, v in variant.items())]).model.check_files()
     return spec

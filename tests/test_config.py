@@ -239,3 +239,28 @@ def test_one_key_moves_every_port_of_a_local_run():
     assert cfg.actor.env_servers == [f"127.0.0.1:{cfg.env_server.port}"]
     with pytest.raises(ConfigError, match="port_base"):
         load_run_config(None, ["local.port_base=80"])
+
+
+def test_a_checkpoint_or_tokenizer_that_is_not_there_is_refused_before_any_role_starts(tmp_path):
+    """A mistyped model.path let every role start, then failed the learner and both actors five times each before
+    the run gave up (a minute, and "resumable" said of a run that could never start). A mistyped tokenizer_path was
+    worse: the auto tokenizer found no files there and took the byte tokenizer, silently. Both are refused now by
+    `run`, `slurm submit` and `sweep` (here `run`: exit 2, no run directory made), while `pretrain`, which may be
+    about to write model.path, still loads the config."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [(f"model.path={tmp_path / 'nope'}", "no checkpoint there"),
+             (f"model.tokenizer_path={empty}", "no tokenizer there"),
+             ("model.tokenizer=hf", "model.tokenizer is hf, and neither")]
+    for override, says in cases:
+        run_dir = tmp_path / "run"
+        out = CliRunner().invoke(main, ["run", str(REPO_CONFIG), override, "--run-dir", str(run_dir)])
+        assert out.exit_code == 2 and says in out.output, (override, out.output)
+        assert not run_dir.exists(), "nothing was started or created"
+        out = CliRunner().invoke(main, ["slurm", "submit", str(REPO_CONFIG), override, "--dry-run"])
+        assert out.exit_code != 0 and says in out.output, (override, out.output)
+        out = CliRunner().invoke(main, ["sweep", str(REPO_CONFIG), "--vary", "learner.lr=1e-4,2e-4", override,
+                                        "--out", str(tmp_path / "sweep")])
+        assert out.exit_code != 0 and says in out.output, (override, out.output)
+        load_run_config(REPO_CONFIG, [override])  # the config itself loads: pretrain may be making the checkpoint
+    load_run_config(REPO_CONFIG, []).model.check_files()  # the shipped base policy (byte tokenizer, no files) is fine

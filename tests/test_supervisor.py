@@ -287,6 +287,41 @@ def test_a_second_stop_signal_while_the_first_starts_the_stop_does_not_abort_the
     assert all(r.proc.poll() == 0 for r in roles), "each role asked to stop and stopped"
 
 
+def test_a_role_that_cannot_run_with_its_config_ends_the_run_at_once_and_says_why(tmp_path, request):
+    """A checkpoint gone from model.path (here: moved after the run was checked) failed the actor five times, a
+    minute of restarts, before the run gave up calling itself resumable. The real actor command now exits 78
+    (EX_CONFIG); the supervisor starts it once, stops the other roles and exits 78 with the actor's reason."""
+    from common.exitcodes import EXIT_CONFIG
+    from launch.placement import Role
+
+    cfg = load_run_config(REPO / "configs" / "local.yaml", ["local.stop_timeout_s=5", "local.eval_episodes=0",
+                                                             "local.restart_backoff_s=0", "learner.anchor.suite="])
+    rd = RunDir.create(tmp_path / "run")
+    learner = subprocess.Popen([sys.executable, "-c", STOPPABLE_ROLE], stdout=subprocess.PIPE, start_new_session=True)
+    request.addfinalizer(learner.kill)
+    assert learner.stdout.readline() == b"ready\n"
+    gone = tmp_path / "moved-away"
+    actor = Role("actor", 0, ["actor", "--config", str(REPO / "configs" / "local.yaml"), "--run-dir", str(rd.root),
+                              f"model.path={gone}"], True)
+    roles = [Role("learner", 0, [], True, proc=learner, stderr_path=tmp_path / "learner.stderr"), actor]
+    out = io.StringIO()
+    sup = Supervisor(cfg, REPO / "configs" / "local.yaml", rd, resume=False, out=out, roles=roles)
+    starts = []
+    real_spawn = sup._spawn
+
+    def spawn(role):
+        starts.append(role.label)
+        real_spawn(role)
+    sup._spawn = spawn
+    rc = sup.run()
+    said = out.getvalue()
+    assert rc == EXIT_CONFIG, said
+    assert starts == ["actor-0"], f"started {starts}: a role that cannot run was started again"
+    assert "actor-0 cannot run with this configuration (exit code 78)" in said, said
+    assert f"model.path {str(gone)!r}: no checkpoint there" in said, "the role's own reason, from its stderr"
+    assert "restart" not in said and learner.poll() == 0, "nothing restarted; the learner was asked to stop"
+
+
 PULSING_ROLE = """
 import faulthandler, signal, sys, time
 from common import pulse

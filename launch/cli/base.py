@@ -12,17 +12,23 @@ import click
 
 from common import config as configlib
 from common import log as L
+from common.exitcodes import EXIT_CONFIG
 from common.signals import unwind_on_term
 from launch.config import RunConfig, load_run_config, resolve_run_dir
 
 CONFIG_HELP = "YAML run config (configs/*.yaml); defaults are used for anything it leaves out"
 
 
-def load_config(config: str | None, overrides: tuple[str, ...]) -> RunConfig:
-    """The run config from a file (or the defaults) and dotted overrides; a bad one is a usage error naming the key."""
+def load_config(config: str | None, overrides: tuple[str, ...], loads_model: bool = False) -> RunConfig:
+    """The run config from a file (or the defaults) and dotted overrides; a bad one is a usage error naming the key.
+    ``loads_model``: the checkpoint and tokenizer it names must be there too (a run's, not ``pretrain``'s, which may
+    be about to write them)."""
     try:
-        return load_run_config(config, overrides)
-    except configlib.ConfigError as exc:
+        cfg = load_run_config(config, overrides)
+        if loads_model:
+            cfg.model.check_files()
+        return cfg
+    except ValueError as exc:  # a ConfigError, or a check of the model's files
         raise click.UsageError(str(exc)) from None
 
 
@@ -41,12 +47,23 @@ def role_options(fn):
     return click.option("--config", "-c", type=click.Path(exists=True, dir_okay=False), help=CONFIG_HELP)(fn)
 
 
-def start_role(role: str, config: str | None, run_dir: str | None, overrides: tuple[str, ...], rank: int = 0):
+class RoleCannotStart(click.ClickException):
+    """A role whose configuration it cannot run with: it exits ``EXIT_CONFIG``, which its supervisor takes as a
+    reason to stop the run, not to start the role again (it would fail the same way, a minute of restarts)."""
+
+    exit_code = EXIT_CONFIG
+
+
+def start_role(role: str, config: str | None, run_dir: str | None, overrides: tuple[str, ...], rank: int = 0,
+               loads_model: bool = False):
     """Resolve the config and run directory, record what this role runs with, set up its logs; ``kill -USR1`` then
     prints where every thread of the role is to its stderr (what the supervisor does before it kills a role that
-    would not stop)."""
+    would not stop). ``loads_model``: the checkpoint and tokenizer the config names must be there."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    cfg = load_config(config, overrides)
+    try:
+        cfg = load_config(config, overrides, loads_model)
+    except click.UsageError as exc:
+        raise RoleCannotStart(exc.message) from None
     rd = resolve_run_dir(cfg, run_dir)
     try:
         configlib.dump(cfg, rd.root / f"config.{role}-{rank}.yaml")

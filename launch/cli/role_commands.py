@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from launch.cli.base import main, role_options, start_role
+from launch.cli.base import RoleCannotStart, main, role_options, start_role
 
 
 @main.command()
@@ -44,7 +44,7 @@ def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[s
     from actor.engine_factory import actor_engine, cross_policy_engine
     from actor.workflow_explorer import workflow_explorer
 
-    cfg, rd, log = start_role("actor", config, run_dir, overrides, rank)
+    cfg, rd, log = start_role("actor", config, run_dir, overrides, rank, loads_model=True)
     explorer = workflow_explorer(cfg, _run_demos(cfg, rd, "workflows"), rank)
     engine = actor_engine(cfg, rank)
     cross = cross_policy_engine(cfg, rank)
@@ -80,8 +80,9 @@ def learner(config: str | None, run_dir: str | None, resume: bool, ranks_from_sl
         try:
             os.environ.update(slurm_ranks(dict(os.environ)))
         except RuntimeError as exc:
-            raise click.UsageError(str(exc)) from None
-    cfg, rd, log = start_role("learner", config, run_dir, overrides, int(os.environ.get("RANK", "0")))
+            raise RoleCannotStart(str(exc)) from None
+    cfg, rd, log = start_role("learner", config, run_dir, overrides, int(os.environ.get("RANK", "0")),
+                              loads_model=True)
     sys.exit(learner_main(cfg, rd, log, resume, _run_demos(cfg, rd, "anchor")))
 
 
@@ -93,7 +94,7 @@ def _run_demos(cfg: Any, rd: Any, name: str) -> list | None:
     try:
         return load_run_demos(cfg, rd, name)
     except demofile.DemoFileError as exc:
-        raise click.ClickException(f"{exc}; record them first: computerrl demos -c CONFIG --run-dir {rd.root}")
+        raise RoleCannotStart(f"{exc}; record them first: computerrl demos -c CONFIG --run-dir {rd.root}")
 
 
 @main.command()
