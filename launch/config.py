@@ -188,6 +188,31 @@ def resolve_run_dir(cfg: RunConfig, run_dir: str | None) -> RunDir:
     return RunDir.create(cfg.run.run_dir)
 
 
+MODEL_ROLES = ("learner", "actor", "demos")
+"""the roles that load the policy's checkpoint or tokenizer"""
+
+
+def check_machine(cfg: RunConfig, roles: Iterable[str]) -> None:
+    """What ``roles`` need from the machine they start on, beyond a config that loads: the checkpoint and tokenizer
+    files, the learner's and the engines' devices, the vllm engine's package. ConfigError naming the key: each fails
+    the same way at every start, so a role exits on it at once and ``computerrl run`` checks it before starting
+    any (``load_run_config`` does not: ``pretrain`` may be about to write the checkpoint)."""
+    import importlib.util
+
+    from policy.device import check_device
+
+    roles = set(roles)
+    if roles & set(MODEL_ROLES):
+        cfg.model.check_files()
+    if "learner" in roles:
+        check_device("learner.device", cfg.learner.device)
+    if "actor" in roles:
+        check_device("actor.engine.device", cfg.actor.engine.device)
+        if cfg.actor.engine.kind == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise configlib.ConfigError("actor.engine.kind=vllm needs vLLM on a GPU node: pip install "
+                                        "'computerrl[gpu]' (or use actor.engine.kind=hf)")
+
+
 def check_resumable(run_dir: str | Path) -> None:
     """Refuse to resume a run directory that holds no checkpoint: a mistyped directory on a requeue would otherwise
     start training from scratch without a word. The error names the directories beside it that can resume."""

@@ -501,7 +501,7 @@ class Sweep:
 def spec_from_args(config: str, vary: tuple[str, ...], seeds: int, overrides: tuple[str, ...], eval_suite: str,
                    eval_episodes: int, variants: tuple[str, ...] = (), first_seed: int = 0) -> SweepSpec:
     """The spec, checked against the config before anything runs: every varied value and override must load."""
-    from launch.config import load_run_config
+    from launch.config import check_machine, load_run_config
 
     parsed, listed = parse_vary(vary), parse_variants(variants)
     if not parsed and len(listed) < 2:
@@ -513,6 +513,7 @@ def spec_from_args(config: str, vary: tuple[str, ...], seeds: int, overrides: tu
     spec = SweepSpec(config=config, vary=parsed, seeds=seeds, overrides=list(overrides),
                      eval_suite=eval_suite or base.local.eval_suite, eval_episodes=eval_episodes, listed=listed,
                      first_seed=first_seed)
-    for variant in spec.variants():  # a variant's checkpoint too (model.path may be what it varies)
-        load_run_config(config, [*overrides, *(f"{k}={v}" for k, v in variant.items())]).model.check_files()
+    for variant in spec.variants():  # what its roles need here too (model.path may be what it varies)
+        check_machine(load_run_config(config, [*overrides, *(f"{k}={v}" for k, v in variant.items())]),
+                      ("learner", "actor"))
     return spec

@@ -73,27 +73,28 @@ class ModelConfig:
             raise ValueError("arch must be llama or qwen2")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError("dtype must be auto, float32 or bfloat16")
-
-    def check_files(self) -> None:
-        """The checkpoint and tokenizer this config names are on disk (ValueError naming the key if not). Apart
-        from ``validate``: a config may name a policy about to be made (``computerrl pretrain --out``), so this
-        runs where the model is loaded, and before a run starts any role."""
-        from policy.tokenizer import TOKENIZER_FILES, has_tokenizer_files
-
-        if self.path and not (Path(self.path) / "config.json").is_file():
-            raise ValueError(f"model.path {self.path!r}: no checkpoint there (a directory with config.json and "
-                             "*.safetensors; `computerrl pretrain --out DIR` makes one)")
-        # auto takes the byte tokenizer where it finds no files: a mistyped tokenizer_path must not mean that
-        if self.tokenizer_path and not has_tokenizer_files(self.tokenizer_path):
-            raise ValueError(f"model.tokenizer_path {self.tokenizer_path!r}: no tokenizer there (none of "
-                             f"{', '.join(TOKENIZER_FILES)})")
-        if self.tokenizer == "hf" and not has_tokenizer_files(self.tokenizer_path or self.path):
-            raise ValueError("model.tokenizer is hf, and neither model.tokenizer_path nor model.path holds tokenizer "
-                             "files")
         if self.num_heads % self.num_kv_heads or self.hidden_size % self.num_heads:
             raise ValueError("num_heads must divide hidden_size and be a multiple of num_kv_heads")
         if self.vocab_size < 0:
             raise ValueError("model.vocab_size must be >= 0 (0 = the tokenizer's)")
+
+    def check_files(self) -> None:
+        """The checkpoint and tokenizer this config names are on disk (ConfigError naming the key if not). Apart
+        from ``validate``: a config may name a policy about to be made (``computerrl pretrain --out``), so this
+        runs where the model is loaded, and before a run starts any role."""
+        from common.config import ConfigError
+        from policy.tokenizer import TOKENIZER_FILES, has_tokenizer_files
+
+        if self.path and not (Path(self.path) / "config.json").is_file():
+            raise ConfigError(f"model.path {self.path!r}: no checkpoint there (a directory with config.json and "
+                              "*.safetensors; `computerrl pretrain --out DIR` makes one)")
+        # auto takes the byte tokenizer where it finds no files: a mistyped tokenizer_path must not mean that
+        if self.tokenizer_path and not has_tokenizer_files(self.tokenizer_path):
+            raise ConfigError(f"model.tokenizer_path {self.tokenizer_path!r}: no tokenizer there (none of "
+                              f"{', '.join(TOKENIZER_FILES)})")
+        if self.tokenizer == "hf" and not has_tokenizer_files(self.tokenizer_path or self.path):
+            raise ConfigError("model.tokenizer is hf, and neither model.tokenizer_path nor model.path holds "
+                              "tokenizer files")
 
 
 def torch_dtype(cfg: ModelConfig, device: str) -> Any:

@@ -264,3 +264,37 @@ def test_a_checkpoint_or_tokenizer_that_is_not_there_is_refused_before_any_role_
         assert out.exit_code != 0 and says in out.output, (override, out.output)
         load_run_config(REPO_CONFIG, [override])  # the config itself loads: pretrain may be making the checkpoint
     load_run_config(REPO_CONFIG, []).model.check_files()  # the shipped base policy (byte tokenizer, no files) is fine
+
+
+def test_a_device_or_engine_this_machine_lacks_is_a_config_error_here_and_left_to_the_nodes_under_slurm(
+        tmp_path, monkeypatch):
+    """learner.device=cuda on a machine without one crashed the learner five times (90 s) before the run gave up;
+    actor.engine.kind=vllm without vLLM did the same to every actor. `run` refuses them before starting anything;
+    `slurm submit` does not, since its roles start on GPU nodes the login node is not, where each role checks for
+    itself (exit 78)."""
+    import torch
+
+    from policy.device import check_device
+
+    for override, says in [("learner.device=cuda", "learner.device=cuda: "),
+                           ("actor.engine.device=cuda:0", "actor.engine.device=cuda:0: "),
+                           ("actor.engine.kind=vllm", "actor.engine.kind=vllm needs vLLM")]:
+        out = CliRunner().invoke(main, ["run", str(REPO_CONFIG), override, "--run-dir", str(tmp_path / "run")])
+        assert out.exit_code == 2 and says in out.output, (override, out.output)
+        assert not (tmp_path / "run").exists()
+    out = CliRunner().invoke(main, ["slurm", "submit", str(REPO_CONFIG), "learner.device=cuda", "--dry-run"])
+    assert out.exit_code == 0 and "#SBATCH" in out.output, out.output
+    # every answer check_device can give, on a torch with CUDA built in and 0 or 2 GPUs visible
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match=r"learner.device=cuda: no CUDA GPU is visible .*CUDA_VISIBLE_DEVICES ''"):
+        check_device("learner.device", "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_device("learner.device", "cuda")
+    check_device("learner.device", "cuda:1")
+    with pytest.raises(ConfigError, match=r"cuda:2: 2 CUDA GPU\(s\) visible .*indices 0..1"):
+        check_device("learner.device", "cuda:2")
+    with pytest.raises(ConfigError, match="not a device"):
+        check_device("learner.device", "gpu")
+    check_device("learner.device", "cpu")

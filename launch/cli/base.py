@@ -6,7 +6,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import signal
-from typing import Any
+from typing import Any, Iterable
 
 import click
 
@@ -14,21 +14,19 @@ from common import config as configlib
 from common import log as L
 from common.exitcodes import EXIT_CONFIG
 from common.signals import unwind_on_term
-from launch.config import RunConfig, load_run_config, resolve_run_dir
+from launch.config import RunConfig, check_machine, load_run_config, resolve_run_dir
 
 CONFIG_HELP = "YAML run config (configs/*.yaml); defaults are used for anything it leaves out"
 
 
-def load_config(config: str | None, overrides: tuple[str, ...], loads_model: bool = False) -> RunConfig:
+def load_config(config: str | None, overrides: tuple[str, ...], here: Iterable[str] = ()) -> RunConfig:
     """The run config from a file (or the defaults) and dotted overrides; a bad one is a usage error naming the key.
-    ``loads_model``: the checkpoint and tokenizer it names must be there too (a run's, not ``pretrain``'s, which may
-    be about to write them)."""
+    ``here``: roles that start on this machine, whose needs from it are checked too (``check_machine``)."""
     try:
         cfg = load_run_config(config, overrides)
-        if loads_model:
-            cfg.model.check_files()
+        check_machine(cfg, here)
         return cfg
-    except ValueError as exc:  # a ConfigError, or a check of the model's files
+    except configlib.ConfigError as exc:
         raise click.UsageError(str(exc)) from None
 
 
@@ -54,14 +52,13 @@ class RoleCannotStart(click.ClickException):
     exit_code = EXIT_CONFIG
 
 
-def start_role(role: str, config: str | None, run_dir: str | None, overrides: tuple[str, ...], rank: int = 0,
-               loads_model: bool = False):
+def start_role(role: str, config: str | None, run_dir: str | None, overrides: tuple[str, ...], rank: int = 0):
     """Resolve the config and run directory, record what this role runs with, set up its logs; ``kill -USR1`` then
     prints where every thread of the role is to its stderr (what the supervisor does before it kills a role that
-    would not stop). ``loads_model``: the checkpoint and tokenizer the config names must be there."""
+    would not stop). A config the role cannot run with here exits ``EXIT_CONFIG`` (``RoleCannotStart``)."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
-        cfg = load_config(config, overrides, loads_model)
+        cfg = load_config(config, overrides, here=(role,))
     except click.UsageError as exc:
         raise RoleCannotStart(exc.message) from None
     rd = resolve_run_dir(cfg, run_dir)

@@ -44,7 +44,7 @@ def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[s
     from actor.engine_factory import actor_engine, cross_policy_engine
     from actor.workflow_explorer import workflow_explorer
 
-    cfg, rd, log = start_role("actor", config, run_dir, overrides, rank, loads_model=True)
+    cfg, rd, log = start_role("actor", config, run_dir, overrides, rank)
     explorer = workflow_explorer(cfg, _run_demos(cfg, rd, "workflows"), rank)
     engine = actor_engine(cfg, rank)
     cross = cross_policy_engine(cfg, rank)
@@ -81,8 +81,7 @@ def learner(config: str | None, run_dir: str | None, resume: bool, ranks_from_sl
             os.environ.update(slurm_ranks(dict(os.environ)))
         except RuntimeError as exc:
             raise RoleCannotStart(str(exc)) from None
-    cfg, rd, log = start_role("learner", config, run_dir, overrides, int(os.environ.get("RANK", "0")),
-                              loads_model=True)
+    cfg, rd, log = start_role("learner", config, run_dir, overrides, int(os.environ.get("RANK", "0")))
     sys.exit(learner_main(cfg, rd, log, resume, _run_demos(cfg, rd, "anchor")))
 
 

@@ -28,7 +28,8 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
     """Run every role on this machine, supervised, with a live view (e.g. configs/local.yaml learner.lr=3e-4)."""
     from launch.local import Supervisor
 
-    cfg = load_config(config, overrides, loads_model=True)
+    # Locally every role starts here; under --srun on the allocation's nodes, where each role checks for itself.
+    cfg = load_config(config, overrides, here=() if srun else ("learner", "actor"))
     if resume and not run_dir:
         raise click.UsageError("--resume needs the --run-dir of the run to continue")
     if resume:
