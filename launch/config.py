@@ -100,7 +100,26 @@ def load_run_config(path: str | Path | None, overrides: Iterable[str] = (), chec
                                     "env_server.sim.screenshot is none: set it to png (or jpeg)")
     check_cross_policy(cfg)
     check_workflows(cfg)
+    check_group_signal(cfg)
     return cfg
+
+
+def check_group_signal(cfg: RunConfig) -> None:
+    """Episode rewards rank rollouts within a group: with one rollout a group, a group-relative estimator scores
+    every rollout 0, and the zero-variance rules (the learner's ``drop_zero_variance``, the broker's dynamic
+    sampling) drop every group, so a run of empty steps "finished" having trained nothing."""
+    adv, broker = cfg.learner.advantage, cfg.broker
+    if broker.group_size >= 2 or adv.level != "trajectory":
+        return
+    why = [f"learner.advantage.name={adv.name} compares rollouts within a group"] if adv.name in ("group", "rloo") \
+        else []
+    why += ["learner.advantage.drop_zero_variance drops such groups"] if adv.drop_zero_variance else []
+    why += ["broker.dynamic_sampling drops such groups"] if broker.dynamic_sampling else []
+    if why:
+        raise configlib.ConfigError(f"broker.group_size={broker.group_size}: a group of one rollout has no reward "
+                                    f"to compare with, and {'; '.join(why)}: nothing would train. Set "
+                                    "broker.group_size >= 2 (or an estimator that needs no group, "
+                                    "learner.advantage.name=batch, with drop_zero_variance=false)")
 
 
 def check_workflows(cfg: RunConfig) -> None:

@@ -298,3 +298,21 @@ def test_a_device_or_engine_this_machine_lacks_is_a_config_error_here_and_left_t
     with pytest.raises(ConfigError, match="not a device"):
         check_device("learner.device", "gpu")
     check_device("learner.device", "cpu")
+
+
+def test_groups_of_one_rollout_are_refused_where_nothing_could_train():
+    """broker.group_size=1 under the default estimator ran 40 empty steps (every group dropped for tied rewards) and
+    said "finished". Refused wherever a group-relative estimator or a zero-variance rule needs two rollouts; kept
+    where nothing compares within a group (the batch estimator, nothing dropped) or turns do (step level)."""
+    for overrides, names in [([], ["advantage.name=group", "drop_zero_variance"]),
+                             (["learner.advantage.name=rloo", "learner.advantage.drop_zero_variance=false"],
+                              ["advantage.name=rloo"]),
+                             (["learner.advantage.name=batch"], ["drop_zero_variance"]),
+                             (["learner.advantage.name=batch", "learner.advantage.drop_zero_variance=false",
+                               "broker.dynamic_sampling=true"], ["broker.dynamic_sampling"])]:
+        with pytest.raises(ConfigError, match="broker.group_size=1: a group of one rollout") as err:
+            load_run_config(REPO_CONFIG, ["broker.group_size=1", *overrides])
+        assert all(n in str(err.value) for n in names), (overrides, str(err.value))
+    load_run_config(REPO_CONFIG, ["broker.group_size=1", "learner.advantage.name=batch",
+                                  "learner.advantage.drop_zero_variance=false"])
+    load_run_config(REPO_CONFIG, ["broker.group_size=1", "learner.advantage.level=step"])
