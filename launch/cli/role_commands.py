@@ -40,11 +40,11 @@ def env_server(config: str | None, run_dir: str | None, rank: int, overrides: tu
 @click.option("--rank", default=0, show_default=True, help="index of this actor (offsets its sampling seed)")
 def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[str, ...]) -> None:
     """Run an actor: tickets from the broker, episodes on env_servers, groups back to the broker."""
+    cfg, rd, log = start_role("actor", config, run_dir, overrides, rank)  # before torch: a bad config exits at once
     from actor.agent import Actor
     from actor.engine_factory import actor_engine, cross_policy_engine
     from actor.workflow_explorer import workflow_explorer
 
-    cfg, rd, log = start_role("actor", config, run_dir, overrides, rank)
     explorer = workflow_explorer(cfg, _run_demos(cfg, rd, "workflows"), rank)
     engine = actor_engine(cfg, rank)
     cross = cross_policy_engine(cfg, rank)
@@ -73,8 +73,6 @@ def learner(config: str | None, run_dir: str | None, resume: bool, ranks_from_sl
     """Run the learner: batches from the broker, training steps, weights to the actors, checkpoints.
 
     Several ranks (FSDP2): start every rank with torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
-    from learner.process import main as learner_main
-
     if ranks_from_slurm:
         from learner.distributed import ranks_from_slurm as slurm_ranks
         try:
@@ -82,6 +80,8 @@ def learner(config: str | None, run_dir: str | None, resume: bool, ranks_from_sl
         except RuntimeError as exc:
             raise RoleCannotStart(str(exc)) from None
     cfg, rd, log = start_role("learner", config, run_dir, overrides, int(os.environ.get("RANK", "0")))
+    from learner.process import main as learner_main  # after the config: a bad one exits before torch loads
+
     sys.exit(learner_main(cfg, rd, log, resume, _run_demos(cfg, rd, "anchor")))
 
 
