@@ -43,6 +43,10 @@ OWN, CROSS, EXPLORED = "own", "cross", "explored"
 """who plays a slot of a group: the current policy, the cross policy (actor.cross_policy), the workflow explorer"""
 
 
+class ActorCannotPlay(RuntimeError):
+    """Every episode the actor started lately raised: it exits for a fresh start (``actor.max_episode_errors``)."""
+
+
 class EnvLinks:
     """Awaitable requests over the env_server clients."""
 
@@ -179,6 +183,8 @@ class Actor:
         self.groups_started = 0
         self.in_flight: set[asyncio.Task] = set()
         self.stopping = False
+        self.errors_in_a_row = 0  # episodes that raised since the last one that played (max_episode_errors)
+        self.last_error = ""
 
     # ----- setup ---------------------------------------------------------------------------------
 
@@ -286,8 +292,11 @@ class Actor:
         for r, slot in zip(results, slots):
             if isinstance(r, BaseException):  # a bug or an engine failure: counted, the group goes incomplete
                 self.stats["episode_errors"] += 1
-                self.log.error("episode_failed", task=ticket.task_id, error=repr(r)[:300])
+                self.errors_in_a_row += 1
+                self.last_error = repr(r)[:300]
+                self.log.error("episode_failed", task=ticket.task_id, error=self.last_error)
             elif r is not None:
+                self.errors_in_a_row = 0
                 kinds.append(slot)
                 episodes.append((uuid.uuid4().hex[:12], r))
         cross_slots = [k for k, kind in enumerate(kinds) if kind == CROSS]
@@ -384,6 +393,13 @@ class Actor:
         try:
             while True:
                 pulse.beat()
+                limit = self.cfg.max_episode_errors
+                if limit and self.errors_in_a_row >= limit:
+                    # Every episode failing the same way plays nothing, for ever: a crash gets a fresh process (and
+                    # CUDA context) from the supervisor, and its restarts' limit ends a run that cannot play at all.
+                    self.log.error("episode_errors_in_a_row", errors=self.errors_in_a_row, last=self.last_error)
+                    raise ActorCannotPlay(f"{self.errors_in_a_row} episodes in a row raised (actor.max_episode_errors"
+                                          f" {limit}); the last: {self.last_error}")
                 self.broker.poll(0)
                 moved = self.env.pump()
                 self._maybe_receive_weights(loop)

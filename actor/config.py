@@ -51,6 +51,8 @@ class ActorConfig:
     """rerolls per episode before its group is marked incomplete (incomplete groups are not trained on)"""
     env_timeout_s: float = 120.0
     """an env request unanswered this long counts as a desktop failure"""
+    max_episode_errors: int = 32
+    """episodes in a row that raise (engine or policy, not desktop) before the actor exits to be restarted; 0 = never"""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """the inference engine"""
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -81,6 +83,8 @@ class ActorConfig:
             raise ValueError("env_error must be reroll or incomplete")
         if self.max_groups < 1 or not self.env_servers:
             raise ValueError("need max_groups >= 1 and at least one env server")
+        if self.max_episode_errors < 0:
+            raise ValueError("max_episode_errors must be >= 0 (0: never exit on episode errors)")
         self.engine.fitted(self.prompt.max_prompt_tokens, self.sampling.max_new_tokens)  # a set max_seq_len holds a turn
         for addr in self.env_servers:
             host, _, port = addr.rpartition(":")

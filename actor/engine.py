@@ -29,6 +29,19 @@ class SamplingParams:
     min_new_tokens: int = 0
     """stop tokens cannot be sampled before this many tokens (benchmarks use it for fixed lengths)"""
 
+    def validate(self) -> None:
+        """A run's sampling (an evaluation sets its own temperature, greedy by default)."""
+        if self.temperature <= 0:
+            # greedy rollouts of a group are one rollout G times: no reward variance, so no group trains (and
+            # their log-probs are not those of a distribution the learner can score)
+            raise ValueError(f"temperature must be > 0 for rollouts that train (got {self.temperature:g}); "
+                             "evaluation is greedy by itself: computerrl eval --temperature 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p:g})")
+        if self.max_new_tokens < 1 or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"need max_new_tokens >= 1 and 0 <= min_new_tokens <= max_new_tokens (got "
+                             f"{self.max_new_tokens} and {self.min_new_tokens}): a turn of no tokens is no action")
+
 
 @dataclass
 class Generation:

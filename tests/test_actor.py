@@ -213,6 +213,37 @@ def test_actor_publishes_well_formed_groups(start_broker, quiet_log, tmp_path, p
             other.close()
 
 
+def test_an_actor_whose_every_episode_raises_exits_for_a_fresh_start(start_broker, quiet_log, tmp_path):
+    """An engine that fails every call (after a CUDA error, every later call fails too) left the actor taking
+    tickets and failing their episodes for ever, the run standing still. Past actor.max_episode_errors in a row it
+    exits with the last error, so its supervisor restarts it, and gives the run up with that error if it persists;
+    the groups it failed were never acked, and their tasks go out again."""
+    from actor.agent import ActorCannotPlay
+
+    tb = start_broker(BrokerConfig(groups_per_batch=2, group_size=2, eta=4), net=make_net(liveness=25))
+    server, st, address = _start_env_server(tb, tmp_path, quiet_log, pool_size=4)
+    cfg = ActorConfig(env_servers=[address], max_groups=2, max_steps=3, max_episode_errors=5,
+                      sampling=SamplingParams(max_new_tokens=8), prompt=PromptConfig(max_prompt_tokens=2048))
+    engine = HFEngine(TINY, EngineConfig(seed=1))
+    actor = Actor(cfg, engine, tb.net, None, tb.run_dir, quiet_log)
+
+    async def broken(*args, **kw):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    actor.engine_policy = broken
+    try:
+        actor.connect(10)
+        with pytest.raises(ActorCannotPlay, match=r"episodes in a row raised \(actor.max_episode_errors 5\); the "
+                                                  r"last: RuntimeError\('CUDA error: an illegal memory access"):
+            actor.run()
+        assert actor.stats["episode_errors"] >= 5 and actor.stats["groups_submitted"] == 0, dict(actor.stats)
+        assert actor.stats["groups_lost"] >= 2 and actor.broker.unacked == 0
+    finally:
+        actor.close()
+        server.request_stop()
+        st.join(10)
+        engine.close()
+
+
 def test_the_workflow_explorer_plays_a_slot_of_each_group_and_marks_it_unsampled(start_broker, quiet_log, tmp_path):
     """actor.workflows: the explorer plays the last rollout of every group of a family it has demonstrations of;
     the trajectory says no model sampled it and carries the version it served; the policy's rollouts are as ever."""
