@@ -83,6 +83,8 @@ class ActorConfig:
             raise ValueError("env_error must be reroll or incomplete")
         if self.max_groups < 1 or not self.env_servers:
             raise ValueError("need max_groups >= 1 and at least one env server")
+        if self.max_steps < 0 or self.max_rerolls < 0 or self.env_timeout_s <= 0:
+            raise ValueError("need max_steps >= 0 (0: the task's limit), max_rerolls >= 0 and env_timeout_s > 0")
         if self.max_episode_errors < 0:
             raise ValueError("max_episode_errors must be >= 0 (0: never exit on episode errors)")
         self.engine.fitted(self.prompt.max_prompt_tokens, self.sampling.max_new_tokens)  # a set max_seq_len holds a turn

@@ -14,7 +14,7 @@ from policy.model import ModelConfig
 from common.net import NetConfig
 from policy.weightsync import WeightSyncConfig
 from env_server.config import EnvServerConfig
-from launch.local import LocalConfig
+from launch.local import PORT_KEYS, LocalConfig
 from launch.pretrain import PretrainConfig
 from launch.slurm import SlurmConfig
 from learner.config import LearnerConfig
@@ -101,7 +101,22 @@ def load_run_config(path: str | Path | None, overrides: Iterable[str] = (), chec
     check_cross_policy(cfg)
     check_workflows(cfg)
     check_group_signal(cfg)
+    check_ports(cfg)
     return cfg
+
+
+def check_ports(cfg: RunConfig) -> None:
+    """Two listeners of a run on one port: the second to start failed to bind at every restart. (With
+    ``local.port_base`` a local run numbers them itself.)"""
+    if cfg.local.port_base:
+        return
+    seen: dict[int, str] = {}
+    for key in PORT_KEYS:
+        section, name = key.split(".")
+        port = getattr(getattr(cfg, section), name)
+        if port in seen:
+            raise configlib.ConfigError(f"{seen[port]} and {key} are both {port}: each listener needs its own port")
+        seen[port] = key
 
 
 def check_group_signal(cfg: RunConfig) -> None:

@@ -159,6 +159,14 @@ class LearnerConfig:
             raise ValueError("learner.explored_coef must be >= 0")
         if self.prefetch_images not in ("auto", "on", "off"):
             raise ValueError("learner.prefetch_images must be auto, on or off")
+        # a negative rate ascends the loss, a negative count never comes: each ran without a word before
+        if self.lr <= 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError(f"need lr > 0, weight_decay >= 0 and grad_clip >= 0 (0: off), got {self.lr:g}, "
+                             f"{self.weight_decay:g} and {self.grad_clip:g}")
+        if min(self.warmup_steps, self.total_steps, self.checkpoint_every, self.expected_actors) < 0 \
+                or self.keep_checkpoints < 1:
+            raise ValueError("need warmup_steps, total_steps, checkpoint_every, expected_actors >= 0 and "
+                             "keep_checkpoints >= 1")
         self.loss.validate()
         self.advantage.validate()
         self.entropulse.validate()

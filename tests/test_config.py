@@ -316,3 +316,18 @@ def test_groups_of_one_rollout_are_refused_where_nothing_could_train():
     load_run_config(REPO_CONFIG, ["broker.group_size=1", "learner.advantage.name=batch",
                                   "learner.advantage.drop_zero_variance=false"])
     load_run_config(REPO_CONFIG, ["broker.group_size=1", "learner.advantage.level=step"])
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["learner.lr=-1e-4"], "need lr > 0"),
+    (["learner.total_steps=-1"], "total_steps"),
+    (["learner.keep_checkpoints=0"], "keep_checkpoints >= 1"),
+    (["actor.max_steps=-1"], "max_steps >= 0"),
+    (["env_server.port=25555"], "net.broker_front_port and env_server.port are both 25555"),
+])
+def test_values_that_ran_without_a_word_and_did_the_wrong_thing_are_refused(overrides, says):
+    """A negative learning rate ascended the loss; two listeners on one port failed to bind at every restart."""
+    with pytest.raises(ConfigError, match=says):
+        load_run_config(REPO_CONFIG, overrides)
+    if "port" in says:  # numbered by the run itself, the keys' own values no longer matter
+        load_run_config(REPO_CONFIG, [*overrides, "local.port_base=30000"])
