@@ -71,12 +71,16 @@ VLLM_CONTRACT: dict[str, tuple[str, ...]] = {
 LOGPROBS_MODE = "processed_logprobs"  # one of vllm.config.model's LogprobsMode values
 
 
+NEEDS_VLLM = ("actor.engine.kind=vllm needs vLLM on a GPU node: pip install 'computerrl[gpu]' "
+              "(or use actor.engine.kind=hf)")
+"""what a machine without vLLM is told (a role's check at start, ``launch/config.py: check_machine``, and the import)"""
+
+
 def require_vllm() -> Any:
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
-        raise RuntimeError("actor.engine.kind=vllm needs vLLM on a GPU node: pip install 'computerrl[gpu]' "
-                           "(or use actor.engine.kind=hf)") from exc
+        raise RuntimeError(NEEDS_VLLM) from exc
     return vllm
 
 

@@ -222,29 +222,28 @@ def resolve_run_dir(cfg: RunConfig, run_dir: str | None) -> RunDir:
     return RunDir.create(cfg.run.run_dir)
 
 
-MODEL_ROLES = ("learner", "actor", "demos")
-"""the roles that load the policy's checkpoint or tokenizer"""
-
-
 def check_machine(cfg: RunConfig, roles: Iterable[str]) -> None:
     """What ``roles`` need from the machine they start on, beyond a config that loads: the checkpoint and tokenizer
-    files, the learner's and the engines' devices, the vllm engine's package. ConfigError naming the key: each fails
-    the same way at every start, so a role exits on it at once and ``computerrl run`` checks it before starting
-    any (``load_run_config`` does not: ``pretrain`` may be about to write the checkpoint)."""
+    files (``demos`` tokenizes only: a recipe records them before it pretrains the checkpoint), the learner's and the
+    engines' devices, the vllm engine's package. ConfigError naming the key: each fails the same way at every start,
+    so a role exits on it at once and ``computerrl run`` checks it before starting any (``load_run_config`` does
+    not: ``pretrain`` may be about to write the checkpoint)."""
     import importlib.util
 
+    from actor.vllm_engine import NEEDS_VLLM
     from policy.device import check_device
 
     roles = set(roles)
-    if roles & set(MODEL_ROLES):
+    if roles & {"learner", "actor"}:
         cfg.model.check_files()
+    elif "demos" in roles:
+        cfg.model.check_files(checkpoint=False)
     if "learner" in roles:
         check_device("learner.device", cfg.learner.device)
     if "actor" in roles:
         check_device("actor.engine.device", cfg.actor.engine.device)
         if cfg.actor.engine.kind == "vllm" and importlib.util.find_spec("vllm") is None:
-            raise configlib.ConfigError("actor.engine.kind=vllm needs vLLM on a GPU node: pip install "
-                                        "'computerrl[gpu]' (or use actor.engine.kind=hf)")
+            raise configlib.ConfigError(NEEDS_VLLM)
 
 
 def check_resumable(run_dir: str | Path) -> None:

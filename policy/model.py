@@ -78,14 +78,15 @@ class ModelConfig:
         if self.vocab_size < 0:
             raise ValueError("model.vocab_size must be >= 0 (0 = the tokenizer's)")
 
-    def check_files(self) -> None:
-        """The checkpoint and tokenizer this config names are on disk (ConfigError naming the key if not). Apart
-        from ``validate``: a config may name a policy about to be made (``computerrl pretrain --out``), so this
-        runs where the model is loaded, and before a run starts any role."""
+    def check_files(self, checkpoint: bool = True) -> None:
+        """The checkpoint (unless not ``checkpoint``: the tokenizer alone is loaded) and tokenizer this config names
+        are on disk (ConfigError naming the key if not). Apart from ``validate``: a config may name a policy about to
+        be made (``computerrl pretrain --out``), so this runs where they are loaded, and before a run starts any
+        role."""
         from common.config import ConfigError
         from policy.tokenizer import TOKENIZER_FILES, has_tokenizer_files
 
-        if self.path and not (Path(self.path) / "config.json").is_file():
+        if checkpoint and self.path and not (Path(self.path) / "config.json").is_file():
             raise ConfigError(f"model.path {self.path!r}: no checkpoint there (a directory with config.json and "
                               "*.safetensors; `computerrl pretrain --out DIR` makes one)")
         # auto takes the byte tokenizer where it finds no files: a mistyped tokenizer_path must not mean that
@@ -122,7 +123,7 @@ def build_tokenizer(cfg: ModelConfig):
     """The policy's tokenizer; a VLM's also carries its image processor (``.vision``), as a HF processor would."""
     from policy.tokenizer import ByteTokenizer, load_tokenizer
 
-    cfg.check_files()
+    cfg.check_files(checkpoint=False)
     tok = load_tokenizer(cfg.tokenizer, cfg.tokenizer_path or cfg.path, cfg.path)
     if model_kind(cfg) == "vlm":
         from policy.vision import VisionProcessor

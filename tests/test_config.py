@@ -331,3 +331,19 @@ def test_values_that_ran_without_a_word_and_did_the_wrong_thing_are_refused(over
         load_run_config(REPO_CONFIG, overrides)
     if "port" in says:  # numbered by the run itself, the keys' own values no longer matter
         load_run_config(REPO_CONFIG, [*overrides, "local.port_base=30000"])
+
+
+def test_demonstrations_are_recorded_for_a_checkpoint_not_made_yet_but_not_with_a_tokenizer_that_is_not_there(
+        tmp_path):
+    """`computerrl demos` tokenizes, it loads no model: a recipe records them before it pretrains the checkpoint
+    model.path names (configs/miniwob-wge.yaml), and the first version of the pre-start checks refused that (exit
+    78). A tokenizer_path with no tokenizer in it is refused: the demos would be the byte tokenizer's."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    command = [sys.executable, "-m", "launch.cli", "demos", "-c", str(REPO_CONFIG), "--run-dir", str(tmp_path / "run"),
+               f"model.path={tmp_path / 'made-later'}", "learner.anchor.demos=4", "run.log_level=warning"]
+    out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "4 demonstrations (anchor)" in out.stdout, out.stdout + out.stderr
+    out = subprocess.run([*command, f"model.tokenizer_path={empty}"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 78 and "no tokenizer there" in out.stderr, out.stdout + out.stderr
