@@ -195,6 +195,39 @@ def test_a_terminated_command_closes_its_browsers(tmp_path):
             os.killpg(driver, signal.SIGKILL)
 
 
+def test_a_stop_signal_while_the_browser_starts_takes_its_driver_with_it(tmp_path):
+    """A TERM that lands while Chromium starts (seconds, more on a loaded machine) unwinds as SystemExit through
+    Selenium's start, which quits its driver on an Exception only: the chromedriver and its browser outlived the
+    command. Here the browser is a stand-in that starts and never answers, so the signal lands in that window every
+    time."""
+    mark = tmp_path / "browser-started"
+    browser = tmp_path / "browser"
+    browser.write_text(f"#!/bin/sh\necho started > {mark}\nexec sleep 600\n")
+    browser.chmod(0o755)
+    script = ("from common.signals import unwind_on_term; unwind_on_term()\n"
+              "from env_server.miniwob.page import MiniWoBPage\n"
+              f"MiniWoBPage({str(browser)!r}, {shutil.which('chromedriver')!r}, 10)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    driver = None
+    try:
+        deadline = time.monotonic() + 30
+        while not mark.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+            time.sleep(0.05)
+        (driver,) = children_by_parent()[proc.pid]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10  # killed as the command left; gone once init has reaped them
+        while _group_alive(driver):
+            assert time.monotonic() < deadline, "the chromedriver and its browser outlived the terminated command"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+        if driver is not None and _group_alive(driver):
+            os.killpg(driver, signal.SIGKILL)
+
+
 @pytest.mark.slow  # a real browser
 def test_demonstrations_are_recorded_from_the_solvers_through_the_backend():
     from actor.demos import record_demos

@@ -50,8 +50,14 @@ class MiniWoBPage:
         service = Service(chromedriver, popen_kw={"start_new_session": True})
         try:
             self.driver = webdriver.Chrome(service=service, options=opts)
-        except Exception as exc:
-            raise BackendError(f"chromium did not start ({chrome}, {chromedriver}): {str(exc)[:300]}") from exc
+        except BaseException as exc:
+            # Selenium quits its driver only on an Exception. A stop signal unwinds as SystemExit (or
+            # KeyboardInterrupt) and lands here whenever it comes while Chromium starts, which takes seconds; its
+            # chromedriver and browser would then outlive this process.
+            _kill_group(getattr(service, "process", None))
+            if isinstance(exc, Exception):
+                raise BackendError(f"chromium did not start ({chrome}, {chromedriver}): {str(exc)[:300]}") from exc
+            raise
 
     def _js(self, script: str, *args: Any) -> Any:
         try:
@@ -157,9 +163,17 @@ class MiniWoBPage:
             self.driver.quit()
         except Exception:  # the driver is already gone; its browser may not be
             pass
-        process = getattr(getattr(self.driver, "service", None), "process", None)
-        if process is not None:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        _kill_group(getattr(getattr(self.driver, "service", None), "process", None))
+
+
+def _kill_group(process: Any) -> None:
+    """Kill the process group a chromedriver leads (its browser's processes are in it), if it is still there."""
+    if process is not None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            process.wait(5)  # reaped, not left a zombie in a long-lived env_server
+        except Exception:
+            pass
