@@ -25,9 +25,11 @@ dir.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,7 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from common.config import ConfigError
 from common.exitcodes import EXIT_CONFIG, EXIT_RESUMABLE
+from common.metrics.records import read_records
 from common.pulse import PULSE_ENV
 from common.rundir import RunDir
 from common.signals import DEFER_TERM_ENV, STOP_SIGNALS
@@ -134,15 +138,43 @@ def free_port_overrides(taken: set[int] | None = None) -> list[str]:
     return [*(f"{k}={p}" for k, p in zip(PORT_KEYS, picked)), f"actor.env_servers=['127.0.0.1:{picked[-1]}']"]
 
 
+def local_ports(cfg: Any) -> dict[str, int]:
+    """Each port of ``PORT_KEYS`` as the run will have it: numbered from ``local.port_base`` when that is set."""
+    base = cfg.local.port_base
+    return {key: base + i if base else getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+            for i, key in enumerate(PORT_KEYS)}
+
+
+def check_ports_free(cfg: Any) -> None:
+    """ConfigError naming the key when a port this run binds is already listened on here. On loopback the links
+    are not encrypted (``net.curve: auto``), so the supervisor's readiness probe took a Ready from another run's
+    broker on the same ports, and this run's learner and actors then joined that run: they took its tickets,
+    played on its desktops and received its learner's weights, while this run's own broker and env_server failed
+    to bind at every restart. Bound with ``SO_REUSEADDR`` as the servers bind, so a port a finished run left in
+    TIME_WAIT is free."""
+    for key, port in local_ports(cfg).items():
+        if key == "local.learner_dist_port" and cfg.local.learner_ranks < 2:
+            continue  # bound only by several learner ranks
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError as exc:
+                why = ("something on this machine already listens there (another run? `ss -ltnp 'sport = :"
+                       f"{port}'` names it)") if exc.errno == errno.EADDRINUSE else exc.strerror
+                raise ConfigError(f"{key}={port}: {why}; give this run ports of its own, e.g. local.port_base=N "
+                                  f"numbers them all from N") from None
+
+
 def fit_to_local_run(cfg: Any) -> list[str]:
     """Settings a local run derives from its own shape (every role on this machine, their number known);
     returns a note for each value it changed."""
     notes = []
     base = cfg.local.port_base
     if base:
-        for i, key in enumerate(PORT_KEYS):
+        for key, port in local_ports(cfg).items():
             section, name = key.split(".")
-            setattr(getattr(cfg, section), name, base + i)
+            setattr(getattr(cfg, section), name, port)
         if all(a.split(":")[0] in ("127.0.0.1", "localhost") for a in cfg.actor.env_servers):
             cfg.actor.env_servers = [f"127.0.0.1:{cfg.env_server.port}"]
         notes.append(f"ports {base}..{base + len(PORT_KEYS) - 1} (local.port_base): {', '.join(PORT_KEYS)}")
@@ -192,6 +224,13 @@ def probe(host: str, port: int, timeout_s: float, net: Any, keys_dir: Path, aliv
         security.close()
 
 
+def evaluated_step(run_dir: RunDir) -> int:
+    """The newest checkpoint version ``eval.jsonl`` holds a result for; -1 when none (an evaluation that was killed
+    or failed wrote none, so a resumed run evaluates that checkpoint again)."""
+    steps = [r["step"] for r in read_records(run_dir.metrics / "eval.jsonl")
+             if isinstance(r.get("step"), int) and "success_rate" in r]
+    return max(steps, default=-1)
+
 
 class Supervisor:
     def __init__(self, cfg: Any, config_path: Path, run_dir: RunDir, resume: bool, out: Any = None,
@@ -223,7 +262,10 @@ class Supervisor:
         self.kill_step = kill_step
         self.config_path = config_path
         self.eval_proc: subprocess.Popen | None = None
-        self.eval_step = -1  # checkpoint version being (or last) evaluated
+        # Checkpoint version being (or last) evaluated. A resumed run starts past the ones it recorded: a run
+        # resumed after its last evaluation (a preemption, or --resume of a finished run) evaluated that checkpoint
+        # again, a second point at one step on the curve and a second set of its episodes in the viewer.
+        self.eval_step = evaluated_step(self.run_dir) if resume else -1
         self.eval_deadline = 0.0  # monotonic time past which the running evaluation is killed
         # The curve starts from the policy RL starts from (a fresh model from config has nothing to show).
         start = Path(cfg.model.path) if cfg.model.path else None

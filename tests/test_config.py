@@ -241,6 +241,35 @@ def test_one_key_moves_every_port_of_a_local_run():
         load_run_config(None, ["local.port_base=80"])
 
 
+def test_a_run_on_ports_another_run_listens_on_is_refused_before_it_starts(tmp_path):
+    """Two local runs on the same ports: the second one's readiness probe took a Ready from the first one's broker
+    (no CURVE on loopback), and its learner and actors joined the first run (its tickets, desktops and weights).
+    Now `run` refuses such ports before it makes anything, naming the key; a port a finished run left in TIME_WAIT
+    is taken as free, as the servers' SO_REUSEADDR binds take it."""
+    import shutil
+    import socket
+
+    from launch.local import check_ports_free, free_port_overrides
+
+    ports = free_port_overrides()
+    taken = int(ports[0].split("=")[1])
+    with socket.create_server(("127.0.0.1", taken)):  # another run's broker
+        out = CliRunner().invoke(main, ["run", str(REPO_CONFIG), *ports, "--run-dir", str(tmp_path / "second")])
+    assert out.exit_code == 2, out.output
+    assert f"net.broker_front_port={taken}: something on this machine already listens there" in out.output
+    assert "local.port_base" in out.output and not (tmp_path / "second").exists()
+    # The same port after a run that served a connection on it ended: its side closed first, so TIME_WAIT.
+    with socket.create_server(("127.0.0.1", taken)) as server:
+        client = socket.create_connection(("127.0.0.1", taken))
+        served, _ = server.accept()
+        served.close()
+        client.close()
+    check_ports_free(load_run_config(REPO_CONFIG, ports))
+    assert any(f":{taken} " in line and "TIME-WAIT" in line
+               for line in subprocess.run(["ss", "-tan"], capture_output=True, text=True).stdout.splitlines()) \
+        or not shutil.which("ss"), "the port is in TIME_WAIT, as a finished run leaves it"
+
+
 def test_a_checkpoint_or_tokenizer_that_is_not_there_is_refused_before_any_role_starts(tmp_path):
     """A mistyped model.path let every role start, then failed the learner and both actors five times each before
     the run gave up (a minute, and "resumable" said of a run that could never start). A mistyped tokenizer_path was

@@ -58,6 +58,42 @@ def test_a_hung_evaluation_is_killed_at_its_deadline_and_the_next_checkpoint_is_
     assert "held-out eval at step 3 killed" in out.getvalue()
 
 
+def test_a_resumed_run_evaluates_no_checkpoint_its_evaluations_already_recorded(tmp_path, monkeypatch):
+    """A run resumed after its last checkpoint's evaluation (`--resume` of a finished run, a preemption right after
+    an evaluation) evaluated that checkpoint again: a second point at one step on the curve, a second set of its
+    episodes in the viewer. A checkpoint whose evaluation left no result (killed, failed) is evaluated again."""
+    started: list[list[str]] = []
+
+    class Evaluation:
+        def __init__(self, args, **kw):
+            started.append(args)
+
+        def poll(self):
+            return None
+    monkeypatch.setattr("launch.local.subprocess.Popen", Evaluation)
+    cfg = load_run_config(REPO / "configs" / "local.yaml", ["local.eval_episodes=1"])
+    rd = RunDir.create(tmp_path / "run")
+    for step in (10, 20):
+        (rd.checkpoints / f"step-{step:08d}").mkdir()
+    (rd.checkpoints / "latest").write_text("step-00000020")
+
+    def resumed() -> Supervisor:
+        sup = Supervisor(cfg, REPO / "configs" / "local.yaml", rd, resume=True, out=io.StringIO(), roles=[])
+        sup._poll_eval()
+        return sup
+    with open(rd.metrics / "eval.jsonl", "w") as f:
+        f.write('{"step": 0, "success_rate": 0.5}\n{"step": 10, "success_rate": 0.6}\n{"step": 20, "succ')  # torn
+    assert resumed().eval_step == 20 and len(started) == 1, "step 20's evaluation left no whole record: run again"
+    with open(rd.metrics / "eval.jsonl", "a") as f:
+        f.write('\n{"step": 20, "success_rate": 0.7}\n')
+    sup = resumed()
+    assert sup.eval_step == 20 and len(started) == 1, "step 20 is on record: not evaluated again"
+    (rd.checkpoints / "step-00000030").mkdir()
+    (rd.checkpoints / "latest").write_text("step-00000030")
+    sup._poll_eval()
+    assert sup.eval_step == 30 and len(started) == 2 and "step-00000030" in " ".join(started[-1])
+
+
 HANGING_ROLE = """
 import signal, sys, time
 from launch.cli.base import start_role

@@ -26,7 +26,7 @@ from launch.cli.base import load_config, main, prepare_run
                    "job of `computerrl slurm submit` runs)")
 def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bool, srun: bool) -> None:
     """Run every role on this machine, supervised, with a live view (e.g. configs/local.yaml learner.lr=3e-4)."""
-    from launch.local import Supervisor
+    from launch.local import Supervisor, check_ports_free
 
     # Locally every role starts here; under --srun on the allocation's nodes, where each role checks for itself.
     cfg = load_config(config, overrides, here=() if srun else ("learner", "actor"))
@@ -36,6 +36,11 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
         try:
             check_resumable(run_dir)
         except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+    if not srun and not cfg.local.netns:  # (a network fabric's namespaces each have ports of their own)
+        try:
+            check_ports_free(cfg)
+        except configlib.ConfigError as exc:
             raise click.UsageError(str(exc)) from None
     rd = prepare_run(cfg, run_dir)
     if not srun:
