@@ -152,7 +152,7 @@ class Actor:
         self.cfg, self.engine, self.net, self.log, self.rank = cfg, engine, net, log, rank
         self.tok = engine.tokenizer
         keys = run_dir.keys if run_dir is not None else None
-        self.broker = ActorBrokerClient(net, keys, log, rank=rank)
+        self.broker = ActorBrokerClient(net, keys, log, rank=rank, run_id=run_dir.run_id if run_dir else "")
         clients = []
         for addr in cfg.env_servers:
             host, _, port = addr.rpartition(":")

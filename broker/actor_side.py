@@ -43,6 +43,8 @@ class ActorSide:
                 if peer is not None:
                     self._actor_gone(peer, "left")
             elif isinstance(msg, P.Hello):
+                if self._of_another_run(self.front, ident, msg):
+                    continue
                 heard_from(self.front, self.actors, ident, msg, now, self.counters, msg.peer_id, msg.role)
                 self.front.send(ident, self._ready())
                 # Published at the end of the turn, and Hellos arriving together share one publish.

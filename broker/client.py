@@ -77,12 +77,14 @@ class ActorBrokerClient:
     """An actor's link to the broker: parked ticket requests, groups retried until acked, Control."""
 
     def __init__(self, net: NetConfig, keys_dir: str | Path | None, log: Any, actor_id: str | None = None,
-                 rank: int = 0, ctx: zmq.Context | None = None):
+                 rank: int = 0, ctx: zmq.Context | None = None, run_id: str = ""):
+        """``run_id``: the run this actor plays for; a broker of another run refuses it (``OtherRunError``)."""
         self.actor_id = actor_id or _peer_id("actor")
         self.log = log
         self.ctx = ctx or zmq.Context.instance()
         self.security = security_for(self.ctx, net, keys_dir)
-        hello = P.Hello(role="actor", peer_id=self.actor_id, rank=rank, pid=os.getpid(), host=socket.gethostname())
+        hello = P.Hello(role="actor", peer_id=self.actor_id, rank=rank, pid=os.getpid(), host=socket.gethostname(),
+                        run_id=run_id)
         self.link = ServerLink(self.ctx, net.address(net.broker_front_port), hello, net, self.security, log)
         self.control = ControlSubscriber(self.ctx, net, self.security, log)
         self._req = itertools.count()
@@ -168,12 +170,14 @@ class LearnerBrokerClient:
     """The learner's link: batches by credit, commits after checkpoints, Control, success-store samples."""
 
     def __init__(self, net: NetConfig, keys_dir: str | Path | None, log: Any, learner_id: str | None = None,
-                 dedupe_window: int = 200_000, ctx: zmq.Context | None = None):
+                 dedupe_window: int = 200_000, ctx: zmq.Context | None = None, run_id: str = ""):
+        """``run_id``: the run this learner trains; a broker of another run refuses it (``OtherRunError``)."""
         self.learner_id = learner_id or _peer_id("learner")
         self.log = log
         self.ctx = ctx or zmq.Context.instance()
         self.security = security_for(self.ctx, net, keys_dir)
-        hello = P.Hello(role="learner", peer_id=self.learner_id, pid=os.getpid(), host=socket.gethostname())
+        hello = P.Hello(role="learner", peer_id=self.learner_id, pid=os.getpid(), host=socket.gethostname(),
+                        run_id=run_id)
         self.link = ServerLink(self.ctx, net.address(net.broker_back_port), hello, net, self.security, log,
                                on_ready=self._on_ready)
         self.credits_out = 0  # granted and not yet answered by a batch

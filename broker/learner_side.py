@@ -34,6 +34,8 @@ class LearnerSide:
                 if peer is not None:
                     self._learner_gone(peer, "left")
                 continue
+            if isinstance(msg, P.Hello) and self._of_another_run(self.back, ident, msg):
+                continue  # before it is heard from: it never joins the learners
             heard_from(self.back, self.learners, ident, msg, now, self.counters,
                        getattr(msg, "learner_id", "") or getattr(msg, "peer_id", ""), "learner")
             if isinstance(msg, P.BatchRequest):

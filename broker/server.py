@@ -35,7 +35,7 @@ from broker.store import SuccessStore
 from common import protocol as P
 from common.audit import AuditLog
 from common.metrics.writer import Histogram, MetricsWriter
-from common.net import (ConnectionMonitor, NetConfig, PeerTable, RateLimitedLog, ServerSocket, close_context,
+from common.net import (OTHER_RUN, ConnectionMonitor, NetConfig, PeerTable, RateLimitedLog, ServerSocket, close_context,
                         limit_size, listen_backlog, open_context, raise_open_files, security_for, serve)
 from common.rundir import RunDir
 
@@ -102,6 +102,7 @@ class Broker(ActorSide, GroupIntake, LearnerSide):
         self._dropped_in_a_row: dict[str, int] = {}  # reason -> groups dropped since the last admitted one
         self.no_batch_log = RateLimitedLog(log, interval_s=60.0)
         self.disk_log = RateLimitedLog(log, interval_s=10.0)  # a full disk fails every round until space returns
+        self.run_log = RateLimitedLog(log, interval_s=30.0)  # a peer of another run says Hello every heartbeat
         now = time.monotonic()
         self._next_publish = now  # every publish is due by a time: a heartbeat after the last, sooner when asked
         self._last_publish = 0.0
@@ -192,7 +193,22 @@ class Broker(ActorSide, GroupIntake, LearnerSide):
     # ----- replies both sockets share --------------------------------------------------------
 
     def _ready(self) -> P.Ready:
-        return P.Ready(role="broker", epoch=self.epoch, control=self.control, eta=self.cfg.eta)
+        return P.Ready(role="broker", epoch=self.epoch, control=self.control, eta=self.cfg.eta,
+                       run_id=self.run_dir.run_id)
+
+    def _of_another_run(self, sock: ServerSocket, ident: bytes, hello: P.Hello) -> bool:
+        """A Hello from a peer of another run is refused and never admitted: an actor would take this run's
+        tickets (and play them with another policy), a learner its batches, and commit them. On loopback nothing
+        else tells runs apart (no CURVE keys). Either side that does not say its run is not checked."""
+        mine = self.run_dir.run_id
+        if not (mine and hello.run_id and hello.run_id != mine):
+            return False
+        self.counters["hellos_other_run"] += 1
+        self.run_log.warning("hello_other_run", (sock.name, hello.run_id), socket=sock.name, peer=hello.peer_id,
+                             role=hello.role, peer_run=hello.run_id, run=mine)
+        sock.send(ident, P.Error(code=OTHER_RUN, message=f"this broker serves run {mine!r}, not run "
+                                                         f"{hello.run_id!r}", ref_type="Hello"))
+        return True
 
     def _unexpected(self, sock: ServerSocket, ident: bytes, msg: P.Message) -> None:
         self.counters["rejected_unexpected_type"] += 1

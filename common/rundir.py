@@ -12,10 +12,12 @@ from pathlib import Path
 @dataclass(frozen=True)
 class RunDir:
     root: Path
+    run_id: str = ""
+    """the run's id (``run.run_id``), which its roles show each other in their handshakes; "" where not known"""
 
     @classmethod
-    def create(cls, root: str | Path) -> "RunDir":
-        rd = cls(Path(root).resolve())
+    def create(cls, root: str | Path, run_id: str = "") -> "RunDir":
+        rd = cls(Path(root).resolve(), run_id)
         for sub in (rd.logs, rd.metrics, rd.checkpoints, rd.spill, rd.audit):
             sub.mkdir(parents=True, exist_ok=True)
         return rd

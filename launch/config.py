@@ -219,7 +219,7 @@ def resolve_run_dir(cfg: RunConfig, run_dir: str | None) -> RunDir:
     if not cfg.run.run_id:
         cfg.run.run_id = new_run_id()
     cfg.run.run_dir = cfg.run.run_dir.format(run_id=cfg.run.run_id)
-    return RunDir.create(cfg.run.run_dir)
+    return RunDir.create(cfg.run.run_dir, cfg.run.run_id)
 
 
 def check_machine(cfg: RunConfig, roles: Iterable[str]) -> None:

@@ -197,9 +197,11 @@ def _die_with_parent() -> None:
         pass
 
 
-def probe(host: str, port: int, timeout_s: float, net: Any, keys_dir: Path, alive: Callable[[], bool]) -> None:
+def probe(host: str, port: int, timeout_s: float, net: Any, keys_dir: Path, alive: Callable[[], bool],
+          run_id: str = "") -> None:
     """Wait until a server answers Hello with Ready (its sockets are bound and its loop runs), through the
-    same handshake every role's link does."""
+    same handshake every role's link does. A broker of another run than ``run_id`` answering there is an error
+    (``OtherRunError``, a RuntimeError), not a server up."""
     import structlog
     import zmq
 
@@ -209,8 +211,9 @@ def probe(host: str, port: int, timeout_s: float, net: Any, keys_dir: Path, aliv
 
     ctx = zmq.Context.instance()
     security = security_for(ctx, net, keys_dir, host)
-    link = ServerLink(ctx, net.address(port, host=host), P.Hello(role=PROBE_ROLE, peer_id=f"probe-{os.getpid()}"), net,
-                      security, log=structlog.ReturnLogger())  # a server not up yet is expected: no warnings
+    hello = P.Hello(role=PROBE_ROLE, peer_id=f"probe-{os.getpid()}", run_id=run_id)
+    link = ServerLink(ctx, net.address(port, host=host), hello, net, security,
+                      log=structlog.ReturnLogger())  # a server not up yet is expected: no warnings
     deadline = time.monotonic() + timeout_s
     try:
         while not link.ready:
@@ -321,7 +324,7 @@ class Supervisor:
             host, port = server.ready
             try:
                 probe(host, port, self.local.ready_timeout_s, net, self.run_dir.keys,
-                      lambda: server.proc.poll() is None)
+                      lambda: server.proc.poll() is None, self.run_dir.run_id)
             except RuntimeError as exc:  # which role, and why (a port taken, a bad config): its stderr says
                 raise RuntimeError(f"{server.label}: {exc}; its stderr ends:\n{self._stderr_tail(server, 4)}") from None
         for role in self.roles:

@@ -20,8 +20,9 @@ from common import protocol as P
 from common import pulse
 from common.audit import AuditLog
 from common.episode_log import LEARNER_FILE, RECORD_VERSION, EpisodeWriter
-from common.exitcodes import EXIT_RESUMABLE
+from common.exitcodes import EXIT_CONFIG, EXIT_RESUMABLE
 from common.metrics.writer import MetricsWriter, TimeSplit
+from common.net.client import OtherRunError
 from policy.model import ModelConfig
 from common.signals import STOP_SIGNALS, StopSignals
 from common.images import ImageStore
@@ -64,7 +65,7 @@ class Learner:
         self.cfg, self.run_dir, self.log = cfg, run_dir, log
         self.trainer = Trainer(cfg, model_cfg, temperature, seed, dist, anchor_demos, ImageStore(run_dir.images))
         self.jobs = JobChannel(self.trainer.dist, self.trainer)
-        self.client = LearnerBrokerClient(net, run_dir.keys, log)
+        self.client = LearnerBrokerClient(net, run_dir.keys, log, run_id=run_dir.run_id)
         self.sender = WeightSender(weights, log) if (weights is not None and cfg.broadcast_weights) else None
         self.metrics = MetricsWriter(run_dir.metrics / "learner.jsonl", cfg.prometheus, "learner")
         self.audit = AuditLog(run_dir.audit / "learner.jsonl")
@@ -524,21 +525,21 @@ def main(cfg: Any, run_dir: RunDir, log: Any, resume: bool, anchor_demos: list[P
                                  ImageStore(run_dir.images))).follow(log)
         dist.close()
         return 0
-    except BaseException:
+    except BaseException as exc:
         if not dist.enabled:
             raise
         # A collective that timed out on a rank that hung stays pending in gloo's worker thread, and at exit gloo's
         # destructor joins that thread, which waits out the job channel's week: the rank never exited and nothing
         # restarted it. So the error is printed and the process leaves at once; the supervisor restarts every rank
-        # from the checkpoint.
+        # from the checkpoint (unless rank 0 met another run's broker: restarting cannot help).
         traceback.print_exc()
-        exit_now()
+        exit_now(EXIT_CONFIG if isinstance(exc, OtherRunError) else 1)
 
 
-def exit_now() -> None:
-    """End this learner process at once with status 1, as a crash: no destructors, no exit handlers. What it would wait
-    for is stuck (a collective on a hung rank, a step that never returns), and both gloo's destructor and the training
-    thread pool's exit handler join their threads. Logs, metrics and audit events are written unbuffered; only stderr
-    needs its flush."""
+def exit_now(code: int = 1) -> None:
+    """End this learner process at once with ``code`` (1: a crash): no destructors, no exit handlers. What it would
+    wait for is stuck (a collective on a hung rank, a step that never returns), and both gloo's destructor and the
+    training thread pool's exit handler join their threads. Logs, metrics and audit events are written unbuffered;
+    only stderr needs its flush."""
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(code)

@@ -125,10 +125,11 @@ def start_broker(tmp_path, quiet_log):
 
     started: list[ThreadBroker] = []
 
-    def _start(cfg: BrokerConfig | None = None, net: NetConfig | None = None, run_dir: Path | None = None):
+    def _start(cfg: BrokerConfig | None = None, net: NetConfig | None = None, run_dir: Path | None = None,
+               run_id: str = ""):
         cfg = cfg or BrokerConfig(groups_per_batch=2, group_size=2, eta=1, metrics_interval_s=0.5)
         net = net or make_net()
-        rd = RunDir.create(run_dir or tmp_path / f"run-{len(started)}")
+        rd = RunDir.create(run_dir or tmp_path / f"run-{len(started)}", run_id)
         b = Broker(cfg, net, rd, quiet_log)
         t = threading.Thread(target=b.run, daemon=True)
         t.start()

@@ -155,6 +155,49 @@ def test_a_probe_is_answered_and_never_kept_as_an_actor(start_broker, quiet_log)
     assert stat(tb, "unknown_peer_heartbeats") == 0 and stat(tb, "unknown_peer_requests") == 0
 
 
+def test_peers_of_another_run_are_refused_and_never_admitted(start_broker, quiet_log):
+    """Two runs on one machine's ports: the second run's actors and learner reached the first run's broker (no
+    CURVE on loopback) and joined it, taking its tickets and batches. Each side says its run in the handshake now;
+    the broker refuses a Hello of another run before it knows the peer, and the peer's link raises, so a role exits
+    on it instead of retrying. A peer or broker that says no run (older code, in-process tests) is not checked."""
+    from common.net import OtherRunError
+    from launch.local import probe
+
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=4), run_id="first")
+    mine = ActorBrokerClient(tb.net, None, quiet_log, run_id="first")
+    mine.connect(10)
+    assert mine.link.ready_msg.run_id == "first"
+    for client in (ActorBrokerClient(tb.net, None, quiet_log, run_id="second"),
+                   LearnerBrokerClient(tb.net, None, quiet_log, run_id="second")):
+        with pytest.raises(OtherRunError, match="this broker serves run 'first', not run 'second'; another run "
+                                                "uses these ports"):
+            client.connect(10)
+        client.close()
+    with pytest.raises(OtherRunError, match="refused this probe"):
+        probe("127.0.0.1", tb.net.broker_front_port, 10, tb.net, None, lambda: True, run_id="second")
+    pump([mine], tb.net.dead_after_s * 2)  # a refused peer that had been admitted would be declared dead by now
+    assert len(tb.broker.actors.peers) == 1 and not tb.broker.learners.peers
+    assert stat(tb, "hellos_other_run") >= 3 and stat(tb, "actors_dead") == 0 and stat(tb, "learners_dead") == 0
+    unsaid = LearnerBrokerClient(tb.net, None, quiet_log)  # says no run: served
+    unsaid.connect(10)
+    mine.close()
+    unsaid.close()
+
+
+def test_a_ready_of_another_run_ends_the_link():
+    """The other direction: a server whose Ready names another run (one that does not refuse first) is not taken
+    for ours."""
+    from common.net import OtherRunError, ServerLink
+
+    link = ServerLink.__new__(ServerLink)
+    link.hello = P.Hello(role="actor", peer_id="a", run_id="mine")
+    link.addr, link.net, link.ready, link.counters = "tcp://127.0.0.1:1", make_net(), False, {}
+    ready = P.Ready(role="broker", epoch="e", control=P.Control(version=0), run_id="theirs")
+    with pytest.raises(OtherRunError, match="serves run 'theirs', and this actor is of run 'mine'"):
+        link._handle(P.encode(ready))
+    assert not link.ready, "nothing was taken from it"
+
+
 def test_a_leaving_learner_hands_back_its_undelivered_batches_at_once(start_broker, quiet_log):
     tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=2, eta=4))
     actor, learner = clients(tb, quiet_log)

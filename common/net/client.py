@@ -106,6 +106,18 @@ class _Outstanding:
     resend_on_timeout: bool
 
 
+class OtherRunError(RuntimeError):
+    """The server serves another run (its Ready, or its refusal of our Hello, says so): two runs on one machine's
+    ports, or a role whose config names another run's broker. Nothing of it is ours, so a role exits on it: it would
+    take that run's tickets or batches, and retrying cannot help. A role's exit on it is ``EXIT_CONFIG``."""
+
+
+OTHER_RUN = "other_run"
+"""the ``Error`` code a broker answers a Hello of another run with"""
+OTHER_RUN_HINT = ("another run uses these ports (give each run its own: local.port_base=N numbers a local run's "
+                  "from N), or this role's config names another run's broker")
+
+
 class ServerLink:
     """A DEALER link to one server with heartbeats, reconnect back-off and at-least-once requests.
 
@@ -202,6 +214,9 @@ class ServerLink:
             self.log.warning("reply_rejected", server=self.addr, reason=exc.reason, detail=exc.detail[:300])
             return None
         if isinstance(msg, P.Ready):
+            if msg.run_id and self.hello.run_id and msg.run_id != self.hello.run_id:
+                raise OtherRunError(f"{self.addr} serves run {msg.run_id!r}, and this {self.hello.role} is of run "
+                                    f"{self.hello.run_id!r}: {OTHER_RUN_HINT}")
             self.ready_msg = msg
             self._epoch_seen(msg.epoch)
             if not self.ready:
@@ -213,6 +228,8 @@ class ServerLink:
         if isinstance(msg, P.Heartbeat):
             self._epoch_seen(msg.epoch)
             return None
+        if isinstance(msg, P.Error) and msg.code == OTHER_RUN:
+            raise OtherRunError(f"{self.addr} refused this {self.hello.role}: {msg.message}; {OTHER_RUN_HINT}")
         if isinstance(msg, P.Error) and msg.code == "unknown_peer":
             # The server forgot us (it declared us dead): handshake again; Ready re-sends what is owed.
             self.counters["rehandshakes"] = self.counters.get("rehandshakes", 0) + 1

@@ -66,6 +66,8 @@ class Hello(Message):
     pid: int = 0
     host: str = ""
     info: dict = field(default_factory=dict)
+    run_id: str = ""
+    """the run the peer belongs to; a broker refuses a peer of another run ("" = not said, not checked)"""
 
 
 @dataclass
@@ -129,6 +131,8 @@ class Ready(Message):
     eta: int | None = None
     """the broker's staleness bound η, which the learner applies again before it trains; None from a server that
     bounds nothing (an env_server)"""
+    run_id: str = ""
+    """the run the server serves ("" = any: an env_server may serve several runs' actors)"""
 
     def validate(self) -> None:
         if self.eta is not None and self.eta < 0:

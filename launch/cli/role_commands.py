@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from common.net.client import OtherRunError
 from launch.cli.base import RoleCannotStart, main, role_options, start_role
 
 
@@ -53,6 +54,8 @@ def actor(config: str | None, run_dir: str | None, rank: int, overrides: tuple[s
     try:
         a.connect()
         a.run()
+    except OtherRunError as exc:
+        raise RoleCannotStart(str(exc)) from None
     finally:
         a.close()
         # A rollout abandoned at stop may still be decoding: an engine thread inside torch while the interpreter
@@ -82,7 +85,11 @@ def learner(config: str | None, run_dir: str | None, resume: bool, ranks_from_sl
     cfg, rd, log = start_role("learner", config, run_dir, overrides, int(os.environ.get("RANK", "0")))
     from learner.process import main as learner_main  # after the config: a bad one exits before torch loads
 
-    sys.exit(learner_main(cfg, rd, log, resume, _run_demos(cfg, rd, "anchor")))
+    try:
+        code = learner_main(cfg, rd, log, resume, _run_demos(cfg, rd, "anchor"))
+    except OtherRunError as exc:
+        raise RoleCannotStart(str(exc)) from None
+    sys.exit(code)
 
 
 def _run_demos(cfg: Any, rd: Any, name: str) -> list | None:
