@@ -48,6 +48,25 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
+def _terminate_and_see_the_browser_go(proc: subprocess.Popen, driver: int) -> None:
+    """SIGTERM to a command playing MiniWoB: it exits 143, and the process group its chromedriver leads (the
+    browser's processes with it) is gone within 10 s, once init has reaped what the command killed."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while _group_alive(driver):
+        assert time.monotonic() < deadline, "the terminated command's chromedriver and browser outlived it"
+        time.sleep(0.05)
+
+
+def _leave_nothing(proc: subprocess.Popen, driver: int | None) -> None:
+    """Not left behind by a failing run either."""
+    proc.kill()
+    proc.wait()
+    if driver is not None and _group_alive(driver):
+        os.killpg(driver, signal.SIGKILL)
+
+
 def _solve(backend, task_id: str, demo=None) -> dict:
     backend.reset(task_id)
     for action in backend.scripted_actions(demo=demo):
@@ -182,17 +201,9 @@ def test_a_terminated_command_closes_its_browsers(tmp_path):
             time.sleep(0.2)
         (driver,) = drivers
         time.sleep(2)  # well into an episode
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 128 + signal.SIGTERM
-        deadline = time.monotonic() + 10
-        while _group_alive(driver):
-            assert time.monotonic() < deadline, "the terminated command's browser outlived it"
-            time.sleep(0.1)
+        _terminate_and_see_the_browser_go(proc, driver)
     finally:
-        proc.kill()
-        proc.wait()
-        if driver is not None and _group_alive(driver):  # not left behind by a failing run either
-            os.killpg(driver, signal.SIGKILL)
+        _leave_nothing(proc, driver)
 
 
 def test_a_stop_signal_while_the_browser_starts_takes_its_driver_with_it(tmp_path):
@@ -215,17 +226,9 @@ def test_a_stop_signal_while_the_browser_starts_takes_its_driver_with_it(tmp_pat
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
             time.sleep(0.05)
         (driver,) = children_by_parent()[proc.pid]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 128 + signal.SIGTERM
-        deadline = time.monotonic() + 10  # killed as the command left; gone once init has reaped them
-        while _group_alive(driver):
-            assert time.monotonic() < deadline, "the chromedriver and its browser outlived the terminated command"
-            time.sleep(0.05)
+        _terminate_and_see_the_browser_go(proc, driver)
     finally:
-        proc.kill()
-        proc.wait()
-        if driver is not None and _group_alive(driver):
-            os.killpg(driver, signal.SIGKILL)
+        _leave_nothing(proc, driver)
 
 
 @pytest.mark.slow  # a real browser
