@@ -14,7 +14,7 @@ from policy.model import ModelConfig
 from common.net import NetConfig
 from policy.weightsync import WeightSyncConfig
 from env_server.config import EnvServerConfig
-from launch.local import PORT_KEYS, LocalConfig
+from launch.local import PORT_KEYS, LocalConfig, port_of
 from launch.pretrain import PretrainConfig
 from launch.slurm import SlurmConfig
 from learner.config import LearnerConfig
@@ -112,8 +112,7 @@ def check_ports(cfg: RunConfig) -> None:
         return
     seen: dict[int, str] = {}
     for key in PORT_KEYS:
-        section, name = key.split(".")
-        port = getattr(getattr(cfg, section), name)
+        port = port_of(cfg, key)
         if port in seen:
             raise configlib.ConfigError(f"{seen[port]} and {key} are both {port}: each listener needs its own port")
         seen[port] = key

@@ -138,11 +138,16 @@ def free_port_overrides(taken: set[int] | None = None) -> list[str]:
     return [*(f"{k}={p}" for k, p in zip(PORT_KEYS, picked)), f"actor.env_servers=['127.0.0.1:{picked[-1]}']"]
 
 
+def port_of(cfg: Any, key: str) -> int:
+    """The value of one of ``PORT_KEYS`` in ``cfg``."""
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
 def local_ports(cfg: Any) -> dict[str, int]:
     """Each port of ``PORT_KEYS`` as the run will have it: numbered from ``local.port_base`` when that is set."""
     base = cfg.local.port_base
-    return {key: base + i if base else getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
-            for i, key in enumerate(PORT_KEYS)}
+    return {key: base + i if base else port_of(cfg, key) for i, key in enumerate(PORT_KEYS)}
 
 
 def check_ports_free(cfg: Any) -> None:

@@ -38,7 +38,9 @@ from typing import Any
 
 from common.exitcodes import EXIT_RESUMABLE
 from common.metrics.records import last_record
+from common.net.config import PORT_RANGE_ENV, port_range
 from common.rundir import RunDir
+from launch.local import PORT_KEYS, port_of
 from launch.placement import Node, Role, allocation_roles, check_shape
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,6 +135,8 @@ class SlurmConfig:
     """environment variables exported for every role"""
     python: str = ""
     """the python that runs computerrl on the nodes ("" = the one submitting)"""
+    ports: str = "auto"
+    """auto: ports left at their defaults move to a range the job's id picks (jobs sharing a node); config: as set"""
     rollout: RolloutNodesConfig = field(default_factory=RolloutNodesConfig)
     """the rollout nodes' own job component, when they need another partition or other GRES than the learner's"""
     broker: SrunConfig = field(default_factory=SrunConfig)
@@ -161,6 +165,8 @@ class SlurmConfig:
         for step in self._steps():
             if step.cpus < 0 or step.gpus < 0:
                 raise ValueError("slurm.<role>.cpus and .gpus must be >= 0")
+        if self.ports not in ("auto", "config"):
+            raise ValueError(f"slurm.ports must be auto or config, not {self.ports!r}")
 
     def _steps(self) -> list[SrunConfig]:
         return [self.broker, self.env_server, self.learner, self.actor]
@@ -450,6 +456,38 @@ def submit(script: Path, run_root: Path, context: str = "") -> str:
 
 
 # ----- inside the job ---------------------------------------------------------------------------------------------
+
+
+JOB_PORTS = (20000, 32767)
+"""where ``slurm.ports: auto`` numbers a job's ports: below Linux's ephemeral range (32768 on), so no outgoing
+connection holds one by chance (``COMPUTERRL_PORT_RANGE`` narrows it, as it does ``free_port``)"""
+
+
+def job_port_base(job_id: int) -> int:
+    """The first port of job ``job_id``'s range: ``len(PORT_KEYS)`` ports per job, in turn by job id, so jobs
+    submitted near each other get ranges apart (2,128 of them before one repeats) and a requeued job its own again."""
+    lo, hi = port_range() or JOB_PORTS
+    slots = (hi - lo + 1) // len(PORT_KEYS)
+    if slots < 1:
+        raise ValueError(f"{PORT_RANGE_ENV}={lo}-{hi} holds fewer than the {len(PORT_KEYS)} ports a run binds")
+    return lo + len(PORT_KEYS) * (job_id % slots)
+
+
+def job_ports(cfg: Any, env: dict[str, str]) -> str:
+    """Under ``slurm.ports: auto``, a run whose config leaves every port at its default binds the ports of its job's
+    range (``local.port_base``): two jobs on one node, both on the defaults, failed to bind the second one's broker at
+    every restart until it gave up, and with ``net.curve=off`` the second one's actors could reach the first one's
+    broker. Returns the note to print, or "" where nothing changed."""
+    from launch.config import RunConfig
+
+    job = env.get("SLURM_JOB_ID", "")
+    if cfg.slurm.ports != "auto" or cfg.local.port_base or not job.isdigit():
+        return ""
+    defaults = RunConfig()
+    if any(port_of(cfg, key) != port_of(defaults, key) for key in PORT_KEYS):
+        return ""  # the config chose its ports
+    cfg.local.port_base = job_port_base(int(job))
+    return f"ports from {cfg.local.port_base} (slurm.ports: auto, job {job})"
 
 
 def allocation_nodes(environ: dict[str, str] | None = None) -> list[Node]:

@@ -177,6 +177,38 @@ def test_a_role_killed_under_slurm_has_its_step_killed_where_it_runs(tmp_path, m
     assert kill_step(learner, job, timeout_s=0.6) == "step 4242.3 sent SIGKILL, still listed after 1 s"
 
 
+def test_jobs_on_the_default_ports_get_ports_apart_and_a_config_that_chose_its_own_keeps_them(monkeypatch):
+    """Two jobs on one node (`slurm.exclusive` is off by default), both on the default ports: the second job's broker
+    failed to bind at every restart until the run gave up. Under `slurm.ports: auto` a config on the defaults binds
+    its job's range; a requeued job gets its range again; ports a config chose are kept."""
+    from launch.local import PORT_KEYS, fit_to_local_run, port_of
+    from launch.slurm import JOB_PORTS, job_port_base, job_ports
+
+    monkeypatch.delenv("COMPUTERRL_PORT_RANGE", raising=False)
+    ranges = [set(range(job_port_base(j), job_port_base(j) + len(PORT_KEYS))) for j in (4242, 4243, 4244)]
+    assert not (ranges[0] & ranges[1] or ranges[1] & ranges[2]) and job_port_base(4242) == job_port_base(4242)
+    assert all(JOB_PORTS[0] <= p <= JOB_PORTS[1] for r in ranges for p in r), "below the ephemeral range"
+    cfg = _run_cfg("slurm.nodes=2")
+    assert job_ports(cfg, {"SLURM_JOB_ID": "4242"}) == f"ports from {job_port_base(4242)} (slurm.ports: auto, job 4242)"
+    fit_to_local_run(cfg)
+    assert [port_of(cfg, k) for k in PORT_KEYS] == sorted(ranges[0])
+    nodes = [Node("n0", "10.0.0.0"), Node("n1", "10.0.0.1")]
+    actor = next(r for r in allocation_roles(cfg, nodes, [], resume=False) if r.name == "actor")
+    assert f"actor.env_servers=['10.0.0.1:{cfg.env_server.port}']" in actor.args, "the actors find the moved env_server"
+    for kept in (_run_cfg("net.broker_front_port=30001"), _run_cfg("slurm.ports=config"),
+                 _run_cfg("local.port_base=31000")):
+        before = [port_of(kept, k) for k in PORT_KEYS] + [kept.local.port_base]
+        assert job_ports(kept, {"SLURM_JOB_ID": "4242"}) == ""
+        assert [port_of(kept, k) for k in PORT_KEYS] + [kept.local.port_base] == before
+    assert job_ports(_run_cfg(), {}) == "", "outside a job"
+    monkeypatch.setenv("COMPUTERRL_PORT_RANGE", "21000-21999")  # the test suite's workers: within a worker's range
+    assert 21000 <= job_port_base(4242) and job_port_base(4242) + len(PORT_KEYS) - 1 <= 21999
+    from common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="slurm.ports must be auto or config"):
+        _run_cfg("slurm.ports=node")
+
+
 def test_allocation_roles_wire_addresses_and_learner_ranks():
     cfg = _run_cfg("local.actors=3", "local.learner_ranks=4", "slurm.nodes=4", "slurm.learner_nodes=2")
     nodes = [Node(f"n{i}", f"10.0.0.{i}") for i in range(4)]

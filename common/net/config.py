@@ -118,6 +118,20 @@ PORT_RANGE_ENV = "COMPUTERRL_PORT_RANGE"
 _cursor: dict[tuple[int, int], int] = {}  # per range: the next port this process tries
 
 
+def port_range() -> tuple[int, int] | None:
+    """(LO, HI) of ``COMPUTERRL_PORT_RANGE``, or None where it is not set."""
+    spec = os.environ.get(PORT_RANGE_ENV, "")
+    if not spec:
+        return None
+    try:
+        lo, hi = (int(x) for x in spec.split("-"))
+    except ValueError:
+        raise ValueError(f"{PORT_RANGE_ENV}={spec!r}: expected LO-HI, e.g. 20000-20999") from None
+    if not 0 < lo <= hi < 65536:
+        raise ValueError(f"{PORT_RANGE_ENV}={spec!r}: need 0 < LO <= HI < 65536")
+    return lo, hi
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing is bound to now, for a server about to bind it.
 
@@ -126,17 +140,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     parallel worker its own range below the ephemeral one), ports come from that range only, in turn from a
     per-process starting point, so processes given disjoint ranges never pick the same port and no connection
     takes one by chance."""
-    spec = os.environ.get(PORT_RANGE_ENV, "")
-    if not spec:
+    ports = port_range()
+    if ports is None:
         with pysocket.socket() as s:
             s.bind((host, 0))
             return s.getsockname()[1]
-    try:
-        lo, hi = (int(x) for x in spec.split("-"))
-    except ValueError:
-        raise ValueError(f"{PORT_RANGE_ENV}={spec!r}: expected LO-HI, e.g. 20000-20999") from None
-    if not 0 < lo <= hi < 65536:
-        raise ValueError(f"{PORT_RANGE_ENV}={spec!r}: need 0 < LO <= HI < 65536")
+    lo, hi = ports
+    spec = os.environ[PORT_RANGE_ENV]
     size = hi - lo + 1
     start = _cursor.get((lo, hi), (os.getpid() * 7919) % size)
     for i in range(size):
