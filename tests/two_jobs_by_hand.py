@@ -52,7 +52,7 @@ def main() -> None:
     for job, run_dir in jobs.items():
         log = (run_dir / "logs" / f"slurm-{job}.out").read_text(errors="replace")
         print(f"== job {job} ({run_dir.name})")
-        print("\n".join(line for line in log.splitlines() if "ports" in line or "outcome" in line or "giving up" in line))
+        print("\n".join(line for line in log.splitlines() if any(w in line for w in ("ports", "outcome", "giving up"))))
         for a in attempts_ended(run_dir):
             print(f"attempt {a['attempt']}: {a['ended']} (exit {a['exit_code']}), {a['after']}")
         print("learner steps:", [r["step"] for r in _learner_steps(run_dir)])
