@@ -478,12 +478,10 @@ def job_ports(cfg: Any, env: dict[str, str]) -> str:
     range (``local.port_base``): two jobs on one node, both on the defaults, failed to bind the second one's broker at
     every restart until it gave up, and with ``net.curve=off`` the second one's actors could reach the first one's
     broker. Returns the note to print, or "" where nothing changed."""
-    from launch.config import RunConfig
-
     job = env.get("SLURM_JOB_ID", "")
     if cfg.slurm.ports != "auto" or cfg.local.port_base or not job.isdigit():
         return ""
-    defaults = RunConfig()
+    defaults = type(cfg)()  # the run config's defaults
     if any(port_of(cfg, key) != port_of(defaults, key) for key in PORT_KEYS):
         return ""  # the config chose its ports
     cfg.local.port_base = job_port_base(int(job))
