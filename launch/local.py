@@ -274,6 +274,7 @@ class Supervisor:
         # resumed after its last evaluation (a preemption, or --resume of a finished run) evaluated that checkpoint
         # again, a second point at one step on the curve and a second set of its episodes in the viewer.
         self.eval_step = evaluated_step(self.run_dir) if resume else -1
+        self.resume = resume
         self.eval_deadline = 0.0  # monotonic time past which the running evaluation is killed
         # The curve starts from the policy RL starts from (a fresh model from config has nothing to show).
         start = Path(cfg.model.path) if cfg.model.path else None
@@ -514,11 +515,17 @@ class Supervisor:
         next_forward = 0.0
         try:
             self._event(f"run directory: {self.run_dir.root}")
-            self.start()
-            counts = {name: sum(r.name == name for r in self.roles) for name in ("env_server", "actor")}
-            self._event(f"started: broker, {counts['env_server']} env_server(s), learner, {counts['actor']} actor(s)")
+            done = self._finished_before()
+            if done:  # nothing to start: only an evaluation the last attempt did not record is left (below)
+                self._event(done)
+                self.outcome = "finished"
+            else:
+                self.start()
+                counts = {name: sum(r.name == name for r in self.roles) for name in ("env_server", "actor")}
+                self._event(f"started: broker, {counts['env_server']} env_server(s), learner, "
+                            f"{counts['actor']} actor(s)")
             next_view = next_curve = 0.0
-            while self._check():
+            while not done and self._check():
                 now = time.monotonic()
                 if now >= next_view:
                     self._view()
@@ -556,6 +563,20 @@ class Supervisor:
         if self.outcome == "finished":
             return 0
         return EXIT_RESUMABLE if self.outcome == "interrupted" else EXIT_CONFIG if self.config_error else 1
+
+    def _finished_before(self) -> str:
+        """On a resume, what to say when the latest checkpoint is already at ``learner.total_steps``; "" otherwise.
+        Such a run started every role (20 s here), and its learner finished at once."""
+        total = self.cfg.learner.total_steps
+        latest = self.run_dir.latest_checkpoint() if self.resume and total else ""
+        try:
+            step = int(latest.split("-")[-1]) if latest else -1
+        except ValueError:
+            return ""
+        if step < total:
+            return ""
+        return (f"the run finished at step {step} (learner.total_steps={total}): nothing to train; raise "
+                f"learner.total_steps to train on")
 
     def _forward(self, forwarder: Any) -> Any:
         """One forwarding pass; a sink that fails (a full disk, a W&B error) is reported and dropped, never the

@@ -94,6 +94,43 @@ def test_a_resumed_run_evaluates_no_checkpoint_its_evaluations_already_recorded(
     assert sup.eval_step == 30 and len(started) == 2 and "step-00000030" in " ".join(started[-1])
 
 
+def test_resuming_a_finished_run_starts_no_role_and_runs_only_the_evaluation_it_lacks(tmp_path, monkeypatch):
+    """`--resume` of a run whose latest checkpoint is at learner.total_steps started every role (20 s here), and its
+    learner finished at once. Now nothing starts; an evaluation the last attempt did not record (a preemption during
+    the final one) still runs."""
+    evaluated: list[list[str]] = []
+
+    class Evaluation:  # ends at once with a result
+        def __init__(self, args, **kw):
+            evaluated.append(args)
+            (rd.logs / "eval.out").write_text('{"success_rate": 0.9, "episodes": 1}\n')
+
+        def poll(self):
+            return 0
+
+        def wait(self, timeout=None):
+            return 0
+    monkeypatch.setattr("launch.local.subprocess.Popen", Evaluation)
+    cfg = load_run_config(REPO / "configs" / "local.yaml", ["local.eval_episodes=1", "learner.total_steps=4"])
+    rd = RunDir.create(tmp_path / "run")
+    (rd.checkpoints / "step-00000004").mkdir()
+    (rd.checkpoints / "latest").write_text("step-00000004")
+
+    def resumed() -> tuple[int, str]:
+        out = io.StringIO()
+        sup = Supervisor(cfg, REPO / "configs" / "local.yaml", rd, resume=True, out=out, roles=[])
+        monkeypatch.setattr(sup, "start", lambda: pytest.fail("a role was started"))
+        return sup.run(), out.getvalue()
+    code, said = resumed()
+    assert code == 0 and "the run finished at step 4 (learner.total_steps=4): nothing to train" in said
+    assert len(evaluated) == 1 and "held-out eval at step 4: success 0.900" in said, said
+    code, said = resumed()
+    assert code == 0 and len(evaluated) == 1, "its result is on record: not evaluated again"
+    cfg.learner.total_steps = 6  # raised: the run trains on
+    sup = Supervisor(cfg, REPO / "configs" / "local.yaml", rd, resume=True, out=io.StringIO(), roles=[])
+    assert sup._finished_before() == ""
+
+
 HANGING_ROLE = """
 import signal, sys, time
 from launch.cli.base import start_role
