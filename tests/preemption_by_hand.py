@@ -19,14 +19,12 @@ import argparse
 import os
 import re
 import signal
-import tempfile
 import time
 from datetime import datetime
-from pathlib import Path
 
 from launch.chaos import role_pids
 from launch.slurm import attempts_ended
-from tests.slurm_cluster import SlurmCluster, missing
+from tests.slurm_cluster import SlurmCluster, by_hand_root
 from tests.test_slurm import _cli, _learner_steps, _submit
 
 
@@ -41,10 +39,7 @@ def main() -> None:
     ap.add_argument("--urgent-nodes", default="cn1,cn2,cn3", help="the nodes the urgent job asks for")
     ap.add_argument("--steps", type=int, default=6, help="learner steps of the run (preempted after its second)")
     args = ap.parse_args()
-    if missing():
-        raise SystemExit(missing())
-    root = Path(tempfile.mkdtemp(prefix="computerrl-slurm-"))
-    root.chmod(0o755)
+    root = by_hand_root("computerrl-slurm-")
     cluster = SlurmCluster(root, nodes=3, settings=("PreemptType=preempt/partition_prio", f"PreemptMode={args.mode}"),
                            partitions=(
         "PartitionName=test Nodes={nodes} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES PriorityTier=1 "

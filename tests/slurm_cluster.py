@@ -37,6 +37,18 @@ def missing() -> str:
     return f"Slurm not installed ({', '.join(absent)}): bash launch/slurm-packages.sh" if absent else ""
 
 
+def by_hand_root(prefix: str) -> Path:
+    """A by-hand measurement's folder for its cluster and run directories (left behind for reading), or exit with
+    why no cluster can start here."""
+    import tempfile
+
+    if missing():
+        raise SystemExit(missing())
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    root.chmod(0o755)  # the jobs' users reach their run directories through it
+    return root
+
+
 class SlurmCluster:
     def __init__(self, root: Path, nodes: int = 1, settings: tuple[str, ...] = PREEMPTION,
                  partitions: tuple[str, ...] = PARTITIONS):

@@ -11,12 +11,11 @@ the cluster's logs and the run directories where it says."""
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 
 from launch.slurm import attempts_ended
-from tests.slurm_cluster import SlurmCluster, missing
+from tests.slurm_cluster import SlurmCluster, by_hand_root
 from tests.test_slurm import _cli, _learner_steps
 
 
@@ -25,10 +24,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="run config overrides (dotted key=value) for both jobs")
     ap.add_argument("--steps", type=int, default=4, help="learner steps of each run")
     args = ap.parse_args()
-    if missing():
-        raise SystemExit(missing())
-    root = Path(tempfile.mkdtemp(prefix="computerrl-two-jobs-"))
-    root.chmod(0o755)
+    root = by_hand_root("computerrl-two-jobs-")
     cluster = SlurmCluster(root, nodes=3)
     cluster.start()
     jobs: dict[str, Path] = {}
