@@ -262,6 +262,21 @@ def check_resumable(run_dir: str | Path) -> None:
                      f"{where}. Leave out --resume to start a new run there.")
 
 
+def check_fresh(run_dir: str | Path) -> None:
+    """Refuse to start a new run in a run directory whose run has checkpoints (``--resume`` left out by mistake). The
+    new learner counted versions from 0 again beside the old checkpoints, the broker handed it the old run's queued
+    groups from its spill log, the metrics and evaluations of both runs went into one curve, and the checkpoint
+    rotation, keeping the highest versions, deleted the new run's latest checkpoint. The Slurm script, ``computerrl
+    chaos`` and ``sweep`` start afresh only where there is no checkpoint to resume from, the same test as here."""
+    from learner import checkpoint as ckpt
+
+    root = Path(run_dir)
+    latest = ckpt.latest(root / "checkpoints")  # what --resume continues from (check_resumable)
+    if latest is not None:
+        raise ValueError(f"{root} holds a run with checkpoints (the latest: {latest.name}): continue it with --resume, "
+                         f"or give the new run another --run-dir")
+
+
 def config_for_checkpoint(checkpoint: str | Path) -> RunConfig:
     """The run config a checkpoint was trained with (its run's config.yaml), so eval judges a policy on the prompts
     it saw; a policy directory from ``computerrl pretrain`` records its prompt layout instead."""

@@ -196,6 +196,25 @@ def test_resume_refuses_a_run_directory_without_a_checkpoint_and_names_those_tha
     assert not (runs / "godo").exists(), "nothing was started or created"
 
 
+def test_a_new_run_in_a_directory_whose_run_has_checkpoints_is_refused(tmp_path):
+    """`run` into a run's directory with --resume left out started a second run there: its learner counted versions
+    from 0 beside the old checkpoints, took the old run's queued groups, drew both runs into one curve, and the
+    rotation (which keeps the highest versions) deleted its own latest checkpoint. Refused now, nothing written."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000040").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000040" / "state.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step-00000040")
+    for where in (["--run-dir", str(run)], [f"run.run_id={run.name}", f"run.run_dir={run}"]):
+        out = CliRunner().invoke(main, ["run", str(REPO / "configs" / "local.yaml"), *where])
+        assert out.exit_code == 2, out.output
+        assert f"{run} holds a run with checkpoints (the latest: step-00000040): continue it with --resume" \
+            in out.output, out.output
+    assert not (run / "config.yaml").exists(), "nothing was written there"
+    from launch.config import check_fresh
+
+    check_fresh(tmp_path / "empty")  # a new directory, or one killed before its first checkpoint: a new run
+
+
 @pytest.mark.parametrize("key, suite, says", [
     ("broker.tasks.suite", "sim:train:nope", r"unknown family 'nope'; families: .*sheet_sort"),
     ("local.eval_suite", "sim:test", "split must be one of"),

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from common import config as configlib
-from launch.config import check_resumable, load_run_config
+from launch.config import check_fresh, check_resumable, load_run_config
 from launch.cli.base import load_config, main, prepare_run
 
 
@@ -32,11 +32,14 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
     cfg = load_config(config, overrides, here=() if srun else ("learner", "actor"))
     if resume and not run_dir:
         raise click.UsageError("--resume needs the --run-dir of the run to continue")
-    if resume:
-        try:
+    fresh_dir = run_dir or (cfg.run.run_dir.format(run_id=cfg.run.run_id) if cfg.run.run_id else None)
+    try:
+        if resume:
             check_resumable(run_dir)
-        except ValueError as exc:
-            raise click.UsageError(str(exc)) from None
+        elif fresh_dir:
+            check_fresh(fresh_dir)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     if not srun and not cfg.local.netns:  # (a network fabric's namespaces each have ports of their own)
         try:
             check_ports_free(cfg)
