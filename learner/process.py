@@ -60,13 +60,15 @@ class Learner:
                  log: Any, temperature: float = 1.0, seed: int = 0, resume: bool = False,
                  dist: DistContext | None = None, anchor_demos: list[P.Trajectory] | None = None):
         from broker.client import LearnerBrokerClient
-        from policy.weightsync import WeightSender
 
         self.cfg, self.run_dir, self.log = cfg, run_dir, log
         self.trainer = Trainer(cfg, model_cfg, temperature, seed, dist, anchor_demos, ImageStore(run_dir.images))
         self.jobs = JobChannel(self.trainer.dist, self.trainer)
         self.client = LearnerBrokerClient(net, run_dir.keys, log, run_id=run_dir.run_id)
-        self.sender = WeightSender(weights, log) if (weights is not None and cfg.broadcast_weights) else None
+        # The weight store is bound once the broker has answered (``run``): a learner whose broker is another run's
+        # exits on that (EXIT_CONFIG) before it takes that run's weight port.
+        self._weights = weights if (weights is not None and cfg.broadcast_weights) else None
+        self.sender: Any = None  # the WeightSender, from then on
         self.metrics = MetricsWriter(run_dir.metrics / "learner.jsonl", cfg.prometheus, "learner")
         self.audit = AuditLog(run_dir.audit / "learner.jsonl")
         self.episode_log: EpisodeWriter | None = None  # opened by the first recorded group trained
@@ -227,6 +229,10 @@ class Learner:
         t, c = self.trainer, self.client
         ready = c.connect(60)
         self.eta = ready.eta
+        if self._weights is not None:
+            from policy.weightsync import WeightSender
+
+            self.sender = WeightSender(self._weights, self.log)
         # Each start-up stage leaves a line: a learner that once grew without bound between "resumed" and its first
         # broadcast (docs/reliability.md) left no trace of where it was.
         self.log.info("broker_linked", eta=self.eta, broker_epoch=c.link.epoch)
