@@ -88,6 +88,13 @@ class RunDir:
         pointer = self.checkpoints / "latest"
         return pointer.read_text().strip() if pointer.exists() else ""
 
+    def latest_step(self) -> int:
+        """The policy version of that checkpoint (N of ``step-N``); -1 if there is none, or a name that is not one."""
+        try:
+            return int(self.latest_checkpoint().rsplit("-", 1)[-1])
+        except ValueError:
+            return -1
+
 
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]

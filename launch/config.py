@@ -209,15 +209,22 @@ def check_import_paths(cfg: RunConfig) -> None:
             raise configlib.ConfigError(f"{key}: {name!r} is a {type(obj).__name__}, not a function")
 
 
+def planned_run_dir(cfg: RunConfig, run_dir: str | None) -> Path | None:
+    """Where the run's directory will be, before anything is made: ``--run-dir``, or ``run.run_dir`` with the
+    ``run.run_id`` set; None while the id is still to be drawn (a new run's, so a new directory)."""
+    template = str(run_dir) if run_dir else cfg.run.run_dir
+    if "{run_id}" in template and not cfg.run.run_id:
+        return None
+    return Path(template.format(run_id=cfg.run.run_id))
+
+
 def resolve_run_dir(cfg: RunConfig, run_dir: str | None) -> RunDir:
     """Fix run_id and run_dir (an explicit --run-dir wins) and create the directory tree."""
-    if run_dir:
-        cfg.run.run_dir = str(run_dir)
-        if not cfg.run.run_id:
-            cfg.run.run_id = Path(run_dir).name
+    if run_dir and not cfg.run.run_id:
+        cfg.run.run_id = Path(run_dir).name
     if not cfg.run.run_id:
         cfg.run.run_id = new_run_id()
-    cfg.run.run_dir = cfg.run.run_dir.format(run_id=cfg.run.run_id)
+    cfg.run.run_dir = str(planned_run_dir(cfg, run_dir))
     return RunDir.create(cfg.run.run_dir, cfg.run.run_id)
 
 

@@ -568,12 +568,8 @@ class Supervisor:
         """On a resume, what to say when the latest checkpoint is already at ``learner.total_steps``; "" otherwise.
         Such a run started every role (20 s here), and its learner finished at once."""
         total = self.cfg.learner.total_steps
-        latest = self.run_dir.latest_checkpoint() if self.resume and total else ""
-        try:
-            step = int(latest.split("-")[-1]) if latest else -1
-        except ValueError:
-            return ""
-        if step < total:
+        step = self.run_dir.latest_step()
+        if not (self.resume and total) or step < total:
             return ""
         return (f"the run finished at step {step} (learner.total_steps={total}): nothing to train; raise "
                 f"learner.total_steps to train on")
@@ -626,19 +622,13 @@ class Supervisor:
             self.eval_proc = None
         if self.stopping and not final:
             return
-        latest = self.run_dir.latest_checkpoint()
         if self.start_policy is not None and self.eval_step < 0:
             ckpt, step = self.start_policy, 0
-        elif not latest:
-            return
         else:
-            ckpt = self.run_dir.checkpoints / latest
-            try:
-                step = int(ckpt.name.split("-")[-1])
-            except ValueError:
-                return
-            if step <= self.eval_step:
-                return
+            step = self.run_dir.latest_step()
+            if step < 0 or step <= self.eval_step:
+                return  # none yet, or that one evaluated already
+            ckpt = self.run_dir.checkpoints / self.run_dir.latest_checkpoint()
         self.eval_step = step
         args = [sys.executable, "-m", "launch.cli", "eval", "--checkpoint", str(ckpt), "--suite",
                 self.local.eval_suite, "--episodes", str(self.local.eval_episodes), "--config",

@@ -146,7 +146,6 @@ def free_port(host: str = "127.0.0.1") -> int:
             s.bind((host, 0))
             return s.getsockname()[1]
     lo, hi = ports
-    spec = os.environ[PORT_RANGE_ENV]
     size = hi - lo + 1
     start = _cursor.get((lo, hi), (os.getpid() * 7919) % size)
     for i in range(size):
@@ -159,4 +158,4 @@ def free_port(host: str = "127.0.0.1") -> int:
                 continue
         _cursor[(lo, hi)] = (start + i + 1) % size
         return port
-    raise RuntimeError(f"no free port in {PORT_RANGE_ENV}={spec}")
+    raise RuntimeError(f"no free port in {PORT_RANGE_ENV}={lo}-{hi}")

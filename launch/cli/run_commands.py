@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from common import config as configlib
-from launch.config import check_fresh, check_resumable, load_run_config
+from launch.config import check_fresh, check_resumable, load_run_config, planned_run_dir
 from launch.cli.base import load_config, main, prepare_run
 
 
@@ -32,12 +32,12 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
     cfg = load_config(config, overrides, here=() if srun else ("learner", "actor"))
     if resume and not run_dir:
         raise click.UsageError("--resume needs the --run-dir of the run to continue")
-    fresh_dir = run_dir or (cfg.run.run_dir.format(run_id=cfg.run.run_id) if cfg.run.run_id else None)
+    planned = planned_run_dir(cfg, run_dir)
     try:
         if resume:
             check_resumable(run_dir)
-        elif fresh_dir:
-            check_fresh(fresh_dir)
+        elif planned is not None:
+            check_fresh(planned)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if not srun and not cfg.local.netns:  # (a network fabric's namespaces each have ports of their own)
