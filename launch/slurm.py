@@ -475,8 +475,8 @@ def job_port_base(job_id: int) -> int:
 
 def job_ports(cfg: Any, env: dict[str, str]) -> str:
     """Under ``slurm.ports: auto``, a run whose config leaves every port at its default binds the ports of its job's
-    range (``local.port_base``): two jobs on one node, both on the defaults, failed to bind the second one's broker at
-    every restart until it gave up, and with ``net.curve=off`` the second one's actors could reach the first one's
+    range (``local.port_base``): of two jobs on one node, both on the defaults, the one whose broker started second
+    failed at once (its broker could not bind), and with ``net.curve=off`` its actors could reach the other one's
     broker. Returns the note to print, or "" where nothing changed."""
     job = env.get("SLURM_JOB_ID", "")
     if cfg.slurm.ports != "auto" or cfg.local.port_base or not job.isdigit():
