@@ -195,6 +195,21 @@ def to_dict(cfg: Any) -> Any:
     return cfg
 
 
+def flatten(cfg: Any) -> dict[str, Any]:
+    """A config's leaves by dotted key (``{"learner.lr": 3e-4, ...}``); a list is one leaf."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            out[prefix[:-1]] = node
+
+    walk(to_dict(cfg), "")
+    return out
+
+
 def dump(cfg: Any, path: str | Path) -> None:
     """Write the resolved config as YAML (atomically)."""
     path = Path(path)

@@ -28,6 +28,11 @@ class RunDir:
         return self.root / "config.yaml"
 
     @property
+    def requested_config(self) -> Path:
+        """the run's config as asked for, before a local run fitted it to its shape (what ``--resume`` continues)"""
+        return self.root / "config.requested.yaml"
+
+    @property
     def logs(self) -> Path:
         return self.root / "logs"
 

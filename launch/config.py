@@ -284,6 +284,56 @@ def check_fresh(run_dir: str | Path) -> None:
                          f"or give the new run another --run-dir")
 
 
+FIXED_ON_RESUME = ("run.run_id", "model.path", "model.kind", "model.tokenizer", "model.tokenizer_path",
+                   "model.min_pixels", "model.max_pixels")
+"""keys a resumed run cannot change: its checkpoints hold that model's weights, its spill log that tokenizer's ids and
+that image size's image tokens, and its peers' handshakes that run id"""
+
+FIXED_ON_RESUME_WITHOUT_PATH = ("model.arch", "model.hidden_size", "model.num_layers", "model.num_heads",
+                                "model.num_kv_heads", "model.intermediate_size", "model.vocab_size", "model.init_seed")
+"""the shape of a config-built model, fixed as well where the run has one (no ``model.path``)"""
+
+SHOWN_DIFFERENCES = 8
+"""differences a resume lists by name before it counts the rest"""
+
+
+def resumed_config(config: str | Path | None, overrides: Iterable[str],
+                   run_dir: str | Path) -> tuple[RunConfig, list[str]]:
+    """The config ``--resume`` continues a run with: the one the run was asked for (``RunDir.requested_config``; a run
+    directory from before it was kept: its ``config.yaml``) with this command's ``overrides`` on top, and a note for
+    each thing that says what that means. A resume used to take ``config`` as given, so every override the run had
+    started with was silently lost: a run started with ``learner.total_steps=100`` and preempted at step 50
+    "finished" at the recipe's 40. Values of ``config`` that differ from the run's are named and not applied (given
+    as overrides they change it); an override of a key in ``FIXED_ON_RESUME`` is a ConfigError naming it."""
+    rd = RunDir(Path(run_dir).resolve())
+    base = next((p for p in (rd.requested_config, rd.config) if p.exists()), None)
+    if base is None:  # (a supervisor killed before it wrote either)
+        return load_run_config(config, overrides), [f"{rd.config} is missing: the run resumes with {config} as given"]
+    before = configlib.flatten(load_run_config(base))
+    cfg = load_run_config(base, overrides)
+    after = configlib.flatten(cfg)
+    changed = {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
+    fixed = [k for k in changed if k in FIXED_ON_RESUME or (k in FIXED_ON_RESUME_WITHOUT_PATH and not cfg.model.path)]
+    if fixed:
+        raise configlib.ConfigError(
+            "; ".join(f"{k}: the run has {changed[k][0]!r}, this resume gives {changed[k][1]!r}" for k in fixed)
+            + ". A resumed run keeps its model, tokenizer and run id (its checkpoints and queued groups are theirs):"
+            f" start a new run for another one, or, if only the files moved, edit {base}")
+    notes = [f"this resume changes {k}: {old!r} -> {new!r}" for k, (old, new) in changed.items()]
+    # The Slurm script resumes from the run's own config.yaml: nothing to compare there.
+    if config is not None and Path(config).resolve().parent != rd.root:
+        given = load_run_config(config, overrides)
+        given.run.run_id, given.run.run_dir = cfg.run.run_id, cfg.run.run_dir
+        theirs = configlib.flatten(given)
+        differ = [k for k in sorted(set(after) | set(theirs)) if after.get(k) != theirs.get(k)]
+        if differ:
+            listed = ", ".join(f"{k} {after.get(k)!r} (run) / {theirs.get(k)!r}" for k in differ[:SHOWN_DIFFERENCES])
+            more = f" and {len(differ) - SHOWN_DIFFERENCES} more" if len(differ) > SHOWN_DIFFERENCES else ""
+            notes.append(f"the run resumes with its own config ({base}); {config} differs from it in {listed}{more}: "
+                         "not applied (give key=value on this command to change one)")
+    return cfg, notes
+
+
 def config_for_checkpoint(checkpoint: str | Path) -> RunConfig:
     """The run config a checkpoint was trained with (its run's config.yaml), so eval judges a policy on the prompts
     it saw; a policy directory from ``computerrl pretrain`` records its prompt layout instead."""

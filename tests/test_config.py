@@ -215,6 +215,74 @@ def test_a_new_run_in_a_directory_whose_run_has_checkpoints_is_refused(tmp_path)
     check_fresh(tmp_path / "empty")  # a new directory, or one killed before its first checkpoint: a new run
 
 
+def _a_run_started_with(tmp_path, overrides):
+    """A run directory as `computerrl run configs/local.yaml OVERRIDES` leaves it (configs written, one checkpoint)."""
+    from launch.cli.base import prepare_run
+
+    run = tmp_path / "run"
+    prepare_run(load_run_config(REPO_CONFIG, overrides), str(run))
+    (run / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000004" / "state.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step-00000004")
+    return run
+
+
+def test_a_resume_continues_the_runs_own_config_with_this_commands_overrides_on_top(tmp_path):
+    """`run configs/local.yaml --run-dir R --resume` (README's "continue a run") took the recipe file as given, so the
+    overrides the run had started with were lost without a word: a finished 4-step run trained on to the recipe's 40
+    steps with periodic evaluation switched on, and a run started with learner.total_steps=100 would "finish" at 40."""
+    from launch.config import resumed_config
+    from launch.local import fit_to_local_run
+
+    run = _a_run_started_with(tmp_path, ["learner.total_steps=4", "local.eval_episodes=0", "local.actors=1"])
+    cfg, notes = resumed_config(REPO_CONFIG, [], run)
+    assert (cfg.learner.total_steps, cfg.local.eval_episodes, cfg.local.actors) == (4, 0, 1)
+    assert cfg.run.run_id == "run" and len(notes) == 1, notes
+    assert "learner.total_steps 4 (run) / 40" in notes[0] and "local.eval_episodes 0 (run) / 25" in notes[0] \
+        and "not applied" in notes[0], notes
+
+    # An override on the resume changes the run, and says so; the local shape is derived again from what was asked
+    # (config.yaml holds learner.expected_actors 1, derived from local.actors=1: a base of it would keep 1).
+    cfg, notes = resumed_config(REPO_CONFIG, ["learner.total_steps=8", "local.actors=3"], run)
+    assert cfg.learner.total_steps == 8 and notes[:2] == ["this resume changes learner.total_steps: 4 -> 8",
+                                                          "this resume changes local.actors: 1 -> 3"], notes
+    assert "learner.total_steps" not in notes[2] and "local.actors" not in notes[2], notes
+    fit_to_local_run(cfg)
+    assert cfg.learner.expected_actors == 3
+    assert load_run_config(run / "config.yaml").learner.expected_actors == 1
+
+    # The Slurm script resumes from the run's own config.yaml: nothing differs, nothing to say.
+    assert resumed_config(run / "config.yaml", [], run)[1] == []
+    # A run directory from before config.requested.yaml was kept resumes from its config.yaml.
+    (run / "config.requested.yaml").unlink()
+    assert resumed_config(REPO_CONFIG, [], run)[0].learner.total_steps == 4
+
+
+@pytest.mark.parametrize("override, says", [
+    ("model.path=/elsewhere/policy", "model.path: the run has '"),
+    ("model.tokenizer=hf", "model.tokenizer: the run has 'auto', this resume gives 'hf'"),
+    ("run.run_id=other", "run.run_id: the run has 'run', this resume gives 'other'"),
+])
+def test_a_resume_that_would_change_the_runs_model_or_id_is_refused_before_anything_starts(tmp_path, override, says):
+    """Its checkpoints hold that model's weights and its spill log that tokenizer's token ids."""
+    run = _a_run_started_with(tmp_path, ["learner.total_steps=4"])
+    written = (run / "config.yaml").read_text()
+    out = CliRunner().invoke(main, ["run", str(REPO_CONFIG), override, "--run-dir", str(run), "--resume"])
+    assert out.exit_code == 2 and says in out.output and "keeps its model, tokenizer and run id" in out.output, \
+        out.output
+    assert (run / "config.yaml").read_text() == written and not (run / "logs" / "broker-0.log").exists()
+
+
+def test_a_resume_may_change_a_config_built_models_shape_only_where_the_run_has_no_checkpoint_path(tmp_path):
+    from launch.config import resumed_config
+
+    run = _a_run_started_with(tmp_path, [])  # model.path set: the shape fields are not read
+    assert resumed_config(REPO_CONFIG, ["model.hidden_size=32"], run)[0].model.hidden_size == 32
+    built = _a_run_started_with(tmp_path / "built", ["model.path="])
+    with pytest.raises(ConfigError, match="model.hidden_size: the run has 128, this resume gives 32"):
+        resumed_config(REPO_CONFIG, ["model.path=", "model.hidden_size=32"], built)
+
+
 @pytest.mark.parametrize("key, suite, says", [
     ("broker.tasks.suite", "sim:train:nope", r"unknown family 'nope'; families: .*sheet_sort"),
     ("local.eval_suite", "sim:test", "split must be one of"),

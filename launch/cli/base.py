@@ -14,16 +14,23 @@ from common import config as configlib
 from common import log as L
 from common.exitcodes import EXIT_CONFIG
 from common.signals import unwind_on_term
-from launch.config import RunConfig, check_machine, load_run_config, resolve_run_dir
+from launch.config import RunConfig, check_machine, load_run_config, resolve_run_dir, resumed_config
 
 CONFIG_HELP = "YAML run config (configs/*.yaml); defaults are used for anything it leaves out"
 
 
-def load_config(config: str | None, overrides: tuple[str, ...], here: Iterable[str] = ()) -> RunConfig:
+def load_config(config: str | None, overrides: tuple[str, ...], here: Iterable[str] = (),
+                resume: str | None = None) -> RunConfig:
     """The run config from a file (or the defaults) and dotted overrides; a bad one is a usage error naming the key.
-    ``here``: roles that start on this machine, whose needs from it are checked too (``check_machine``)."""
+    ``here``: roles that start on this machine, whose needs from it are checked too (``check_machine``). ``resume``:
+    the run directory a resume continues, whose own config is the base (``resumed_config``)."""
     try:
-        cfg = load_run_config(config, overrides)
+        if resume is None:
+            cfg = load_run_config(config, overrides)
+        else:
+            cfg, notes = resumed_config(config, overrides, resume)
+            for note in notes:
+                click.echo(f"[computerrl] {note}")
         check_machine(cfg, here)
         return cfg
     except configlib.ConfigError as exc:
@@ -79,6 +86,7 @@ def prepare_run(cfg: RunConfig, run_dir: str | None) -> Any:
     from launch.local import fit_to_local_run
 
     rd = resolve_run_dir(cfg, run_dir)
+    configlib.dump(cfg, rd.requested_config)
     for note in fit_to_local_run(cfg):
         click.echo(note)
     configlib.dump(cfg, rd.config)

@@ -28,15 +28,18 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
     """Run every role on this machine, supervised, with a live view (e.g. configs/local.yaml learner.lr=3e-4)."""
     from launch.local import Supervisor, check_ports_free
 
-    # Locally every role starts here; under --srun on the allocation's nodes, where each role checks for itself.
-    cfg = load_config(config, overrides, here=() if srun else ("learner", "actor"))
     if resume and not run_dir:
         raise click.UsageError("--resume needs the --run-dir of the run to continue")
-    planned = planned_run_dir(cfg, run_dir)
     try:
         if resume:
             check_resumable(run_dir)
-        elif planned is not None:
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    # Locally every role starts here; under --srun on the allocation's nodes, where each role checks for itself.
+    cfg = load_config(config, overrides, here=() if srun else ("learner", "actor"), resume=run_dir if resume else None)
+    planned = planned_run_dir(cfg, run_dir)
+    try:
+        if not resume and planned is not None:
             check_fresh(planned)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
