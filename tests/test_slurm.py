@@ -313,6 +313,34 @@ def test_sbatchs_own_refusal_is_passed_on_with_context(tmp_path, monkeypatch):
     assert "sbatch refused the job (partition nope, 1 node(s)): sbatch: error: invalid partition specified" in r.output
 
 
+def test_a_resume_may_change_the_run_and_its_script_but_not_its_model(tmp_path, monkeypatch):
+    """`slurm resume` took no overrides, so a run that had finished its steps ("raise learner.total_steps to train
+    on") could go on only by editing files by hand."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool, body in (("sbatch", "echo 4242"), ("squeue", "exit 0"), ("scontrol", "exit 1")):
+        (bin_dir / tool).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    run_dir = tmp_path / "r"
+    r = CliRunner().invoke(main, ["slurm", "submit", "configs/local.yaml", "learner.total_steps=3",
+                                  "--run-dir", str(run_dir)])
+    assert r.exit_code == 0 and "submitted job 4242" in r.output, r.output
+    script = run_dir / "slurm" / "job.sbatch"
+    assert f"launch.cli run {run_dir / 'config.requested.yaml'} --run-dir {run_dir} --srun" in script.read_text()
+    (run_dir / "checkpoints" / "step-00000003").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("step-00000003")
+
+    r = CliRunner().invoke(main, ["slurm", "resume", str(run_dir), "model.tokenizer=hf"])
+    assert r.exit_code == 2 and "model.tokenizer: the run has 'auto', this resume gives 'hf'" in r.output, r.output
+    assert "--time=04:00:00" in script.read_text()
+    r = CliRunner().invoke(main, ["slurm", "resume", str(run_dir), "learner.total_steps=8", "slurm.time=02:00:00"])
+    assert r.exit_code == 0 and "this resume changes learner.total_steps: 3 -> 8" in r.output \
+        and "submitted job 4242" in r.output, r.output
+    assert "--time=02:00:00" in script.read_text()
+    assert load_run_config(run_dir / "config.requested.yaml").learner.total_steps == 8
+
+
 def _fake_tools(bin_dir: Path, log: Path) -> Path:
     """A stand-in for `computerrl run` (exits 75 on SIGTERM, as the supervisor does) and a recording scontrol."""
     bin_dir.mkdir()
@@ -564,7 +592,10 @@ def test_status_and_cancel_on_a_live_job_then_resume(slurm_cluster, tmp_path):
         cancelled_at = status["checkpoint"]
         job_log = (run_dir / "logs" / f"slurm-{job}.out").read_text()
         assert "cancelled (computerrl slurm cancel)" in job_log and "requeueing" not in job_log, job_log[-2000:]
-        resumed = _cli(slurm_cluster, "slurm", "resume", str(run_dir)).split("submitted job ")[1].split(";")[0]
+        # One step more than the run was asked for: a resume after the cancel's checkpoint always has one to train.
+        said = _cli(slurm_cluster, "slurm", "resume", str(run_dir), "learner.total_steps=4")
+        assert "this resume changes learner.total_steps: 3 -> 4" in said, said
+        resumed = said.split("submitted job ")[1].split(";")[0]
         assert resumed != job
         _wait(slurm_cluster, lambda: not slurm_cluster.job_state(resumed), deadline,
               "the resumed job did not finish")
@@ -572,13 +603,9 @@ def test_status_and_cancel_on_a_live_job_then_resume(slurm_cluster, tmp_path):
         slurm_cluster.run("scancel", job, check=False)
     resumed_log = (run_dir / "logs" / f"slurm-{resumed}.out").read_text()
     assert "outcome: finished" in resumed_log
-    assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000003"
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000004" != cancelled_at
     audit = _audited(slurm_cluster, run_dir)
-    if cancelled_at == "step-00000003":  # the cancel came after the last step: the resume had nothing to train
-        assert "nothing to train" in resumed_log and audit["learner_starts"] == 1, audit
-    else:
-        assert audit["learner_starts"] == 2, audit
-    assert audit["rolled_back_settlements"] == 0, audit
+    assert audit["learner_starts"] == 2 and audit["rolled_back_settlements"] == 0, audit
 
 
 @pytest.mark.slow

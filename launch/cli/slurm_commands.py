@@ -44,15 +44,24 @@ def slurm_submit(config: str, overrides: tuple[str, ...], run_dir: str | None, d
         click.echo(f"warning: {w}", err=True)
     if dry_run:
         fit_to_local_run(cfg)
-        click.echo(S.render_script(cfg, root, root / "config.yaml"))
+        click.echo(S.render_script(cfg, root, root / "config.requested.yaml"))
         click.echo("# the resolved config:")
         click.echo(yaml.safe_dump(configlib.to_dict(cfg), sort_keys=False))
         return
-    rd = prepare_run(cfg, run_dir)
+    rd = _write_job(cfg, run_dir)
+    _submit_job(rd.root, f"partition {cfg.slurm.partition or 'default'}, {cfg.slurm.nodes} node(s)")
+
+
+def _write_job(cfg, run_dir: str | Path | None):
+    """The run directory with the run's config and its sbatch script. The script runs the config as asked for
+    (``RunDir.requested_config``): each attempt fits it to the job it runs in, and a resume changes what was asked."""
+    from launch import slurm as S
+
+    rd = prepare_run(cfg, None if run_dir is None else str(run_dir))
     files = S.job_files(rd.root)
     files["script"].parent.mkdir(exist_ok=True)
-    files["script"].write_text(S.render_script(cfg, rd.root, rd.config))
-    _submit_job(rd.root, f"partition {cfg.slurm.partition or 'default'}, {cfg.slurm.nodes} node(s)")
+    files["script"].write_text(S.render_script(cfg, rd.root, rd.requested_config))
+    return rd
 
 
 def _submit_job(root: Path, context: str) -> None:
@@ -71,9 +80,11 @@ def _submit_job(root: Path, context: str) -> None:
 
 @slurm.command("resume")
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
-def slurm_resume(run_dir: str) -> None:
+@click.argument("overrides", nargs=-1)
+def slurm_resume(run_dir: str, overrides: tuple[str, ...]) -> None:
     """Submit a stopped run's job again (after `cancel`, a failure, or the requeue limit): it resumes from the
-    run directory's latest checkpoint and the broker's spill log."""
+    run directory's latest checkpoint and the broker's spill log. Overrides change the run from there on (e.g.
+    learner.total_steps=200 slurm.time=04:00:00); its model, tokenizer and run id stay."""
     from launch import slurm as S
 
     root = Path(run_dir).absolute()
@@ -86,6 +97,14 @@ def slurm_resume(run_dir: str) -> None:
         job, state = "", ""
     if state in S.WAITING_STATES + S.RUNNING_STATES:
         raise click.ClickException(f"job {job} of this run is still {state.lower()}: one job per run directory")
+    if overrides:
+        cfg = load_config(None, overrides, resume=str(root))
+        try:
+            for w in S.check_submission(cfg, root):
+                click.echo(f"warning: {w}", err=True)
+        except (RuntimeError, ValueError) as exc:
+            raise click.ClickException(str(exc)) from None
+        _write_job(cfg, root)  # the script again: an override may change its #SBATCH lines
     _submit_job(root, "resubmitting the run's script")
 
 
