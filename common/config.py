@@ -210,6 +210,12 @@ def flatten(cfg: Any) -> dict[str, Any]:
     return out
 
 
+def differences(a: Any, b: Any) -> dict[str, tuple[Any, Any]]:
+    """The dotted keys where two configs differ, with ``a``'s value and ``b``'s (None where one has no such key)."""
+    fa, fb = flatten(a), flatten(b)
+    return {k: (fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)}
+
+
 def dump(cfg: Any, path: str | Path) -> None:
     """Write the resolved config as YAML (atomically)."""
     path = Path(path)

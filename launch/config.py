@@ -304,15 +304,16 @@ def resumed_config(config: str | Path | None, overrides: Iterable[str],
     each thing that says what that means. A resume used to take ``config`` as given, so every override the run had
     started with was silently lost: a run started with ``learner.total_steps=100`` and preempted at step 50
     "finished" at the recipe's 40. Values of ``config`` that differ from the run's are named and not applied (given
-    as overrides they change it); an override of a key in ``FIXED_ON_RESUME`` is a ConfigError naming it."""
+    as overrides they change it); an override of a key in ``FIXED_ON_RESUME`` (or, for a config-built model,
+    ``FIXED_ON_RESUME_WITHOUT_PATH``) is a ConfigError naming it."""
+    from launch.local import fit_to_local_run
+
     rd = RunDir(Path(run_dir).resolve())
     base = next((p for p in (rd.requested_config, rd.config) if p.exists()), None)
     if base is None:  # (a supervisor killed before it wrote either)
         return load_run_config(config, overrides), [f"{rd.config} is missing: the run resumes with {config} as given"]
-    before = configlib.flatten(load_run_config(base))
     cfg = load_run_config(base, overrides)
-    after = configlib.flatten(cfg)
-    changed = {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
+    changed = configlib.differences(load_run_config(base), cfg)
     fixed = [k for k in changed if k in FIXED_ON_RESUME or (k in FIXED_ON_RESUME_WITHOUT_PATH and not cfg.model.path)]
     if fixed:
         raise configlib.ConfigError(
@@ -320,14 +321,15 @@ def resumed_config(config: str | Path | None, overrides: Iterable[str],
             + ". A resumed run keeps its model, tokenizer and run id (its checkpoints and queued groups are theirs):"
             f" start a new run for another one, or, if only the files moved, edit {base}")
     notes = [f"this resume changes {k}: {old!r} -> {new!r}" for k, (old, new) in changed.items()]
-    # The Slurm script resumes from the run's own config.yaml: nothing to compare there.
+    # A config in the run directory is the run's own (the Slurm script's): nothing to compare it with.
     if config is not None and Path(config).resolve().parent != rd.root:
         given = load_run_config(config, overrides)
         given.run.run_id, given.run.run_dir = cfg.run.run_id, cfg.run.run_dir
-        theirs = configlib.flatten(given)
-        differ = [k for k in sorted(set(after) | set(theirs)) if after.get(k) != theirs.get(k)]
+        if base == rd.config:  # an older run's base was fitted to its shape: so is what it is compared with
+            fit_to_local_run(given)
+        differ = list(configlib.differences(cfg, given).items())
         if differ:
-            listed = ", ".join(f"{k} {after.get(k)!r} (run) / {theirs.get(k)!r}" for k in differ[:SHOWN_DIFFERENCES])
+            listed = ", ".join(f"{k} {ours!r} (run) / {theirs!r}" for k, (ours, theirs) in differ[:SHOWN_DIFFERENCES])
             more = f" and {len(differ) - SHOWN_DIFFERENCES} more" if len(differ) > SHOWN_DIFFERENCES else ""
             notes.append(f"the run resumes with its own config ({base}); {config} differs from it in {listed}{more}: "
                          "not applied (give key=value on this command to change one)")

@@ -253,9 +253,13 @@ def test_a_resume_continues_the_runs_own_config_with_this_commands_overrides_on_
 
     # The Slurm script resumes from the run's own config.yaml: nothing differs, nothing to say.
     assert resumed_config(run / "config.yaml", [], run)[1] == []
-    # A run directory from before config.requested.yaml was kept resumes from its config.yaml.
+    # A run directory from before config.requested.yaml was kept resumes from its config.yaml, which was fitted to the
+    # run's shape: the config it is compared with is fitted too, so what differs is said as the run would have it.
     (run / "config.requested.yaml").unlink()
-    assert resumed_config(REPO_CONFIG, [], run)[0].learner.total_steps == 4
+    cfg, notes = resumed_config(REPO_CONFIG, [], run)
+    assert cfg.learner.total_steps == 4 and len(notes) == 1, notes
+    assert "learner.expected_actors 1 (run) / 2, learner.total_steps 4 (run) / 40, local.actors 1 (run) / 2" \
+        in notes[0], notes
 
 
 @pytest.mark.parametrize("override, says", [
