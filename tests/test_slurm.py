@@ -210,6 +210,31 @@ def test_jobs_on_the_default_ports_get_ports_apart_and_a_config_that_chose_its_o
         _run_cfg("slurm.ports=node")
 
 
+def test_a_resume_under_a_new_job_id_takes_that_jobs_port_range(tmp_path, monkeypatch):
+    """The range `slurm.ports: auto` picked used to be saved in what the run was asked for, so a `slurm resume` days
+    later, under a new job id, bound the first job's range: one picked to stay apart from the jobs running then, not
+    from those running beside the resume. Now each attempt fits its own job's range after the request is saved."""
+    from launch.cli.base import prepare_run
+    from launch.config import resumed_config
+    from launch.slurm import job_port_base
+
+    monkeypatch.delenv("COMPUTERRL_PORT_RANGE", raising=False)
+    run = tmp_path / "run"
+    rd = prepare_run(_run_cfg("slurm.nodes=2"), str(run), job_env={"SLURM_JOB_ID": "4242"})
+    assert load_run_config(str(rd.requested_config)).local.port_base == 0, "the request keeps the default ports"
+    assert load_run_config(str(rd.config)).local.port_base == job_port_base(4242)
+    cfg, _ = resumed_config(str(rd.config), [], run)  # the Slurm script's resume
+    rd = prepare_run(cfg, str(run), job_env={"SLURM_JOB_ID": "4242"})
+    assert load_run_config(str(rd.config)).local.port_base == job_port_base(4242), "a requeue keeps its range"
+    cfg, _ = resumed_config(str(rd.config), [], run)
+    rd = prepare_run(cfg, str(run), job_env={"SLURM_JOB_ID": "9001"})
+    assert job_port_base(9001) != job_port_base(4242)
+    assert load_run_config(str(rd.config)).local.port_base == job_port_base(9001), "a new job id: its own range"
+    cfg, _ = resumed_config(str(rd.config), ["local.port_base=31000"], run)
+    rd = prepare_run(cfg, str(run), job_env={"SLURM_JOB_ID": "9002"})
+    assert load_run_config(str(rd.config)).local.port_base == 31000, "ports a resume chose are kept"
+
+
 def test_allocation_roles_wire_addresses_and_learner_ranks():
     cfg = _run_cfg("local.actors=3", "local.learner_ranks=4", "slurm.nodes=4", "slurm.learner_nodes=2")
     nodes = [Node(f"n{i}", f"10.0.0.{i}") for i in range(4)]

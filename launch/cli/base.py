@@ -80,13 +80,22 @@ def start_role(role: str, config: str | None, run_dir: str | None, overrides: tu
     return cfg, rd, log
 
 
-def prepare_run(cfg: RunConfig, run_dir: str | None) -> Any:
+def prepare_run(cfg: RunConfig, run_dir: str | None, job_env: dict[str, str] | None = None) -> Any:
     """The run directory of a whole run (every role on the machine, or in one Slurm job), with the config it
-    runs with, fitted to that shape, saved as its config.yaml."""
+    runs with, fitted to that shape, saved as its config.yaml. ``job_env``: the environment of the Slurm job it
+    runs in, whose id picks its ports under ``slurm.ports: auto`` (``launch.slurm.job_ports``). That fitting comes
+    after the requested config is saved, so a ``resume`` under a new job id takes its own job's range rather than
+    the first job's (a range chosen when the first job's neighbours were the ones running)."""
     from launch.local import fit_to_local_run
 
     rd = resolve_run_dir(cfg, run_dir)
     configlib.dump(cfg, rd.requested_config)
+    if job_env is not None:
+        from launch.slurm import job_ports
+
+        note = job_ports(cfg, job_env)
+        if note:
+            click.echo(f"[computerrl] {note}")
     for note in fit_to_local_run(cfg):
         click.echo(note)
     configlib.dump(cfg, rd.config)

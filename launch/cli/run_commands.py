@@ -48,13 +48,7 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
             check_ports_free(cfg)
         except configlib.ConfigError as exc:
             raise click.UsageError(str(exc)) from None
-    if srun:
-        from launch.slurm import job_ports
-
-        note = job_ports(cfg, dict(os.environ))
-        if note:
-            click.echo(f"[computerrl] {note}")
-    rd = prepare_run(cfg, run_dir)
+    rd = prepare_run(cfg, run_dir, job_env=dict(os.environ) if srun else None)
     if not srun:
         sys.exit(Supervisor(cfg, rd.config, rd, resume).run())
     from launch import slurm as S
