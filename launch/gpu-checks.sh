@@ -101,16 +101,19 @@ case "$what" in
     ;;
   run)
     # Qwen2.5-0.5B's shape (about 1 GB of bf16 weights per round), random weights, byte tokenizer.
+    # OUT gets run-report.json and one archive of the rest (the run's stdout, the learner's metrics, each role's
+    # log tail): a lent machine's call brings back at most 8 files (launch/rehearsal_outputs.py: returnable).
     rd="${TMPDIR:-/tmp}/gpu-run"; rm -rf "$rd"  # not under OUT: its checkpoints would travel back with it
+    files="${TMPDIR:-/tmp}/gpu-run-files"; rm -rf "$files"; mkdir -p "$files"
     # shellcheck disable=SC2086  # the model overrides are words
     timeout "${RUN_TIMEOUT:-360}" "$py" -m launch.cli run configs/local.yaml --run-dir "$rd" model.path= $run_model \
       learner.device="$dev" actor.engine.device="$dev" \
       learner.anchor.suite= learner.total_steps=8 learner.checkpoint_every=0 local.eval_episodes=0 \
       local.torch_threads=4 actor.engine.threads=0 learner.advantage.drop_zero_variance=false weights.timeout_s=120 \
       weights.join_window_s=30 \
-      ${RUN_OVERRIDES:-} > "$out/run-stdout.txt" 2>&1
+      ${RUN_OVERRIDES:-} > "$files/run-stdout.txt" 2>&1
     echo "run exit: $?"
-    tail -5 "$out/run-stdout.txt"
+    tail -5 "$files/run-stdout.txt"
     "$py" - "$rd" "$out" <<'PY'
 import json, sys, pathlib, statistics
 rd, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
@@ -146,8 +149,9 @@ if actors:
 print(json.dumps(rep, indent=1))
 (out / "run-report.json").write_text(json.dumps(rep, indent=1))
 PY
-    cp "$rd/metrics/learner.jsonl" "$out/" 2>/dev/null
-    for f in "$rd"/logs/*; do tail -c 2000000 "$f" > "$out/log-$(basename "$f")"; done 2>/dev/null
+    cp "$rd/metrics/learner.jsonl" "$files/" 2>/dev/null
+    for f in "$rd"/logs/*; do tail -c 2000000 "$f" > "$files/log-$(basename "$f")"; done 2>/dev/null
+    tar czf "$out/run-files.tgz" -C "$files" .
     ls "$rd/logs" "$rd/metrics"
     ;;
 esac

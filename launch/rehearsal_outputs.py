@@ -1,6 +1,7 @@
 """What each of ``launch/gpu-checks.sh``'s checks must leave in its output folder, checked after a rehearsal on a CPU
 (``launch/gpu-rehearsal.sh``). The script goes on past a failing step, so its exit status says little; a check whose
-figures are missing or empty here would bring back nothing from a lent GPU either.
+figures are missing or empty here would bring back nothing from a lent GPU either, nor would one that leaves more
+files than a lent machine's call brings back (``returnable``).
 
     python -m launch.rehearsal_outputs CHECK OUT_DIR     exit 1 with the reasons when something is missing
 """
@@ -8,11 +9,23 @@ figures are missing or empty here would bring back nothing from a lent GPU eithe
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 WORKLOADS = ("fixed_32", "fixed_128", "mixed")
+
+RETURNED_FILES = 8
+"""the most files a lent machine's call brings back from its output folder (the device tool's limits, docs/gpu.md)"""
+RETURNED_FILE_BYTES = 16 << 20
+"""the largest file it brings back"""
+RETURNED_TOTAL_BYTES = 64 << 20
+"""the most bytes it brings back in all"""
+RETURNED_DEPTH = 2
+"""how many folders down a file may lie and still come back ($OUT/a/b/file does, $OUT/a/b/c/file does not)"""
+RETURNED_NAME = re.compile(r"[A-Za-z0-9._-]+")
+"""the characters a returned file's or folder's name may have"""
 
 
 def _last_json(path: Path) -> dict[str, Any]:
@@ -36,6 +49,33 @@ def _workloads(bench: dict[str, Any], names: tuple[str, ...], source: str) -> li
 def _file(out: Path, name: str) -> list[str]:
     path = out / name
     return [] if path.is_file() and path.stat().st_size else [f"{name} was not written or is empty"]
+
+
+def returnable(out: Path) -> list[str]:
+    """What a lent machine would leave behind of ``out``: past its limits a file does not come back, and which one
+    is not ours to choose, so a check must stay inside them on a CPU already (its tiny model's files are smaller,
+    not more numerous)."""
+    if not out.is_dir():
+        return [f"{out} is not a folder"]
+    problems, files, total = [], 0, 0
+    for path in sorted(out.rglob("*")):
+        rel = path.relative_to(out)
+        if any(not RETURNED_NAME.fullmatch(part) for part in rel.parts):
+            problems.append(f"{rel}: a name with characters other than letters, digits, '.', '_' and '-'")
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            problems.append(f"{rel}: not a plain file or folder")
+        elif path.is_file():
+            files += 1
+            total += path.stat().st_size
+            if len(rel.parts) - 1 > RETURNED_DEPTH:
+                problems.append(f"{rel}: more than {RETURNED_DEPTH} folders down")
+            if path.stat().st_size > RETURNED_FILE_BYTES:
+                problems.append(f"{rel}: {path.stat().st_size} bytes, over {RETURNED_FILE_BYTES}")
+    if files > RETURNED_FILES:
+        problems.append(f"{files} files, over the {RETURNED_FILES} that come back from one call")
+    if total > RETURNED_TOTAL_BYTES:
+        problems.append(f"{total} bytes in all, over {RETURNED_TOTAL_BYTES}")
+    return problems
 
 
 def engine_compile(out: Path) -> list[str]:
@@ -76,7 +116,7 @@ def run(out: Path, steps: int = 8) -> list[str]:
         problems.append(f"an actor reported no generated tokens/s: {rates}")
     if not report.get("weight_rounds"):
         problems.append("no weight round was logged")
-    return problems
+    return problems + _file(out, "run-files.tgz")
 
 
 def tests(out: Path) -> list[str]:
@@ -107,6 +147,7 @@ def main(argv: list[str]) -> int:
         problems = CHECKS[check](out)
     except (ValueError, OSError) as e:
         problems = [str(e)]
+    problems += returnable(out)
     for problem in problems:
         print(f"{check}: {problem}")
     if not problems:

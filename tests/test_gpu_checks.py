@@ -78,6 +78,7 @@ def _complete_outputs(out: Path) -> None:
     (out / "tests.txt").write_text("sssss\n5 skipped in 1.20s\n")
     (out / "run-report.json").write_text(json.dumps({"steps": 8, "weight_rounds": 8,
                                                      "actor_gen_tokens_per_s": {"0": 80.0, "1": 79.0}}, indent=1))
+    (out / "run-files.tgz").write_bytes(b"\x1f\x8b archive")
 
 
 def test_a_rehearsal_finds_every_output_a_check_leaves_missing_or_empty(tmp_path):
@@ -147,3 +148,38 @@ def test_the_checks_run_on_the_gpu_unless_a_rehearsal_points_them_at_the_cpu(tmp
     assert "model.hidden_size=896" not in run_rehearsed
     one_actor = commands("run", {"RUN_OVERRIDES": "local.actors=1 actor.max_groups=4"})[0]
     assert one_actor.endswith("weights.join_window_s=30 local.actors=1 actor.max_groups=4"), one_actor
+
+
+def test_a_rehearsal_refuses_outputs_a_lent_machine_would_not_bring_back(tmp_path, capsys):
+    """A lent machine's call brings back at most 8 files from its output folder, none over 16 MiB, none more than
+    two folders down, each named in letters, digits, '.', '_' and '-'; past that a file stays behind, and which one
+    is not ours to choose. The run check once left 13 (each role's log beside its report): a rehearsal now says so."""
+    import os
+
+    from launch.rehearsal_outputs import RETURNED_FILES, main, returnable
+
+    _complete_outputs(tmp_path)
+    assert returnable(tmp_path) == [] and main(["run", str(tmp_path)]) == 0
+    for i in range(RETURNED_FILES - len(list(tmp_path.iterdir())) + 1):
+        (tmp_path / f"log-{i}.jsonl").write_text("{}\n")
+    assert any("over the 8" in p for p in returnable(tmp_path)) and main(["run", str(tmp_path)]) == 1
+    for path in tmp_path.glob("log-*"):
+        path.unlink()
+    deep = tmp_path / "a" / "b" / "c"
+    deep.mkdir(parents=True)
+    (deep / "x.txt").write_text("x")
+    (tmp_path / "a" / "b" / "fine.txt").write_text("x")
+    (tmp_path / "two words.txt").write_text("x")
+    os.symlink(tmp_path / "tests.txt", tmp_path / "link.txt")
+    problems = returnable(tmp_path)
+    assert any(p.startswith("a/b/c/x.txt: more than 2 folders down") for p in problems), problems
+    assert any(p.startswith("two words.txt: a name") for p in problems), problems
+    assert any(p.startswith("link.txt: not a plain file") for p in problems), problems
+    assert not any(p.startswith("a/b/fine.txt") for p in problems), problems
+
+    for path in (tmp_path / "two words.txt", tmp_path / "link.txt", deep / "x.txt"):
+        path.unlink()
+    assert returnable(tmp_path) == []
+    (tmp_path / "run-files.tgz").unlink()  # the run's logs and metrics, archived as one file
+    assert main(["run", str(tmp_path)]) == 1
+    assert "run: run-files.tgz was not written or is empty" in capsys.readouterr().out
