@@ -156,7 +156,7 @@ def test_a_rehearsal_refuses_outputs_a_lent_machine_would_not_bring_back(tmp_pat
     is not ours to choose. The run check once left 13 (each role's log beside its report): a rehearsal now says so."""
     import os
 
-    from launch.rehearsal_outputs import RETURNED_FILES, main, returnable
+    from launch.rehearsal_outputs import RETURNED_FILE_BYTES, RETURNED_FILES, main, returnable
 
     _complete_outputs(tmp_path)
     assert returnable(tmp_path) == [] and main(["run", str(tmp_path)]) == 0
@@ -180,6 +180,17 @@ def test_a_rehearsal_refuses_outputs_a_lent_machine_would_not_bring_back(tmp_pat
     for path in (tmp_path / "two words.txt", tmp_path / "link.txt", deep / "x.txt"):
         path.unlink()
     assert returnable(tmp_path) == []
+    # sizes, from sparse files (their apparent size is what is counted, and nothing is written)
+    os.truncate(tmp_path / "tests.txt", RETURNED_FILE_BYTES + 1)
+    assert any(p.startswith(f"tests.txt: {RETURNED_FILE_BYTES + 1} bytes, over") for p in returnable(tmp_path))
+    os.truncate(tmp_path / "tests.txt", RETURNED_FILE_BYTES)
+    assert returnable(tmp_path) == []
+    for name in ("bench-engine-eager.jsonl", "profile-compiled.txt", "profile-compiled-mixed.txt", "a/b/fine.txt"):
+        os.truncate(tmp_path / name, RETURNED_FILE_BYTES)  # five files of 16 MiB: 80 MiB in all
+    assert [p for p in returnable(tmp_path) if "bytes in all, over" in p], returnable(tmp_path)
+    (tmp_path / "a" / "b" / "fine.txt").unlink()
+    (tmp_path / "profile-compiled-mixed.txt").write_text("sorted by self_cpu_time_total\n")
+    assert returnable(tmp_path) == []  # three files of 16 MiB left: 48 MiB in all
     (tmp_path / "run-files.tgz").unlink()  # the run's logs and metrics, archived as one file
     assert main(["run", str(tmp_path)]) == 1
     assert "run: run-files.tgz was not written or is empty" in capsys.readouterr().out
