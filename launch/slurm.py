@@ -137,6 +137,8 @@ class SlurmConfig:
     """the python that runs computerrl on the nodes ("" = the one submitting)"""
     ports: str = "auto"
     """auto: ports left at their defaults move to a range the job's id picks (jobs sharing a node); config: as set"""
+    claim_wait_s: float = 120.0
+    """seconds a job's run and roles wait for a run directory claim held elsewhere (a dead node's NFS lock: 90 s)"""
     rollout: RolloutNodesConfig = field(default_factory=RolloutNodesConfig)
     """the rollout nodes' own job component, when they need another partition or other GRES than the learner's"""
     broker: SrunConfig = field(default_factory=SrunConfig)
@@ -153,6 +155,8 @@ class SlurmConfig:
             raise ValueError("slurm.nodes and slurm.learner_nodes must be >= 1")
         if self.learner_nodes > self.nodes:
             raise ValueError(f"slurm.learner_nodes {self.learner_nodes} > slurm.nodes {self.nodes}")
+        if self.claim_wait_s < 0:
+            raise ValueError("slurm.claim_wait_s must be >= 0")
         if self.signal_grace_s < 0 or self.signal_grace_s > 65535:
             raise ValueError("slurm.signal_grace_s must be in 0..65535 (sbatch --signal)")
         if self.cpus_per_task < 0 or self.max_requeues < 0:

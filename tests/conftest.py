@@ -113,6 +113,16 @@ class ThreadBroker:
         assert not self.thread.is_alive()
 
 
+@pytest.fixture(autouse=True)
+def _claims_given_back():
+    """A command a test runs in-process (``CliRunner``, ``prepare_run``) claims its run directory for the process's
+    life, as a real one does (``common/claims.py``); a test worker lives on, so each test gives its claims back."""
+    from common import claims
+
+    yield
+    claims.release_all()
+
+
 @pytest.fixture
 def quiet_log():
     return L.setup("test", "test", 0, None, "warning", quiet=True)

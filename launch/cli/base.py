@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import os
 import signal
 from typing import Any, Iterable
 
@@ -69,6 +70,10 @@ def start_role(role: str, config: str | None, run_dir: str | None, overrides: tu
     except click.UsageError as exc:
         raise RoleCannotStart(exc.message) from None
     rd = resolve_run_dir(cfg, run_dir)
+    # Before it writes anything there: a second process of this role instance would overwrite the first one's
+    # record and logs. It waits a little: a restart may come as the last incarnation is still going.
+    wait_s = cfg.slurm.claim_wait_s if SLURM_JOB_ENV in os.environ else ROLE_CLAIM_WAIT_S
+    held = claim_in_run_dir(rd.root, f"{role}-{rank}", wait_s)
     try:
         configlib.dump(cfg, rd.root / f"config.{role}-{rank}.yaml")
         unrecorded = None
@@ -77,7 +82,29 @@ def start_role(role: str, config: str | None, run_dir: str | None, overrides: tu
     log = L.setup(role, cfg.run.run_id, rank, rd.logs, cfg.run.log_level)
     if unrecorded is not None:
         log.warning("config_not_recorded", path=str(rd.root / f"config.{role}-{rank}.yaml"), error=repr(unrecorded))
+    if not held.enforced:
+        log.warning("claim_unenforced", claim=held.name, why=held.why)
     return cfg, rd, log
+
+
+ROLE_CLAIM_WAIT_S = 10.0
+"""how long a role started outside Slurm waits for its instance's claim (``common/claims.py``) to be given back"""
+
+SLURM_JOB_ENV = "SLURM_JOB_ID"
+"""set in a Slurm job: there a claim may wait ``slurm.claim_wait_s`` for a dead node's lock to lapse"""
+
+
+def claim_in_run_dir(root: Any, name: str, wait_s: float) -> Any:
+    """Claim ``name`` in the run directory ``root``, or fail as a command does (exit 1: a supervisor restarts a role that
+    failed, and a claim may be free by then, unlike a configuration error)."""
+    from common import claims
+
+    try:
+        return claims.claim(root, name, wait_s=wait_s)
+    except claims.ClaimHeld as exc:
+        raise click.ClickException(f"{exc}. One process per {'run' if name == claims.RUN else 'role instance'} "
+                                   "and run directory: stop that one first, or give this one another --run-dir"
+                                   + ("" if name == claims.RUN else " or --rank")) from None
 
 
 def prepare_run(cfg: RunConfig, run_dir: str | None, job_env: dict[str, str] | None = None) -> Any:
@@ -88,7 +115,12 @@ def prepare_run(cfg: RunConfig, run_dir: str | None, job_env: dict[str, str] | N
     the first job's (a range chosen when the first job's neighbours were the ones running)."""
     from launch.local import fit_to_local_run
 
+    from common import claims
+
     rd = resolve_run_dir(cfg, run_dir)
+    held = claim_in_run_dir(rd.root, claims.RUN, cfg.slurm.claim_wait_s if job_env is not None else 0.0)
+    if not held.enforced:
+        click.echo(f"[computerrl] warning: {held.why}", err=True)
     configlib.dump(cfg, rd.requested_config)
     if job_env is not None:
         from launch.slurm import job_ports
