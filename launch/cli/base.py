@@ -11,6 +11,7 @@ from typing import Any, Iterable
 
 import click
 
+from common import claims
 from common import config as configlib
 from common import log as L
 from common.exitcodes import EXIT_CONFIG
@@ -97,8 +98,6 @@ SLURM_JOB_ENV = "SLURM_JOB_ID"
 def claim_in_run_dir(root: Any, name: str, wait_s: float) -> Any:
     """Claim ``name`` in the run directory ``root``, or fail as a command does (exit 1: a supervisor restarts a role that
     failed, and a claim may be free by then, unlike a configuration error)."""
-    from common import claims
-
     try:
         return claims.claim(root, name, wait_s=wait_s)
     except claims.ClaimHeld as exc:
@@ -114,8 +113,6 @@ def prepare_run(cfg: RunConfig, run_dir: str | None, job_env: dict[str, str] | N
     after the requested config is saved, so a ``resume`` under a new job id takes its own job's range rather than
     the first job's (a range chosen when the first job's neighbours were the ones running)."""
     from launch.local import fit_to_local_run
-
-    from common import claims
 
     rd = resolve_run_dir(cfg, run_dir)
     held = claim_in_run_dir(rd.root, claims.RUN, cfg.slurm.claim_wait_s if job_env is not None else 0.0)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from common import claims
 from common import config as configlib
 from launch.config import check_fresh, check_resumable, load_run_config, planned_run_dir
 from launch.cli.base import claim_in_run_dir, load_config, main, prepare_run
@@ -39,8 +40,6 @@ def run(config: str, overrides: tuple[str, ...], run_dir: str | None, resume: bo
     cfg = load_config(config, overrides, here=() if srun else ("learner", "actor"), resume=run_dir if resume else None)
     planned = planned_run_dir(cfg, run_dir)
     if planned is not None and planned.is_dir():  # a run there may be going: say that, not that its ports are taken
-        from common import claims
-
         claim_in_run_dir(planned, claims.RUN, cfg.slurm.claim_wait_s if srun else 0.0)
     try:
         if not resume and planned is not None:
