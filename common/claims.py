@@ -47,7 +47,7 @@ class ClaimHeld(RuntimeError):
     def __init__(self, name: str, path: Path, holder: str, waited_s: float):
         self.name, self.path, self.holder = name, path, holder
         waited = f" (waited {waited_s:.0f} s)" if waited_s else ""
-        super().__init__(f"{name} of run directory {path.parent.parent} is held by another process: "
+        super().__init__(f"{path.parent.parent}: {name} is held by another process: "
                          f"{holder or 'holder unknown'}{waited} ({path})")
 
 

@@ -39,12 +39,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from common import claims
 from common.exitcodes import EXIT_RESUMABLE
 from common.metrics.records import read_records
 from common.metrics.stats import mean_interval
 from launch.curve import sft_spans
 
 Point = tuple[int, float, float, float]  # (learner step, mean, low, high) across seeds
+SWEEP_CLAIM = "sweep"
+"""the claim a sweep holds on its directory (``common/claims.py``)"""
 TRAIN_SMOOTHING = 5  # learner steps in the trailing mean of the training curves: one step's batch is a few groups
 
 
@@ -183,6 +186,14 @@ class Sweep:
         self.lock = threading.Lock()
         self.interrupted = False
         self._ports: set[int] = set()
+        # One sweep process per directory: a second one took a run still going before its first checkpoint for one
+        # that had died there, and deleted its directory to start it afresh.
+        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            claims.claim(self.out, SWEEP_CLAIM)
+        except claims.ClaimHeld as exc:
+            raise ValueError(f"{exc}: this sweep is running; wait for it, or stop it (its runs resume when it is "
+                             "run again)") from None
         saved = self.out / "sweep.json"
         if saved.exists():
             before = asdict(SweepSpec(**json.loads(saved.read_text())))  # a spec saved before a field was added
@@ -197,7 +208,6 @@ class Sweep:
             from common import config as configlib
             from launch.config import load_run_config
 
-            self.out.mkdir(parents=True, exist_ok=True)
             # The config as loaded (relative model paths made absolute), so runs find the same files from here.
             configlib.dump(load_run_config(spec.config), self.out / "base.yaml")
             saved.write_text(json.dumps(asdict(spec), indent=1))

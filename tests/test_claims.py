@@ -35,7 +35,7 @@ def test_a_claim_another_process_holds_is_refused_naming_it_and_freed_by_its_kil
     try:
         with pytest.raises(claims.ClaimHeld) as refused:
             claims.claim(tmp_path, "broker-0")
-        assert f"pid {holder.pid} on host " in str(refused.value) and "broker-0 of run directory" in str(refused.value)
+        assert f"pid {holder.pid} on host " in str(refused.value) and ": broker-0 is held" in str(refused.value)
         assert claims.claim(tmp_path, "broker-1").enforced  # another instance of the role is another claim
         # A claim waiting for its holder gets it once the holder dies, however it dies: no file to clean up.
         threading.Timer(0.5, os.kill, (holder.pid, signal.SIGKILL)).start()
@@ -81,7 +81,7 @@ def test_a_role_whose_instance_is_running_exits_before_it_writes_its_record(tmp_
                               str(tmp_path), "slurm.claim_wait_s=0"], cwd=REPO, capture_output=True, text=True,
                              env={**os.environ, "SLURM_JOB_ID": "7"}, timeout=60)
         assert out.returncode == 1, out.stderr
-        assert f"broker-0 of run directory {tmp_path} is held by another process: pid {holder.pid}" in out.stderr
+        assert f"{tmp_path}: broker-0 is held by another process: pid {holder.pid}" in out.stderr
         assert "or --rank" in out.stderr and time.monotonic() - started < 9
         assert not (tmp_path / "config.broker-0.yaml").exists() and not (tmp_path / "logs" / "broker-0.jsonl").exists()
     finally:
@@ -107,7 +107,7 @@ def test_a_second_run_of_a_running_run_directory_is_refused_before_it_writes_or_
         out = CliRunner().invoke(main, ["run", str(REPO_CONFIG), "--run-dir", str(run), "--resume",
                                         "local.port_base=31000", "learner.total_steps=8"])
         assert out.exit_code == 1, out.output
-        assert f"run of run directory {run} is held by another process: pid {holder.pid}" in out.output
+        assert f"{run}: run is held by another process: pid {holder.pid}" in out.output
         assert (run / "config.requested.yaml").read_text() == requested
         # A Slurm submission into it is refused the same way (its script and config would replace the run's).
         out = CliRunner().invoke(main, ["slurm", "submit", str(REPO_CONFIG), "--run-dir", str(run)])

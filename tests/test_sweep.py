@@ -306,3 +306,27 @@ def test_a_stop_signal_whose_handler_lands_while_the_lock_is_held_stops_every_ru
     t0 = time.monotonic()
     assert sweep._call(["sleep", "60"], late).returncode == -signal.SIGTERM, "a run started after the signal stops"
     assert time.monotonic() - t0 < 5
+
+
+def test_a_second_sweep_of_a_running_sweeps_directory_is_refused_before_it_touches_a_run(tmp_path):
+    """A second `computerrl sweep` of one directory took a run still going before its first checkpoint for one that had
+    died there (``_state`` "start") and deleted its directory to start it afresh."""
+    out = tmp_path / "sw"
+    going = out / "runs" / "x" / "seed-0"
+    going.mkdir(parents=True)
+    (going / "sweep-run.log").write_text("the first sweep's run, before its first checkpoint\n")
+    code = ("import sys; from common import claims; claims.claim(sys.argv[1], 'sweep'); print('held', flush=True); "
+            "sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        spec = SweepSpec(BASE, {"learner.lr": ["1e-4"]}, 1, eval_suite="sim:heldout", eval_episodes=5)
+        with pytest.raises(ValueError, match=rf"{out}: sweep is held by another process: pid "
+                                             rf"{holder.pid} .*this sweep is running"):
+            Sweep(spec, out, echo=lambda s: None)
+        assert (going / "sweep-run.log").exists() and not (out / "sweep.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    Sweep(spec, out, echo=lambda s: None)  # its holder gone, the directory is free
