@@ -123,18 +123,22 @@ class Reconciliation:
     """trained though no ack or recovery was ever recorded: a gap in the trail itself"""
     learner_starts: int = 0
     broker_starts: int = 0
+    out_of_order: int = 0
+    """learner steps whose version did not follow the one before without a resume between: two learners writing one
+    run's trail at once (``common/claims.py`` prevents it where the file system locks)"""
     acked_ids: set[str] = field(default_factory=set)
     """every group the broker recorded as acked (or recovered, or dropped on receipt)"""
 
     @property
     def ok(self) -> bool:
-        return not self.lost and not self.trained_twice and not self.unrecorded
+        return not self.lost and not self.trained_twice and not self.unrecorded and not self.out_of_order
 
     def as_dict(self) -> dict:
         return {"acked": self.acked, "trained_once": self.trained_once, "trained_twice": len(self.trained_twice),
                 "dropped": dict(self.dropped), "dropped_total": sum(self.dropped.values()), "queued": self.queued,
                 "lost": len(self.lost), "unrecorded": len(self.unrecorded), "rolled_back_settlements": self.rolled_back,
                 "learner_starts": self.learner_starts, "broker_starts": self.broker_starts,
+                "learner_steps_out_of_order": self.out_of_order,
                 "lost_ids": self.lost[:20], "trained_twice_ids": self.trained_twice[:20], "ok": self.ok}
 
     def table(self) -> str:
@@ -144,7 +148,8 @@ class Reconciliation:
                  ("LOST", len(self.lost)), ("TRAINED TWICE", len(self.trained_twice)),
                  ("trained without an ack record", len(self.unrecorded)),
                  ("learner settlements rolled back", self.rolled_back), ("learner starts (a resume is one)", self.learner_starts),
-                 ("broker starts", self.broker_starts)]
+                 ("broker starts", self.broker_starts),
+                 ("LEARNER STEPS OUT OF ORDER (two learners at once)", self.out_of_order)]
         width = max(len(r[0]) for r in rows)
         out = [f"{name:<{width}}  {n:>7}" for name, n in rows]
         if self.lost:
@@ -157,13 +162,23 @@ class Reconciliation:
         return "\n".join(out)
 
 
-def learner_settlements(events: Iterable[dict]) -> tuple[list[tuple[str, str]], int, int]:
-    """The durable settlements of a learner's event stream: ([(group, "trained" | reason)], discarded, resumes)."""
+def learner_settlements(events: Iterable[dict]) -> tuple[list[tuple[str, str]], int, int, int]:
+    """The durable settlements of a learner's event stream: ([(group, "trained" | reason)], discarded, resumes,
+    steps out of order). One learner's steps each produce the next version, and it starts (a ``resume``) before it
+    trains; a step whose version is not above the last one's since then was another learner's."""
     durable: list[tuple[str, str]] = []
     pending: list[tuple[int, str, str]] = []  # (version, group, outcome) not yet covered by a checkpoint
-    discarded = resumes = 0
+    discarded = resumes = out_of_order = 0
+    last_step = None  # version of the last step since the last resume
     for ev in events:
         e = ev["e"]
+        if e == "trained":
+            v = int(ev.get("v", 0))
+            if last_step is not None and v <= last_step:
+                out_of_order += 1
+            last_step = v if last_step is None else max(last_step, v)
+        elif e == "resume":
+            last_step = int(ev.get("v", 0))
         if e in ("trained", "dropped"):
             outcome = "trained" if e == "trained" else str(ev.get("r", "?"))
             pending.extend((int(ev.get("v", 0)), g, outcome) for g in _ids(ev))
@@ -177,7 +192,7 @@ def learner_settlements(events: Iterable[dict]) -> tuple[list[tuple[str, str]], 
                 pending = []
             else:
                 pending = later
-    return durable, discarded, resumes
+    return durable, discarded, resumes, out_of_order
 
 
 def group_fates(broker_events: Iterable[dict], learner_events: Iterable[dict]) -> dict[str, str]:
@@ -219,7 +234,7 @@ def reconcile_events(broker_events: Iterable[dict], learner_events: Iterable[dic
                 broker_drop.setdefault(g, str(ev.get("r", "?")))
         elif e == "start":
             out.broker_starts += 1
-    durable, out.rolled_back, out.learner_starts = learner_settlements(learner_events)
+    durable, out.rolled_back, out.learner_starts, out.out_of_order = learner_settlements(learner_events)
     trained: collections.Counter = collections.Counter()
     learner_drop: dict[str, str] = {}
     for g, outcome in durable:
