@@ -269,19 +269,20 @@ def check_resumable(run_dir: str | Path) -> None:
                      f"{where}. Leave out --resume to start a new run there.")
 
 
-def check_fresh(run_dir: str | Path) -> None:
+def check_fresh(run_dir: str | Path, continue_with: str = "--resume") -> None:
     """Refuse to start a new run in a run directory whose run has checkpoints (``--resume`` left out by mistake). The
     new learner counted versions from 0 again beside the old checkpoints, the broker handed it the old run's queued
     groups from its spill log, the metrics and evaluations of both runs went into one curve, and the checkpoint
     rotation, keeping the highest versions, deleted the new run's latest checkpoint. The Slurm script, ``computerrl
-    chaos`` and ``sweep`` start afresh only where there is no checkpoint to resume from, the same test as here."""
+    chaos`` and ``sweep`` start afresh only where there is no checkpoint to resume from, the same test as here.
+    ``continue_with``: the command the message names for continuing it."""
     from learner import checkpoint as ckpt
 
     root = Path(run_dir)
     latest = ckpt.latest(root / "checkpoints")  # what --resume continues from (check_resumable)
     if latest is not None:
-        raise ValueError(f"{root} holds a run with checkpoints (the latest: {latest.name}): continue it with --resume, "
-                         f"or give the new run another --run-dir")
+        raise ValueError(f"{root} holds a run with checkpoints (the latest: {latest.name}): continue it with "
+                         f"{continue_with}, or give the new run another --run-dir")
 
 
 FIXED_ON_RESUME = ("run.run_id", "model.path", "model.kind", "model.tokenizer", "model.tokenizer_path",

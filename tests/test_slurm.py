@@ -366,6 +366,41 @@ def test_a_resume_may_change_the_run_and_its_script_but_not_its_model(tmp_path, 
     assert load_run_config(run_dir / "config.requested.yaml").learner.total_steps == 8
 
 
+def test_one_job_per_run_directory_a_second_submission_is_refused(tmp_path, monkeypatch):
+    """A queued job holds no claim on its run directory yet, and `slurm submit` did not look for checkpoints: a
+    second submission queued a second job of the run, and one into a run that had checkpointed replaced its config
+    (model included) and resumed from its checkpoint under it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    state = tmp_path / "squeue-says"
+    state.write_text("PENDING|0:00|4:00:00|(Priority)\n")
+    for tool, body in (("sbatch", "echo 4242"), ("squeue", f"cat {state}"), ("scontrol", "exit 1")):
+        (bin_dir / tool).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    run_dir = tmp_path / "r"
+    submit = ["slurm", "submit", "configs/local.yaml", "--run-dir", str(run_dir)]
+    r = CliRunner().invoke(main, [*submit, "learner.total_steps=3"])
+    assert r.exit_code == 0 and "submitted job 4242" in r.output, r.output
+    requested = (run_dir / "config.requested.yaml").read_text()
+    for args in ([*submit, "learner.total_steps=5"], ["slurm", "resume", str(run_dir)]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1 and "job 4242 of this run is still pending: one job per run directory" in r.output, \
+            r.output
+    assert (run_dir / "config.requested.yaml").read_text() == requested
+
+    state.write_text("")  # the job left the queue, having checkpointed
+    (run_dir / "checkpoints" / "step-00000003").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step-00000003" / "state.json").write_text("{}")
+    (run_dir / "checkpoints" / "latest").write_text("step-00000003")
+    for args in ([*submit, "learner.total_steps=8"], [*submit, "--dry-run"]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1 and f"continue it with computerrl slurm resume {run_dir}" in r.output, r.output
+    assert (run_dir / "config.requested.yaml").read_text() == requested
+    r = CliRunner().invoke(main, ["slurm", "resume", str(run_dir)])
+    assert r.exit_code == 0 and "submitted job 4242" in r.output, r.output
+
+
 def _fake_tools(bin_dir: Path, log: Path) -> Path:
     """A stand-in for `computerrl run` (exits 75 on SIGTERM, as the supervisor does) and a recording scontrol."""
     bin_dir.mkdir()

@@ -9,8 +9,10 @@ from pathlib import Path
 import click
 import yaml
 
+from common import claims
 from common import config as configlib
-from launch.cli.base import emit, load_config, main, prepare_run
+from launch.cli.base import claim_in_run_dir, emit, load_config, main, prepare_run
+from launch.config import check_fresh
 
 
 @main.group()
@@ -30,7 +32,11 @@ def slurm_submit(config: str, overrides: tuple[str, ...], run_dir: str | None, d
 
     cfg = load_config(config, overrides)  # the slurm section is validated with the rest of the config
     root = Path(run_dir or cfg.run.run_dir.format(run_id=cfg.run.run_id or "<run id>")).absolute()
+    if root.is_dir() and not dry_run:  # a run there may be going: say that first
+        claim_in_run_dir(root, claims.RUN, 0.0)
+    _refuse_a_second_job(root)
     try:  # everything checked before anything is written or submitted
+        check_fresh(root, continue_with=f"computerrl slurm resume {root}")
         warnings = S.check_submission(cfg, root)
         if not dry_run:
             S.require_tool("sbatch")
@@ -50,6 +56,25 @@ def slurm_submit(config: str, overrides: tuple[str, ...], run_dir: str | None, d
         return
     rd = _write_job(cfg, run_dir)
     _submit_job(rd.root, f"partition {cfg.slurm.partition or 'default'}, {cfg.slurm.nodes} node(s)")
+
+
+def _refuse_a_second_job(root: Path) -> None:
+    """One job per run directory. A job still in the queue holds no claim on its directory yet
+    (``common/claims.py``: its processes take it when they start), so without this a second submission, or a
+    resume, would queue a second job to run the same run beside the first or after it. Where Slurm cannot say
+    (no job recorded, no squeue here) there is nothing to refuse."""
+    from launch import slurm as S
+
+    if not S.job_files(root)["job_id"].exists():
+        return
+    try:
+        job = S.run_job_id(root)
+        state = S.job_state(job).get("state", "")
+    except RuntimeError:
+        return
+    if state in S.WAITING_STATES + S.RUNNING_STATES:
+        raise click.ClickException(f"job {job} of this run is still {state.lower()}: one job per run directory "
+                                   f"(computerrl slurm status {root}; cancel it with computerrl slurm cancel {root})")
 
 
 def _write_job(cfg, run_dir: str | Path | None):
@@ -90,13 +115,7 @@ def slurm_resume(run_dir: str, overrides: tuple[str, ...]) -> None:
     root = Path(run_dir).absolute()
     if not S.job_files(root)["script"].exists():
         raise click.ClickException(f"{root} has no slurm/job.sbatch: submit it with computerrl slurm submit")
-    try:
-        job = S.run_job_id(root)
-        state = S.job_state(job).get("state", "")
-    except RuntimeError:
-        job, state = "", ""
-    if state in S.WAITING_STATES + S.RUNNING_STATES:
-        raise click.ClickException(f"job {job} of this run is still {state.lower()}: one job per run directory")
+    _refuse_a_second_job(root)
     if overrides:
         cfg = load_config(None, overrides, resume=str(root))
         try:
