@@ -6,6 +6,7 @@ it."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from typing import Any
 
@@ -72,6 +73,10 @@ def render_view(run_dir: RunDir, cfg: Any, elapsed: float, roles: dict[str, tupl
     tasks_aside = br.get("tasks_set_aside", 0)
     crashed = ([f"set aside after crashes: {groups_aside} groups (in quarantine/: computerrl replay-step), "
                 f"{tasks_aside} tasks (broker log: task_set_aside)"] if groups_aside or tasks_aside else [])
+    # A save the file system refused leaves training going (learner/process.py) but its steps not durable.
+    refused = (lr.get("counters") or {}).get("checkpoints_failed", 0)
+    not_saved = ([f"CHECKPOINTS FAILED: {refused} (learner log: checkpoint_failed; a full disk?): the steps since the "
+                  "last one written are not durable"] if refused else [])
     return [
         f"phase {lr.get('phase', '-').upper():<4} step {step}/{total or '∞'}  elapsed {elapsed / 60:.1f} min  "
         f"ETA {eta}",
@@ -84,8 +89,30 @@ def render_view(run_dir: RunDir, cfg: Any, elapsed: float, roles: dict[str, tupl
         f"sessions {_total(servers, 'sessions'):.0f}",
         desktop_line(servers, elapsed),
         *crashed,
+        *not_saved,
+        *disk_line(run_dir),
         f"roles {alive}",
     ]
+
+
+LOW_DISK_BYTES = 256 << 20
+"""below this much free space (or twice the latest checkpoint, if more) the view warns of the run directory's disk"""
+
+
+def disk_line(run_dir: RunDir) -> list[str]:
+    """A warning when the run directory's file system is nearly full, read from the file system itself: the roles'
+    metrics cannot say so once it is, as they are written there. (A quota below the file system's free space is not
+    seen.)"""
+    try:
+        free = shutil.disk_usage(run_dir.root).free
+        latest = run_dir.checkpoints / run_dir.latest_checkpoint() if run_dir.latest_checkpoint() else None
+        checkpoint = sum(f.stat().st_size for f in latest.rglob("*") if f.is_file()) if latest else 0
+    except OSError:
+        return []
+    if free >= max(LOW_DISK_BYTES, 2 * checkpoint):
+        return []
+    return [f"DISK NEARLY FULL: {free / 2**20:.0f} MiB free where the run directory is (a checkpoint takes "
+            f"{checkpoint / 2**20:.0f} MiB): checkpoints, the spill log's acks and metrics wait for space"]
 
 
 DESKTOP_FAILURES = ("backend_errors", "step_timeouts", "health_check_errors")

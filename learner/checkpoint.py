@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,57 @@ import torch
 
 TRAINER_FILE = "trainer.pt"
 STATE_FILE = "state.json"
+
+
+class StorageRefused(OSError):
+    """A checkpoint the file system refused (full, over quota, failing), as an OSError whichever library wrote it.
+    torch.save reports a full disk as a RuntimeError ("unexpected pos"), safetensors as a SafetensorError naming the
+    OS error; the learner counts a refused save and trains on (``learner/process.py``), so it must see one as such,
+    while a bug in the save still raises as itself."""
+
+
+class _WriteRecorder:
+    """The file torch.save writes through, keeping the OSError of a write that failed: torch's zip writer turns it
+    into an "unexpected pos" RuntimeError."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as exc:
+            self.error = exc
+            raise
+
+
+_OS_ERROR_IN_TEXT = re.compile(r"\(os error (\d+)\)")
+"""how Rust's std::io::Error ends its message (safetensors: "I/O error: No space left on device (os error 28)")"""
+
+
+def storage_error(exc: BaseException, recorded: OSError | None = None) -> OSError | None:
+    """The file system's error behind a failed write, or None where nothing says it was the file system: the
+    exception itself or one it was raised from, what a ``_WriteRecorder`` kept, or an OS error number in its text."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError):
+            return cur
+        match = _OS_ERROR_IN_TEXT.search(str(cur))
+        if match:
+            code = int(match.group(1))
+            return OSError(code, os.strerror(code))
+        cur = cur.__cause__ or cur.__context__
+    return recorded
 
 
 def _fsync_dir(path: Path) -> None:
@@ -36,20 +89,28 @@ def _write_dir(final: Path, model: Any, weights: dict, state: dict, trainer: dic
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
+    recorder: _WriteRecorder | None = None
     try:
         model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         if trainer is not None:
-            torch.save(trainer, tmp / TRAINER_FILE)
+            with open(tmp / TRAINER_FILE, "wb") as fh:
+                recorder = _WriteRecorder(fh)
+                torch.save(trainer, recorder)
         if hasattr(tokenizer, "save_pretrained"):  # the byte tokenizer has no files
             tokenizer.save_pretrained(tmp)
         (tmp / STATE_FILE).write_text(json.dumps(state))
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-    except BaseException:
+    except BaseException as exc:
         # A half-written checkpoint (a full disk) would hold the space the next try needs.
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        refused = storage_error(exc, recorder.error if recorder else None) if isinstance(exc, Exception) else None
+        if refused is None or isinstance(exc, StorageRefused):
+            raise
+        code = refused.errno or errno.EIO
+        raise StorageRefused(code, f"{final.name} not written to {final.parent}: {refused.strerror or refused} "
+                                   f"({type(exc).__name__}: {str(exc)[:200]})") from exc
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -129,6 +129,8 @@ class LearnerConfig:
     """HOST:PORT to serve this role's metrics on for Prometheus (rank 0 only); empty = off"""
     keep_checkpoints: int = 3
     """checkpoints kept on disk"""
+    final_checkpoint_wait_s: float = 600.0
+    """after the last step, how long a checkpoint the file system refuses is retried (every 10 s) before the learner stops"""
     expected_actors: int = 0
     """a weight round closes once this many receivers joined (1 per actor or vLLM TP worker; 0 = join_window_s)"""
     broadcast_weights: bool = True
@@ -151,6 +153,8 @@ class LearnerConfig:
             raise ValueError("learner.min_lr_ratio must be in [0, 1]")
         if self.dist_timeout_s <= 0:
             raise ValueError("learner.dist_timeout_s must be > 0")
+        if self.final_checkpoint_wait_s < 0:
+            raise ValueError("learner.final_checkpoint_wait_s must be >= 0 (0: a refused final checkpoint is not retried)")
         if self.job_timeout_s < 0:
             raise ValueError("learner.job_timeout_s must be >= 0 (0: a hung step is waited for)")
         if self.max_step_crashes < 0:

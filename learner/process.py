@@ -45,6 +45,10 @@ FAILED_STEPS_IN_A_ROW_MAX = 3
 is dropped (restarting would only get it delivered again), but a learner that can train no batch is broken"""
 
 
+FINAL_CHECKPOINT_RETRY_S = 10.0
+"""a final checkpoint the file system refused is tried again this often, for learner.final_checkpoint_wait_s"""
+
+
 class CheckpointFailed(RuntimeError):
     """The checkpoint a stopping learner takes could not be written: the steps since the last one are not durable."""
 
@@ -131,6 +135,26 @@ class Learner:
         self._checkpointed = version
         self.log.info("checkpoint_written", path=str(path), version=version)
         return True
+
+    def _last_checkpoint(self, finished: bool, signalled: StopSignals) -> bool:
+        """The checkpoint on the way out. After the last step one the file system refuses (a full disk, a quota) is
+        tried again every ``FINAL_CHECKPOINT_RETRY_S`` for ``final_checkpoint_wait_s``, the broker link polled: a
+        learner that stopped at once would be restarted to train every step since its last durable checkpoint again,
+        which on a disk that stayed full may be most of the run. A stop (a signal, a preemption's grace time) does
+        not wait, nor does a signal that comes while this does."""
+        saved = self.checkpoint()
+        deadline = time.monotonic() + self.cfg.final_checkpoint_wait_s
+        while not saved and finished and not signalled.requested and time.monotonic() < deadline:
+            self.log.warning("final_checkpoint_waiting", version=self.trainer.version,
+                             retry_in_s=FINAL_CHECKPOINT_RETRY_S,
+                             gives_up_in_s=round(deadline - time.monotonic(), 1),
+                             hint="free space where the run directory is; the checkpoint is tried again")
+            retry_at = min(deadline, time.monotonic() + FINAL_CHECKPOINT_RETRY_S)
+            while time.monotonic() < retry_at and not signalled.requested:
+                pulse.beat()
+                self.client.poll(0.05)
+            saved = self.checkpoint()
+        return saved
 
     def _polled(self, job: Any) -> Any:
         """``job``'s result (a future of the training thread), the broker link polled while it runs."""
@@ -295,7 +319,7 @@ class Learner:
                 # metrics record, audit events and settlements are written like any other step's.
                 self._after_step(job_kind, self._polled(job))
             if (finished or self._want_checkpoint) and self._checkpointed != t.version:
-                last_saved = self.checkpoint()
+                last_saved = self._last_checkpoint(finished, signalled)
             worker.shutdown(wait=True)
             if finished and last_saved:  # (else the run stays up for a restarted learner to finish it durably)
                 self.publish(stop=True)

@@ -4,6 +4,8 @@ import path, pi_prox modes, Entropulse transitions, checkpoint/resume, and the p
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
 import threading
 import time
 import uuid
@@ -778,25 +780,84 @@ def test_a_checkpoint_the_disk_refuses_commits_nothing_and_training_goes_on(star
     assert not list(tb.run_dir.checkpoints.glob(".tmp-*")), "no half-written checkpoint left holding space"
 
 
+@pytest.mark.parametrize("room_kib", [16, 320])
+def test_a_really_full_disk_refuses_a_checkpoint_as_an_oserror_and_leaves_no_half_of_it(tmp_path, room_kib):
+    """Found on a whole run whose directory filled up (2026-12-03): torch.save says a full disk with a RuntimeError
+    ("unexpected pos"), safetensors with a SafetensorError, so the learner's catch of OSError missed both, and each
+    periodic checkpoint crashed it; its restarts trained the same steps again until the supervisor gave up. A tmpfs
+    too small for the weights (16 KiB) fails in safetensors, one that takes them but not the optimizer (320 KiB)
+    in torch.save."""
+    import subprocess
+
+    from learner.checkpoint import StorageRefused
+
+    disk = tmp_path / "checkpoints"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room_kib}k", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        t = Trainer(LearnerConfig(), TINY)
+        t.train_step(groups_from(t))  # an optimizer with state to save
+        with pytest.raises(StorageRefused) as refused:
+            t.save(disk)
+        assert refused.value.errno == errno.ENOSPC, refused.value
+        assert f"step-{t.version:08d} not written to {disk}: No space left on device" in str(refused.value)
+        assert list(disk.iterdir()) == [], "no half-written checkpoint left holding space"
+        subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
+        assert t.save(disk).name == f"step-{t.version:08d}"
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
 def test_a_final_checkpoint_the_disk_refuses_ends_the_learner_with_an_error_and_leaves_the_run_up(
         start_broker, quiet_log, monkeypatch):
-    """The checkpoint taken on the way out cannot be skipped: the learner stops with ``CheckpointFailed`` (a
-    supervisor restarts it, and it trains the lost steps again), and it does not tell the run to stop."""
+    """The checkpoint taken on the way out cannot be skipped: after the last step it is tried again for
+    ``final_checkpoint_wait_s``, then the learner stops with ``CheckpointFailed`` (a supervisor restarts it, and it
+    trains the lost steps again), and it does not tell the run to stop."""
     import learner.checkpoint as ckpt
+    import learner.process as process
     from learner.process import CheckpointFailed
 
     tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=4, eta=2, persist=True))
-    learner = Learner(LearnerConfig(total_steps=2, checkpoint_every=0), TINY, None, tb.net, tb.run_dir, quiet_log)
+    learner = Learner(LearnerConfig(total_steps=2, checkpoint_every=0, final_checkpoint_wait_s=0.5), TINY, None,
+                      tb.net, tb.run_dir, quiet_log)
 
     def full_disk(*args, **kw):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ckpt, "save", full_disk)
+    monkeypatch.setattr(process, "FINAL_CHECKPOINT_RETRY_S", 0.1)
     (failure,) = _run_fed(learner, tb, quiet_log)
     assert isinstance(failure, CheckpointFailed) and "version 2" in str(failure)
-    assert learner.trainer.counters["checkpoints_failed"] == 1
+    assert 4 <= learner.trainer.counters["checkpoints_failed"] <= 7, "tried every 0.1 s for 0.5 s"
     assert not tb.broker.control.stop, "the run stays up for a restarted learner"
     assert _consumed_at_broker(tb) == [], "nothing committed"
+
+
+def test_a_final_checkpoint_that_fits_once_space_returns_ends_the_run(start_broker, quiet_log, monkeypatch):
+    """Found on a whole run whose disk filled (2026-12-03): a learner that stopped at its refused final checkpoint was
+    restarted from its last durable one, and every periodic checkpoint had failed on that disk too, so it trained most
+    of the run again. Waiting for space, it finishes the run with the steps it has."""
+    import learner.checkpoint as ckpt
+    import learner.process as process
+
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=4, eta=2, persist=True))
+    learner = Learner(LearnerConfig(total_steps=2, checkpoint_every=0), TINY, None, tb.net, tb.run_dir, quiet_log)
+    real_save, saves = ckpt.save, []
+
+    def full_twice(root, version, *args, **kw):
+        saves.append(version)
+        if len(saves) <= 2:
+            raise OSError(28, "No space left on device")
+        return real_save(root, version, *args, **kw)
+
+    monkeypatch.setattr(ckpt, "save", full_twice)
+    monkeypatch.setattr(process, "FINAL_CHECKPOINT_RETRY_S", 0.1)
+    assert _run_fed(learner, tb, quiet_log) == []
+    assert saves == [2, 2, 2] and learner.trainer.counters["checkpoints_failed"] == 2
+    assert tb.broker.control.stop, "the run is over"
+    assert len(_consumed_at_broker(tb)) == 2, "both steps' groups committed"
 
 
 def test_a_batch_that_makes_a_step_raise_is_dropped_and_three_in_a_row_stop_the_learner(start_broker, quiet_log):

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from launch.cli import main
 
 
-def test_top_shows_a_run_from_its_records_and_which_roles_went_quiet(tmp_path):
+def test_top_shows_a_run_from_its_records_and_which_roles_went_quiet(tmp_path, monkeypatch):
     now = time.time()
     m = tmp_path / "metrics"
     m.mkdir()
@@ -38,3 +38,19 @@ def test_top_shows_a_run_from_its_records_and_which_roles_went_quiet(tmp_path):
         f.write(json.dumps({"time": now, "step": 5, "counters": {"groups_dropped_step_crashed": 1}}) + "\n")
     out = CliRunner().invoke(main, ["top", str(tmp_path), "--once"])
     assert "set aside after crashes: 1 groups (in quarantine/: computerrl replay-step), 0 tasks" in out.output
+    assert "CHECKPOINTS FAILED" not in out.output
+    with open(m / "learner.jsonl", "a") as f:
+        f.write(json.dumps({"time": now, "step": 6, "counters": {"checkpoints_failed": 2}}) + "\n")
+    out = CliRunner().invoke(main, ["top", str(tmp_path), "--once"])
+    assert "CHECKPOINTS FAILED: 2 (learner log: checkpoint_failed; a full disk?)" in out.output, out.output
+    assert "DISK NEARLY FULL" not in out.output
+    (tmp_path / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-00000004" / "model.safetensors").write_bytes(b"w" * (3 << 20))
+    (tmp_path / "checkpoints" / "latest").write_text("step-00000004")
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, (1 << 30) - (5 << 20),
+                                                                                 5 << 20))
+    out = CliRunner().invoke(main, ["top", str(tmp_path), "--once"])
+    assert "DISK NEARLY FULL: 5 MiB free where the run directory is (a checkpoint takes 3 MiB)" in out.output, \
+        out.output
