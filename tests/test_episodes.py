@@ -246,3 +246,38 @@ def test_serve_shows_new_episodes_and_nothing_else_of_the_run(run):
     finally:
         server.shutdown()
         t.join(10)
+
+
+def test_a_run_directory_that_takes_no_pages_gets_them_elsewhere(run, tmp_path, monkeypatch):
+    """Found on a read-only copy of a run (2026-12-03): a colleague's run directory, a snapshot. The pages went into
+    the run directory only, and `episodes` ended in a traceback (`OSError: Read-only file system`)."""
+    import errno
+    import os
+    import re
+
+    from click.testing import CliRunner
+
+    import launch.episodes.pages as pages
+    from launch.cli import main
+
+    real = pages.write_site
+
+    def read_only_run(eps, out):
+        if str(out).startswith(str(run.root)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(out))
+        return real(eps, out)
+
+    monkeypatch.setattr(pages, "write_site", read_only_run)
+    monkeypatch.setattr("launch.episodes.serve.write_site", read_only_run)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    out = CliRunner().invoke(main, ["episodes", str(run.root)])
+    assert out.exit_code == 0, out.output
+    assert "the run directory takes no pages (Read-only file system): writing them to" in out.output
+    site = next((tmp_path / "tmp").glob(f"computerrl-episodes-{os.getuid()}/{run.root.name}-*"))
+    page = (site / page_name(load(run.root).by_id("ep000"))).read_text()
+    (shot,) = re.findall(r"<img src='([^']+)'", page)
+    assert (site / shot).resolve().is_file(), "the screenshot reached from the pages where they are"
+    out = CliRunner().invoke(main, ["episodes", str(run.root), "--out", str(run.root / "elsewhere")])
+    assert out.exit_code == 1 and "cannot write the pages to" in out.output and "Traceback" not in out.output
+    out = CliRunner().invoke(main, ["episodes", str(run.root), "--serve", "0"])
+    assert out.exit_code == 1 and "where --serve serves them from" in out.output, out.output

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -170,7 +171,6 @@ def episodes_cmd(run_dir: str, out: str | None, episode_id: str | None, open_bro
                  host: str) -> None:
     """A run's recorded episodes as static pages (open index.html in a browser; no server) or one as text."""
     from launch.episodes.collect import NoEpisodes, load
-    from launch.episodes.pages import write_site
     from launch.episodes.text import render_text
 
     try:
@@ -186,9 +186,12 @@ def episodes_cmd(run_dir: str, out: str | None, episode_id: str | None, open_bro
     if port is not None:
         from launch.episodes.serve import serve
 
-        serve(run_dir, host, port, lambda url, _server: click.echo(f"serving {url} (Ctrl-C stops)"))
+        try:
+            serve(run_dir, host, port, lambda url, _server: click.echo(f"serving {url} (Ctrl-C stops)"))
+        except OSError as exc:  # (serve names the directory it could not write)
+            raise click.ClickException(exc.strerror or str(exc)) from None
         return
-    index = write_site(eps, Path(out) if out else eps.run / "episodes" / "html")
+    index = _write_pages(eps, out)
     skipped = sum(eps.skipped.values())
     click.echo(f"{len(eps.episodes)} episodes" + (f" ({skipped} unreadable lines skipped)" if skipped else "")
                + f": {index.as_uri()}")
@@ -197,6 +200,35 @@ def episodes_cmd(run_dir: str, out: str | None, episode_id: str | None, open_bro
 
         if not webbrowser.open(index.as_uri()):
             click.echo("no browser found here: open the address above on a machine that sees this file system")
+
+
+def _write_pages(eps: Any, out: str | None) -> Path:
+    """The episode pages written to ``out``, or by default into the run directory. A run directory that takes no
+    pages (read-only: a colleague's run, a snapshot; or full) gets them in this user's temporary folder instead,
+    said on stderr; the pages reach the run's screenshots by relative paths from wherever they are."""
+    import hashlib
+    import os
+    import tempfile
+
+    from launch.episodes.pages import write_site
+
+    target = Path(out) if out else eps.run / "episodes" / "html"
+    try:
+        return write_site(eps, target)
+    except OSError as exc:
+        if out:
+            raise click.ClickException(f"cannot write the pages to {target}: {exc.strerror or exc}") from None
+        reason = exc.strerror or str(exc)
+    run = Path(eps.run).resolve()
+    target = (Path(tempfile.gettempdir()) / f"computerrl-episodes-{os.getuid()}"
+              / f"{run.name}-{hashlib.sha1(str(run).encode()).hexdigest()[:8]}")
+    click.echo(f"the run directory takes no pages ({reason}): writing them to {target} (--out chooses where)",
+               err=True)
+    try:
+        return write_site(eps, target)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write the pages to {target} either: {exc.strerror or exc}; "
+                                   "give --out a folder that takes them") from None
 
 
 @main.command("replay-step")

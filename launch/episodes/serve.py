@@ -48,13 +48,24 @@ def serve(run_dir: str | Path, host: str, port: int, ready: Callable[[str, objec
     """Serve until interrupted; ``ready(url, server)`` is called once it listens (``server.shutdown()`` stops it)."""
     run = load(run_dir).run
     lock = threading.Lock()
-    made: list[tuple] = [()]
+    made: list[tuple | None] = [None]  # what the pages were made from; None: none written yet
+
+    pages = run / "episodes" / "html"
 
     def refresh() -> None:
+        """Rewrite the pages if the log grew. One that cannot be written now (a disk that filled) keeps the pages
+        there are; before the first, serve gives up."""
         with lock:
             state = _log_state(run)
             if state != made[0]:
-                write_site(load(run), run / "episodes" / "html")
+                try:
+                    write_site(load(run), pages)
+                except OSError as exc:
+                    if made[0] is None:
+                        raise OSError(exc.errno, f"cannot write the pages into {pages} ({exc.strerror or exc}), "
+                                                 "where --serve serves them from; without --serve, --out writes "
+                                                 "them anywhere") from None
+                    return
                 made[0] = state
 
     refresh()
