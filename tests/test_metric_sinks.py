@@ -122,3 +122,20 @@ def test_each_evaluation_sends_a_table_of_its_episodes_once(tmp_path):
     assert [t.step for t in texts] == [4, 8]
     table = texts[0].tensor_proto.string_val[0].decode()
     assert "| ep0 | files_move | True | 1.0 | 2 | done | Move a\\|b | done() |" in table and "ep1" in table
+
+
+def test_forwarding_into_a_run_directory_that_cannot_take_it_says_so(tmp_path):
+    """Found on a read-only copy of a run (2026-12-03): `computerrl metrics RUN --sinks tensorboard` ended in a
+    traceback from os.makedirs. Here the run directory's tensorboard/ is taken by a file."""
+    pytest.importorskip("tensorboard")
+    from click.testing import CliRunner
+
+    from launch.cli import main
+
+    (tmp_path / "metrics").mkdir()
+    _append(tmp_path / "metrics" / "learner.jsonl", {"time": 10.0, "step": 1, "loss": 0.5})
+    (tmp_path / "tensorboard").write_text("not a folder")
+    out = CliRunner().invoke(main, ["metrics", str(tmp_path), "--sinks", "tensorboard"])
+    assert out.exit_code == 1 and "cannot write" in out.output and str(tmp_path / "tensorboard") in out.output, \
+        out.output
+    assert out.exception is None or isinstance(out.exception, SystemExit), out.exception

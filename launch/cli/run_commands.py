@@ -153,6 +153,9 @@ def metrics(run_dir: str, sinks: str, follow: bool) -> None:
                                configlib.to_dict(cfg))
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
+    except OSError as exc:  # a run directory one may only read: its sinks' files and the place reached go there
+        raise click.ClickException(f"cannot write {exc.filename or rd.root}: {exc.strerror or exc}; forwarding writes "
+                                   "TensorBoard's files and how far it got into the run directory") from None
     try:
         while True:
             n = fwd.poll()
@@ -162,6 +165,9 @@ def metrics(run_dir: str, sinks: str, follow: bool) -> None:
                 time.sleep(cfg.metrics.poll_s)
     except KeyboardInterrupt:
         pass
+    except OSError as exc:
+        raise click.ClickException(f"forwarding stopped: cannot write {exc.filename or rd.root}: "
+                                   f"{exc.strerror or exc}") from None
     finally:
         fwd.close()
     click.echo(f"forwarded {fwd.forwarded} records to {', '.join(cfg.metrics.forwarded)}")
