@@ -254,11 +254,14 @@ def check_machine(cfg: RunConfig, roles: Iterable[str]) -> None:
 
 def check_resumable(run_dir: str | Path) -> None:
     """Refuse to resume a run directory that holds no checkpoint: a mistyped directory on a requeue would otherwise
-    start training from scratch without a word. The error names the directories beside it that can resume."""
+    start training from scratch without a word. The error names the directories beside it that can resume. One whose
+    latest checkpoint is damaged is refused too (``learner.checkpoint.check_whole``: what to do is in the error)."""
     from learner import checkpoint as ckpt
 
     root = Path(run_dir)
-    if ckpt.latest(root / "checkpoints") is not None:
+    latest = ckpt.latest(root / "checkpoints")
+    if latest is not None:
+        ckpt.check_whole(latest)  # (CheckpointDamaged is a ValueError, refused as one)
         return
     parent = root.parent if root.parent.is_dir() else None
     beside = sorted(p.name for p in parent.iterdir() if p.is_dir() and ckpt.latest(p / "checkpoints") is not None) \

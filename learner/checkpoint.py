@@ -12,6 +12,7 @@ import os
 import random
 import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,76 @@ def latest(root: Path) -> Path | None:
         return None
     path = root / pointer.read_text().strip()
     return path if (path / STATE_FILE).exists() else None
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint a resume cannot read (truncated, half copied): the learner would crash on it at every restart."""
+
+
+def damage(path: Path, with_trainer: bool = True) -> str:
+    """What makes checkpoint ``path`` unreadable, "" where nothing is seen. Read from the parts of each file that say
+    how long it must be (a safetensors header's offsets, a zip's central directory), not by loading it: a resume
+    finds a truncated or half-copied checkpoint before a learner starts. A bit flipped inside a tensor is not seen."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        return f"{STATE_FILE}: {exc}"
+    if not isinstance(state, dict) or not isinstance(state.get("version"), int):
+        return f"{STATE_FILE} holds no version"
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        return "no weights (*.safetensors)"
+    for f in shards:
+        problem = _safetensors_damage(f)
+        if problem:
+            return f"{f.name}: {problem}"
+    if with_trainer:
+        try:
+            with zipfile.ZipFile(path / TRAINER_FILE) as z:
+                if not any(n.endswith("/data.pkl") for n in z.namelist()):
+                    return f"{TRAINER_FILE}: no data.pkl in it"
+        except (OSError, zipfile.BadZipFile) as exc:
+            return f"{TRAINER_FILE}: {exc}"
+    return ""
+
+
+def _safetensors_damage(f: Path) -> str:
+    """A safetensors file is an 8-byte header length, a JSON header of every tensor's byte offsets, then the bytes:
+    its size must be what the header says."""
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 0 or n > size - 8:
+                return f"truncated ({size} bytes, shorter than its header)"
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        return f"unreadable header ({exc})"
+    if 8 + n + end != size:
+        return f"{size} bytes where its header says {8 + n + end} (truncated, or copied in part)"
+    return ""
+
+
+def check_whole(path: Path) -> None:
+    """Raise ``CheckpointDamaged`` when checkpoint ``path`` cannot be resumed from, naming what is wrong and the
+    newest whole checkpoint before it, with the two commands that make a resume go on from that one."""
+    problem = damage(path)
+    if not problem:
+        return
+    root = path.parent
+    earlier = sorted((p for p in root.glob("step-*") if p.is_dir() and p.name < path.name), reverse=True)
+    whole = next((p for p in earlier if (p / STATE_FILE).exists() and not damage(p)), None)
+    if whole is None:
+        then = "no checkpoint before it is whole: start the run again in another --run-dir"
+    else:
+        then = (f"The newest whole one is {whole.name}. To go on from there, move the damaged one aside and point "
+                f"latest at it: mv {path} {root / ('damaged-' + path.name)} && echo {whole.name} > {root / 'latest'} "
+                f"(the steps after {whole.name} are lost from the model; their groups, which the broker forgot at "
+                "the damaged checkpoint, are not trained again, and computerrl audit, which reads the trail, still "
+                "counts them trained)")
+    raise CheckpointDamaged(f"checkpoint {path} is damaged: {problem}; a resume cannot read it. {then}")
 
 
 def read(path: Path, model: Any, with_trainer: bool, weights: bool = True) -> tuple[dict, dict | None, dict]:

@@ -94,6 +94,7 @@ class Learner:
             if path is None:
                 log.warning("resume_without_checkpoint", dir=str(run_dir.checkpoints))
             else:
+                ckpt.check_whole(path)  # a damaged one would crash every restart the same way: the role exits 78
                 state = self.jobs.run("load", {"path": str(path)})
                 self.client.load_state(state.get("broker_client", {}), self.trainer.version)
                 log.info("resumed", checkpoint=str(path), version=self.trainer.version,
@@ -563,7 +564,7 @@ def main(cfg: Any, run_dir: RunDir, log: Any, resume: bool, anchor_demos: list[P
         # restarted it. So the error is printed and the process leaves at once; the supervisor restarts every rank
         # from the checkpoint (unless rank 0 met another run's broker: restarting cannot help).
         traceback.print_exc()
-        exit_now(EXIT_CONFIG if isinstance(exc, OtherRunError) else 1)
+        exit_now(EXIT_CONFIG if isinstance(exc, (OtherRunError, ckpt.CheckpointDamaged)) else 1)
 
 
 def exit_now(code: int = 1) -> None:

@@ -3,6 +3,7 @@ desktops (where their Debian packages are installed)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -268,3 +269,19 @@ def children_of_run(run_dir: Path) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def whole_checkpoint(checkpoints: Path, version: int) -> Path:
+    """The smallest checkpoint directory a resume's checks take for whole (``learner/checkpoint.py: damage``): a
+    state.json with its version, one weights file, a trainer.pt; ``latest`` pointed at it. For tests of what the
+    commands around a resume decide, which never load it."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = checkpoints / f"step-{version:08d}"
+    path.mkdir(parents=True)
+    (path / "state.json").write_text(json.dumps({"version": version}))
+    save_file({"w": torch.zeros(1)}, str(path / "model.safetensors"))
+    torch.save({}, path / "trainer.pt")
+    (checkpoints / "latest").write_text(path.name)
+    return path

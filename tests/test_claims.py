@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from common import claims
-from conftest import REPO
+from conftest import REPO, whole_checkpoint
 
 REPO_CONFIG = REPO / "configs" / "local.yaml"
 
@@ -97,9 +97,7 @@ def test_a_second_run_of_a_running_run_directory_is_refused_before_it_writes_or_
 
     run = tmp_path / "run"
     prepare_run(load_run_config(REPO_CONFIG, ["learner.total_steps=4"]), str(run))
-    (run / "checkpoints" / "step-00000004").mkdir(parents=True)
-    (run / "checkpoints" / "step-00000004" / "state.json").write_text("{}")
-    (run / "checkpoints" / "latest").write_text("step-00000004")
+    whole_checkpoint(run / "checkpoints", 4)
     claims.release_all()  # the run's supervisor is another process
     requested = (run / "config.requested.yaml").read_text()
     holder = _holder(run, claims.RUN)

@@ -15,7 +15,7 @@ from common import config as configlib
 from common.config import ConfigError
 from launch.cli import main
 from launch.config import RunConfig, load_run_config, resolve_run_dir
-from tests.conftest import REPO
+from tests.conftest import REPO, whole_checkpoint
 
 REPO_CONFIG = REPO / "configs" / "local.yaml"
 
@@ -186,9 +186,7 @@ def test_a_local_run_sizes_the_desktop_pool_and_weight_rounds_to_its_actors():
 def test_resume_refuses_a_run_directory_without_a_checkpoint_and_names_those_that_have_one(tmp_path):
     """A mistyped --run-dir on a requeue used to start a new run from scratch, exit 0, with only a log warning."""
     runs = tmp_path / "runs"
-    (runs / "good" / "checkpoints" / "step-00000004").mkdir(parents=True)
-    (runs / "good" / "checkpoints" / "step-00000004" / "state.json").write_text("{}")
-    (runs / "good" / "checkpoints" / "latest").write_text("step-00000004")
+    whole_checkpoint(runs / "good" / "checkpoints", 4)
     out = CliRunner().invoke(main, ["run", str(REPO / "configs" / "local.yaml"), "--run-dir", str(runs / "godo"),
                                     "--resume"])
     assert out.exit_code == 2, out.output
@@ -201,9 +199,7 @@ def test_a_new_run_in_a_directory_whose_run_has_checkpoints_is_refused(tmp_path)
     from 0 beside the old checkpoints, took the old run's queued groups, drew both runs into one curve, and the
     rotation (which keeps the highest versions) deleted its own latest checkpoint. Refused now, nothing written."""
     run = tmp_path / "run"
-    (run / "checkpoints" / "step-00000040").mkdir(parents=True)
-    (run / "checkpoints" / "step-00000040" / "state.json").write_text("{}")
-    (run / "checkpoints" / "latest").write_text("step-00000040")
+    whole_checkpoint(run / "checkpoints", 40)
     for where in (["--run-dir", str(run)], [f"run.run_id={run.name}", f"run.run_dir={run}"]):
         out = CliRunner().invoke(main, ["run", str(REPO / "configs" / "local.yaml"), *where])
         assert out.exit_code == 2, out.output
@@ -221,9 +217,7 @@ def _a_run_started_with(tmp_path, overrides):
 
     run = tmp_path / "run"
     prepare_run(load_run_config(REPO_CONFIG, overrides), str(run))
-    (run / "checkpoints" / "step-00000004").mkdir(parents=True)
-    (run / "checkpoints" / "step-00000004" / "state.json").write_text("{}")
-    (run / "checkpoints" / "latest").write_text("step-00000004")
+    whole_checkpoint(run / "checkpoints", 4)
     return run
 
 

@@ -637,6 +637,43 @@ def test_checkpoint_resume_gives_the_identical_next_step(tmp_path):
     assert list(path.glob("*.safetensors")) and (path / "config.json").exists(), "HF format"
 
 
+def test_a_damaged_checkpoint_is_found_before_a_resume_and_names_the_whole_one_before_it(tmp_path):
+    """Found by hand (2026-12-03): a latest checkpoint cut short (a copy in part, a failing disk) made every learner
+    start crash in torch.load; the supervisor restarted it 5 times, gave up and said the run was resumable with
+    --resume, which crashed the same way."""
+    import shutil
+
+    from learner import checkpoint as ckpt
+    from launch.config import check_resumable
+
+    t = Trainer(LearnerConfig(keep_checkpoints=5), TINY)
+    first = t.save(tmp_path / "checkpoints")
+    t.train_step(groups_from(t))
+    latest = t.save(tmp_path / "checkpoints")
+    assert ckpt.damage(first) == ckpt.damage(latest) == "" and check_resumable(tmp_path) is None
+    pristine = tmp_path / "pristine"
+    shutil.copytree(latest, pristine)
+    weights = next(latest.glob("*.safetensors")).name
+    cuts = {"trainer.pt": "trainer.pt: File is not a zip file", weights: f"{weights}: ",
+            "state.json": "state.json: "}
+    for name, said in cuts.items():
+        data = (pristine / name).read_bytes()
+        (latest / name).write_bytes(data[: len(data) // 2])
+        assert ckpt.damage(latest).startswith(said), (name, ckpt.damage(latest))
+        with pytest.raises(ckpt.CheckpointDamaged) as refused:
+            check_resumable(tmp_path)
+        assert f"checkpoint {latest} is damaged: {said}" in str(refused.value)
+        assert f"The newest whole one is {first.name}" in str(refused.value)
+        assert f"echo {first.name} > {tmp_path / 'checkpoints' / 'latest'}" in str(refused.value)
+        (latest / name).write_bytes(data)
+    assert ckpt.damage(latest) == ""
+    (latest / weights).write_bytes((pristine / weights).read_bytes() + b"x")
+    assert "where its header says" in ckpt.damage(latest), "a longer file is not the one written either"
+    shutil.rmtree(first)
+    with pytest.raises(ckpt.CheckpointDamaged, match="no checkpoint before it is whole"):
+        ckpt.check_whole(latest)
+
+
 def test_learner_process_loop_with_a_broker(start_broker, quiet_log, tmp_path):
     tb = start_broker(BrokerConfig(groups_per_batch=2, group_size=4, eta=2, persist=False))
     weights = WeightSyncConfig(port=free_port(), join_window_s=0.1, timeout_s=5.0)

@@ -26,7 +26,7 @@ from launch.config import load_run_config
 from launch.placement import Node, allocation_roles
 from launch.slurm import SrunConfig, attempts_ended, check_cpus, job_files, render_script
 from learner.distributed import ranks_from_slurm
-from tests.conftest import REPO
+from tests.conftest import REPO, whole_checkpoint
 
 def _run_cfg(*overrides: str):
     return load_run_config(str(REPO / "configs" / "local.yaml"), overrides)
@@ -390,9 +390,7 @@ def test_one_job_per_run_directory_a_second_submission_is_refused(tmp_path, monk
     assert (run_dir / "config.requested.yaml").read_text() == requested
 
     state.write_text("")  # the job left the queue, having checkpointed
-    (run_dir / "checkpoints" / "step-00000003").mkdir(parents=True)
-    (run_dir / "checkpoints" / "step-00000003" / "state.json").write_text("{}")
-    (run_dir / "checkpoints" / "latest").write_text("step-00000003")
+    whole_checkpoint(run_dir / "checkpoints", 3)
     for args in ([*submit, "learner.total_steps=8"], [*submit, "--dry-run"]):
         r = CliRunner().invoke(main, args)
         assert r.exit_code == 1 and f"continue it with computerrl slurm resume {run_dir}" in r.output, r.output

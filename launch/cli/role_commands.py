@@ -85,9 +85,11 @@ def learner(config: str | None, run_dir: str | None, resume: bool, ranks_from_sl
     cfg, rd, log = start_role("learner", config, run_dir, overrides, int(os.environ.get("RANK", "0")))
     from learner.process import main as learner_main  # after the config: a bad one exits before torch loads
 
+    from learner.checkpoint import CheckpointDamaged
+
     try:
         code = learner_main(cfg, rd, log, resume, _run_demos(cfg, rd, "anchor"))
-    except OtherRunError as exc:
+    except (OtherRunError, CheckpointDamaged) as exc:  # the same at every restart
         raise RoleCannotStart(str(exc)) from None
     sys.exit(code)
 
