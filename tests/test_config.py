@@ -461,3 +461,20 @@ def test_demonstrations_are_recorded_for_a_checkpoint_not_made_yet_but_not_with_
     out = subprocess.run([*command, f"model.tokenizer_path={empty}"], cwd=REPO, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 78 and "no tokenizer there" in out.stderr, out.stdout + out.stderr
+
+
+def test_a_run_directory_that_cannot_be_written_is_refused_with_its_path_not_a_traceback(tmp_path):
+    """Found by hand on a read-only mount (2026-12-03): `run`, `run --resume` and each role ended in an OSError's
+    traceback. Here a file stands where the run directory would be made."""
+    (tmp_path / "a-file").write_text("")
+    where = tmp_path / "a-file" / "run"
+    out = CliRunner().invoke(main, ["run", str(REPO_CONFIG), "--run-dir", str(where)])
+    assert out.exit_code == 1 and f"the run directory {where} cannot be written" in out.output, out.output
+    assert out.exception is None or isinstance(out.exception, SystemExit), out.exception
+    import subprocess
+    import sys
+
+    role = subprocess.run([sys.executable, "-m", "launch.cli", "broker", "--config", str(REPO_CONFIG), "--run-dir",
+                           str(where)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert role.returncode == 78, role.stderr  # (EXIT_CONFIG: its supervisor does not start it again)
+    assert f"the run directory {where} cannot be written" in role.stderr and "Traceback" not in role.stderr

@@ -70,7 +70,10 @@ def start_role(role: str, config: str | None, run_dir: str | None, overrides: tu
         cfg = load_config(config, overrides, here=(role,))
     except click.UsageError as exc:
         raise RoleCannotStart(exc.message) from None
-    rd = resolve_run_dir(cfg, run_dir)
+    try:
+        rd = resolve_run_dir(cfg, run_dir)
+    except OSError as exc:
+        raise RoleCannotStart(unwritable(exc, cfg.run.run_dir)) from None
     # Before it writes anything there: a second process of this role instance would overwrite the first one's
     # record and logs. It waits a little: a restart may come as the last incarnation is still going.
     wait_s = cfg.slurm.claim_wait_s if SLURM_JOB_ENV in os.environ else ROLE_CLAIM_WAIT_S
@@ -106,6 +109,12 @@ def claim_in_run_dir(root: Any, name: str, wait_s: float) -> Any:
                                    + ("" if name == claims.RUN else " or --rank")) from None
 
 
+def unwritable(exc: OSError, root: Any) -> str:
+    """What to say when a run directory cannot be made or written, naming the path that refused."""
+    return (f"the run directory {root} cannot be written: {exc.strerror or exc} ({exc.filename or root}); "
+            "give the run a --run-dir this user can write")
+
+
 def prepare_run(cfg: RunConfig, run_dir: str | None, job_env: dict[str, str] | None = None) -> Any:
     """The run directory of a whole run (every role on the machine, or in one Slurm job), with the config it
     runs with, fitted to that shape, saved as its config.yaml. ``job_env``: the environment of the Slurm job it
@@ -114,11 +123,14 @@ def prepare_run(cfg: RunConfig, run_dir: str | None, job_env: dict[str, str] | N
     the first job's (a range chosen when the first job's neighbours were the ones running)."""
     from launch.local import fit_to_local_run
 
-    rd = resolve_run_dir(cfg, run_dir)
-    held = claim_in_run_dir(rd.root, claims.RUN, cfg.slurm.claim_wait_s if job_env is not None else 0.0)
-    if not held.enforced:
-        click.echo(f"[computerrl] warning: {held.why}", err=True)
-    configlib.dump(cfg, rd.requested_config)
+    try:
+        rd = resolve_run_dir(cfg, run_dir)
+        held = claim_in_run_dir(rd.root, claims.RUN, cfg.slurm.claim_wait_s if job_env is not None else 0.0)
+        if not held.enforced:
+            click.echo(f"[computerrl] warning: {held.why}", err=True)
+        configlib.dump(cfg, rd.requested_config)
+    except OSError as exc:  # a folder one may only read (another user's, a read-only mount), a full disk
+        raise click.ClickException(unwritable(exc, cfg.run.run_dir)) from None
     if job_env is not None:
         from launch.slurm import job_ports
 
