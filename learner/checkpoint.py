@@ -165,8 +165,8 @@ def damage(path: Path, with_trainer: bool = True) -> str:
         state = json.loads((path / STATE_FILE).read_text())
     except (OSError, ValueError) as exc:
         return f"{STATE_FILE}: {exc}"
-    if not isinstance(state, dict) or not isinstance(state.get("version"), int):
-        return f"{STATE_FILE} holds no version"
+    if not isinstance(state, dict) or (with_trainer and not isinstance(state.get("version"), int)):
+        return f"{STATE_FILE} holds no version"  # (an export, read without its trainer, may record none)
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         return "no weights (*.safetensors)"

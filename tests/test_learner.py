@@ -660,6 +660,7 @@ def test_a_damaged_checkpoint_is_found_before_a_resume_and_names_the_whole_one_b
         data = (pristine / name).read_bytes()
         (latest / name).write_bytes(data[: len(data) // 2])
         assert ckpt.damage(latest).startswith(said), (name, ckpt.damage(latest))
+        assert bool(ckpt.damage(latest, with_trainer=False)) == (name != "trainer.pt"), "eval reads no trainer.pt"
         with pytest.raises(ckpt.CheckpointDamaged) as refused:
             check_resumable(tmp_path)
         assert f"checkpoint {latest} is damaged: {said}" in str(refused.value)

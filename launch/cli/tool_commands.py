@@ -36,7 +36,8 @@ def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, con
 
     from common.episode_log import EVAL_FILE, EpisodeWriter
     from launch.evaluate import evaluate, load_policy, suite_tasks
-    from policy.saved import checkpoint_version
+    from learner.checkpoint import damage
+    from policy.saved import checkpoint_version, resolve_checkpoint
 
     from launch.config import config_for_checkpoint
 
@@ -45,6 +46,11 @@ def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, con
         tasks = suite_tasks(suite, episodes, run_cfg.env_server.backend)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    ck = resolve_checkpoint(checkpoint)
+    if (ck / "state.json").exists():  # ours (a learner's checkpoint, an export): its weights read whole or not at all
+        problem = damage(ck, with_trainer=False)
+        if problem:
+            raise click.ClickException(f"checkpoint {ck} is damaged: {problem}")
     engine, prompt_cfg, sampling, max_steps = load_policy(checkpoint, run_cfg)
     record = (EpisodeWriter(Path(record_dir) / EVAL_FILE, int(run_cfg.actor.record.max_mb * 1e6))
               if record_dir else None)
