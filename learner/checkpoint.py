@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from policy.weight_files import weights_damage
+
 TRAINER_FILE = "trainer.pt"
 STATE_FILE = "state.json"
 
@@ -167,13 +169,11 @@ def damage(path: Path, with_trainer: bool = True) -> str:
         return f"{STATE_FILE}: {exc}"
     if not isinstance(state, dict) or (with_trainer and not isinstance(state.get("version"), int)):
         return f"{STATE_FILE} holds no version"  # (an export, read without its trainer, may record none)
-    shards = sorted(path.glob("*.safetensors"))
-    if not shards:
+    if not any(path.glob("*.safetensors")):
         return "no weights (*.safetensors)"
-    for f in shards:
-        problem = _safetensors_damage(f)
-        if problem:
-            return f"{f.name}: {problem}"
+    problem = weights_damage(path)
+    if problem:
+        return problem
     if with_trainer:
         try:
             with zipfile.ZipFile(path / TRAINER_FILE) as z:
@@ -181,25 +181,6 @@ def damage(path: Path, with_trainer: bool = True) -> str:
                     return f"{TRAINER_FILE}: no data.pkl in it"
         except (OSError, zipfile.BadZipFile) as exc:
             return f"{TRAINER_FILE}: {exc}"
-    return ""
-
-
-def _safetensors_damage(f: Path) -> str:
-    """A safetensors file is an 8-byte header length, a JSON header of every tensor's byte offsets, then the bytes:
-    its size must be what the header says."""
-    try:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            head = fh.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n < 0 or n > size - 8:
-                return f"truncated ({size} bytes, shorter than its header)"
-            header = json.loads(fh.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-        return f"unreadable header ({exc})"
-    if 8 + n + end != size:
-        return f"{size} bytes where its header says {8 + n + end} (truncated, or copied in part)"
     return ""
 
 

@@ -89,6 +89,12 @@ class ModelConfig:
         if checkpoint and self.path and not (Path(self.path) / "config.json").is_file():
             raise ConfigError(f"model.path {self.path!r}: no checkpoint there (a directory with config.json and "
                               "*.safetensors; `computerrl pretrain --out DIR` makes one)")
+        if checkpoint and self.path:
+            from policy.weight_files import weights_damage
+
+            damaged = weights_damage(self.path)  # every role would crash loading it, at each of its restarts
+            if damaged:
+                raise ConfigError(f"model.path {self.path!r}: its weights are damaged: {damaged}")
         # auto takes the byte tokenizer where it finds no files: a mistyped tokenizer_path must not mean that
         if self.tokenizer_path and not has_tokenizer_files(self.tokenizer_path):
             raise ConfigError(f"model.tokenizer_path {self.tokenizer_path!r}: no tokenizer there (none of "

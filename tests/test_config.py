@@ -361,9 +361,20 @@ def test_a_checkpoint_or_tokenizer_that_is_not_there_is_refused_before_any_role_
     worse: the auto tokenizer found no files there and took the byte tokenizer, silently. Both are refused now by
     `run`, `slurm submit` and `sweep` (here `run`: exit 2, no run directory made), while `pretrain`, which may be
     about to write model.path, still loads the config."""
+    import torch
+    from safetensors.torch import save_file
+
     empty = tmp_path / "empty"
     empty.mkdir()
+    cut = tmp_path / "cut"  # a policy copied in part: its roles crashed loading it at every restart
+    cut.mkdir()
+    (cut / "config.json").write_text("{}")
+    save_file({"w": torch.zeros(1000)}, str(cut / "model.safetensors"))
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[:-100])
     cases = [(f"model.path={tmp_path / 'nope'}", "no checkpoint there"),
+             (f"model.path={cut}", f"model.path {str(cut)!r}: its weights are damaged: model.safetensors: "
+                                   f"{len(data) - 100} bytes where its header says {len(data)}"),
              (f"model.tokenizer_path={empty}", "no tokenizer there"),
              ("model.tokenizer=hf", "model.tokenizer is hf, and neither")]
     for override, says in cases:
