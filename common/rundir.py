@@ -88,6 +88,14 @@ class RunDir:
     def curve_png(self) -> Path:
         return self.root / "learning_curve.png"
 
+    def is_run(self) -> bool:
+        """Whether a run, or a role of one, has used this directory (its config, metrics or audit trail is there):
+        what a mistyped path lacks, which a command that reads runs refuses rather than report a run of nothing."""
+        return self.config.exists() or self.metrics.is_dir() or self.audit.is_dir()
+
+    NOT_A_RUN = "not a run directory (no config.yaml, metrics/ or audit/)"
+    """how a command that reads runs says it was given something else"""
+
     def latest_checkpoint(self) -> str:
         """The name of the newest checkpoint (``step-N``), as the learner's ``latest`` pointer says; "" if none."""
         pointer = self.checkpoints / "latest"

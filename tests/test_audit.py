@@ -32,3 +32,22 @@ def test_two_learners_writing_one_trail_fail_the_audit_that_one_learner_resuming
     assert two.out_of_order == 2 and not two.ok
     assert "LEARNER STEPS OUT OF ORDER (two learners at once)        2" in two.table()
     assert two.as_dict()["learner_steps_out_of_order"] == 2
+
+
+def test_a_directory_that_is_no_run_is_refused_not_audited_as_a_run_of_nothing(tmp_path):
+    """Found by hand (2026-12-03): `computerrl audit /tmp` printed a table of zeros, "LOST 0", and exited 0, so a
+    mistyped run directory passed the audit; `computerrl top` drew an empty run for it."""
+    from click.testing import CliRunner
+
+    from common.audit import AuditLog
+    from launch.cli import main
+
+    for command in (["audit", str(tmp_path)], ["top", str(tmp_path), "--once"]):
+        out = CliRunner().invoke(main, command)
+        assert out.exit_code == 2 and "not a run directory (no config.yaml, metrics/ or audit/)" in out.output, \
+            (command, out.output)
+    trail = AuditLog(tmp_path / "audit" / "broker.jsonl")  # roles started by hand leave a trail, maybe no config.yaml
+    trail.write("acked", gs=["g1"])
+    trail.close()
+    out = CliRunner().invoke(main, ["audit", str(tmp_path)])
+    assert out.exit_code == 1 and "acked groups" in out.output, "audited: an acked group never trained is lost"

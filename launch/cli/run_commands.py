@@ -82,6 +82,8 @@ def top(run_dir: str, once: bool, interval: float) -> None:
     from launch.live_view import render_view, roles_from_records
 
     rd = RunDir(Path(run_dir).resolve())
+    if not rd.is_run():
+        raise click.UsageError(f"{run_dir}: {RunDir.NOT_A_RUN}")
     cfg = load_run_config(rd.config if rd.config.exists() else None, check_imports=False)
     tty = sys.stdout.isatty() and not once
     shown = 0
@@ -179,8 +181,11 @@ def metrics(run_dir: str, sinks: str, follow: bool) -> None:
 def audit(run_dir: str, as_json: bool) -> None:
     """Reconcile a run's group audit trail: every acked group trained once, dropped with a reason, or still
     queued. Exits 1 if any group was lost or trained twice."""
+    from common.rundir import RunDir
     from launch.audit import reconcile
 
+    if not RunDir(Path(run_dir)).is_run():  # (a mistyped path audited as a run of nothing exited 0)
+        raise click.UsageError(f"{run_dir}: {RunDir.NOT_A_RUN}: nothing to audit")
     result = reconcile(run_dir)
     click.echo(json.dumps(result.as_dict()) if as_json else result.table())
     if not result.ok:

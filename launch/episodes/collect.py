@@ -59,8 +59,7 @@ def load(run_dir: str | Path) -> EpisodeSet:
     files = sorted(rd.episodes.glob("*.jsonl")) if rd.episodes.is_dir() else []
     aside = sorted(rd.quarantine.glob("*.msgpack")) if rd.quarantine.is_dir() else []
     if not files and not aside:
-        what = ("a run directory" if (rd.root / "config.yaml").exists() or rd.metrics.is_dir()
-                else "not a run directory (no config.yaml, no metrics/)")
+        what = "a run directory" if rd.is_run() else RunDir.NOT_A_RUN
         raise NoEpisodes(f"no recorded episodes in {rd.root} ({what}): runs record a sample of their training "
                          "groups (actor.record.every, families, outcome) and every held-out evaluation episode into "
                          "<run>/episodes/; a run from before that has none")
