@@ -1,4 +1,4 @@
-"""Stop requests from signals (SIGTERM, SIGINT, Slurm's SIGUSR2), made without taking a lock.
+"""Stop requests from signals (SIGTERM, SIGINT, Slurm's SIGUSR2, a lost terminal's SIGHUP), made without taking a lock.
 
 A Python signal handler runs in the main thread between two bytecodes, possibly in the middle of code that holds a
 lock (``threading.Event.set`` holds its condition's lock; a second signal can arrive while the first handler is in
@@ -44,9 +44,10 @@ def _note_term(_signum: int, _frame: object) -> None:
     _deferred[0] += 1
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
-"""what asks a role to stop cleanly: TERM and INT, and USR2 — Slurm's notice, and the one signal a supervisor can
-send through ``srun`` to a role (srun answers TERM by killing its tasks, and forwards USR2 to them)"""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2, signal.SIGHUP)
+"""what asks a role to stop cleanly: TERM and INT; USR2 — Slurm's notice, and the one signal a supervisor can send
+through ``srun`` to a role (srun answers TERM by killing its tasks, and forwards USR2 to them); and HUP, the terminal
+a run was started from gone (an ssh session lost), whose default killed ``computerrl run`` where it stood"""
 
 
 class StopSignals:
@@ -71,7 +72,8 @@ class StopSignals:
 
 
 def unwind_on_term() -> None:
-    """Make SIGTERM (and SIGUSR2, a supervisor's stop through ``srun``) unwind this process like Ctrl-C does:
+    """Make SIGTERM (and SIGUSR2, a supervisor's stop through ``srun``, and SIGHUP) unwind this process like Ctrl-C
+    does:
     ``SystemExit(128 + signal)`` raised in the main thread, so every ``finally`` runs (browsers and desktops closed,
     files flushed) before it exits. Python's default for TERM and USR2 is to die where it stands, which left a killed
     ``computerrl pretrain``'s Chromium browsers running, re-parented to init. Signals that arrive while it unwinds
@@ -83,8 +85,9 @@ def unwind_on_term() -> None:
         return
 
     def on_stop(signum: int, _frame: object) -> None:
-        for sig in (signal.SIGTERM, signal.SIGUSR2):
+        for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
         sys.exit(128 + signum)
     signal.signal(signal.SIGTERM, _note_term if term_deferred() else on_stop)
     signal.signal(signal.SIGUSR2, on_stop)
+    signal.signal(signal.SIGHUP, on_stop)  # (its terminal gone: the same clean-up)

@@ -11,7 +11,7 @@ does; then the learner and the actors, which wait for their peers themselves. Wh
   ``EXIT_CONFIG`` (its configuration cannot work: a checkpoint not there) ends it at once, with exit code 78;
 - a role that hangs for good (a deadlock, a process stopped and never continued) never exits: its main loop's pulse
   (``common/pulse.py``) stops, and past ``hang_timeout_s`` the role is killed, its stacks kept, and restarted as above;
-- SIGINT/SIGTERM/SIGUSR2 stop the learner first (it checkpoints), then actors, env_server and broker; whatever
+- SIGINT/SIGTERM/SIGUSR2/SIGHUP stop the learner first (it checkpoints), then actors, env_server and broker; whatever
   has not exited after ``stop_timeout_s`` (the learner: ``learner_stop_timeout_s``, time to finish its step and
   checkpoint) is killed, and every child dies with the supervisor (PDEATHSIG);
 - with its roles as a scheduler's job steps (``scheduler_steps``: a Slurm allocation), a role that stopped on a
@@ -505,7 +505,7 @@ class Supervisor:
             if not self.stopping and not interrupted:
                 interrupted.append(signum)
                 raise KeyboardInterrupt
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
+        old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
         forwarder = None
         if self.cfg.metrics.forwarded:
             from common import config as configlib

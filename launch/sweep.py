@@ -43,6 +43,7 @@ from common import claims
 from common.exitcodes import EXIT_RESUMABLE
 from common.metrics.records import read_records
 from common.metrics.stats import mean_interval
+from common.signals import STOP_SIGNALS
 from launch.curve import sft_spans
 
 Point = tuple[int, float, float, float]  # (learner step, mean, low, high) across seeds
@@ -304,7 +305,7 @@ class Sweep:
         failed (the rest still ran; the results hold the runs that finished)."""
         import concurrent.futures as cf
 
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
+        old = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         try:
             todo = [r for r in self.runs if self._state(r) != "done"]
             self.echo(f"[sweep] {len(self.runs)} runs ({len(self.spec.variants())} variants x {self.spec.seeds} "

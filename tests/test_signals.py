@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 COMMAND = """
 import sys, time
 from pathlib import Path
@@ -27,17 +29,19 @@ finally:
 """
 
 
-def test_sigterm_runs_the_finally_blocks_once_and_exits_143(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_runs_the_finally_blocks_once_and_exits_143(tmp_path, sig):
+    """And a HUP (its terminal closed) the same way, exit 129: by default it died where it stood."""
     marker = tmp_path / "closed"
     proc = subprocess.Popen([sys.executable, "-c", COMMAND, str(marker)], stdout=subprocess.PIPE, text=True,
                             cwd=Path(__file__).resolve().parents[1])
     try:
         assert proc.stdout.readline().strip() == "ready"
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         assert proc.stdout.readline().strip() == "unwinding"
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(10) == 128 + signal.SIGTERM
-        assert marker.read_text() == "closed", "the clean-up finished despite the second TERM"
+        proc.send_signal(sig)
+        assert proc.wait(10) == 128 + sig
+        assert marker.read_text() == "closed", "the clean-up finished despite the second signal"
     finally:
         proc.kill()
         proc.wait()
