@@ -105,7 +105,8 @@ def disk_line(run_dir: RunDir) -> list[str]:
     seen.)"""
     try:
         free = shutil.disk_usage(run_dir.root).free
-        latest = run_dir.checkpoints / run_dir.latest_checkpoint() if run_dir.latest_checkpoint() else None
+        name = run_dir.latest_checkpoint()
+        latest = run_dir.checkpoints / name if name else None
         checkpoint = sum(f.stat().st_size for f in latest.rglob("*") if f.is_file()) if latest else 0
     except OSError:
         return []

@@ -194,7 +194,7 @@ def check_whole(path: Path) -> None:
     earlier = sorted((p for p in root.glob("step-*") if p.is_dir() and p.name < path.name), reverse=True)
     whole = next((p for p in earlier if (p / STATE_FILE).exists() and not damage(p)), None)
     if whole is None:
-        then = "no checkpoint before it is whole: start the run again in another --run-dir"
+        then = "No checkpoint before it is whole: start the run again in another --run-dir."
     else:
         then = (f"The newest whole one is {whole.name}. To go on from there, move the damaged one aside and point "
                 f"latest at it: mv {path} {root / ('damaged-' + path.name)} && echo {whole.name} > {root / 'latest'} "

@@ -130,7 +130,7 @@ class LearnerConfig:
     keep_checkpoints: int = 3
     """checkpoints kept on disk"""
     final_checkpoint_wait_s: float = 600.0
-    """after the last step, how long a checkpoint the file system refuses is retried (every 10 s) before the learner stops"""
+    """after the last step, how long a checkpoint the file system refuses is retried (every 10 s) before giving up"""
     expected_actors: int = 0
     """a weight round closes once this many receivers joined (1 per actor or vLLM TP worker; 0 = join_window_s)"""
     broadcast_weights: bool = True
@@ -154,7 +154,8 @@ class LearnerConfig:
         if self.dist_timeout_s <= 0:
             raise ValueError("learner.dist_timeout_s must be > 0")
         if self.final_checkpoint_wait_s < 0:
-            raise ValueError("learner.final_checkpoint_wait_s must be >= 0 (0: a refused final checkpoint is not retried)")
+            raise ValueError("learner.final_checkpoint_wait_s must be >= 0 "
+                             "(0: a refused final checkpoint is not retried)")
         if self.job_timeout_s < 0:
             raise ValueError("learner.job_timeout_s must be >= 0 (0: a hung step is waited for)")
         if self.max_step_crashes < 0:

@@ -671,7 +671,7 @@ def test_a_damaged_checkpoint_is_found_before_a_resume_and_names_the_whole_one_b
     (latest / weights).write_bytes((pristine / weights).read_bytes() + b"x")
     assert "where its header says" in ckpt.damage(latest), "a longer file is not the one written either"
     shutil.rmtree(first)
-    with pytest.raises(ckpt.CheckpointDamaged, match="no checkpoint before it is whole"):
+    with pytest.raises(ckpt.CheckpointDamaged, match="No checkpoint before it is whole"):
         ckpt.check_whole(latest)
 
 

@@ -83,9 +83,8 @@ def learner(config: str | None, run_dir: str | None, resume: bool, ranks_from_sl
         except RuntimeError as exc:
             raise RoleCannotStart(str(exc)) from None
     cfg, rd, log = start_role("learner", config, run_dir, overrides, int(os.environ.get("RANK", "0")))
-    from learner.process import main as learner_main  # after the config: a bad one exits before torch loads
-
-    from learner.checkpoint import CheckpointDamaged
+    from learner.checkpoint import CheckpointDamaged  # after the config: a bad one exits before torch loads
+    from learner.process import main as learner_main
 
     try:
         code = learner_main(cfg, rd, log, resume, _run_demos(cfg, rd, "anchor"))

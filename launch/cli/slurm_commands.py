@@ -65,8 +65,6 @@ def _refuse_a_second_job(root: Path) -> None:
     (no job recorded, no squeue here) there is nothing to refuse."""
     from launch import slurm as S
 
-    if not S.job_files(root)["job_id"].exists():
-        return
     try:
         job = S.run_job_id(root)
         state = S.job_state(job).get("state", "")

@@ -36,7 +36,7 @@ def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, con
 
     from common.episode_log import EVAL_FILE, EpisodeWriter
     from launch.evaluate import evaluate, load_policy, suite_tasks
-    from learner.checkpoint import damage
+    from learner.checkpoint import STATE_FILE, damage
     from policy.saved import checkpoint_version, resolve_checkpoint
 
     from launch.config import config_for_checkpoint
@@ -47,7 +47,7 @@ def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, con
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     ck = resolve_checkpoint(checkpoint)
-    if (ck / "state.json").exists():  # ours (a learner's checkpoint, an export): its weights read whole or not at all
+    if (ck / STATE_FILE).exists():  # ours (a learner's checkpoint, an export): its weights read whole or not at all
         problem = damage(ck, with_trainer=False)
         if problem:
             raise click.ClickException(f"checkpoint {ck} is damaged: {problem}")
