@@ -39,13 +39,15 @@ def find_group(run_dir: RunDir, group: str) -> P.TrajectoryGroup:
 def replay_step(cfg: Any, run_dir: RunDir, group: P.TrajectoryGroup, anchor_demos: list[P.Trajectory] | None,
                 checkpoint: Path | None = None) -> dict:
     """Train ``group`` alone from ``checkpoint`` (the run's latest when None; the initial weights when it has none)
-    with the run's learner config ``cfg``; returns what the step reported."""
+    with the run's learner config ``cfg``; returns what the step reported. A damaged checkpoint raises
+    ``CheckpointDamaged`` before any weight is read."""
     from learner.trainer import Trainer
 
     trainer = Trainer(cfg.learner, cfg.model, cfg.actor.sampling.temperature, cfg.run.seed, None, anchor_demos,
                       ImageStore(run_dir.images))
     path = checkpoint if checkpoint is not None else ckpt.latest(run_dir.checkpoints)
     if path is not None:
+        ckpt.check_whole(path)  # a truncated one: what to do, not torch's traceback
         trainer.load(str(path))
     start = trainer.version
     if group.group_id.startswith(quarantine.SUCCESS_PREFIX):  # a stored success: it was in an SFT step

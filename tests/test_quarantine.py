@@ -207,6 +207,24 @@ def test_replay_step_trains_a_set_aside_group_alone_and_names_those_there_are(tm
     assert result["outcomes"] == {success.group_id: "trained"} and result["version"] == 1
 
 
+def test_replay_step_from_a_damaged_checkpoint_says_what_to_do_and_reads_nothing(tmp_path):
+    from click.testing import CliRunner
+
+    from launch.cli import main
+    from tests.conftest import whole_checkpoint
+
+    rd, group = _run_with_a_group_set_aside(tmp_path)
+    whole_checkpoint(rd.checkpoints, 1)
+    damaged = whole_checkpoint(rd.checkpoints, 2)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-3])  # a copy cut short
+    for args in ([], ["--checkpoint", str(damaged)]):
+        out = CliRunner().invoke(main, ["replay-step", str(rd.root), group.group_id, *args])
+        assert out.exit_code == 1, out.output
+        assert f"checkpoint {damaged} is damaged" in out.output and "The newest whole one is step-00000001" in out.output
+        assert "Traceback" not in out.output
+
+
 @pytest.mark.slow
 def test_replay_step_crashes_as_the_learner_did_and_all_tells_the_culprit_from_its_partner(tmp_path):
     """The planted group that killed the learner's rank kills its replay the same way; ``all`` replays each group set

@@ -254,6 +254,7 @@ def replay_step_cmd(run_dir: str, group: str, overrides: tuple[str, ...], checkp
 
     from actor.demos import load_run_demos
     from common import demofile
+    from learner.checkpoint import CheckpointDamaged
     from learner.replay import find_group, replay_step
 
     if group == "all":
@@ -283,7 +284,11 @@ def replay_step_cmd(run_dir: str, group: str, overrides: tuple[str, ...], checkp
         anchor = load_run_demos(cfg, rd, "anchor")
     except (FileNotFoundError, demofile.DemoFileError) as exc:
         raise click.ClickException(str(exc)) from None
-    emit(replay_step(cfg, rd, found, anchor, Path(checkpoint) if checkpoint else None), as_json)
+    try:
+        result = replay_step(cfg, rd, found, anchor, Path(checkpoint) if checkpoint else None)
+    except CheckpointDamaged as exc:
+        raise click.ClickException(str(exc)) from None
+    emit(result, as_json)
 
 
 def _replay_each(run_dir: RunDir, overrides: tuple[str, ...], checkpoint: str | None) -> list[dict]:
