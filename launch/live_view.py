@@ -112,8 +112,9 @@ def disk_line(run_dir: RunDir) -> list[str]:
         return []
     if free >= max(LOW_DISK_BYTES, 2 * checkpoint):
         return []
-    return [f"DISK NEARLY FULL: {free / 2**20:.0f} MiB free where the run directory is (a checkpoint takes "
-            f"{checkpoint / 2**20:.0f} MiB): checkpoints, the spill log's acks and metrics wait for space"]
+    size = f"a checkpoint takes {checkpoint / 2**20:.1f} MiB" if latest else "no checkpoint written yet"
+    return [f"DISK NEARLY FULL: {free / 2**20:.0f} MiB free where the run directory is ({size}): checkpoints, the "
+            "spill log's acks and metrics wait for space"]
 
 
 DESKTOP_FAILURES = ("backend_errors", "step_timeouts", "health_check_errors")

@@ -355,12 +355,31 @@ class Supervisor:
                     r.proc.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     self._kill(r, f"did not exit within {timeout:g} s of being asked to stop", stacks=True)
+            if name == "learner":
+                self._say_unsaved_steps(group)
         for r in self.roles:  # anything a role started in its own group goes too
             if r.proc is not None:
                 try:
                     os.killpg(r.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+    def _say_unsaved_steps(self, learners: list[Role]) -> None:
+        """After the learner was asked to stop: a rank that exited otherwise than stopped (its checkpoint on the way
+        out refused by a full disk, a crash in its last step) leaves its steps since the latest checkpoint unsaved,
+        which the outcome alone ("interrupted") does not say. Its stderr may be on that full disk, so the supervisor
+        says it here."""
+        for r in learners:
+            rc = r.proc.poll()
+            if rc is None or rc in (0, EXIT_RESUMABLE, -signal.SIGKILL):  # (a kill is said where it is sent)
+                continue
+            latest = self.run_dir.latest_checkpoint()
+            unsaved = (f"the steps after {latest}, the latest checkpoint, are not saved" if latest
+                       else "no step is saved (no checkpoint was written)")
+            tail = self._stderr_tail(r, 4)
+            self._event(f"{r.label} exited {rc} while stopping, its checkpoint on the way out not confirmed: "
+                        f"{unsaved}; with --resume the run goes on from there and trains them again (their groups "
+                        "stay the broker's)" + (f"\n{tail}" if tail else ""))
 
     def _kill(self, role: Role, why: str, stacks: bool = False, reap_s: float = 10.0) -> None:
         """Kill ``role``'s process group, and say so. With ``stacks`` (a role that would not stop), the role first

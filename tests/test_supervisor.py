@@ -512,3 +512,51 @@ def test_a_beat_creates_its_file_then_touches_it_and_one_it_cannot_write_is_coun
     path.parent.rmdir()  # the run directory's pulse folder gone: the beat cannot be written
     pulse.beat(now=200.0)
     assert pulse.counters() == {"pulse_failures": 1}
+
+
+STOPPING_LEARNER = """
+import signal, sys, time
+code = int(sys.argv[1])
+
+
+def leave(*_):
+    print("learner.process.CheckpointFailed: the checkpoint at version 13, taken on the way out, could not be written",
+          file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+signal.signal(signal.SIGTERM, leave)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("exit_code", [1, 75])
+def test_a_learner_that_exits_badly_while_stopping_is_said_to_leave_its_steps_unsaved(tmp_path, request, exit_code):
+    """A learner whose checkpoint on the way out a full disk refused exits 1 (CheckpointFailed), and the run's
+    outcome is still "interrupted" (resumable): the supervisor says which steps a resume trains again, since the
+    learner's own stderr may be on the full disk. A learner that stopped as asked (75) is not said to."""
+    from launch.placement import Role
+    from tests.conftest import whole_checkpoint
+
+    cfg = load_run_config(REPO / "configs" / "local.yaml", [])
+    rd = RunDir.create(tmp_path / "run")
+    whole_checkpoint(rd.checkpoints, 10)
+    stderr_path = tmp_path / "learner-0.stderr"
+    with open(stderr_path, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", STOPPING_LEARNER, str(exit_code)], stdout=subprocess.PIPE,
+                                stderr=err, start_new_session=True)
+    request.addfinalizer(proc.kill)
+    assert proc.stdout.readline() == b"ready\n"
+    out = io.StringIO()
+    sup = Supervisor(cfg, REPO / "configs" / "local.yaml", rd, resume=False, out=out,
+                     roles=[Role("learner", 0, [], True, proc=proc, stderr_path=stderr_path)])
+    sup.stop("interrupted")
+    said = out.getvalue()
+    assert proc.returncode == exit_code
+    if exit_code == 75:
+        assert "not saved" not in said, said
+        return
+    assert ("learner-0 exited 1 while stopping, its checkpoint on the way out not confirmed: the steps after "
+            "step-00000010, the latest checkpoint, are not saved; with --resume the run goes on from there") in said, said
+    assert "CheckpointFailed: the checkpoint at version 13" in said, "the learner's own last words, where readable"

@@ -52,5 +52,9 @@ def test_top_shows_a_run_from_its_records_and_which_roles_went_quiet(tmp_path, m
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, (1 << 30) - (5 << 20),
                                                                                  5 << 20))
     out = CliRunner().invoke(main, ["top", str(tmp_path), "--once"])
-    assert "DISK NEARLY FULL: 5 MiB free where the run directory is (a checkpoint takes 3 MiB)" in out.output, \
+    assert "DISK NEARLY FULL: 5 MiB free where the run directory is (a checkpoint takes 3.0 MiB)" in out.output, \
+        out.output
+    (tmp_path / "checkpoints" / "latest").unlink()  # before the first checkpoint its size is not known, not 0
+    out = CliRunner().invoke(main, ["top", str(tmp_path), "--once"])
+    assert "DISK NEARLY FULL: 5 MiB free where the run directory is (no checkpoint written yet)" in out.output, \
         out.output
