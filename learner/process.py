@@ -86,7 +86,7 @@ class Learner:
         self.clock = TimeSplit("wait")  # where the loop's time goes (restarted when ``run`` begins)
         self._retry_round_at = 0.0  # monotonic time to send the current weights again after a failed round
         self._want_checkpoint = False
-        self._checkpointed = -1  # version of the last checkpoint this process wrote
+        self._checkpointed = -1  # version of the latest durable checkpoint: the one resumed from, then each written
         self._prefetched = ""  # the last waiting batch whose images were set processing (``_prefetch_next``)
         self._failed_in_a_row = 0  # training steps that raised since the last that did not (``_step``)
         if resume:
@@ -97,6 +97,7 @@ class Learner:
                 ckpt.check_whole(path)  # a damaged one would crash every restart the same way: the role exits 78
                 state = self.jobs.run("load", {"path": str(path)})
                 self.client.load_state(state.get("broker_client", {}), self.trainer.version)
+                self._checkpointed = self.trainer.version
                 log.info("resumed", checkpoint=str(path), version=self.trainer.version,
                          phase=self.trainer.entropulse.phase)
         # Whatever this process's predecessors settled after the checkpoint it starts from is forgotten.

@@ -873,6 +873,31 @@ def test_a_final_checkpoint_the_disk_refuses_ends_the_learner_with_an_error_and_
     assert _consumed_at_broker(tb) == [], "nothing committed"
 
 
+def test_a_resumed_learner_counts_its_checkpoint_durable(start_broker, quiet_log, monkeypatch):
+    """A resumed learner whose next checkpoint the disk refused logged ``last_durable: null`` (seen on a whole run,
+    2026-12-04), as if nothing were durable; the checkpoint it resumed from is."""
+    import learner.checkpoint as ckpt
+
+    tb = start_broker(BrokerConfig(groups_per_batch=1, group_size=4, eta=2, persist=True))
+    assert _run_fed(Learner(LearnerConfig(total_steps=1, checkpoint_every=0), TINY, None, tb.net, tb.run_dir,
+                            quiet_log), tb, quiet_log) == []
+    events: list[tuple[str, dict]] = []
+
+    class Recording:
+        def __getattr__(self, level):
+            return lambda event, **kw: events.append((event, kw))
+    tb.broker.control.stop = False  # (the first learner ended the run; this one goes on with it)
+    resumed = Learner(LearnerConfig(total_steps=3, checkpoint_every=1, final_checkpoint_wait_s=0), TINY, None, tb.net,
+                      tb.run_dir, Recording(), resume=True)
+
+    def full_disk(*args, **kw):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ckpt, "save", full_disk)
+    _run_fed(resumed, tb, quiet_log)
+    failed = [kw for event, kw in events if event == "checkpoint_failed"]
+    assert failed and all(kw["last_durable"] == 1 for kw in failed), failed
+
+
 def test_a_final_checkpoint_that_fits_once_space_returns_ends_the_run(start_broker, quiet_log, monkeypatch):
     """Found on a whole run whose disk filled (2026-12-03): a learner that stopped at its refused final checkpoint was
     restarted from its last durable one, and every periodic checkpoint had failed on that disk too, so it trained most
