@@ -259,9 +259,7 @@ def check_resumable(run_dir: str | Path) -> None:
     from learner import checkpoint as ckpt
 
     root = Path(run_dir)
-    latest = ckpt.latest(root / "checkpoints")
-    if latest is not None:
-        ckpt.check_whole(latest)  # (CheckpointDamaged is a ValueError, refused as one)
+    if ckpt.resume_point(root / "checkpoints") is not None:  # (CheckpointDamaged is a ValueError, refused as one)
         return
     parent = root.parent if root.parent.is_dir() else None
     beside = sorted(p.name for p in parent.iterdir() if p.is_dir() and ckpt.latest(p / "checkpoints") is not None) \
@@ -279,13 +277,11 @@ def check_fresh(run_dir: str | Path, continue_with: str = "--resume") -> None:
     rotation, keeping the highest versions, deleted the new run's latest checkpoint. The Slurm script, ``computerrl
     chaos`` and ``sweep`` start afresh only where there is no checkpoint to resume from, the same test as here.
     ``continue_with``: the command the message names for continuing it."""
-    from learner import checkpoint as ckpt
-
     root = Path(run_dir)
-    latest = ckpt.latest(root / "checkpoints")  # what --resume continues from (check_resumable)
-    if latest is not None:
-        raise ValueError(f"{root} holds a run with checkpoints (the latest: {latest.name}): continue it with "
-                         f"{continue_with}, or give the new run another --run-dir")
+    pointer = root / "checkpoints" / "latest"  # written with the first checkpoint, whatever became of it since
+    if pointer.exists():
+        raise ValueError(f"{root} holds a run with checkpoints (the latest: {pointer.read_text().strip()}): "
+                         f"continue it with {continue_with}, or give the new run another --run-dir")
 
 
 FIXED_ON_RESUME = ("run.run_id", "model.path", "model.kind", "model.tokenizer", "model.tokenizer_path",

@@ -188,20 +188,41 @@ def check_whole(path: Path) -> None:
     """Raise ``CheckpointDamaged`` when checkpoint ``path`` cannot be resumed from, naming what is wrong and the
     newest whole checkpoint before it, with the two commands that make a resume go on from that one."""
     problem = damage(path)
-    if not problem:
-        return
-    root = path.parent
-    earlier = sorted((p for p in root.glob("step-*") if p.is_dir() and p.name < path.name), reverse=True)
+    if problem:
+        raise CheckpointDamaged(f"checkpoint {path} is damaged: {problem}; a resume cannot read it. "
+                                f"{_go_on_before(path.parent, path.name, set_aside=path)}")
+
+
+def resume_point(root: Path) -> Path | None:
+    """The checkpoint in ``root`` a resume goes on from: None where none was written (no ``latest``). Raises
+    ``CheckpointDamaged`` where it cannot: the one ``latest`` names is damaged, or not there (removed or moved by
+    hand). ``latest`` alone read that as no checkpoint, so a resume started from scratch beside the older ones, or
+    was refused with the advice to start a new run there, whose checkpoints the rotation would then delete."""
+    pointer = root / "latest"
+    if not pointer.exists():
+        return None
+    name = pointer.read_text().strip()
+    path = root / name
+    if not (path / STATE_FILE).exists():
+        raise CheckpointDamaged(f"{pointer} names {name or 'nothing'}, which is not there (removed or moved?); a "
+                                f"resume cannot go on from it. {_go_on_before(root, name or '~')}")
+    check_whole(path)
+    return path
+
+
+def _go_on_before(root: Path, name: str, set_aside: Path | None = None) -> str:
+    """What to do when checkpoint ``name`` in ``root`` cannot be resumed from: the newest whole one before it, and the
+    commands that point ``latest`` at it (moving ``set_aside``, the damaged one, out of the way first)."""
+    earlier = sorted((p for p in root.glob("step-*") if p.is_dir() and p.name < name), reverse=True)
     whole = next((p for p in earlier if (p / STATE_FILE).exists() and not damage(p)), None)
     if whole is None:
-        then = "No checkpoint before it is whole: start the run again in another --run-dir."
-    else:
-        then = (f"The newest whole one is {whole.name}. To go on from there, move the damaged one aside and point "
-                f"latest at it: mv {path} {root / ('damaged-' + path.name)} && echo {whole.name} > {root / 'latest'} "
-                f"(the steps after {whole.name} are lost from the model; their groups, which the broker forgot at "
-                "the damaged checkpoint, are not trained again, and computerrl audit, which reads the trail, still "
-                "counts them trained)")
-    raise CheckpointDamaged(f"checkpoint {path} is damaged: {problem}; a resume cannot read it. {then}")
+        return "No checkpoint before it is whole: start the run again in another --run-dir."
+    move = f"mv {set_aside} {root / ('damaged-' + set_aside.name)} && " if set_aside is not None else ""
+    return (f"The newest whole one is {whole.name}. To go on from there, "
+            f"{'move the damaged one aside and ' if set_aside is not None else ''}point latest at it: "
+            f"{move}echo {whole.name} > {root / 'latest'} (the steps after {whole.name} are lost from the model; "
+            "their groups, which the broker forgot at the later checkpoint, are not trained again, and computerrl "
+            "audit, which reads the trail, still counts them trained)")
 
 
 def read(path: Path, model: Any, with_trainer: bool, weights: bool = True) -> tuple[dict, dict | None, dict]:

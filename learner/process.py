@@ -90,11 +90,11 @@ class Learner:
         self._prefetched = ""  # the last waiting batch whose images were set processing (``_prefetch_next``)
         self._failed_in_a_row = 0  # training steps that raised since the last that did not (``_step``)
         if resume:
-            path = ckpt.latest(run_dir.checkpoints)
+            # A damaged one, or one not there, would fail every restart the same way: the role exits 78.
+            path = ckpt.resume_point(run_dir.checkpoints)
             if path is None:
                 log.warning("resume_without_checkpoint", dir=str(run_dir.checkpoints))
             else:
-                ckpt.check_whole(path)  # a damaged one would crash every restart the same way: the role exits 78
                 state = self.jobs.run("load", {"path": str(path)})
                 self.client.load_state(state.get("broker_client", {}), self.trainer.version)
                 self._checkpointed = self.trainer.version

@@ -209,6 +209,12 @@ def test_a_new_run_in_a_directory_whose_run_has_checkpoints_is_refused(tmp_path)
     from launch.config import check_fresh
 
     check_fresh(tmp_path / "empty")  # a new directory, or one killed before its first checkpoint: a new run
+    # its latest checkpoint moved away by hand: still a run with checkpoints (the older ones), not a new run's place
+    import shutil
+
+    shutil.rmtree(run / "checkpoints" / "step-00000040")
+    with pytest.raises(ValueError, match="holds a run with checkpoints .the latest: step-00000040."):
+        check_fresh(run)
 
 
 def _a_run_started_with(tmp_path, overrides):

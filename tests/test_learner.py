@@ -637,12 +637,14 @@ def test_checkpoint_resume_gives_the_identical_next_step(tmp_path):
     assert list(path.glob("*.safetensors")) and (path / "config.json").exists(), "HF format"
 
 
-def test_a_damaged_checkpoint_is_found_before_a_resume_and_names_the_whole_one_before_it(tmp_path):
+def test_a_damaged_checkpoint_is_found_before_a_resume_and_names_the_whole_one_before_it(tmp_path, quiet_log):
     """Found by hand (2026-12-03): a latest checkpoint cut short (a copy in part, a failing disk) made every learner
     start crash in torch.load; the supervisor restarted it 5 times, gave up and said the run was resumable with
     --resume, which crashed the same way."""
     import shutil
 
+    from common.net import NetConfig
+    from common.rundir import RunDir
     from learner import checkpoint as ckpt
     from launch.config import check_resumable
 
@@ -670,6 +672,17 @@ def test_a_damaged_checkpoint_is_found_before_a_resume_and_names_the_whole_one_b
     assert ckpt.damage(latest) == ""
     (latest / weights).write_bytes((pristine / weights).read_bytes() + b"x")
     assert "where its header says" in ckpt.damage(latest), "a longer file is not the one written either"
+    # Found by hand (2026-12-04): the latest moved away, "latest" naming it, read as no checkpoint at all; --resume
+    # said so and advised a new run in that directory, beside the whole one before it.
+    moved = tmp_path / "moved"
+    latest.rename(moved)
+    for check in (check_resumable, lambda root: Learner(LearnerConfig(), TINY, None, NetConfig(), RunDir(root),
+                                                         quiet_log, resume=True)):
+        with pytest.raises(ckpt.CheckpointDamaged) as refused:
+            check(tmp_path)
+        assert f"latest names {latest.name}, which is not there (removed or moved?)" in str(refused.value)
+        assert f"point latest at it: echo {first.name} > {tmp_path / 'checkpoints' / 'latest'}" in str(refused.value)
+    moved.rename(latest)
     shutil.rmtree(first)
     with pytest.raises(ckpt.CheckpointDamaged, match="No checkpoint before it is whole"):
         ckpt.check_whole(latest)
