@@ -668,6 +668,13 @@ def test_a_damaged_checkpoint_is_found_before_a_resume_and_names_the_whole_one_b
         assert f"checkpoint {latest} is damaged: {said}" in str(refused.value)
         assert f"The newest whole one is {first.name}" in str(refused.value)
         assert f"echo {first.name} > {tmp_path / 'checkpoints' / 'latest'}" in str(refused.value)
+        if name != "trainer.pt":
+            from click.testing import CliRunner
+
+            from launch.cli import main
+
+            out = CliRunner().invoke(main, ["eval", "--checkpoint", str(tmp_path / "checkpoints"), "--episodes", "1"])
+            assert out.exit_code == 1 and f"checkpoint {latest} is damaged: {said}" in out.output, out.output
         (latest / name).write_bytes(data)
     assert ckpt.damage(latest) == ""
     (latest / weights).write_bytes((pristine / weights).read_bytes() + b"x")
@@ -682,6 +689,16 @@ def test_a_damaged_checkpoint_is_found_before_a_resume_and_names_the_whole_one_b
             check(tmp_path)
         assert f"latest names {latest.name}, which is not there (removed or moved?)" in str(refused.value)
         assert f"point latest at it: echo {first.name} > {tmp_path / 'checkpoints' / 'latest'}" in str(refused.value)
+    # eval of the run's checkpoints/ says the same, as it says a damaged one or a directory holding no policy
+    from click.testing import CliRunner
+
+    from launch.cli import main
+
+    (tmp_path / "empty").mkdir()
+    for where, said in ((tmp_path / "checkpoints", f"latest names {latest.name}, which is not there"),
+                        (tmp_path / "empty", f"--checkpoint {tmp_path / 'empty'}: model.path")):
+        out = CliRunner().invoke(main, ["eval", "--checkpoint", str(where), "--episodes", "1"])
+        assert out.exit_code == 1 and said in out.output and "Traceback" not in out.output, out.output
     moved.rename(latest)
     shutil.rmtree(first)
     with pytest.raises(ckpt.CheckpointDamaged, match="No checkpoint before it is whole"):

@@ -41,17 +41,23 @@ def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, con
 
     from launch.config import config_for_checkpoint
 
-    run_cfg = load_config(config, ()) if config else config_for_checkpoint(checkpoint)
-    try:
-        tasks = suite_tasks(suite, episodes, run_cfg.env_server.backend)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
     ck = resolve_checkpoint(checkpoint)
+    if not ck.is_dir():  # a run's checkpoints/ whose latest was moved or deleted by hand
+        raise click.ClickException(f"{Path(checkpoint) / 'latest'} names {ck.name}, which is not there (removed or "
+                                   "moved?): give --checkpoint one of its step-N directories")
     if (ck / STATE_FILE).exists():  # ours (a learner's checkpoint, an export): its weights read whole or not at all
         problem = damage(ck, with_trainer=False)
         if problem:
             raise click.ClickException(f"checkpoint {ck} is damaged: {problem}")
-    engine, prompt_cfg, sampling, max_steps = load_policy(checkpoint, run_cfg)
+    run_cfg = load_config(config, ()) if config else config_for_checkpoint(checkpoint)  # (reads its state.json)
+    try:
+        tasks = suite_tasks(suite, episodes, run_cfg.env_server.backend)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        engine, prompt_cfg, sampling, max_steps = load_policy(checkpoint, run_cfg)
+    except configlib.ConfigError as exc:  # not a policy at all (an empty or foreign directory)
+        raise click.ClickException(f"--checkpoint {checkpoint}: {exc}") from None
     record = (EpisodeWriter(Path(record_dir) / EVAL_FILE, int(run_cfg.actor.record.max_mb * 1e6))
               if record_dir else None)
     try:
