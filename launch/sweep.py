@@ -239,13 +239,18 @@ class Sweep:
         return subprocess.CompletedProcess(argv, rc)
 
     def _state(self, run: SweepRun) -> str:
-        """done | evaluate | resume | start."""
+        """done | evaluate | resume | start, or "damaged: WHY" where its checkpoint cannot be resumed from (cut, or
+        ``latest`` naming one not there): its directory, older checkpoints and all, is the user's to mend, never
+        started over, which deletes it."""
         if run.final_eval.exists():
             return "done"
         from launch.config import load_run_config
         from learner import checkpoint as ckpt
 
-        latest = ckpt.latest(run.root / "checkpoints")
+        try:
+            latest = ckpt.resume_point(run.root / "checkpoints")
+        except ckpt.CheckpointDamaged as exc:
+            return f"damaged: {exc}"
         if latest is None:
             return "start"
         total = load_run_config(run.root / "config.yaml", check_imports=False).learner.total_steps
@@ -256,6 +261,9 @@ class Sweep:
         state = self._state(run)
         if state == "done" or self.interrupted:
             return state if state == "done" else "interrupted"
+        if state.startswith("damaged: "):
+            self.echo(f"[sweep] FAILED {label(run.variant)} seed {run.seed}: {state.removeprefix('damaged: ')}")
+            return "failed"
         cli = [sys.executable, "-m", "launch.cli"]
         if state in ("start", "resume"):
             if state == "start" and run.root.exists():

@@ -17,7 +17,7 @@ import pytest
 
 from common.exitcodes import EXIT_RESUMABLE
 from launch.sweep import Sweep, SweepSpec, label, parse_variants, parse_vary, spec_from_args
-from tests.conftest import REPO
+from tests.conftest import REPO, whole_checkpoint
 
 BASE = str(REPO / "configs" / "local.yaml")
 
@@ -88,9 +88,7 @@ def _fake_run(root: Path, seed: int, final: float | None, curve: list[tuple[int,
         for step, rate in curve:
             f.write(json.dumps({"step": step, "success_rate": rate}) + "\n")
     if latest is not None:  # a checkpoint as the learner leaves it: the step's directory and the pointer to it
-        (root / "checkpoints" / f"step-{latest:08d}").mkdir(parents=True)
-        (root / "checkpoints" / f"step-{latest:08d}" / "state.json").write_text(json.dumps({"version": latest}))
-        (root / "checkpoints" / "latest").write_text(f"step-{latest:08d}")
+        whole_checkpoint(root / "checkpoints", latest)
     if final is not None:
         (root / "final_eval.json").write_text(json.dumps(
             {"variant": {}, "seed": seed, "success_rate": final, "per_family": {"f1": final, "f2": 1 - final}}))
@@ -108,6 +106,13 @@ def test_results_table_intervals_curves_and_what_a_rerun_would_do(tmp_path):
             data = json.loads(run.final_eval.read_text())
             run.final_eval.write_text(json.dumps({**data, "variant": run.variant}))
     assert [sweep._state(r) for r in (a0, a1, b0, b1)] == ["done", "done", "evaluate", "resume"]
+    # Its latest moved away by hand (or a seed's share copied without it): said, and never started over, which
+    # deleted the directory, the whole checkpoints before it included.
+    shutil.rmtree(b1.root / "checkpoints" / "step-00000002")
+    said: list[str] = []
+    sweep.echo = said.append
+    assert sweep._state(b1).startswith("damaged: ") and sweep._one(b1) == "failed" and b1.root.is_dir()
+    assert "seed 1: " in said[0] and "latest names step-00000002, which is not there" in said[0], said
     (b1.root / "checkpoints" / "latest").unlink()
     assert sweep._state(b1) == "start", "died before its first checkpoint: starts over"
 
