@@ -135,8 +135,11 @@ def save(root: Path, version: int, model: Any, weights: dict, optimizer_state: d
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, root / "latest")
     _fsync_dir(root)
-    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
-    for old in steps[:-keep] if keep > 0 else []:
+    # The one just written is never rotated out, whatever its name sorts after: a run resumed from an older checkpoint
+    # by hand (latest pointed back past later ones) writes lower versions than those, and with keep 1 the rotation
+    # deleted each checkpoint as it was written, leaving latest naming nothing.
+    others = sorted(p for p in root.glob("step-*") if p.is_dir() and p != final)
+    for old in (others[:max(0, len(others) - (keep - 1))] if keep > 0 else []):
         shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -705,6 +705,28 @@ def test_a_damaged_checkpoint_is_found_before_a_resume_and_names_the_whole_one_b
         ckpt.check_whole(latest)
 
 
+def test_the_rotation_keeps_the_newest_checkpoints_and_never_the_one_just_written(tmp_path):
+    """keep_checkpoints: the newest stay. A run resumed by hand from an older checkpoint (latest pointed back, the later
+    ones left in place) writes versions lower than theirs, and with keep 1 each was deleted as it was written."""
+    t = Trainer(LearnerConfig(keep_checkpoints=2), TINY)
+
+    def saved(root):
+        return sorted(p.name for p in root.glob("step-*"))
+    for v in (1, 2, 3):
+        t.version = v
+        t.save(tmp_path / "plain")
+    assert saved(tmp_path / "plain") == ["step-00000002", "step-00000003"]
+    for keep, after in ((1, ["step-00000022"]), (2, ["step-00000022", "step-00000030"])):
+        t.cfg = dataclasses.replace(t.cfg, keep_checkpoints=keep)
+        root = tmp_path / f"keep-{keep}"
+        t.version = 30  # left from before the rollback
+        t.save(root)
+        for v in (21, 22):
+            t.version = v
+            assert t.save(root).is_dir() and (root / "latest").read_text() == f"step-{v:08d}"
+        assert saved(root) == after
+
+
 def test_learner_process_loop_with_a_broker(start_broker, quiet_log, tmp_path):
     tb = start_broker(BrokerConfig(groups_per_batch=2, group_size=4, eta=2, persist=False))
     weights = WeightSyncConfig(port=free_port(), join_window_s=0.1, timeout_s=5.0)
