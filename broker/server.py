@@ -132,15 +132,23 @@ class Broker(ActorSide, GroupIntake, LearnerSide):
             self.control.version = int(self.state.get("version", 0))
             self.control.phase = str(self.state.get("phase", "rl"))
             self.ledger.set_version(self.control.version)
-            if rec.groups or rec.truncated_bytes:
+            if rec.groups or rec.truncated_bytes or rec.damaged:
                 self.log.info("spill_recovered", groups=len(rec.groups), recent_ids=len(self.recent),
-                              truncated_bytes=rec.truncated_bytes, version=self.control.version)
+                              truncated_bytes=rec.truncated_bytes, damaged_bytes=sum(d["bytes"] for d in rec.damaged),
+                              version=self.control.version)
+            for d in rec.damaged:  # what was there is lost: said, and named in the audit trail where it can be
+                self.log.error("spill_record_damaged", **d,
+                               hint="bytes of the spill log changed on disk (a failing disk, a copy, a hand edit): "
+                                    "the records around them were recovered; computerrl audit counts what is lost")
         self.state["starts"] = int(self.state.get("starts", 0)) + 1
         # Curation's estimates are durable state too: a restarted broker keeps spending rollouts where it did.
         self.sampler = make_sampler(self.cfg.tasks, seed * 1_000_003 + self.state["starts"],
                                     self.state.pop("curation", None))
         recovered = [g.group_id for g in self.ledger.queue]
         self.audit.write("start", starts=self.state["starts"], recovered=len(recovered), persist=self.cfg.persist)
+        if rec is not None and rec.damaged:
+            self.audit.write("damaged", gs=[d["group_id"] for d in rec.damaged if d["group_id"]],
+                             stretches=len(rec.damaged))
         if recovered:  # durable, so acked or about to be: their actors' retries will only find duplicates
             self.audit.write("recovered", gs=recovered)
         self.spill.open(list(self.recent), self._durable_state())

@@ -9,7 +9,9 @@ Segments ``seg-<n>.log`` hold records ``MAGIC | kind u8 | length u64 | crc32 u32
 
 With ``persist`` on, appends are fsynced before the caller acks (one fsync per batch of appends: group
 commit). Recovery replays the segments in order; a torn record at the tail of a segment (a ``kill -9``
-mid-write) is cut off, which is safe because its group was never acked. Segments are deleted oldest first,
+mid-write) is cut off, which is safe because its group was never acked. A stretch that is no record with whole
+records after it (bytes changed on disk) is skipped, reported (``Recovered.damaged``) and left in the file: what it
+held is lost, the records after it are not. Segments are deleted oldest first,
 once every group in them is consumed, so a CONSUMED record can never outlive the GROUP it cancels.
 With ``persist`` off the log is only where groups wait when memory is full; it is wiped on start.
 
@@ -84,6 +86,10 @@ class Recovered:
     state: dict = field(default_factory=dict)
     truncated_bytes: int = 0
     corrupt_segments: list[int] = field(default_factory=list)
+    damaged: list[dict] = field(default_factory=list)
+    """stretches inside a segment that hold no readable record while whole records follow them (bytes changed on
+    disk, not a torn write): ``{"segment", "offset", "bytes", "group_id"}``, the group id where its record still
+    says it ("" otherwise). Skipped, not cut: the records after them are acked groups."""
 
 
 class SpillLog:
@@ -435,21 +441,26 @@ class SpillLog:
                 continue
             pos = 0
             while pos < len(data):
-                if len(data) - pos < _HDR.size:
-                    break
-                magic, kind, length, crc = _HDR.unpack_from(data, pos)
-                end = pos + _HDR.size + length
-                # The CRC covers the payload alone, and an empty payload's is 0: a header zeroed past its magic (a
-                # hole a crash left in unsynced bytes) would pass. No record is empty, nor of another kind.
-                if (magic != MAGIC or kind not in _KINDS or length == 0 or end > len(data)
-                        or zlib.crc32(data[pos + _HDR.size:end]) != crc):
-                    break
-                try:
-                    cls._replay_record(kind, data[pos + _HDR.size:end], Location(seg, pos, length), out, groups,
-                                       consumed, recent)
-                except (ValueError, TypeError, KeyError, AttributeError, struct.error, msgpack.UnpackException):
-                    break  # (damage the CRC did not see: the record ends the segment's replay like a torn one)
-                pos = end
+                end = _whole_record_end(data, pos)
+                if end is not None:
+                    try:
+                        cls._replay_record(data[pos + 4], data[pos + _HDR.size:end],
+                                           Location(seg, pos, end - pos - _HDR.size), out, groups, consumed, recent)
+                        pos = end
+                        continue
+                    except (ValueError, TypeError, KeyError, AttributeError, struct.error, msgpack.UnpackException):
+                        following = end  # (damage the CRC did not see: this record alone is skipped)
+                else:
+                    # Not a record here. With none after it, a torn tail (a write a crash cut short, never acked).
+                    # With one after it, a stretch between whole records: bytes changed on disk, or a hole a crash
+                    # left among unsynced ones. Cutting there, as recovery did until 2026-12-04, deleted every
+                    # acked group after it: one flipped byte lost the rest of its segment.
+                    following = _next_whole_record(data, pos + 1)
+                    if following is None:
+                        break
+                out.damaged.append({"segment": seg, "offset": pos, "bytes": following - pos,
+                                    "group_id": _stated_group_id(data, pos)})
+                pos = following
             if pos < len(data):
                 # A torn tail: the write was never acknowledged. Cut it so later appends stay readable.
                 out.truncated_bytes += len(data) - pos
@@ -463,6 +474,45 @@ class SpillLog:
         out.groups = [(gid, loc) for gid, loc in groups.items() if gid not in consumed]
         out.recent_ids = list(recent)
         return out
+
+
+def _whole_record_end(data: bytes, pos: int) -> int | None:
+    """Where the record at ``pos`` ends, if a whole one starts there (its header fits, its CRC holds); else None.
+    The CRC covers the payload alone, and an empty payload's is 0: a header zeroed past its magic (a hole a crash left
+    in unsynced bytes) would pass. No record is empty, nor of another kind."""
+    if len(data) - pos < _HDR.size:
+        return None
+    magic, kind, length, crc = _HDR.unpack_from(data, pos)
+    end = pos + _HDR.size + length
+    if (magic != MAGIC or kind not in _KINDS or length == 0 or end > len(data)
+            or zlib.crc32(memoryview(data)[pos + _HDR.size:end]) != crc):
+        return None
+    return end
+
+
+def _next_whole_record(data: bytes, start: int) -> int | None:
+    """The first offset at or after ``start`` where a whole record starts, or None."""
+    pos = data.find(MAGIC, start)
+    while pos != -1:
+        if _whole_record_end(data, pos) is not None:
+            return pos
+        pos = data.find(MAGIC, pos + 1)
+    return None
+
+
+def _stated_group_id(data: bytes, pos: int) -> str:
+    """The group id a damaged record at ``pos`` still states (its header and the id at its payload's start intact,
+    the damage further on), or ""."""
+    try:
+        magic, kind, _, _ = _HDR.unpack_from(data, pos)
+        if magic != MAGIC or kind != KIND_GROUP:
+            return ""
+        (meta_len,) = _U32.unpack_from(data, pos + _HDR.size)
+        start = pos + _HDR.size + 4
+        group_id, _ = msgpack.unpackb(data[start:start + min(meta_len, 1 << 16)])
+        return group_id if isinstance(group_id, str) else ""
+    except (ValueError, TypeError, struct.error, msgpack.UnpackException):
+        return ""
 
 
 class CommitThread:

@@ -128,6 +128,9 @@ class Reconciliation:
     run's trail at once (``common/claims.py`` prevents it where the file system locks)"""
     acked_ids: set[str] = field(default_factory=set)
     """every group the broker recorded as acked (or recovered, or dropped on receipt)"""
+    damaged: list[str] = field(default_factory=list)
+    """lost groups whose records a restarted broker found damaged in its spill log (bytes changed on disk), by the
+    id the record still stated; a damaged stretch that states none leaves its groups lost without a reason"""
 
     @property
     def ok(self) -> bool:
@@ -138,14 +141,17 @@ class Reconciliation:
                 "dropped": dict(self.dropped), "dropped_total": sum(self.dropped.values()), "queued": self.queued,
                 "lost": len(self.lost), "unrecorded": len(self.unrecorded), "rolled_back_settlements": self.rolled_back,
                 "learner_starts": self.learner_starts, "broker_starts": self.broker_starts,
-                "learner_steps_out_of_order": self.out_of_order,
+                "learner_steps_out_of_order": self.out_of_order, "lost_damaged_on_disk": len(self.damaged),
                 "lost_ids": self.lost[:20], "trained_twice_ids": self.trained_twice[:20], "ok": self.ok}
 
     def table(self) -> str:
         rows = [("acked groups", self.acked), ("trained once", self.trained_once)]
         rows += [(f"dropped: {r}", n) for r, n in sorted(self.dropped.items())]
         rows += [("queued at the broker (not yet trained)", self.queued),
-                 ("LOST", len(self.lost)), ("TRAINED TWICE", len(self.trained_twice)),
+                 ("LOST", len(self.lost)),
+                 *([("  of them damaged on disk (spill_record_damaged)", len(self.damaged))]
+                   if self.damaged else []),
+                 ("TRAINED TWICE", len(self.trained_twice)),
                  ("trained without an ack record", len(self.unrecorded)),
                  ("learner settlements rolled back", self.rolled_back), ("learner starts (a resume is one)", self.learner_starts),
                  ("broker starts", self.broker_starts),
@@ -224,10 +230,13 @@ def reconcile_events(broker_events: Iterable[dict], learner_events: Iterable[dic
     out = Reconciliation()
     acked: set[str] = set()
     broker_drop: dict[str, str] = {}
+    damaged: set[str] = set()
     for ev in broker_events:
         e = ev["e"]
         if e in ("acked", "recovered"):
             acked.update(_ids(ev))
+        elif e == "damaged":
+            damaged.update(_ids(ev))
         elif e == "dropped":
             for g in _ids(ev):
                 acked.add(g)
@@ -257,5 +266,7 @@ def reconcile_events(broker_events: Iterable[dict], learner_events: Iterable[dic
             out.queued += 1
         else:
             out.lost.append(g)
+            if g in damaged:
+                out.damaged.append(g)
     out.unrecorded = sorted(set(trained) - acked)
     return out

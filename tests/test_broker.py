@@ -895,6 +895,39 @@ def test_a_full_disk_acks_nothing_it_cannot_keep_and_the_broker_goes_on_once_spa
     assert sorted(on_disk) == sorted(g.group_id for g in groups), "every acked group in the log (uncommitted), once"
 
 
+def test_a_spill_record_damaged_on_disk_loses_its_group_alone_and_the_audit_names_it(start_broker, quiet_log,
+                                                                                        tmp_path):
+    """A byte of a stopped broker's spill log flipped (a failing disk, a bad copy): the restarted broker recovers
+    every other acked group (it used to cut the segment at the damage, losing all after it), logs the damage, and
+    writes the group it lost into the audit trail, which names it ("docs/reliability.md", "A full or failing disk")."""
+    from broker.spill import _HDR, SpillLog
+    from launch.audit import reconcile
+
+    run_dir = tmp_path / "run"
+    cfg = BrokerConfig(groups_per_batch=8, group_size=2, eta=3, persist=True)
+    tb = start_broker(cfg, run_dir=run_dir)
+    actor, learner = clients(tb, quiet_log)
+    groups = [make_group(t) for t in take_tickets(actor, 6, expect=6)]
+    for g in groups:
+        actor.submit(g)
+    pump([actor], WAIT_S, until=lambda: len(actor.acks) == len(groups))
+    actor.close()
+    learner.close()
+    tb.stop()
+    (gid, loc), *_ = [(gid, loc) for gid, loc in SpillLog.scan(run_dir / "spill").groups if gid == groups[2].group_id]
+    seg = run_dir / "spill" / f"seg-{loc.segment:08d}.log"
+    data = bytearray(seg.read_bytes())
+    data[loc.offset + _HDR.size + loc.length - 5] ^= 0x01  # one bit, inside the group's frames
+    seg.write_bytes(bytes(data))
+    tb2 = start_broker(cfg, run_dir=run_dir)
+    queued = sorted(g.group_id for g in tb2.broker.ledger.queue)
+    tb2.stop()
+    assert queued == sorted(g.group_id for g in groups if g.group_id != gid)
+    audit = reconcile(run_dir)
+    assert audit.lost == [gid] and audit.damaged == [gid] and audit.queued == len(groups) - 1
+    assert "of them damaged on disk (spill_record_damaged)" in audit.table()
+
+
 def test_without_persistence_groups_the_full_disk_cannot_take_wait_in_memory(start_broker, quiet_log, small_disk):
     """Past ``memory_bytes`` the newest groups wait on disk; a full one keeps them in memory (counted, past the
     bound) instead of failing the loop's turn, and every group is still delivered."""

@@ -201,6 +201,31 @@ def test_commit_thread_acks_in_order_only_after_a_sync_covering_the_data(tmp_pat
     assert [gid for gid, _ in rec.groups] == [g.group_id for g in groups]
 
 
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_bytes_changed_inside_a_segment_lose_their_record_alone_and_are_named(tmp_path, quiet_log, where):
+    """Found by hand (2026-12-04): one byte flipped in the middle of a stopped run's spill segment, and recovery took
+    it for a torn tail and cut the segment there, deleting the 19 acked groups after it (the audit: 20 lost). A
+    stretch that is not a record, with whole records after it, is skipped: only what it held is lost, named by the
+    group id its record still states where it does, and nothing is cut from the file."""
+    s, _ = _open(tmp_path, quiet_log)
+    groups = [make_group() for _ in range(5)]
+    locs = s.append_groups([(g.group_id, P.encode(g)) for g in groups])
+    s.close()
+    seg = sorted(tmp_path.glob("seg-*.log"))[-1]
+    data = bytearray(seg.read_bytes())
+    hit = locs[2].offset + (spill_mod._HDR.size + locs[2].length - 3 if where == "payload" else 1)
+    data[hit] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    _, rec = _open(tmp_path, quiet_log)
+    assert [gid for gid, _ in rec.groups] == [g.group_id for i, g in enumerate(groups) if i != 2]
+    assert rec.truncated_bytes == 0 and seg.stat().st_size == len(data), "nothing cut"
+    (d,) = rec.damaged
+    assert (d["segment"], d["offset"]) == (locs[2].segment, locs[2].offset)
+    assert d["bytes"] == locs[3].offset - locs[2].offset
+    assert d["group_id"] == (groups[2].group_id if where == "payload" else "")
+    assert SpillLog.scan(tmp_path).damaged == rec.damaged, "the audit's read-only scan sees the same"
+
+
 def test_a_write_that_fails_halfway_is_cut_back_and_the_next_record_reads_and_recovers(tmp_path, quiet_log,
                                                                                           monkeypatch):
     """A full disk stops a write partway (``ENOSPC``): the log cuts the half record off again, so the next group's
