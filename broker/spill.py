@@ -38,11 +38,10 @@ from typing import Any, Callable, Sequence
 
 import msgpack
 
+from broker.records import HEADER, MAGIC, next_whole, record, whole_end
 from common.net import RateLimitedLog
 from common.protocol import frame_buffer, frame_nbytes
 
-MAGIC = b"CRL1"
-_HDR = struct.Struct("<4sBQI")
 _U32 = struct.Struct("<I")
 KIND_GROUP, KIND_CONSUMED, KIND_SNAPSHOT = 1, 2, 3
 _KINDS = (KIND_GROUP, KIND_CONSUMED, KIND_SNAPSHOT)
@@ -68,7 +67,7 @@ class Location:
     @property
     def end(self) -> int:
         """Where the record ends in its segment."""
-        return self.offset + _HDR.size + self.length
+        return self.offset + HEADER.size + self.length
 
 
 @dataclass(frozen=True)
@@ -143,7 +142,7 @@ class SpillLog:
         self._active, self._fd, self._size = new, fd, 0
         self.segments.append(new)
         try:
-            self._write([self._record(KIND_SNAPSHOT, [msgpack.packb({"recent_ids": list(recent_ids),
+            self._write([record(KIND_SNAPSHOT, [msgpack.packb({"recent_ids": list(recent_ids),
                                                                       "state": state})])])
             if self.persist:
                 self._sync(dir_too=True)
@@ -174,15 +173,6 @@ class SpillLog:
                 self._fd = None
 
     # ----- writing ---------------------------------------------------------------------------
-
-    @staticmethod
-    def _record(kind: int, parts: Sequence[Any]) -> list[Any]:
-        crc = 0
-        length = 0
-        for p in parts:
-            crc = zlib.crc32(p, crc)
-            length += frame_nbytes(p)
-        return [_HDR.pack(MAGIC, kind, length, crc), *parts]
 
     @property
     def writable(self) -> bool:
@@ -303,7 +293,7 @@ class SpillLog:
             bufs = [frame_buffer(f) for f in frames]
             meta = msgpack.packb([group_id, [frame_nbytes(b) for b in bufs]])
             parts = [_U32.pack(len(meta)), meta, *bufs]
-            records.append(self._record(KIND_GROUP, parts))
+            records.append(record(KIND_GROUP, parts))
             lengths.append(sum(frame_nbytes(p) for p in parts))
         offsets = self._write(records)
         if self.persist if sync is None else sync:
@@ -348,7 +338,7 @@ class SpillLog:
         # With no group the record carries the state alone (a new learner version), so a restart resumes from it.
         written = None
         if self.persist:
-            self._write([self._record(KIND_CONSUMED, [msgpack.packb({"ids": list(group_ids), "state": state})])])
+            self._write([record(KIND_CONSUMED, [msgpack.packb({"ids": list(group_ids), "state": state})])])
             written = Written(self._active, self._size)
             if sync:
                 self._sync()
@@ -373,8 +363,8 @@ class SpillLog:
         """The frames of a stored group."""
         with self.lock, open(self._path(loc.segment), "rb") as f:
             f.seek(loc.offset)
-            hdr = f.read(_HDR.size)
-            magic, kind, length, crc = _HDR.unpack(hdr) if len(hdr) == _HDR.size else (b"", 0, 0, 0)
+            hdr = f.read(HEADER.size)
+            magic, kind, length, crc = HEADER.unpack(hdr) if len(hdr) == HEADER.size else (b"", 0, 0, 0)
             # (the header is checked before its length is trusted: a damaged one could ask for any size)
             payload = f.read(length) if (magic, kind, length) == (MAGIC, KIND_GROUP, loc.length) else b""
         if magic != MAGIC or kind != KIND_GROUP or len(payload) != length or zlib.crc32(payload) != crc:
@@ -441,11 +431,11 @@ class SpillLog:
                 continue
             pos = 0
             while pos < len(data):
-                end = _whole_record_end(data, pos)
+                end = whole_end(data, pos, _KINDS)
                 if end is not None:
                     try:
-                        cls._replay_record(data[pos + 4], data[pos + _HDR.size:end],
-                                           Location(seg, pos, end - pos - _HDR.size), out, groups, consumed, recent)
+                        cls._replay_record(data[pos + 4], data[pos + HEADER.size:end],
+                                           Location(seg, pos, end - pos - HEADER.size), out, groups, consumed, recent)
                         pos = end
                         continue
                     except (ValueError, TypeError, KeyError, AttributeError, struct.error, msgpack.UnpackException):
@@ -455,7 +445,7 @@ class SpillLog:
                     # With one after it, a stretch between whole records: bytes changed on disk, or a hole a crash
                     # left among unsynced ones. Cutting there, as recovery did until 2026-12-04, deleted every
                     # acked group after it: one flipped byte lost the rest of its segment.
-                    following = _next_whole_record(data, pos + 1)
+                    following = next_whole(data, pos + 1, _KINDS)
                     if following is None:
                         break
                 out.damaged.append({"segment": seg, "offset": pos, "bytes": following - pos,
@@ -476,39 +466,15 @@ class SpillLog:
         return out
 
 
-def _whole_record_end(data: bytes, pos: int) -> int | None:
-    """Where the record at ``pos`` ends, if a whole one starts there (its header fits, its CRC holds); else None.
-    The CRC covers the payload alone, and an empty payload's is 0: a header zeroed past its magic (a hole a crash left
-    in unsynced bytes) would pass. No record is empty, nor of another kind."""
-    if len(data) - pos < _HDR.size:
-        return None
-    magic, kind, length, crc = _HDR.unpack_from(data, pos)
-    end = pos + _HDR.size + length
-    if (magic != MAGIC or kind not in _KINDS or length == 0 or end > len(data)
-            or zlib.crc32(memoryview(data)[pos + _HDR.size:end]) != crc):
-        return None
-    return end
-
-
-def _next_whole_record(data: bytes, start: int) -> int | None:
-    """The first offset at or after ``start`` where a whole record starts, or None."""
-    pos = data.find(MAGIC, start)
-    while pos != -1:
-        if _whole_record_end(data, pos) is not None:
-            return pos
-        pos = data.find(MAGIC, pos + 1)
-    return None
-
-
 def _stated_group_id(data: bytes, pos: int) -> str:
     """The group id a damaged record at ``pos`` still states (its header and the id at its payload's start intact,
     the damage further on), or ""."""
     try:
-        magic, kind, _, _ = _HDR.unpack_from(data, pos)
+        magic, kind, _, _ = HEADER.unpack_from(data, pos)
         if magic != MAGIC or kind != KIND_GROUP:
             return ""
-        (meta_len,) = _U32.unpack_from(data, pos + _HDR.size)
-        start = pos + _HDR.size + 4
+        (meta_len,) = _U32.unpack_from(data, pos + HEADER.size)
+        start = pos + HEADER.size + 4
         group_id, _ = msgpack.unpackb(data[start:start + min(meta_len, 1 << 16)])
         return group_id if isinstance(group_id, str) else ""
     except (ValueError, TypeError, struct.error, msgpack.UnpackException):

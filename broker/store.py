@@ -5,7 +5,8 @@ De-duplicated per task by the sampled tokens (two identical solutions teach noth
 With persistence on, additions are appended to ``success.log`` and reloaded on restart; the file is
 rewritten compactly when it grows past twice its live content. The store is best-effort (acked groups live in the
 spill log): a write that fails (a full disk) is counted and logged, the file is let go, and the whole store is
-rewritten from memory once a retry succeeds, so no record follows a torn one.
+rewritten from memory once a retry succeeds, so no record follows a torn one. Records carry a checksum
+(``broker/records.py``): one changed on disk is dropped on load, never imitated as a success.
 """
 
 from __future__ import annotations
@@ -20,10 +21,16 @@ from pathlib import Path
 from typing import Any
 
 
+from broker.records import HEADER, MAGIC, next_whole, record, whole_end
 from common import protocol as P
 from common.appendfile import close_quietly
 
 _LEN = struct.Struct("<II")  # header length, number of frames
+KIND_SUCCESS = 4
+"""the store's record kind (``broker/records.py``): its payload is one encoded SuccessBatch, ``_LEN``, the frames'
+lengths, the frames. A file of records starts with the record magic; one without it was written before 2026-12-04,
+the same payloads back to back with no checksum, and is read as such once (the store rewrites its file at start)."""
+_KINDS = (KIND_SUCCESS,)
 REWRITE_RETRY_S = 10.0  # after a failed write, how often the rewrite from memory is tried again
 
 
@@ -121,40 +128,26 @@ class SuccessStore:
     def _append(self, task_id: str, traj: P.Trajectory) -> None:
         frames = P.encode(P.SuccessBatch(samples=[P.SuccessSample(task_id=task_id, trajectory=traj)]))
         bufs = [memoryview(f).cast("B") for f in frames]  # numpy frames are written as they are, no copy
-        self._f.write(_LEN.pack(len(bufs[0]), len(bufs) - 1)
-                      + struct.pack(f"<{len(bufs) - 1}Q", *(b.nbytes for b in bufs[1:])))
-        for b in bufs:
-            self._f.write(b)
+        lengths = (_LEN.pack(len(bufs[0]), len(bufs) - 1)
+                   + struct.pack(f"<{len(bufs) - 1}Q", *(b.nbytes for b in bufs[1:])))
+        for part in record(KIND_SUCCESS, [lengths, *bufs]):
+            self._f.write(part)
         self._file_records += 1
         if self._file_records > 2 * max(len(self), 64):
             self._compact()
 
     def _load(self) -> None:
         data = self.path.read_bytes()
-        pos = 0
+        batches, damaged, tail = (_checked_batches if data.startswith(MAGIC) else _unchecked_batches)(data)
         loaded = 0
-        while pos + _LEN.size <= len(data):
-            try:
-                hlen, nframes = _LEN.unpack_from(data, pos)
-                p = pos + _LEN.size
-                lens = struct.unpack_from(f"<{nframes}Q", data, p)
-                p += 8 * nframes
-                frames = [data[p:p + hlen]]
-                p += hlen
-                for n in lens:
-                    frames.append(data[p:p + n])
-                    p += n
-                if p > len(data):
-                    break
-                msg = P.decode(frames, max_bytes=None)
-            except (struct.error, P.ProtocolError):
-                break  # a torn tail from a crash: stop at the last whole record
+        for msg in batches:
             for s in msg.samples:
                 self.add(s.task_id, s.trajectory, persist=False)
                 loaded += 1
-            pos = p
-        if pos < len(data):
-            self.log.warning("success_store_tail_dropped", bytes=len(data) - pos)
+        if damaged:  # changed on disk: dropped, not trained on as a success it no longer is
+            self.log.error("success_store_records_damaged", records=damaged, path=str(self.path))
+        if tail:
+            self.log.warning("success_store_tail_dropped", bytes=tail)
         self.log.info("success_store_loaded", trajectories=len(self), tasks=len(self.tasks), records=loaded)
 
     def _compact(self) -> None:
@@ -197,3 +190,56 @@ class SuccessStore:
         self.flush()  # (a failure is counted and logged like any other write's)
         self._let_go()
 
+
+def _batch_at(data: Any, pos: int) -> tuple[P.SuccessBatch, int]:
+    """The SuccessBatch whose payload starts at ``pos`` and where it ends; raises ``struct.error`` or
+    ``P.ProtocolError`` where it is cut short or does not decode."""
+    hlen, nframes = _LEN.unpack_from(data, pos)
+    p = pos + _LEN.size
+    lens = struct.unpack_from(f"<{nframes}Q", data, p)
+    p += 8 * nframes
+    frames = [data[p:p + hlen]]
+    p += hlen
+    for n in lens:
+        frames.append(data[p:p + n])
+        p += n
+    if p > len(data):
+        raise struct.error("record cut short")
+    return P.decode(frames, max_bytes=None), p
+
+
+def _checked_batches(data: bytes) -> tuple[list[P.SuccessBatch], int, int]:
+    """(batches, damaged records, torn tail bytes) of a file of checksummed records: a stretch that is no whole
+    record, with one after it, is a damaged record (skipped); with none after it, a torn tail."""
+    out, damaged, pos = [], 0, 0
+    while pos < len(data):
+        end = whole_end(data, pos, _KINDS)
+        if end is None:
+            following = next_whole(data, pos + 1, _KINDS)
+            if following is None:
+                break
+            damaged, pos = damaged + 1, following
+            continue
+        try:
+            msg, used = _batch_at(data, pos + HEADER.size)  # (frames copied out of data: nothing pins the file)
+            if used != end:
+                raise struct.error("payload and record lengths differ")
+            out.append(msg)
+        except (struct.error, P.ProtocolError):
+            damaged += 1
+        pos = end
+    return out, damaged, len(data) - pos
+
+
+def _unchecked_batches(data: bytes) -> tuple[list[P.SuccessBatch], int, int]:
+    """The same for a file written before records had checksums: payloads back to back, read up to the first that
+    does not decode (the rest is taken for a torn tail: nothing tells where the next one starts)."""
+    out, pos = [], 0
+    while pos + _LEN.size <= len(data):
+        try:
+            msg, pos_next = _batch_at(data, pos)
+        except (struct.error, P.ProtocolError):
+            break
+        out.append(msg)
+        pos = pos_next
+    return out, 0, len(data) - pos

@@ -900,7 +900,8 @@ def test_a_spill_record_damaged_on_disk_loses_its_group_alone_and_the_audit_name
     """A byte of a stopped broker's spill log flipped (a failing disk, a bad copy): the restarted broker recovers
     every other acked group (it used to cut the segment at the damage, losing all after it), logs the damage, and
     writes the group it lost into the audit trail, which names it ("docs/reliability.md", "A full or failing disk")."""
-    from broker.spill import _HDR, SpillLog
+    from broker.records import HEADER
+    from broker.spill import SpillLog
     from launch.audit import reconcile
 
     run_dir = tmp_path / "run"
@@ -917,7 +918,7 @@ def test_a_spill_record_damaged_on_disk_loses_its_group_alone_and_the_audit_name
     (gid, loc), *_ = [(gid, loc) for gid, loc in SpillLog.scan(run_dir / "spill").groups if gid == groups[2].group_id]
     seg = run_dir / "spill" / f"seg-{loc.segment:08d}.log"
     data = bytearray(seg.read_bytes())
-    data[loc.offset + _HDR.size + loc.length - 5] ^= 0x01  # one bit, inside the group's frames
+    data[loc.offset + HEADER.size + loc.length - 5] ^= 0x01  # one bit, inside the group's frames
     seg.write_bytes(bytes(data))
     tb2 = start_broker(cfg, run_dir=run_dir)
     queued = sorted(g.group_id for g in tb2.broker.ledger.queue)

@@ -10,6 +10,7 @@ import pytest
 import zmq
 
 import broker.spill as spill_mod
+from broker.records import HEADER
 from broker.spill import CommitThread, SpillLog
 from broker.store import SuccessStore
 from common import protocol as P
@@ -135,6 +136,55 @@ def test_success_store_dedupes_caps_and_persists(tmp_path, quiet_log):
     np.testing.assert_array_equal(samples[0].trajectory.output_ids, t1.output_ids)
 
 
+def test_a_success_changed_on_disk_is_dropped_alone_and_an_older_file_without_checksums_still_loads(tmp_path):
+    """Found by hand (2026-12-04): a byte flipped in success.log loaded without a word, its trajectory changed, and
+    SFT phases would imitate it as a success. Records now carry the spill log's checksum (``broker/records.py``): a
+    damaged one is dropped, alone, and said; a torn tail is dropped as before; a file from before, with no checksums,
+    loads as it did and is rewritten with them."""
+    import struct
+
+    from broker import store as store_mod
+
+    errors: list[tuple[str, dict]] = []
+
+    class Log:
+        def __getattr__(self, level):
+            return lambda event, **kw: errors.append((event, kw)) if level in ("error", "warning") else None
+    path = tmp_path / "success.log"
+    st = SuccessStore(per_task=4, max_tasks=10, path=path, log=Log())
+    trajs = [make_traj(seed=s) for s in range(4)]
+    for i, t in enumerate(trajs):
+        st.add(f"task/{i}", t)
+    st.close()
+    data = bytearray(path.read_bytes())
+    starts = [i for i in range(len(data)) if data.startswith(b"CRL1", i)]
+    assert len(starts) == 4
+    data[(starts[1] + starts[2]) // 2] ^= 0x04  # inside the second record
+    path.write_bytes(bytes(data[:-5]))  # and the last one torn
+    back = SuccessStore(per_task=4, max_tasks=10, path=path, log=Log())
+    assert sorted(back.tasks) == ["task/0", "task/2"]
+    np.testing.assert_array_equal(back.tasks["task/2"][store_mod.solution_key(trajs[2])].output_ids,
+                                  trajs[2].output_ids)
+    assert ("success_store_records_damaged", {"records": 1, "path": str(path)}) in errors
+    assert [e for e, _ in errors].count("success_store_tail_dropped") == 1
+    back.close()
+
+    # the layout before checksums: the same payloads back to back
+    legacy = tmp_path / "legacy.log"
+    with open(legacy, "wb") as f:
+        for i, t in enumerate(trajs[:3]):
+            frames = P.encode(P.SuccessBatch(samples=[P.SuccessSample(task_id=f"task/{i}", trajectory=t)]))
+            bufs = [bytes(memoryview(x).cast("B")) for x in frames]
+            f.write(struct.pack("<II", len(bufs[0]), len(bufs) - 1) + struct.pack(f"<{len(bufs) - 1}Q",
+                                                                                *(len(b) for b in bufs[1:])))
+            f.write(b"".join(bufs))
+    old = SuccessStore(per_task=4, max_tasks=10, path=legacy, log=Log())
+    assert sorted(old.tasks) == ["task/0", "task/1", "task/2"]
+    old.close()
+    assert legacy.read_bytes().startswith(b"CRL1"), "rewritten with checksums"
+    assert sorted(SuccessStore(per_task=4, max_tasks=10, path=legacy, log=Log()).tasks) == sorted(old.tasks)
+
+
 def test_replay_finds_the_newest_success_sampled_within_the_bound(quiet_log):
     st = SuccessStore(per_task=4, max_tasks=100, path=None, log=quiet_log)
     st.add("sim:train:sheet_sum/1", make_traj(version=3, seed=1))
@@ -213,7 +263,7 @@ def test_bytes_changed_inside_a_segment_lose_their_record_alone_and_are_named(tm
     s.close()
     seg = sorted(tmp_path.glob("seg-*.log"))[-1]
     data = bytearray(seg.read_bytes())
-    hit = locs[2].offset + (spill_mod._HDR.size + locs[2].length - 3 if where == "payload" else 1)
+    hit = locs[2].offset + (HEADER.size + locs[2].length - 3 if where == "payload" else 1)
     data[hit] ^= 0xFF
     seg.write_bytes(bytes(data))
     _, rec = _open(tmp_path, quiet_log)
