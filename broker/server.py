@@ -136,6 +136,10 @@ class Broker(ActorSide, GroupIntake, LearnerSide):
                 self.log.info("spill_recovered", groups=len(rec.groups), recent_ids=len(self.recent),
                               truncated_bytes=rec.truncated_bytes, damaged_bytes=sum(d["bytes"] for d in rec.damaged),
                               version=self.control.version)
+            if rec.missing_segments:
+                self.log.error("spill_segments_missing", segments=rec.missing_segments,
+                               hint="spill segments between others are gone (the log deletes only its oldest): the "
+                                    "groups they held are lost; computerrl audit names them")
             for d in rec.damaged:  # what was there is lost: said, and named in the audit trail where it can be
                 self.log.error("spill_record_damaged", **d,
                                hint="bytes of the spill log changed on disk (a failing disk, a copy, a hand edit): "

@@ -85,6 +85,8 @@ class Recovered:
     state: dict = field(default_factory=dict)
     truncated_bytes: int = 0
     corrupt_segments: list[int] = field(default_factory=list)
+    missing_segments: list[int] = field(default_factory=list)
+    """segment numbers absent between existing ones (deleted or lost by hand: the log only ever deletes its oldest)"""
     damaged: list[dict] = field(default_factory=list)
     """stretches inside a segment that hold no readable record while whole records follow them (bytes changed on
     disk, not a torn write): ``{"segment", "offset", "bytes", "group_id"}``, the group id where its record still
@@ -423,6 +425,7 @@ class SpillLog:
         consumed: set[str] = set()
         recent: collections.OrderedDict[str, None] = collections.OrderedDict()
         existing = _segments(directory)
+        out.missing_segments = [n for a, b in zip(existing, existing[1:]) for n in range(a + 1, b)]
         for seg in existing:
             path = directory / _segment_name(seg)
             try:

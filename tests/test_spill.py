@@ -274,6 +274,15 @@ def test_bytes_changed_inside_a_segment_lose_their_record_alone_and_are_named(tm
     assert d["bytes"] == locs[3].offset - locs[2].offset
     assert d["group_id"] == (groups[2].group_id if where == "payload" else "")
     assert SpillLog.scan(tmp_path).damaged == rec.damaged, "the audit's read-only scan sees the same"
+    assert rec.missing_segments == []
+
+
+def test_a_segment_gone_from_between_others_is_named(tmp_path, quiet_log):
+    """The log deletes only its oldest segments, so one missing between two others was removed or lost by hand: what
+    it held is lost, and recovery says which."""
+    for seg in (3, 4, 7):
+        (tmp_path / f"seg-{seg:08d}.log").write_bytes(b"")
+    assert SpillLog.scan(tmp_path).missing_segments == [5, 6]
 
 
 def test_a_write_that_fails_halfway_is_cut_back_and_the_next_record_reads_and_recovers(tmp_path, quiet_log,
