@@ -60,13 +60,21 @@ def test_every_role_killed_nothing_lost_nothing_trained_twice(tmp_path, monkeypa
     assert not children_of_run(run_dir), "no role outlived the run"
     assert re.search(r"learner-0 killed: hung: its main loop gave no sign of life for \d+ s \(local.hang_timeout_s\); "
                      r"process state T \(stopped: it cannot print its stacks\)", said), said[-3000:]
-    # Every resumed learner that trained got its weights to both actors (a new sender, rounds from 1 again):
-    # otherwise the actors would sample with a dead learner's weights until every group went stale.
+    # Every resumed learner that trained got its weights to the actors (a new sender, rounds from 1 again):
+    # otherwise the actors would sample with a dead learner's weights until every group went stale. Both actors, but
+    # for the final --resume's learner: it trains its 2 steps on groups already queued, and on a loaded machine one
+    # actor was ready 2 s after the other and 11 ms after that learner's last round (seen 2026-12-04), with nothing
+    # left to train for it.
     records = [json.loads(x) for x in (run_dir / "logs" / "learner-0.jsonl").read_text().splitlines()]
     resumed = {r["pid"] for r in records if r["event"] == "resumed"}
     trained = {r["pid"] for r in records if r["event"] == "train_step"} & resumed
-    reached = {r["pid"] for r in records if r["event"] == "weights_broadcast" and r["receivers"] == 2}
-    assert trained and trained <= reached, (trained, reached)
+    final = next(r["pid"] for r in reversed(records) if r["event"] == "train_step")
+    reached: dict[int, int] = {}  # the most receivers each learner's rounds reached
+    for r in records:
+        if r["event"] == "weights_broadcast":
+            reached[r["pid"]] = max(reached.get(r["pid"], 0), r["receivers"])
+    assert trained and all(reached.get(pid, 0) == 2 for pid in trained - {final}), (trained, reached)
+    assert reached.get(final, 0) >= 1, (final, reached)
     # The command a user runs on the same directory agrees, and exits 0.
     out = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(run_dir), "--json"], cwd=REPO,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
