@@ -154,8 +154,9 @@ class LearnerSide:
                     self.unreported_drops += len(dropped)
                 if batch is None:
                     return
+                if not self._send_batch(ident, batch, self.unreported_drops):
+                    continue  # the credit stays: the next batch forms without what could not be read
                 self.credits[ident] -= 1
-                self._send_batch(ident, batch, self.unreported_drops)
                 self.unreported_drops = 0
             del self.credits[ident]
 
@@ -172,11 +173,20 @@ class LearnerSide:
             self.mem_bytes -= g.nbytes
             g.frames = None
 
-    def _send_batch(self, ident: bytes, batch, dropped: int) -> None:
+    def _send_batch(self, ident: bytes, batch, dropped: int) -> bool:
+        """Send ``batch``; False, with nothing sent, where a group of it could not be read back from the spill log."""
+        stored, unreadable = [], []
+        for g in batch.groups:
+            try:
+                stored.append(g.frames if g.frames is not None else self.spill.read(g.location))
+            except OSError as exc:  # damaged on disk since it was written, its segment removed, a failing disk
+                unreadable.append((g, exc))
+        if unreadable:
+            self._drop_unreadable(batch, unreadable)
+            return False
         raws = []
         lags = []
-        for g in batch.groups:
-            frames = g.frames if g.frames is not None else self.spill.read(g.location)
+        for g, frames in zip(batch.groups, stored):
             raws.append(P.RawMessage(frames))
             lag = group_lag(batch.train_version, g.behavior_version_min)
             lags.append(lag)
@@ -187,3 +197,19 @@ class LearnerSide:
                       max_lag=max(lags), mean_lag=sum(lags) / len(lags), dropped_stale=dropped)
         self.audit.write("delivered", b=batch.batch_id, v=batch.train_version, gs=[g.group_id for g in batch.groups])
         self.back.send_frames(ident, P.encode_with_embedded(msg, groups=raws))
+        return True
+
+    def _drop_unreadable(self, batch, unreadable: list) -> None:
+        """Groups the spill log can no longer give back leave this broker's queue, said and named in the audit trail
+        as lost to damage (sending the batch without them would break its B groups; sending it again would fail the
+        same way, and the learner waited for that batch forever). The rest of the batch goes back to the queue. Their
+        records are not marked consumed: a broker restart reads them again, and one the disk gives back whole (a
+        read error that passed) is trained after all."""
+        gone = self.ledger.unsend(batch, [g.group_id for g, _ in unreadable])
+        self.counters["groups_unreadable"] += len(gone)
+        for g, exc in unreadable:
+            self.log.error("spill_group_unreadable", group=g.group_id, segment=g.location.segment,
+                           offset=g.location.offset, error=str(exc),
+                           hint="its record changed on disk, or its segment was removed: the group is lost; "
+                                "computerrl audit names it")
+        self.audit.write("damaged", gs=[g.group_id for g in gone])

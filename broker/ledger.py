@@ -263,6 +263,24 @@ class Ledger:
         self.counters["groups_committed"] += len(found)
         return found, unknown
 
+    def unsend(self, batch: DeliveredBatch, gone: Iterable[str]) -> list[QueuedGroup]:
+        """A batch just formed that cannot be sent (a group of it unreadable on disk): the groups in ``gone`` leave
+        for good, the others go back to the queue in their order, and its train version is handed out again.
+        Returns the groups that left."""
+        gone = set(gone)
+        del self.delivered[batch.batch_id]
+        left = []
+        for g, order in zip(batch.groups, batch.orders):
+            self.delivered_group.pop(g.group_id, None)
+            if g.group_id in gone:
+                left.append(g)
+            else:
+                self.queue.push(g, order)
+        self.counters["batches_delivered"] -= 1
+        self.counters["groups_delivered"] -= len(batch.groups)
+        self._recount_train_versions()
+        return left
+
     def requeue_delivered(self, holder: bytes | None = None) -> list[QueuedGroup]:
         """The learner restarted or died: whatever it had not committed (received, trained since its last
         checkpoint, or lost on the wire) goes back to the queue and is delivered again."""
