@@ -140,6 +140,7 @@ class Broker(ActorSide, GroupIntake, LearnerSide):
                 self.log.error("spill_segments_missing", segments=rec.missing_segments,
                                hint="spill segments between others are gone (the log deletes only its oldest): the "
                                     "groups they held are lost; computerrl audit names them")
+            self.counters["spill_records_damaged"] += len(rec.damaged)
             for d in rec.damaged:  # what was there is lost: said, and named in the audit trail where it can be
                 self.log.error("spill_record_damaged", **d,
                                hint="bytes of the spill log changed on disk (a failing disk, a copy, a hand edit): "

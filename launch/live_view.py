@@ -77,6 +77,11 @@ def render_view(run_dir: RunDir, cfg: Any, elapsed: float, roles: dict[str, tupl
     refused = (lr.get("counters") or {}).get("checkpoints_failed", 0)
     not_saved = ([f"CHECKPOINTS FAILED: {refused} (learner log: checkpoint_failed; a full disk?): the steps since the "
                   "last one written are not durable"] if refused else [])
+    # Bytes of the spill log that changed on disk (broker/spill.py): what they held is lost.
+    damaged = br.get("spill_records_damaged", 0) + br.get("groups_unreadable", 0)
+    spill_damaged = ([f"SPILL LOG DAMAGED: {damaged} records unreadable (broker log: spill_record_damaged, "
+                      "spill_group_unreadable): the groups in them are lost; computerrl audit names them"]
+                     if damaged else [])
     return [
         f"phase {lr.get('phase', '-').upper():<4} step {step}/{total or '∞'}  elapsed {elapsed / 60:.1f} min  "
         f"ETA {eta}",
@@ -90,6 +95,7 @@ def render_view(run_dir: RunDir, cfg: Any, elapsed: float, roles: dict[str, tupl
         desktop_line(servers, elapsed),
         *crashed,
         *not_saved,
+        *spill_damaged,
         *disk_line(run_dir),
         f"roles {alive}",
     ]

@@ -922,6 +922,7 @@ def test_a_spill_record_damaged_on_disk_loses_its_group_alone_and_the_audit_name
     seg.write_bytes(bytes(data))
     tb2 = start_broker(cfg, run_dir=run_dir)
     queued = sorted(g.group_id for g in tb2.broker.ledger.queue)
+    assert stat(tb2, "spill_records_damaged") == 1, "counted for the live view"
     tb2.stop()
     assert queued == sorted(g.group_id for g in groups if g.group_id != gid)
     audit = reconcile(run_dir)

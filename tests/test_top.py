@@ -43,6 +43,11 @@ def test_top_shows_a_run_from_its_records_and_which_roles_went_quiet(tmp_path, m
         f.write(json.dumps({"time": now, "step": 6, "counters": {"checkpoints_failed": 2}}) + "\n")
     out = CliRunner().invoke(main, ["top", str(tmp_path), "--once"])
     assert "CHECKPOINTS FAILED: 2 (learner log: checkpoint_failed; a full disk?)" in out.output, out.output
+    assert "SPILL LOG DAMAGED" not in out.output
+    with open(m / "broker.jsonl", "a") as f:
+        f.write(json.dumps({"time": now, "spill_records_damaged": 1, "groups_unreadable": 2}) + "\n")
+    out = CliRunner().invoke(main, ["top", str(tmp_path), "--once"])
+    assert "SPILL LOG DAMAGED: 3 records unreadable" in out.output, out.output
     assert "DISK NEARLY FULL" not in out.output
     (tmp_path / "checkpoints" / "step-00000004").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step-00000004" / "model.safetensors").write_bytes(b"w" * (3 << 20))
