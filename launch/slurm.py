@@ -558,7 +558,11 @@ def run_job_id(run_root: Path) -> str:
     f = job_files(run_root)["job_id"]
     if not f.exists():
         raise RuntimeError(f"{run_root} has no Slurm job (no slurm/job_id): was it submitted with computerrl slurm?")
-    return f.read_text().strip()
+    job = f.read_text(errors="replace").strip()
+    if not re.fullmatch(r"\d+", job):  # what sbatch --parsable gave; anything else would reach squeue and scancel
+        raise RuntimeError(f"{f} holds {job[:40]!r}, not a Slurm job id (sbatch's number): edited or damaged; write "
+                           "the job's id there (squeue --me shows it)")
+    return job
 
 
 def job_state(job: str) -> dict[str, str]:

@@ -366,6 +366,16 @@ def test_a_resume_may_change_the_run_and_its_script_but_not_its_model(tmp_path, 
     assert load_run_config(run_dir / "config.requested.yaml").learner.total_steps == 8
 
 
+def test_a_job_id_file_that_holds_no_job_id_is_refused_before_slurm_is_asked(tmp_path):
+    """An edited or damaged ``slurm/job_id`` went to squeue and scancel as it was (one starting with "-" as an
+    option) and status showed it as the job."""
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "job_id").write_text("-u root\n")
+    for command in ("status", "cancel"):
+        r = CliRunner().invoke(main, ["slurm", command, str(tmp_path)])
+        assert r.exit_code == 1 and "holds '-u root', not a Slurm job id" in r.output, r.output
+
+
 def test_one_job_per_run_directory_a_second_submission_is_refused(tmp_path, monkeypatch):
     """A queued job holds no claim on its run directory yet, and `slurm submit` did not look for checkpoints: a
     second submission queued a second job of the run, and one into a run that had checkpointed replaced its config
