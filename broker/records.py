@@ -2,7 +2,7 @@
 ``MAGIC | kind u8 | length u64 | crc32 u32 | payload``.
 
 A reader tells a whole record from anything else by its header and its payload's CRC, and finds the next whole
-record past bytes that are none (``next_whole``): a torn tail has none after it, bytes changed on disk do.
+record past bytes that are none (``walk``, ``next_whole``): a torn tail has none after it, bytes changed on disk do.
 """
 
 from __future__ import annotations
@@ -49,3 +49,23 @@ def next_whole(data: bytes, start: int, kinds: Sequence[int]) -> int | None:
             return pos
         pos = data.find(MAGIC, pos + 1)
     return None
+
+
+def walk(data: bytes, kinds: Sequence[int]) -> tuple[list[tuple[int, int, bool]], int]:
+    """The stretches of ``data`` in order, ``(start, end, whole)``: whole records of ``kinds``, and the stretches
+    between them that are none (bytes changed on disk, or a hole a crash left among unsynced ones); and where a torn
+    tail begins, past which no whole record follows (``len(data)`` where there is none)."""
+    out: list[tuple[int, int, bool]] = []
+    pos = 0
+    while pos < len(data):
+        end = whole_end(data, pos, kinds)
+        if end is not None:
+            out.append((pos, end, True))
+            pos = end
+            continue
+        following = next_whole(data, pos + 1, kinds)
+        if following is None:
+            break
+        out.append((pos, following, False))
+        pos = following
+    return out, pos

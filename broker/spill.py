@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 import msgpack
 
-from broker.records import HEADER, MAGIC, next_whole, record, whole_end
+from broker.records import HEADER, MAGIC, record, walk
 from common.net import RateLimitedLog
 from common.protocol import frame_buffer, frame_nbytes
 
@@ -432,28 +432,22 @@ class SpillLog:
                 data = path.read_bytes()
             except FileNotFoundError:  # scanning a live log: the broker deleted a consumed segment
                 continue
-            pos = 0
-            while pos < len(data):
-                end = whole_end(data, pos, _KINDS)
-                if end is not None:
+            # A stretch that is no record, with none after it, is a torn tail (a write a crash cut short, never
+            # acked). With one after it: bytes changed on disk, or a hole a crash left among unsynced ones. Cutting
+            # there, as recovery did until 2026-12-04, deleted every acked group after it: one flipped byte lost the
+            # rest of its segment. It is skipped, and so is a whole record whose content does not decode.
+            stretches, pos = walk(data, _KINDS)
+            for start, end, whole in stretches:
+                if whole:
                     try:
-                        cls._replay_record(data[pos + 4], data[pos + HEADER.size:end],
-                                           Location(seg, pos, end - pos - HEADER.size), out, groups, consumed, recent)
-                        pos = end
+                        cls._replay_record(HEADER.unpack_from(data, start)[1], data[start + HEADER.size:end],
+                                           Location(seg, start, end - start - HEADER.size), out, groups, consumed,
+                                           recent)
                         continue
                     except (ValueError, TypeError, KeyError, AttributeError, struct.error, msgpack.UnpackException):
-                        following = end  # (damage the CRC did not see: this record alone is skipped)
-                else:
-                    # Not a record here. With none after it, a torn tail (a write a crash cut short, never acked).
-                    # With one after it, a stretch between whole records: bytes changed on disk, or a hole a crash
-                    # left among unsynced ones. Cutting there, as recovery did until 2026-12-04, deleted every
-                    # acked group after it: one flipped byte lost the rest of its segment.
-                    following = next_whole(data, pos + 1, _KINDS)
-                    if following is None:
-                        break
-                out.damaged.append({"segment": seg, "offset": pos, "bytes": following - pos,
-                                    "group_id": _stated_group_id(data, pos)})
-                pos = following
+                        pass
+                out.damaged.append({"segment": seg, "offset": start, "bytes": end - start,
+                                    "group_id": _stated_group_id(data, start)})
             if pos < len(data):
                 # A torn tail: the write was never acknowledged. Cut it so later appends stay readable.
                 out.truncated_bytes += len(data) - pos

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 
-from broker.records import HEADER, MAGIC, next_whole, record, whole_end
+from broker.records import HEADER, MAGIC, record, walk
 from common import protocol as P
 from common.appendfile import close_quietly
 
@@ -209,26 +209,21 @@ def _batch_at(data: Any, pos: int) -> tuple[P.SuccessBatch, int]:
 
 
 def _checked_batches(data: bytes) -> tuple[list[P.SuccessBatch], int, int]:
-    """(batches, damaged records, torn tail bytes) of a file of checksummed records: a stretch that is no whole
-    record, with one after it, is a damaged record (skipped); with none after it, a torn tail."""
-    out, damaged, pos = [], 0, 0
-    while pos < len(data):
-        end = whole_end(data, pos, _KINDS)
-        if end is None:
-            following = next_whole(data, pos + 1, _KINDS)
-            if following is None:
-                break
-            damaged, pos = damaged + 1, following
-            continue
+    """(batches, damaged records, torn tail bytes) of a file of checksummed records (``broker/records.py: walk``):
+    a stretch that is no whole record, or one whose content does not decode, is a damaged record (skipped)."""
+    out, damaged = [], 0
+    stretches, tail = walk(data, _KINDS)
+    for start, end, whole in stretches:
         try:
-            msg, used = _batch_at(data, pos + HEADER.size)  # (frames copied out of data: nothing pins the file)
+            if not whole:
+                raise struct.error("no record")
+            msg, used = _batch_at(data, start + HEADER.size)  # (frames copied out of data: nothing pins the file)
             if used != end:
                 raise struct.error("payload and record lengths differ")
             out.append(msg)
         except (struct.error, P.ProtocolError):
             damaged += 1
-        pos = end
-    return out, damaged, len(data) - pos
+    return out, damaged, len(data) - tail
 
 
 def _unchecked_batches(data: bytes) -> tuple[list[P.SuccessBatch], int, int]:
