@@ -152,7 +152,7 @@ class Broker(ActorSide, GroupIntake, LearnerSide):
         recovered = [g.group_id for g in self.ledger.queue]
         self.audit.write("start", starts=self.state["starts"], recovered=len(recovered), persist=self.cfg.persist)
         if rec is not None and rec.damaged:
-            self.audit.write("damaged", gs=[d["group_id"] for d in rec.damaged if d["group_id"]],
+            self.audit.write("damaged", gs=[g for d in rec.damaged for g in d["group_ids"]],
                              stretches=len(rec.damaged))
         if recovered:  # durable, so acked or about to be: their actors' retries will only find duplicates
             self.audit.write("recovered", gs=recovered)

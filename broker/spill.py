@@ -89,8 +89,9 @@ class Recovered:
     """segment numbers absent between existing ones (deleted or lost by hand: the log only ever deletes its oldest)"""
     damaged: list[dict] = field(default_factory=list)
     """stretches inside a segment that hold no readable record while whole records follow them (bytes changed on
-    disk, not a torn write): ``{"segment", "offset", "bytes", "group_id"}``, the group id where its record still
-    says it ("" otherwise). Skipped, not cut: the records after them are acked groups."""
+    disk, not a torn write), and a torn tail that holds a whole-sized record: ``{"segment", "offset", "bytes",
+    "group_ids"}``, the ids that the group records starting there still state (one whose header or id changed states
+    none). Skipped, not cut: the records after them are acked groups."""
 
 
 class SpillLog:
@@ -447,9 +448,16 @@ class SpillLog:
                     except (ValueError, TypeError, KeyError, AttributeError, struct.error, msgpack.UnpackException):
                         pass
                 out.damaged.append({"segment": seg, "offset": start, "bytes": end - start,
-                                    "group_id": _stated_group_id(data, start)})
+                                    "group_ids": _stated_group_ids(data, start, end)})
             if pos < len(data):
-                # A torn tail: the write was never acknowledged. Cut it so later appends stay readable.
+                # A torn tail: the write was never acknowledged. Cut it so later appends stay readable. A record in
+                # it whose header is whole and whose length fits, but whose CRC does not hold, may also be one of the
+                # segment's last records changed on disk, acked: named as damaged too (the audit counts a group
+                # lost only if it was acked). A write cut short is longer, by its header, than what is left.
+                stated = _stated_group_ids(data, pos, len(data), whole_sized=True)
+                if stated:
+                    out.damaged.append({"segment": seg, "offset": pos, "bytes": len(data) - pos,
+                                        "group_ids": stated})
                 out.truncated_bytes += len(data) - pos
                 if seg != existing[-1]:
                     out.corrupt_segments.append(seg)
@@ -461,6 +469,22 @@ class SpillLog:
         out.groups = [(gid, loc) for gid, loc in groups.items() if gid not in consumed]
         out.recent_ids = list(recent)
         return out
+
+
+def _stated_group_ids(data: bytes, start: int, end: int, whole_sized: bool = False) -> list[str]:
+    """The ids that group records starting in ``data[start:end]`` still state (``_stated_group_id``); with
+    ``whole_sized``, only those whose header's length fits before ``end``."""
+    ids = []
+    pos = data.find(MAGIC, start, end)
+    while pos != -1:
+        if end - pos >= HEADER.size:
+            _, kind, length, _ = HEADER.unpack_from(data, pos)
+            if kind == KIND_GROUP and (not whole_sized or pos + HEADER.size + length <= end):
+                group_id = _stated_group_id(data, pos)
+                if group_id:
+                    ids.append(group_id)
+        pos = data.find(MAGIC, pos + 1, end)
+    return ids
 
 
 def _stated_group_id(data: bytes, pos: int) -> str:

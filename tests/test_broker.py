@@ -970,7 +970,7 @@ def test_a_group_unreadable_when_its_batch_forms_is_left_out_and_the_learner_sti
     audit = reconcile(run_dir)
     assert audit.damaged == [first.group_id] and audit.lost == [first.group_id], audit.table()
     # not marked consumed: a restart reads it again (here: still damaged, so found as such)
-    assert [d["group_id"] for d in SpillLog.scan(run_dir / "spill").damaged] == [first.group_id]
+    assert [d["group_ids"] for d in SpillLog.scan(run_dir / "spill").damaged] == [[first.group_id]]
 
 
 def test_without_persistence_groups_the_full_disk_cannot_take_wait_in_memory(start_broker, quiet_log, small_disk):

@@ -272,7 +272,7 @@ def test_bytes_changed_inside_a_segment_lose_their_record_alone_and_are_named(tm
     (d,) = rec.damaged
     assert (d["segment"], d["offset"]) == (locs[2].segment, locs[2].offset)
     assert d["bytes"] == locs[3].offset - locs[2].offset
-    assert d["group_id"] == (groups[2].group_id if where == "payload" else "")
+    assert d["group_ids"] == ([groups[2].group_id] if where == "payload" else [])
     assert SpillLog.scan(tmp_path).damaged == rec.damaged, "the audit's read-only scan sees the same"
     assert rec.missing_segments == []
 

@@ -13,7 +13,9 @@ The rules play the broker's side, one commit-thread job at a time, as the loop d
 retried while not acked), a learner's commits (retried while not acked), rotations of full or broken segments
 after every job, faults armed, crashes followed by recovery. After every crash, by group id: every acked group not
 committed is recovered with its frames intact; no group whose commit was acked is; nothing is recovered that was
-never submitted. And the log goes on: with no fault armed, every job is acked.
+never submitted. And the log goes on: with no fault armed, every job is acked. A bit may also change on disk while
+the broker is stopped: then only the record holding it may be lost (a group's, which is named where its id is
+intact, or a consumed record's, whose groups come back), and every other acked group is recovered intact.
 
 150 examples in all: 50 in the quick tier, 100 more in the whole suite. ``COMPUTERRL_SPILL_EXAMPLES=N`` runs N in all
 instead (a soak)."""
@@ -23,6 +25,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import struct
 import tempfile
 import time
 import uuid
@@ -34,7 +37,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import msgpack
+
 import broker.spill as spill_mod
+from broker import records
 from broker.spill import CommitThread, SpillLog
 from common import log as L
 
@@ -140,7 +146,10 @@ class FailingDisk:
                     n = 1 + choose(list(range(min(64, len(data) - at))))
                     data = data[:at] + bytes(n) + data[at + n:]
                 path.write_bytes(data)
-        # what was on disk is all durable now (the reopened log starts from it)
+        self.all_durable()
+
+    def all_durable(self) -> None:
+        """What is on disk is all durable now (the reopened log starts from it)."""
         self.durable = {p.name: p.stat().st_size for p in self.dir.glob("seg-*.log")}
         self.entry_durable = {p.name for p in self.dir.glob("seg-*.log")}
         self.poisoned.clear()
@@ -264,6 +273,53 @@ class SpillRun(RuleBasedStateMachine):
         # The restarted broker queues what it found: acked groups keep their (new) locations; a group whose commit
         # was not acked is queued again (its learner commits it again at resume); one never acked is now queued too.
         self.acked = {gid: loc for gid, loc in rec.groups}
+        self.committing = []
+        self.unacked = [g for g in self.unacked if g not in found]
+
+    @rule(data=st.data())
+    def a_bit_changes_on_disk(self, data) -> None:
+        """The broker stopped, one bit of a segment changed (a failing disk, a bad copy), the broker restarted. Only
+        the record holding that bit may be lost: a group's (it is missing), or a consumed record's (its groups come
+        back: nothing says they were committed). Every other acked group is recovered intact."""
+        self._close()
+        segments = [p for p in sorted(self.dir.glob("seg-*.log")) if p.stat().st_size]
+        at_risk_lost: set[str] = set()
+        at_risk_back: set[str] = set()
+        at = readable_id_end = 0  # the changed byte; where the hit group record's id ends (a change before: unnamed)
+        if segments:
+            path = data.draw(st.sampled_from(segments))
+            raw = bytearray(path.read_bytes())
+            at = data.draw(st.integers(0, len(raw) - 1))
+            stretches, _ = records.walk(bytes(raw), spill_mod._KINDS)
+            hit = next(((a, b) for a, b, whole in stretches if whole and a <= at < b), None)
+            if hit is not None:
+                kind, payload = raw[hit[0] + 4], bytes(raw[hit[0] + records.HEADER.size:hit[1]])
+                # (a record an earlier change left whole, its kind byte changed: the CRC covers the payload alone)
+                try:
+                    if kind == spill_mod.KIND_GROUP:
+                        (meta_len,) = spill_mod._U32.unpack_from(payload, 0)
+                        at_risk_lost.add(msgpack.unpackb(payload[4:4 + meta_len])[0])
+                        readable_id_end = hit[0] + records.HEADER.size + 4 + meta_len
+                    elif kind == spill_mod.KIND_CONSUMED:
+                        at_risk_back |= set(msgpack.unpackb(payload).get("ids", []))
+                except (ValueError, TypeError, AttributeError, struct.error, msgpack.UnpackException):
+                    pass
+            raw[at] ^= 1 << data.draw(st.integers(0, 7))
+            path.write_bytes(bytes(raw))
+        self.disk.all_durable()
+        rec = self._open()
+        found = {gid: self.spill.read(loc) for gid, loc in rec.groups}
+        lost = set(self.acked) - set(found)
+        assert lost <= at_risk_lost, f"acked groups lost beside the changed record: {sorted(lost - at_risk_lost)}"
+        back = self.committed & set(found)
+        assert back <= at_risk_back, "a committed group came back though its consumed record is whole"
+        assert set(found) <= set(self.frames), "recovered a group never submitted"
+        for gid, frames in found.items():
+            assert [bytes(f) for f in frames] == self.frames[gid], f"group {gid} came back damaged"
+        named = {g for d in rec.damaged for g in d["group_ids"]}
+        assert not lost or lost <= named or at < readable_id_end, "a group lost to damage is named where its id is intact"
+        self.acked = {gid: loc for gid, loc in rec.groups}
+        self.committed -= back  # queued again: the learner's checkpoint covers them, its resume commits them again
         self.committing = []
         self.unacked = [g for g in self.unacked if g not in found]
 
