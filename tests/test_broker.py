@@ -895,31 +895,43 @@ def test_a_full_disk_acks_nothing_it_cannot_keep_and_the_broker_goes_on_once_spa
     assert sorted(on_disk) == sorted(g.group_id for g in groups), "every acked group in the log (uncommitted), once"
 
 
-def test_a_spill_record_damaged_on_disk_loses_its_group_alone_and_the_audit_names_it(start_broker, quiet_log,
-                                                                                        tmp_path):
-    """A byte of a stopped broker's spill log flipped (a failing disk, a bad copy): the restarted broker recovers
-    every other acked group (it used to cut the segment at the damage, losing all after it), logs the damage, and
-    writes the group it lost into the audit trail, which names it ("docs/reliability.md", "A full or failing disk")."""
-    from broker.records import HEADER
-    from broker.spill import SpillLog
-    from launch.audit import reconcile
-
-    run_dir = tmp_path / "run"
-    cfg = BrokerConfig(groups_per_batch=8, group_size=2, eta=3, persist=True)
+def _acked_and_stopped(start_broker, cfg, run_dir, log, n: int) -> list:
+    """``n`` groups acked by a persisting broker in ``run_dir``, which is then stopped."""
     tb = start_broker(cfg, run_dir=run_dir)
-    actor, learner = clients(tb, quiet_log)
-    groups = [make_group(t) for t in take_tickets(actor, 6, expect=6)]
+    actor, learner = clients(tb, log)
+    groups = [make_group(t) for t in take_tickets(actor, n, expect=n)]
     for g in groups:
         actor.submit(g)
     pump([actor], WAIT_S, until=lambda: len(actor.acks) == len(groups))
     actor.close()
     learner.close()
     tb.stop()
-    (gid, loc), *_ = [(gid, loc) for gid, loc in SpillLog.scan(run_dir / "spill").groups if gid == groups[2].group_id]
+    return groups
+
+
+def _flip_a_bit_of(run_dir, loc, from_end: int) -> None:
+    """One bit of the spill record at ``loc`` changed on disk, ``from_end`` bytes before its end (in its frames)."""
+    from broker.records import HEADER
+
     seg = run_dir / "spill" / f"seg-{loc.segment:08d}.log"
     data = bytearray(seg.read_bytes())
-    data[loc.offset + HEADER.size + loc.length - 5] ^= 0x01  # one bit, inside the group's frames
+    data[loc.offset + HEADER.size + loc.length - from_end] ^= 0x01
     seg.write_bytes(bytes(data))
+
+
+def test_a_spill_record_damaged_on_disk_loses_its_group_alone_and_the_audit_names_it(start_broker, quiet_log,
+                                                                                        tmp_path):
+    """A byte of a stopped broker's spill log flipped (a failing disk, a bad copy): the restarted broker recovers
+    every other acked group (it used to cut the segment at the damage, losing all after it), logs the damage, and
+    writes the group it lost into the audit trail, which names it ("docs/reliability.md", "A full or failing disk")."""
+    from broker.spill import SpillLog
+    from launch.audit import reconcile
+
+    run_dir = tmp_path / "run"
+    cfg = BrokerConfig(groups_per_batch=8, group_size=2, eta=3, persist=True)
+    groups = _acked_and_stopped(start_broker, cfg, run_dir, quiet_log, 6)
+    (gid, loc), *_ = [(gid, loc) for gid, loc in SpillLog.scan(run_dir / "spill").groups if gid == groups[2].group_id]
+    _flip_a_bit_of(run_dir, loc, 5)
     tb2 = start_broker(cfg, run_dir=run_dir)
     queued = sorted(g.group_id for g in tb2.broker.ledger.queue)
     assert stat(tb2, "spill_records_damaged") == 1, "counted for the live view"
@@ -936,27 +948,15 @@ def test_a_group_unreadable_when_its_batch_forms_is_left_out_and_the_learner_sti
     memory bound) whose record changed on disk since: the read raised out of the broker's turn, the batch counted as
     delivered was never sent, and the learner waited for it forever. Now the group leaves the queue, said and named
     in the audit trail, and the batch forms from the groups after it."""
-    from broker.records import HEADER
     from broker.spill import SpillLog
     from launch.audit import reconcile
 
     run_dir = tmp_path / "run"
     cfg = BrokerConfig(groups_per_batch=2, group_size=2, eta=3, persist=True)
-    tb = start_broker(cfg, run_dir=run_dir)
-    actor, learner = clients(tb, quiet_log)
-    groups = [make_group(t) for t in take_tickets(actor, 5, expect=5)]
-    for g in groups:
-        actor.submit(g)
-    pump([actor], WAIT_S, until=lambda: len(actor.acks) == len(groups))
-    actor.close()
-    learner.close()
-    tb.stop()
+    groups = _acked_and_stopped(start_broker, cfg, run_dir, quiet_log, 5)
     tb2 = start_broker(cfg, run_dir=run_dir)  # its queue: locations only, read when a batch is sent
     first = next(iter(tb2.broker.ledger.queue))
-    seg = run_dir / "spill" / f"seg-{first.location.segment:08d}.log"
-    data = bytearray(seg.read_bytes())
-    data[first.location.offset + HEADER.size + first.location.length - 9] ^= 0x01
-    seg.write_bytes(bytes(data))
+    _flip_a_bit_of(run_dir, first.location, 9)
     learner = LearnerBrokerClient(tb2.net, None, quiet_log)
     learner.connect(5)
     learner.grant(2)
