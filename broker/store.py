@@ -214,9 +214,10 @@ def _checked_batches(data: bytes) -> tuple[list[P.SuccessBatch], int, int]:
     out, damaged = [], 0
     stretches, tail = walk(data, _KINDS)
     for start, end, whole in stretches:
+        if not whole:
+            damaged += 1
+            continue
         try:
-            if not whole:
-                raise struct.error("no record")
             msg, used = _batch_at(data, start + HEADER.size)  # (frames copied out of data: nothing pins the file)
             if used != end:
                 raise struct.error("payload and record lengths differ")

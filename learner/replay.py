@@ -45,9 +45,10 @@ def replay_step(cfg: Any, run_dir: RunDir, group: P.TrajectoryGroup, anchor_demo
 
     trainer = Trainer(cfg.learner, cfg.model, cfg.actor.sampling.temperature, cfg.run.seed, None, anchor_demos,
                       ImageStore(run_dir.images))
-    path = checkpoint if checkpoint is not None else ckpt.resume_point(run_dir.checkpoints)
+    if checkpoint is not None:
+        ckpt.check_whole(checkpoint)  # a truncated one: what to do, not torch's traceback
+    path = checkpoint if checkpoint is not None else ckpt.resume_point(run_dir.checkpoints)  # (checks it too)
     if path is not None:
-        ckpt.check_whole(path)  # a truncated one: what to do, not torch's traceback
         trainer.load(str(path))
     start = trainer.version
     if group.group_id.startswith(quarantine.SUCCESS_PREFIX):  # a stored success: it was in an SFT step
