@@ -255,7 +255,8 @@ def check_machine(cfg: RunConfig, roles: Iterable[str]) -> None:
 def check_resumable(run_dir: str | Path) -> None:
     """Refuse to resume a run directory that holds no checkpoint: a mistyped directory on a requeue would otherwise
     start training from scratch without a word. The error names the directories beside it that can resume. One whose
-    latest checkpoint is damaged is refused too (``learner.checkpoint.check_whole``: what to do is in the error)."""
+    latest checkpoint is damaged or not there is refused too (``learner.checkpoint.resume_point``: what to do is in
+    the error)."""
     from learner import checkpoint as ckpt
 
     root = Path(run_dir)
