@@ -1,6 +1,6 @@
 """Durable spill log for trajectory groups.
 
-Segments ``seg-<n>.log`` hold records ``MAGIC | kind u8 | length u64 | crc32 u32 | payload``:
+Segments ``seg-<n>.log`` hold checksummed records (``broker/records.py``) of three kinds:
 
 - GROUP: one encoded TrajectoryGroup, frames stored verbatim (no re-encoding);
 - CONSUMED: ids of groups delivered to the learner or dropped — they must never be delivered again;
@@ -31,14 +31,13 @@ import queue
 import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import msgpack
 
-from broker.records import HEADER, MAGIC, record, walk
+from broker.records import HEADER, find_header, holds, is_magic, record, walk
 from common.net import RateLimitedLog
 from common.protocol import frame_buffer, frame_nbytes
 
@@ -367,10 +366,11 @@ class SpillLog:
         with self.lock, open(self._path(loc.segment), "rb") as f:
             f.seek(loc.offset)
             hdr = f.read(HEADER.size)
-            magic, kind, length, crc = HEADER.unpack(hdr) if len(hdr) == HEADER.size else (b"", 0, 0, 0)
+            magic, kind, length, _ = HEADER.unpack(hdr) if len(hdr) == HEADER.size else (b"", 0, 0, 0)
             # (the header is checked before its length is trusted: a damaged one could ask for any size)
-            payload = f.read(length) if (magic, kind, length) == (MAGIC, KIND_GROUP, loc.length) else b""
-        if magic != MAGIC or kind != KIND_GROUP or len(payload) != length or zlib.crc32(payload) != crc:
+            whole = is_magic(magic) and (kind, length) == (KIND_GROUP, loc.length)
+            payload = f.read(length) if whole else b""
+        if not (whole and holds(hdr, payload)):
             raise OSError(f"spill record at {loc} is damaged")
         return self._split_group(payload)[1]
 
@@ -475,7 +475,7 @@ def _stated_group_ids(data: bytes, start: int, end: int, whole_sized: bool = Fal
     """The ids that group records starting in ``data[start:end]`` still state (``_stated_group_id``); with
     ``whole_sized``, only those whose header's length fits before ``end``."""
     ids = []
-    pos = data.find(MAGIC, start, end)
+    pos = find_header(data, start, end)
     while pos != -1:
         if end - pos >= HEADER.size:
             _, kind, length, _ = HEADER.unpack_from(data, pos)
@@ -483,7 +483,7 @@ def _stated_group_ids(data: bytes, start: int, end: int, whole_sized: bool = Fal
                 group_id = _stated_group_id(data, pos)
                 if group_id:
                     ids.append(group_id)
-        pos = data.find(MAGIC, pos + 1, end)
+        pos = find_header(data, pos + 1, end)
     return ids
 
 
@@ -492,7 +492,7 @@ def _stated_group_id(data: bytes, pos: int) -> str:
     the damage further on), or ""."""
     try:
         magic, kind, _, _ = HEADER.unpack_from(data, pos)
-        if magic != MAGIC or kind != KIND_GROUP:
+        if not is_magic(magic) or kind != KIND_GROUP:
             return ""
         (meta_len,) = _U32.unpack_from(data, pos + HEADER.size)
         start = pos + HEADER.size + 4

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 
-from broker.records import HEADER, MAGIC, record, walk
+from broker.records import HEADER, is_magic, record, walk
 from common import protocol as P
 from common.appendfile import close_quietly
 
@@ -138,7 +138,7 @@ class SuccessStore:
 
     def _load(self) -> None:
         data = self.path.read_bytes()
-        batches, damaged, tail = (_checked_batches if data.startswith(MAGIC) else _unchecked_batches)(data)
+        batches, damaged, tail = (_checked_batches if is_magic(data[:4]) else _unchecked_batches)(data)
         loaded = 0
         for msg in batches:
             for s in msg.samples:

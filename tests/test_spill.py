@@ -10,6 +10,7 @@ import pytest
 import zmq
 
 import broker.spill as spill_mod
+from broker import records
 from broker.records import HEADER
 from broker.spill import CommitThread, SpillLog
 from broker.store import SuccessStore
@@ -157,7 +158,7 @@ def test_a_success_changed_on_disk_is_dropped_alone_and_an_older_file_without_ch
         st.add(f"task/{i}", t)
     st.close()
     data = bytearray(path.read_bytes())
-    starts = [i for i in range(len(data)) if data.startswith(b"CRL1", i)]
+    starts = [i for i in range(len(data)) if data.startswith(records.MAGIC, i)]
     assert len(starts) == 4
     data[(starts[1] + starts[2]) // 2] ^= 0x04  # inside the second record
     path.write_bytes(bytes(data[:-5]))  # and the last one torn
@@ -181,7 +182,7 @@ def test_a_success_changed_on_disk_is_dropped_alone_and_an_older_file_without_ch
     old = SuccessStore(per_task=4, max_tasks=10, path=legacy, log=Log())
     assert sorted(old.tasks) == ["task/0", "task/1", "task/2"]
     old.close()
-    assert legacy.read_bytes().startswith(b"CRL1"), "rewritten with checksums"
+    assert legacy.read_bytes().startswith(records.MAGIC), "rewritten with checksums"
     assert sorted(SuccessStore(per_task=4, max_tasks=10, path=legacy, log=Log()).tasks) == sorted(old.tasks)
 
 
@@ -275,6 +276,52 @@ def test_bytes_changed_inside_a_segment_lose_their_record_alone_and_are_named(tm
     assert d["group_ids"] == ([groups[2].group_id] if where == "payload" else [])
     assert SpillLog.scan(tmp_path).damaged == rec.damaged, "the audit's read-only scan sees the same"
     assert rec.missing_segments == []
+
+
+def test_a_kind_byte_changed_on_disk_is_caught_and_records_written_before_the_crc_covered_it_still_read(
+        tmp_path, quiet_log):
+    """Found by the spill model (2026-12-04): the CRC covered a record's payload alone, so one bit changed in a consumed
+    record's kind byte made it a whole snapshot, and the groups it cancelled came back with nothing said. Since
+    ``CRL2`` the CRC covers the kind and length: the record is damaged, named, and its groups come back (nothing says
+    they were committed) beside a damage report. A segment of ``CRL1`` records (written before) recovers as it did."""
+    import struct
+    import zlib
+
+    s, _ = _open(tmp_path, quiet_log)
+    groups = [make_group() for _ in range(3)]
+    locs = s.append_groups([(g.group_id, P.encode(g)) for g in groups])
+    s.mark_consumed([groups[0].group_id], locs[:1], {"version": 1})
+    later = make_group()  # (a record after it: a changed last record reads as a torn tail, as a crash leaves one)
+    (later_loc,) = s.append_groups([(later.group_id, P.encode(later))])
+    groups.append(later)
+    s.close()
+    seg = sorted(tmp_path.glob("seg-*.log"))[-1]
+    data = bytearray(seg.read_bytes())
+    consumed_at = data.rfind(records.MAGIC, 0, later_loc.offset)
+    assert data[consumed_at + 4] == spill_mod.KIND_CONSUMED
+    data[consumed_at + 4] = spill_mod.KIND_SNAPSHOT  # (0b10 -> 0b11: one bit)
+    seg.write_bytes(bytes(data))
+    rec = SpillLog.scan(tmp_path)
+    assert [gid for gid, _ in rec.groups] == [g.group_id for g in groups], "its group is back, not cancelled"
+    assert [(d["offset"], d["group_ids"]) for d in rec.damaged] == [(consumed_at, [])], "and the damage is named"
+
+    # The same log as a broker before CRL2 wrote it: every CRC over the payload alone.
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    data[consumed_at + 4] = spill_mod.KIND_CONSUMED
+    old, pos = bytearray(), 0
+    for start, end, whole in records.walk(bytes(data), spill_mod._KINDS)[0]:
+        assert whole
+        _, kind, length, _ = HEADER.unpack_from(data, start)
+        payload = bytes(data[start + HEADER.size:end])
+        old += HEADER.pack(records.MAGIC_PAYLOAD_CRC, kind, length, zlib.crc32(payload)) + payload
+    (legacy / seg.name).write_bytes(bytes(old))
+    s2, rec2 = _open(legacy, quiet_log)
+    assert [gid for gid, _ in rec2.groups] == [g.group_id for g in groups[1:]] and rec2.damaged == []
+    assert P.decode(s2.read(rec2.groups[0][1])).group_id == groups[1].group_id
+    assert rec2.state["version"] == 1
+    s2.close()
+    assert struct.unpack_from("<4s", old)[0] == b"CRL1"
 
 
 def test_a_segment_gone_from_between_others_is_named(tmp_path, quiet_log):

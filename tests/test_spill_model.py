@@ -294,7 +294,6 @@ class SpillRun(RuleBasedStateMachine):
             hit = next(((a, b) for a, b, whole in stretches if whole and a <= at < b), None)
             if hit is not None:
                 kind, payload = raw[hit[0] + 4], bytes(raw[hit[0] + records.HEADER.size:hit[1]])
-                # (a record an earlier change left whole, its kind byte changed: the CRC covers the payload alone)
                 try:
                     if kind == spill_mod.KIND_GROUP:
                         (meta_len,) = spill_mod._U32.unpack_from(payload, 0)
