@@ -1,7 +1,9 @@
 """Atomic checkpoints: HF-format safetensors weights, optimizer, scheduler, RNG and trainer state.
 
 ``<run>/checkpoints/step-<version>/`` is written into a temporary sibling and renamed into place, and
-``latest`` is replaced atomically after it, so a kill at any moment leaves the previous checkpoint intact.
+``latest`` is replaced atomically after it, so a kill at any moment leaves the previous checkpoint intact. Its
+``checksums.json`` holds every file's length and CRC32 as written, so a resume finds bytes changed since (a failing
+disk, a bad copy) before it trains on them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import random
 import re
 import shutil
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,8 @@ from policy.weight_files import weights_damage
 
 TRAINER_FILE = "trainer.pt"
 STATE_FILE = "state.json"
+CHECKSUMS_FILE = "checksums.json"
+_READ_CHUNK = 16 << 20
 
 
 class StorageRefused(OSError):
@@ -33,19 +38,25 @@ class StorageRefused(OSError):
 
 
 class _WriteRecorder:
-    """The file torch.save writes through, keeping the OSError of a write that failed: torch's zip writer turns it
-    into an "unexpected pos" RuntimeError."""
+    """The file torch.save writes through, keeping the OSError of a write that failed (torch's zip writer turns it
+    into an "unexpected pos" RuntimeError), and the length and CRC32 of what it wrote: it only appends (it is given
+    no ``seek``), so those are the file's, and the optimizer's bytes, most of a checkpoint, are not read back."""
 
     def __init__(self, f: Any) -> None:
         self._f = f
         self.error: OSError | None = None
+        self.length = 0
+        self.crc = 0
 
     def write(self, data: Any) -> int:
         try:
-            return self._f.write(data)
+            n = self._f.write(data)
         except OSError as exc:
             self.error = exc
             raise
+        self.crc = zlib.crc32(data, self.crc)
+        self.length += memoryview(data).nbytes
+        return n
 
     def flush(self) -> None:
         try:
@@ -76,6 +87,43 @@ def storage_error(exc: BaseException, recorded: OSError | None = None) -> OSErro
     return recorded
 
 
+def _length_and_crc(path: Path) -> tuple[int, int]:
+    """A file's length and CRC32, read in chunks (zlib releases the GIL over each)."""
+    crc, length = 0, 0
+    buf = bytearray(_READ_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+            length += n
+    return length, crc
+
+
+def contents_damage(path: Path, with_trainer: bool = True) -> str:
+    """The first file of checkpoint ``path`` whose bytes are not those written (``checksums.json``), "" where every
+    one is (or the checkpoint predates checksums: nothing to compare with). Reads every byte: a resume, which reads
+    them all anyway, checks them; a look at a run does not. Without ``with_trainer``, ``trainer.pt`` is left out."""
+    try:
+        listed = json.loads((path / CHECKSUMS_FILE).read_text())["crc32"]
+        files = sorted((str(name), int(size), int(crc)) for name, (size, crc) in listed.items())
+    except FileNotFoundError:
+        return ""
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"{CHECKSUMS_FILE}: unreadable ({exc})"
+    for name, size, crc in files:
+        if name == TRAINER_FILE and not with_trainer:
+            continue
+        try:
+            got_size, got_crc = _length_and_crc(path / name)
+        except OSError as exc:
+            return f"{name}: {exc.strerror or exc}"
+        if got_size != size:
+            return f"{name}: {got_size} bytes where {size} were written"
+        if got_crc != crc:
+            return f"{name}: its bytes changed since they were written (CRC32 {got_crc:08x}, written {crc:08x})"
+    return ""
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -102,6 +150,11 @@ def _write_dir(final: Path, model: Any, weights: dict, state: dict, trainer: dic
         if hasattr(tokenizer, "save_pretrained"):  # the byte tokenizer has no files
             tokenizer.save_pretrained(tmp)
         (tmp / STATE_FILE).write_text(json.dumps(state))
+        # The weights read back from the page cache (safetensors writes them itself), ~1.5 GB/s here; the trainer
+        # state summed as it was written.
+        written = {TRAINER_FILE: (recorder.length, recorder.crc)} if recorder is not None else {}
+        sums = {f.name: list(written.get(f.name) or _length_and_crc(f)) for f in sorted(tmp.iterdir())}
+        (tmp / CHECKSUMS_FILE).write_text(json.dumps({"crc32": sums}))
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -162,10 +215,11 @@ class CheckpointDamaged(ValueError):
     """A checkpoint a resume cannot read (truncated, half copied): the learner would crash on it at every restart."""
 
 
-def damage(path: Path, with_trainer: bool = True) -> str:
+def damage(path: Path, with_trainer: bool = True, contents: bool = False) -> str:
     """What makes checkpoint ``path`` unreadable, "" where nothing is seen. Read from the parts of each file that say
     how long it must be (a safetensors header's offsets, a zip's central directory), not by loading it: a resume
-    finds a truncated or half-copied checkpoint before a learner starts. A bit flipped inside a tensor is not seen."""
+    finds a truncated or half-copied checkpoint before a learner starts. A bit flipped inside a tensor is seen only
+    with ``contents`` (``contents_damage``: every byte read against its checksum)."""
     try:
         state = json.loads((path / STATE_FILE).read_text())
     except (OSError, ValueError) as exc:
@@ -184,23 +238,25 @@ def damage(path: Path, with_trainer: bool = True) -> str:
                     return f"{TRAINER_FILE}: no data.pkl in it"
         except (OSError, zipfile.BadZipFile) as exc:
             return f"{TRAINER_FILE}: {exc}"
-    return ""
+    return contents_damage(path, with_trainer) if contents else ""
 
 
-def check_whole(path: Path) -> None:
+def check_whole(path: Path, contents: bool = False) -> None:
     """Raise ``CheckpointDamaged`` when checkpoint ``path`` cannot be resumed from, naming what is wrong and the
-    newest whole checkpoint before it, with the two commands that make a resume go on from that one."""
-    problem = damage(path)
+    newest whole checkpoint before it, with the two commands that make a resume go on from that one. ``contents``:
+    every byte checked against its checksum too (``damage``), the earlier one named included."""
+    problem = damage(path, contents=contents)
     if problem:
         raise CheckpointDamaged(f"checkpoint {path} is damaged: {problem}; a resume cannot read it. "
-                                f"{_go_on_before(path.parent, path.name, set_aside=path)}")
+                                f"{_go_on_before(path.parent, path.name, set_aside=path, contents=contents)}")
 
 
-def resume_point(root: Path) -> Path | None:
+def resume_point(root: Path, contents: bool = False) -> Path | None:
     """The checkpoint in ``root`` a resume goes on from: None where none was written (no ``latest``). Raises
     ``CheckpointDamaged`` where it cannot: the one ``latest`` names is damaged, or not there (removed or moved by
     hand). ``latest`` alone read that as no checkpoint, so a resume started from scratch beside the older ones, or
-    was refused with the advice to start a new run there, whose checkpoints the rotation would then delete."""
+    was refused with the advice to start a new run there, whose checkpoints the rotation would then delete.
+    ``contents``: its bytes checked against their checksums too (the learner's resume; ``check_whole``)."""
     pointer = root / "latest"
     if not pointer.exists():
         return None
@@ -208,16 +264,16 @@ def resume_point(root: Path) -> Path | None:
     path = root / name
     if not (path / STATE_FILE).exists():
         raise CheckpointDamaged(f"{pointer} names {name or 'nothing'}, which is not there (removed or moved?); a "
-                                f"resume cannot go on from it. {_go_on_before(root, name or '~')}")
-    check_whole(path)
+                                f"resume cannot go on from it. {_go_on_before(root, name or '~', contents=contents)}")
+    check_whole(path, contents)
     return path
 
 
-def _go_on_before(root: Path, name: str, set_aside: Path | None = None) -> str:
+def _go_on_before(root: Path, name: str, set_aside: Path | None = None, contents: bool = False) -> str:
     """What to do when checkpoint ``name`` in ``root`` cannot be resumed from: the newest whole one before it, and the
     commands that point ``latest`` at it (moving ``set_aside``, the damaged one, out of the way first)."""
     earlier = sorted((p for p in root.glob("step-*") if p.is_dir() and p.name < name), reverse=True)
-    whole = next((p for p in earlier if (p / STATE_FILE).exists() and not damage(p)), None)
+    whole = next((p for p in earlier if (p / STATE_FILE).exists() and not damage(p, contents=contents)), None)
     if whole is None:
         return "No checkpoint before it is whole: start the run again in another --run-dir."
     move = f"mv {set_aside} {root / ('damaged-' + set_aside.name)} && " if set_aside is not None else ""

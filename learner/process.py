@@ -90,8 +90,9 @@ class Learner:
         self._prefetched = ""  # the last waiting batch whose images were set processing (``_prefetch_next``)
         self._failed_in_a_row = 0  # training steps that raised since the last that did not (``_step``)
         if resume:
-            # A damaged one, or one not there, would fail every restart the same way: the role exits 78.
-            path = ckpt.resume_point(run_dir.checkpoints)
+            # A damaged one, or one not there, would fail every restart the same way: the role exits 78. Its bytes
+            # are checked against their checksums here, where they are about to be read anyway.
+            path = ckpt.resume_point(run_dir.checkpoints, contents=True)
             if path is None:
                 log.warning("resume_without_checkpoint", dir=str(run_dir.checkpoints))
             else:

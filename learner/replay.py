@@ -46,8 +46,8 @@ def replay_step(cfg: Any, run_dir: RunDir, group: P.TrajectoryGroup, anchor_demo
     trainer = Trainer(cfg.learner, cfg.model, cfg.actor.sampling.temperature, cfg.run.seed, None, anchor_demos,
                       ImageStore(run_dir.images))
     if checkpoint is not None:
-        ckpt.check_whole(checkpoint)  # a truncated one: what to do, not torch's traceback
-    path = checkpoint if checkpoint is not None else ckpt.resume_point(run_dir.checkpoints)  # (checks it too)
+        ckpt.check_whole(checkpoint, contents=True)  # a truncated one: what to do, not torch's traceback
+    path = checkpoint if checkpoint is not None else ckpt.resume_point(run_dir.checkpoints, contents=True)
     if path is not None:
         trainer.load(str(path))
     start = trainer.version

@@ -46,7 +46,7 @@ def eval_cmd(checkpoint: str, suite: str, episodes: int, temperature: float, con
         raise click.ClickException(f"{Path(checkpoint) / 'latest'} names {ck.name}, which is not there (removed or "
                                    "moved?): give --checkpoint one of its step-N directories")
     if (ck / STATE_FILE).exists():  # ours (a learner's checkpoint, an export): its weights read whole or not at all
-        problem = damage(ck, with_trainer=False)
+        problem = damage(ck, with_trainer=False, contents=True)  # (its weights' bytes against their checksums)
         if problem:
             raise click.ClickException(f"checkpoint {ck} is damaged: {problem}")
     run_cfg = load_config(config, ()) if config else config_for_checkpoint(checkpoint)  # (reads its state.json)
